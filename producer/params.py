@@ -1,0 +1,111 @@
+"""Sampling parameters shared by producers and workers, validated at the edge."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` is greedy decoding. ``top_k == 0``, ``top_p == 1`` and
+    ``min_p == 0`` each switch their filter off. A request with a ``seed`` gets
+    the same tokens whatever batch it runs in and after any restart.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    # Return this many most likely alternatives (plus the chosen token's) per token.
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain mapping, rejecting unknown keys with a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of lists and scalars, ready for msgpack or JSON."""
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    def _validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"each stop string must be a non-empty str of at most "
+                    f"{MAX_STOP_STRING_CHARS} characters, got {s!r}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids entry", t, low=0)
+
+
+def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    # bool is an int subclass; True as max_tokens is a caller bug, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")

@@ -1,0 +1,16 @@
+"""Request state machine and iteration-level scheduling. Never imports torch or redis."""
+
+from scheduler.config import SchedulerConfig
+from scheduler.output import RequestUpdate, ScheduledChunk, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]

@@ -1,0 +1,37 @@
+"""Scheduler limits, each with its meaning and default in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits on what one engine step may contain."""
+
+    # Tokens computed in one step across all requests (decodes count one each).
+    max_num_batched_tokens: int = 1024
+    # Requests running at once (holding KV and scheduled every step).
+    max_num_seqs: int = 128
+    # Largest prefill chunk of one request in one step; None means the whole budget.
+    max_prefill_chunk: int | None = None
+    # Off: a prompt is prefilled in one step or waits; the budget must then hold max_model_len.
+    enable_chunked_prefill: bool = True
+    # Longest sequence (prompt + output) a request may reach.
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+    @property
+    def chunk_cap(self) -> int:
+        return self.max_prefill_chunk or self.max_num_batched_tokens

@@ -1,0 +1,58 @@
+"""What one scheduling step hands to the model runner: plain data, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens of one request computed in this step."""
+
+    request_id: str
+    # Token ids fed to the model this step (a prefill chunk, or the one newest token).
+    token_ids: list[int]
+    # Position of token_ids[0]: the tokens before it are already in the KV cache.
+    start_position: int
+    # The request's whole block table, in order (covers start_position + len(token_ids)).
+    block_ids: list[int]
+    # True when the chunk reaches the request's last known token, so a token is sampled.
+    sample: bool
+    # Index in the output of the token sampled from this chunk (seeds sampling randomness).
+    output_index: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.sample
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner computes in one step, decodes first."""
+
+    # One entry per scheduled request, decodes first, then prefill chunks.
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests preempted (KV dropped) during this step's scheduling.
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class RequestUpdate:
+    """What a step did to one request: the tokens it gained and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None

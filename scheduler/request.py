@@ -1,0 +1,79 @@
+"""One request as the scheduler sees it: token ids, progress and state. No torch, no redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from producer.completion import FinishReason
+
+
+class RequestStatus(Enum):
+    """The request life cycle (see docs/architecture.md)."""
+
+    WAITING = "waiting"  # queued, holds no KV
+    RUNNING_CTX = "running_ctx"  # catching its KV up to its tokens (prefill, maybe in chunks)
+    RUNNING_GEN = "running_gen"  # one new token a step
+    PREEMPTED = "preempted"  # evicted under memory pressure, KV dropped; waits to recompute
+    FINISHED = "finished"
+
+    @property
+    def running(self) -> bool:
+        return self in (RequestStatus.RUNNING_CTX, RequestStatus.RUNNING_GEN)
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's tokens and how far its KV has been computed.
+
+    Prefill, chunked prefill and resumption are one thing: each step catches
+    ``num_computed_tokens`` up towards ``num_tokens``. When it gets there a new
+    token is sampled and appended, and the gap is one again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    # Lower is more urgent; ties go to the earlier arrival.
+    priority: int = 0
+    # Monotonic order of arrival, assigned by the scheduler.
+    arrival: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    # Tokens generated so far; a resumed request starts with the ones already published.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Times it was preempted; the engine's counters add these up.
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions ``start .. stop - 1`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def urgency_key(self) -> tuple[int, int]:
+        """Sort key: smallest is served first."""
+        return (self.priority, self.arrival)

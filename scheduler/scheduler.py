@@ -1,0 +1,204 @@
+"""Iteration-level scheduling: which requests compute which tokens in the next step."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from kvstore import KVCacheManager
+from producer.completion import FinishReason
+from scheduler.config import SchedulerConfig
+from scheduler.output import RequestUpdate, ScheduledChunk, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Builds each step under a token budget and applies the runner's results.
+
+    Each step serves running decodes first, then running partial prefills, then
+    waiting requests by (priority, arrival). When a running request cannot get
+    its next block, the least urgent running request is preempted and will
+    recompute its KV later; a step that preempted admits nothing new.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        # Heap of (priority, arrival, request); finished entries are skipped when popped.
+        self._waiting: list[tuple[int, int, Request]] = []
+        self._num_waiting = 0
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ----- queue -----
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; it holds no KV until it is scheduled."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.arrival = next(self._arrivals)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request now (cancel, stop string, deadline); frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status.running:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self._num_waiting -= 1  # its heap entry is dropped when it surfaces
+        self._finish(req, reason)
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ----- one step -----
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks within the token budget."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        decodes = [r for r in self.running if r.status is RequestStatus.RUNNING_GEN]
+        prefills = [r for r in self.running if r.status is RequestStatus.RUNNING_CTX]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if not req.status.running:
+                continue  # preempted earlier in this loop
+            n = self._tokens_to_schedule(req, budget)
+            if n == 0:
+                continue
+            fits, given_back = self._make_room(req, n, scheduled, out)
+            budget += given_back
+            if not fits:
+                continue
+            self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
+            scheduled[req.request_id] = self._chunk(req, n)
+            budget -= n
+        if not out.preempted_ids:
+            budget = self._admit_waiting(budget, scheduled)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Apply a step's results: advance progress, append sampled tokens, finish requests."""
+        updates = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or not req.status.running:
+                continue  # finished (e.g. cancelled) while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            req.output_token_ids.append(token)
+            req.status = RequestStatus.RUNNING_GEN
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            updates.append(
+                RequestUpdate(req.request_id, [token], reason is not None, reason and str(reason))
+            )
+        return updates
+
+    # ----- helpers -----
+
+    def _tokens_to_schedule(self, req: Request, budget: int) -> int:
+        n = req.num_uncomputed_tokens
+        if n <= 1:
+            return min(n, budget)
+        if not self.config.enable_chunked_prefill:
+            return n if n <= budget else 0
+        return min(n, budget, self.config.chunk_cap)
+
+    def _make_room(
+        self, req: Request, n: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput
+    ) -> tuple[bool, int]:
+        """Preempt the least urgent running requests until ``req`` can grow by ``n`` tokens.
+
+        Returns whether ``req`` fits (False when it was the least urgent and got
+        preempted itself) and the budget freed by unscheduling victims.
+        """
+        given_back = 0
+        while not self.kv.can_append_slots(req.request_id, req.num_computed_tokens + n):
+            victim = max(self.running, key=Request.urgency_key)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            dropped = scheduled.pop(victim.request_id, None)
+            given_back += dropped.num_tokens if dropped else 0
+            if victim is req:
+                return False, given_back
+        return True, given_back
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._waiting[0][2]
+            if req.status is RequestStatus.FINISHED:
+                heapq.heappop(self._waiting)
+                continue
+            n = self._tokens_to_schedule(req, budget)
+            # Head-of-line: a request that does not fit waits, and so does everyone behind it.
+            if n == 0 or not self.kv.can_allocate(req.num_computed_tokens + n):
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            req.status = RequestStatus.RUNNING_CTX
+            self.running.append(req)
+            scheduled[req.request_id] = self._chunk(req, n)
+            budget -= n
+        return budget
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_slice(start, start + n),
+            start_position=start,
+            block_ids=list(self.kv.block_table(req.request_id)),
+            sample=start + n == req.num_tokens,
+            output_index=req.num_output_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Drop a running request's KV; it waits to recompute prompt + output so far."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(req)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting, (req.priority, req.arrival, req))
+        self._num_waiting += 1
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
+            return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]

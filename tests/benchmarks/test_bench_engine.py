@@ -1,0 +1,66 @@
+"""pytest-benchmark suites for the engine core (CI runs each once with --benchmark-disable).
+
+Measure with: .venv/bin/pytest tests/benchmarks --benchmark-only
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore import BlockPool, KVCacheManager
+from scheduler import Request, Scheduler, SchedulerConfig
+from worker import Engine, SamplingParams
+
+
+def _busy_scheduler(num_running: int, num_waiting: int) -> Scheduler:
+    rng = random.Random(0)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_running,
+                                  max_model_len=4096),
+                  KVCacheManager(BlockPool(100_000), 16))
+    for i in range(num_running + num_waiting):
+        s.add_request(Request(f"r{i}", [1] * rng.randint(16, 128), max_tokens=10_000))
+    # Run until every running slot is decoding, so the measured step is steady state.
+    for _ in range(200):
+        out = s.schedule()
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        if all(r.num_output_tokens for r in s.running):
+            break
+    return s
+
+
+def test_bench_schedule_256_running_1000_waiting(benchmark):
+    s = _busy_scheduler(256, 1000)
+
+    def one_step():
+        out = s.schedule()
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        return out
+
+    out = benchmark(one_step)
+    assert len(out.chunks) == 256 and s.num_waiting == 1000
+
+
+@pytest.fixture(scope="module")
+def small_model(model_factory):
+    return model_factory("small", preset="small", arch="llama")
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_bench_decode_small(benchmark, small_model, batch):
+    """One decode step of `batch` requests with 128-token prompts on the small preset."""
+    engine = Engine(small_model, dtype="float32", max_num_seqs=batch, num_threads=2,
+                    max_num_batched_tokens=max(1024, 128 * batch))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(2, 8000) for _ in range(128)], params)
+    while engine.scheduler.num_waiting or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
+        engine.step()
+
+    outputs = benchmark(engine.step)
+    assert len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs)
+    benchmark.extra_info["tokens_per_step"] = batch

@@ -1,0 +1,30 @@
+"""Shared fixtures: locally made checkpoints and transformers references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tests share two cores with whatever else runs: one process, two threads.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make_model(name, **kwargs) -> folder, made once per session and name."""
+    from worker.modelgen import make_model
+
+    made: dict[str, object] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def factory(name: str, **kwargs):
+        if name not in made:
+            made[name] = make_model(root / name, **kwargs)
+        return made[name]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_factory):
+    return model_factory("llama", preset="tiny", arch="llama")

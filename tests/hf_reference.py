@@ -1,0 +1,46 @@
+"""Greedy reference outputs from transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Reference:
+    """transformers' greedy tokens for one prompt and, per token, its top-two logit gap."""
+
+    token_ids: list[int]
+    gaps: list[float]
+
+
+@lru_cache(maxsize=4)
+def _load(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> Reference:
+    """transformers' own greedy `generate`, float64, one prompt at a time (no padding)."""
+    model = _load(str(model_dir))
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=model.generation_config.eos_token_id,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    gaps = []
+    for step_logits in out.logits:
+        top2 = torch.topk(step_logits[0], 2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return Reference(tokens, gaps)

@@ -1,0 +1,163 @@
+"""The offline engine's API: sampling, stopping, cancelling, resuming and rejecting bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker import Engine, FinishReason, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine(tiny_llama, dtype="float64", max_num_batched_tokens=128, num_kv_blocks=512)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 500) for _ in range(n)]
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, min_p=0.01,
+                        seed=1234, ignore_eos=True)
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(engine):
+    (alone,) = engine.generate([prompt(40)], SEEDED)
+    others = [prompt(10 + 7 * i, seed=i + 1) for i in range(15)]
+    other_params = [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(15)]
+    batch = engine.generate([prompt(40)] + others, [SEEDED] + other_params)
+    assert batch[0].token_ids == alone.token_ids
+    # Sampling really sampled: a different seed gives different tokens.
+    (reseeded,) = engine.generate([prompt(40)], SamplingParams(**{**SEEDED.to_dict(), "seed": 99}))
+    assert reseeded.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("k", [1, 7, 23])
+def test_seeded_request_restarted_at_token_k_continues_exactly(engine, k):
+    (full,) = engine.generate([prompt(40)], SEEDED)
+    rid = engine.add_request(prompt(40), SEEDED, generated_token_ids=full.token_ids[:k])
+    rest = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            rest.extend(out.new_token_ids)
+            if out.finished:
+                assert out.completion.token_ids == full.token_ids
+    assert full.token_ids[:k] + rest == full.token_ids
+
+
+def test_every_block_is_free_after_all_requests_finish(engine):
+    engine.generate([prompt(n, seed=n) for n in (1, 15, 16, 17, 100)],
+                    SamplingParams(max_tokens=20, temperature=0))
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_usage_and_finish_reason(engine):
+    (c,) = engine.generate([prompt(12)], SamplingParams(max_tokens=5, temperature=0,
+                                                        ignore_eos=True))
+    assert c.finish_reason is FinishReason.LENGTH
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (12, 5)
+    assert len(c.token_ids) == 5
+
+
+def test_text_prompt_and_stop_string_is_removed(engine):
+    (free,) = engine.generate(["The river runs"], SamplingParams(max_tokens=30, temperature=0,
+                                                                  ignore_eos=True))
+    assert free.text
+    stop = free.text[5:8]
+    (stopped,) = engine.generate(["The river runs"],
+                                 SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                stop=[stop]))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stop not in stopped.text
+
+
+def test_streamed_text_deltas_add_up_to_the_completion_text(engine):
+    params = SamplingParams(max_tokens=25, temperature=0.7, seed=3, ignore_eos=True, stop=["zzq"])
+    rid = engine.add_request("Tell me about the lighthouse", params)
+    deltas = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.text_delta)
+            if out.finished:
+                assert "".join(deltas) == out.completion.text
+
+
+def test_stop_token_ids_and_logprobs(engine):
+    (free,) = engine.generate([prompt(20)], SamplingParams(max_tokens=10, temperature=0,
+                                                           ignore_eos=True, logprobs=3))
+    assert len(free.logprobs) == 10
+    first = free.logprobs[0]
+    assert first.token_id == free.token_ids[0] and len(first.top) == 3
+    assert first.top[0][0] == free.token_ids[0]  # greedy picks the most likely token
+    target = free.token_ids[4]
+    (stopped,) = engine.generate([prompt(20)], SamplingParams(
+        max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[target]))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_abort_a_running_request_frees_its_blocks(engine):
+    keep = engine.add_request(prompt(30), SamplingParams(max_tokens=8, temperature=0))
+    doomed = engine.add_request(prompt(30, seed=5), SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    final = engine.abort(doomed)
+    assert final.finished and final.finish_reason is FinishReason.CANCELLED
+    assert engine.abort("unknown-id") is None
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {keep}
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("bad_prompt", "params", "match"),
+    [
+        ([5] * 3000, {}, "max length"),
+        ("", {}, "empty"),
+        ([], {}, "non-empty"),
+        ([5, 10**6], {}, "outside the vocabulary"),
+        ([5, -1], {}, "outside the vocabulary"),
+        ([5, 6], {"max_tokens": 0}, "max_tokens"),
+        ([5, 6], {"no_such_knob": 1}, "unknown sampling parameter"),
+        ([5, 6], {"temperature": -0.5}, "temperature"),
+        ([5, 6], {"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_input_raises_a_clear_value_error_and_the_engine_keeps_serving(
+    engine, bad_prompt, params, match
+):
+    good = engine.add_request(prompt(8), SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(bad_prompt, params)
+    done = {o.request_id for _ in range(10) for o in engine.step() if o.finished}
+    assert good in done and not engine.has_unfinished()
+
+
+def test_bad_request_id_and_unknown_engine_setting(engine, tiny_llama):
+    with pytest.raises(ValueError, match="request id"):
+        engine.add_request([5, 6], request_id="has:colon")
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        Engine(tiny_llama, blok_size=16)
+
+
+def test_request_larger_than_the_whole_pool_is_rejected(tiny_llama):
+    small_pool = Engine(tiny_llama, num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="whole KV pool"):
+        small_pool.add_request(prompt(60), SamplingParams(max_tokens=10))
+
+
+def test_model_without_tokenizer_takes_token_ids(tmp_path):
+    from worker.modelgen import make_model
+
+    model_dir = make_model(tmp_path / "bare", preset="tiny", with_tokenizer=False)
+    bare = Engine(model_dir, dtype="float64")
+    (c,) = bare.generate([prompt(5)], SamplingParams(max_tokens=4, temperature=0,
+                                                      ignore_eos=True))
+    assert len(c.token_ids) == 4 and c.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.add_request("text needs a tokenizer")

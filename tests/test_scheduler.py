@@ -1,0 +1,191 @@
+"""The scheduler, driven with fake runner outputs: budget, order, chunking, states, blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore import BlockPool, KVCacheManager
+from producer.completion import FinishReason
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 512)
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(BlockPool(num_blocks), block_size))
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), max_tokens=max_tokens, priority=priority,
+                   eos_token_ids=frozenset({EOS}))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    updates = s.update(out, {c.request_id: token for c in out.chunks if c.sample})
+    return out, updates
+
+
+def test_budget_is_never_exceeded_and_decodes_come_first():
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    rng = random.Random(0)
+    for i in range(20):
+        s.add_request(request(f"r{i}", rng.randint(1, 90), max_tokens=rng.randint(1, 20)))
+    steps = 0
+    while s.has_unfinished():
+        out, _ = run_step(s)
+        assert 0 < out.num_batched_tokens <= 32
+        kinds = [c.is_decode for c in out.chunks]
+        # Once a chunk is a prefill, no decode follows it.
+        assert kinds == sorted(kinds, reverse=True)
+        steps += 1
+        assert steps < 500
+    assert s.kv.pool.num_free == 256
+
+
+def test_long_prompt_is_prefilled_in_chunks_that_advance():
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add_request(request("long", 50, max_tokens=2))
+    starts = []
+    for _ in range(4):
+        out, updates = run_step(s)
+        (chunk,) = out.chunks
+        starts.append((chunk.start_position, chunk.num_tokens, chunk.sample))
+    assert starts == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True)]
+    assert s.requests["long"].status is RequestStatus.RUNNING_GEN
+    out, updates = run_step(s)
+    assert out.chunks[0].start_position == 50 and out.chunks[0].is_decode
+    assert updates[0].finished and updates[0].finish_reason == "length"
+
+
+def test_prefill_chunk_cap_limits_one_request_but_not_the_step():
+    s = make_scheduler(max_num_batched_tokens=64, max_prefill_chunk=8)
+    s.add_request(request("a", 30))
+    s.add_request(request("b", 30))
+    out = s.schedule()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 8), ("b", 8)]
+
+
+def test_state_machine_waiting_ctx_gen_finished():
+    s = make_scheduler(max_num_batched_tokens=4)
+    req = request("r", 6, max_tokens=2)
+    s.add_request(req)
+    assert req.status is RequestStatus.WAITING
+    run_step(s)
+    assert req.status is RequestStatus.RUNNING_CTX and req.num_computed_tokens == 4
+    run_step(s)
+    assert req.status is RequestStatus.RUNNING_GEN and req.output_token_ids == [7]
+    _, updates = run_step(s)
+    assert req.status is RequestStatus.FINISHED and req.finish_reason is FinishReason.LENGTH
+    assert not s.has_unfinished()
+
+
+def test_eos_stops_unless_ignored_and_stop_token_ids_stop():
+    s = make_scheduler()
+    s.add_request(request("eos", 3))
+    ignoring = request("ignore", 3, max_tokens=3)
+    ignoring.ignore_eos = True
+    s.add_request(ignoring)
+    stopper = request("stop", 3)
+    stopper.stop_token_ids = frozenset({5})
+    s.add_request(stopper)
+    out = s.schedule()
+    updates = {u.request_id: u for u in s.update(out, {"eos": EOS, "ignore": EOS, "stop": 5})}
+    assert updates["eos"].finish_reason == "stop"
+    assert updates["stop"].finish_reason == "stop"
+    assert not updates["ignore"].finished
+
+
+def test_finished_requests_free_their_blocks():
+    s = make_scheduler(num_blocks=32)
+    s.add_request(request("a", 10, max_tokens=3))
+    run_step(s)
+    assert s.kv.pool.num_free == 32 - 3
+    while s.has_unfinished():
+        run_step(s)
+    assert s.kv.pool.num_free == 32
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    s = make_scheduler(max_num_seqs=2)
+    s.add_request(request("late-low", 4, priority=5))
+    s.add_request(request("first", 4))
+    s.add_request(request("urgent", 4, priority=-1))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["urgent", "first"]
+
+
+def test_max_num_seqs_bounds_running_requests():
+    s = make_scheduler(max_num_seqs=3)
+    for i in range(10):
+        s.add_request(request(f"r{i}", 2))
+    out = s.schedule()
+    assert len(out.chunks) == 3 and s.num_running == 3 and s.num_waiting == 7
+
+
+def test_cancel_a_waiting_and_a_running_request():
+    s = make_scheduler(num_blocks=16, max_num_seqs=1)
+    s.add_request(request("running", 4))
+    s.add_request(request("waiting", 4))
+    run_step(s)
+    s.finish_request("waiting", FinishReason.CANCELLED)
+    s.finish_request("running", FinishReason.CANCELLED)
+    assert not s.has_unfinished() and s.kv.pool.num_free == 16
+    assert s.schedule().is_empty
+
+
+def test_memory_pressure_preempts_least_urgent_and_it_recomputes():
+    # 6 blocks of 4 slots: two requests of 8-token prompts that each grow to 16 tokens.
+    s = make_scheduler(num_blocks=6, block_size=4)
+    s.add_request(request("old", 8, max_tokens=8))
+    s.add_request(request("new", 8, max_tokens=8))
+    preempted = []
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        out, _ = run_step(s)
+        preempted += out.preempted_ids
+        assert s.kv.pool.num_used <= 6
+    assert not s.has_unfinished()
+    assert preempted and preempted[0] == "new"  # the later arrival yields
+    assert s.kv.pool.num_free == 6
+
+
+def test_step_that_preempts_admits_nothing_new():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    s.add_request(request("a", 4, max_tokens=10))
+    s.add_request(request("b", 4, max_tokens=10))
+    for _ in range(3):
+        run_step(s)
+    s.add_request(request("c", 1))
+    for _ in range(20):
+        out = s.schedule()
+        if out.preempted_ids:
+            assert "c" not in [c.request_id for c in out.chunks]
+            break
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    else:
+        pytest.fail("expected a preemption")
+
+
+def test_chunked_prefill_off_schedules_whole_prompts():
+    s = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
+    s.add_request(request("a", 40))
+    s.add_request(request("b", 40))
+    out = s.schedule()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 40)]
+
+
+def test_chunked_prefill_off_needs_a_budget_of_max_model_len():
+    with pytest.raises(ValueError, match="max_model_len"):
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_chunked_prefill=False)
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make_scheduler()
+    s.add_request(request("x", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(request("x", 3))

@@ -1,0 +1,31 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends over it.
+
+    Backends read K/V only through the block tables and slot mapping in
+    ``meta``: a cache slot that is not part of a sequence's context is never
+    read, whatever it holds (free blocks may be full of NaN).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # same shape as k_cache
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        ...

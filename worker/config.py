@@ -1,0 +1,75 @@
+"""Engine settings: every knob of the offline engine, with its default and meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine lays out memory and batches work."""
+
+    # Token slots per KV block.
+    block_size: int = 16
+    # Device KV pool size in blocks; None sizes it from kv_cache_memory_gib.
+    num_kv_blocks: int | None = None
+    # Memory for the device KV pool when num_kv_blocks is None (capped at what max_num_seqs
+    # full-length sequences can use). A small fixed pool, not a share of RAM: on a CPU the
+    # KV cache shares memory with everything else.
+    kv_cache_memory_gib: float = 0.5
+    # Token budget of one step (prefill chunks plus one per decode).
+    max_num_batched_tokens: int = 1024
+    # Requests running at once.
+    max_num_seqs: int = 128
+    # Cap on one request's prefill chunk in a step; None means the whole budget.
+    max_prefill_chunk: int | None = None
+    enable_chunked_prefill: bool = True
+    # Longest prompt + output; None means the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # "auto": float32 on CPU, bfloat16 on CUDA; or float32, float64, bfloat16, float16.
+    dtype: str = "auto"
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # Attention backend by name ("torch"; "auto" picks the best available).
+    attention_backend: str = "auto"
+    # torch intra-op threads for this process; None leaves torch's default.
+    num_threads: int | None = None
+    # Hand out KV blocks in a scrambled order (tests use it to prove order never matters).
+    block_shuffle_seed: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown ones with a ValueError."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def backend_name(self, device: torch.device) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "torch"

@@ -1,0 +1,239 @@
+"""The offline engine: add requests, step, read tokens. The worker's loop drives the same API."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore import BlockPool, KVCacheManager, blocks_for
+from kvstore.kv_tensors import PagedKVCache
+from producer.completion import Completion, FinishReason
+from producer.params import SamplingParams
+from producer.validation import validate_request_id, validate_token_ids
+from scheduler import Request, Scheduler, SchedulerConfig
+from worker.config import EngineConfig
+from worker.model_runner import ModelRunner
+from worker.models.loader import load_model
+from worker.output_processor import RequestOutputState, StepOutput
+from worker.sampling import SampleRequest, fresh_seed
+from worker.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one model on one device.
+
+    ``Engine(model_dir, **settings)`` takes any field of ``EngineConfig``.
+    """
+
+    def __init__(self, model_dir: str | Path, **settings: Any) -> None:
+        self.config = cfg = EngineConfig.from_kwargs(settings)
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.backend_name(self.device))
+        self.model_config = mc = self.model.config
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+
+        num_blocks = cfg.num_kv_blocks or self._blocks_from_budget()
+        self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, cfg.block_size,
+                                     mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.block_pool = BlockPool(num_blocks, shuffle_seed=cfg.block_shuffle_seed)
+        self.kv = KVCacheManager(self.block_pool, cfg.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_num_seqs=cfg.max_num_seqs,
+                max_prefill_chunk=cfg.max_prefill_chunk,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self._outputs: dict[str, RequestOutputState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ----- requests -----
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        generated_token_ids: Sequence[int] = (),
+    ) -> str:
+        """Queue a request; raises ValueError on bad input, leaving the engine untouched.
+
+        ``generated_token_ids`` resumes a request whose first tokens were already
+        produced (by a crashed worker or before a preemption): it continues
+        exactly as the uninterrupted request would have.
+        """
+        params = self._params(params)
+        request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        generated = (validate_token_ids(list(generated_token_ids), self.model_config.vocab_size,
+                                        "generated_token_ids") if generated_token_ids else [])
+        self._check_lengths(prompt_ids, generated, params)
+
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            max_tokens=params.max_tokens,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            output_token_ids=list(generated),
+        )
+        seed = params.seed if params.seed is not None else fresh_seed()
+        state = RequestOutputState.create(request_id, params, seed, len(prompt_ids), self.tokenizer)
+        if generated:
+            state.add_tokens(generated, None)
+            state.take_delta(final=False)  # already delivered by whoever produced them
+        self.scheduler.add_request(req)
+        self._outputs[request_id] = state
+        return request_id
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Cancel a request now; returns its final output, or None if it is unknown."""
+        if self.scheduler.finish_request(request_id, FinishReason.CANCELLED) is None:
+            return None
+        return self._final_output(request_id, [], FinishReason.CANCELLED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- one step -----
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward, sample; returns what each advanced request gained."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        rows = {
+            c.request_id: SampleRequest(self._outputs[c.request_id].params,
+                                        self._outputs[c.request_id].seed, c.output_index)
+            for c in sched.chunks if c.sample
+        }
+        tokens, logprobs = self.runner.execute(sched, rows)
+        self.num_steps += 1
+        results = []
+        for upd in self.scheduler.update(sched, tokens):
+            state = self._outputs[upd.request_id]
+            state.add_tokens(upd.new_token_ids, logprobs.get(upd.request_id))
+            reason = FinishReason(upd.finish_reason) if upd.finished else None
+            if reason is None and state.hit_stop_string:
+                self.scheduler.finish_request(upd.request_id, FinishReason.STOP)
+                reason = FinishReason.STOP
+            if reason is not None:
+                results.append(self._final_output(upd.request_id, upd.new_token_ids, reason,
+                                                  logprobs.get(upd.request_id)))
+            else:
+                lp = logprobs.get(upd.request_id)
+                results.append(StepOutput(upd.request_id, upd.new_token_ids,
+                                          state.take_delta(final=False),
+                                          logprobs=[lp] if lp else None))
+        return results
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion; one Completion per prompt, in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams | Mapping):
+            per_prompt = [params] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.completion is not None:
+                    done[out.request_id] = out.completion
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges of this engine."""
+        return {
+            "steps": self.num_steps,
+            "forwards": self.runner.num_forwards,
+            "computed_tokens": self.runner.num_computed_tokens,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": self.block_pool.num_blocks,
+            "kv_blocks_used": self.block_pool.num_used,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+    # ----- helpers -----
+
+    def _final_output(self, request_id: str, new_ids: list[int], reason: FinishReason,
+                      logprob: Any = None) -> StepOutput:
+        state = self._outputs.pop(request_id)
+        state.finish_text()
+        return StepOutput(request_id, new_ids, state.take_delta(final=True), True, reason,
+                          [logprob] if logprob else None, state.completion(reason))
+
+    def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, Mapping):
+            return SamplingParams.from_dict(params)
+        raise ValueError(f"params must be SamplingParams or a mapping, got {type(params).__name__}")
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass the prompt as token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt = self.tokenizer.encode(prompt)
+        return validate_token_ids(prompt, self.model_config.vocab_size)
+
+    def _check_lengths(self, prompt: list[int], generated: list[int], params: SamplingParams) -> None:
+        n = len(prompt) + len(generated)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate: the model's max length is "
+                f"{self.max_model_len} tokens"
+            )
+        if len(generated) >= params.max_tokens:
+            raise ValueError(f"already {len(generated)} generated tokens, max_tokens is "
+                             f"{params.max_tokens}")
+        peak = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if blocks_for(peak, self.config.block_size) > self.block_pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {peak} tokens of KV, more than the whole KV pool "
+                f"({self.block_pool.num_blocks} blocks of {self.config.block_size})"
+            )
+
+    def _blocks_from_budget(self) -> int:
+        """Blocks that fit kv_cache_memory_gib, but no more than max_num_seqs full sequences use."""
+        mc = self.model_config
+        per_block = PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.config.block_size,
+                                                 mc.num_key_value_heads, mc.head_dim, self.dtype)
+        fits = int(self.config.kv_cache_memory_gib * 2**30) // per_block
+        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
+        return max(1, min(fits, useful))

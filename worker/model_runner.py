@@ -1,0 +1,61 @@
+"""Runs one scheduled step: flat ragged inputs, one forward, logits of the last tokens, sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.kv_tensors import PagedKVCache
+from producer.completion import TokenLogprob
+from scheduler.output import SchedulerOutput
+from worker.attention.metadata import AttentionMetadata
+from worker.sampling import SampleRequest, Sampler
+
+
+class ModelRunner:
+    """Turns a SchedulerOutput into one forward pass over the paged cache."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.sampler = Sampler()
+        # Counters that tests and stats read: forwards run and tokens fed to the model.
+        self.num_forwards = 0
+        self.num_computed_tokens = 0
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, rows: dict[str, SampleRequest]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
+        """Compute every chunk of the step; sample a token for each chunk that asks for one."""
+        chunks = out.chunks
+        ids: list[int] = []
+        positions: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_position, c.start_position + c.num_tokens))
+        meta = AttentionMetadata.build(
+            query_lens=[c.num_tokens for c in chunks],
+            seq_lens=[c.start_position + c.num_tokens for c in chunks],
+            block_tables=[c.block_ids for c in chunks],
+            block_size=self.kv_cache.block_size,
+            device=self.device,
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache,
+            meta,
+        )
+        self.num_forwards += 1
+        self.num_computed_tokens += len(ids)
+
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if not sampling:
+            return {}, {}
+        last = meta.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last[sampling]])
+        sample_rows = [rows[chunks[i].request_id] for i in sampling]
+        tokens, logprobs = self.sampler(logits, sample_rows)
+        ids_out = [chunks[i].request_id for i in sampling]
+        return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))

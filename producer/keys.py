@@ -1,0 +1,68 @@
+"""Every Redis key and channel name conveyor uses comes from here."""
+
+from __future__ import annotations
+
+import re
+
+from producer.validation import validate_request_id
+
+# The consumer group every worker of a model reads its request streams with.
+GROUP = "workers"
+# Request lanes, in the order workers read them: interactive work first.
+LANES = ("interactive", "batch")
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def validate_name(kind: str, value: object) -> str:
+    """Namespaces, model and worker names become parts of keys: no separators, no spaces."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{kind} must match [A-Za-z0-9._-]{{1,128}}, got {str(value)[:80]!r}")
+    return value
+
+
+def validate_lane(lane: object) -> str:
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {', '.join(LANES)}, got {str(lane)[:40]!r}")
+    return str(lane)
+
+
+class Keys:
+    """Key names under one namespace (default ``conveyor``)."""
+
+    def __init__(self, namespace: str = "conveyor") -> None:
+        self.ns = validate_name("namespace", namespace)
+
+    def requests(self, model: str, lane: str) -> str:
+        """Stream of requests for one model and lane (consumer group ``workers``)."""
+        return f"{self.ns}:req:{validate_name('model', model)}:{validate_lane(lane)}"
+
+    def output(self, request_id: str) -> str:
+        """Stream of one request's output chunks, then its final entry."""
+        return f"{self.ns}:out:{validate_request_id(request_id)}"
+
+    @property
+    def dead(self) -> str:
+        """Stream of requests that could not be served, with the reason."""
+        return f"{self.ns}:dead"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash with a worker's status and load; expires unless its heartbeat renews it."""
+        return f"{self.ns}:worker:{validate_name('worker id', worker_id)}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.ns}:worker:*"
+
+    def model(self, name: str) -> str:
+        """Hash describing a served model (max length, eos, tokenizer.json)."""
+        return f"{self.ns}:model:{validate_name('model', name)}"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel on which cancellations are announced."""
+        return f"{self.ns}:cancel"
+
+    def cancelled(self, request_id: str) -> str:
+        """Marker key of a cancelled request, for workers that missed the announcement."""
+        return f"{self.ns}:cancelled:{validate_request_id(request_id)}"

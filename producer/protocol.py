@@ -1,0 +1,250 @@
+"""The wire protocol: one versioned msgpack map per stream entry. No pickle anywhere.
+
+Output stream entry ids are derived from token indexes, so Redis itself refuses a
+write that would repeat a token index (a stale writer's XADD fails):
+a chunk whose last token has index ``i`` gets id ``{i + 1}-0``, and the final entry
+of a request with ``n`` tokens gets ``{n}-1``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from producer.keys import validate_lane, validate_name
+from producer.params import SamplingParams
+from producer.validation import validate_request_id
+
+SCHEMA_VERSION = 1
+# Each stream entry holds one field with one msgpack map.
+FIELD = b"m"
+
+MAX_ENTRY_BYTES = 4 * 2**20
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKENS = 262_144
+
+
+class ProtocolError(ValueError):
+    """A malformed message; ``request_id`` is set when the id itself was readable."""
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class GenerationRequest:
+    """One generation request as producers enqueue it."""
+
+    request_id: str
+    model: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    priority: int = 0
+    lane: str = "interactive"
+    created_ms: int = field(default_factory=now_ms)
+    # Absolute deadline in unix milliseconds; None means none.
+    deadline_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        validate_name("model", self.model)
+        validate_lane(self.lane)
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
+        if self.prompt is not None:
+            if not isinstance(self.prompt, str) or not self.prompt:
+                raise ValueError("prompt must be a non-empty string")
+            if len(self.prompt) > MAX_PROMPT_CHARS:
+                raise ValueError(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+        else:
+            ids = self.prompt_token_ids
+            if not isinstance(ids, list) or not ids or len(ids) > MAX_PROMPT_TOKENS:
+                raise ValueError(f"prompt_token_ids must be a list of 1 to {MAX_PROMPT_TOKENS} ids")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError("prompt_token_ids must be non-negative integers")
+        if (
+            not isinstance(self.priority, int)
+            or isinstance(self.priority, bool)
+            or not (-1000 <= self.priority <= 1000)
+        ):
+            raise ValueError(f"priority must be an integer in [-1000, 1000], got {self.priority!r}")
+        for name in ("created_ms", "deadline_ms"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be a non-negative integer (unix ms)")
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "v": SCHEMA_VERSION,
+                "id": self.request_id,
+                "model": self.model,
+                "prompt": self.prompt,
+                "prompt_token_ids": self.prompt_token_ids,
+                "params": self.params.to_dict(),
+                "priority": self.priority,
+                "lane": self.lane,
+                "created_ms": self.created_ms,
+                "deadline_ms": self.deadline_ms,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> GenerationRequest:
+        """Parse and validate; raises ProtocolError with the id when it could be read."""
+        m = _unpack(data)
+        rid = m.get("id")
+        rid = rid if isinstance(rid, str) and _valid_id(rid) else None
+        try:
+            _check_version(m)
+            known = {
+                "v",
+                "id",
+                "model",
+                "prompt",
+                "prompt_token_ids",
+                "params",
+                "priority",
+                "lane",
+                "created_ms",
+                "deadline_ms",
+            }
+            if unknown := sorted(str(k) for k in set(m) - known):
+                raise ValueError(f"unknown request field(s): {', '.join(unknown)}")
+            params = m.get("params") or {}
+            if not isinstance(params, dict):
+                raise ValueError("params must be a map")
+            return cls(
+                request_id=m.get("id"),
+                model=m.get("model"),
+                params=SamplingParams.from_dict(params),
+                prompt=m.get("prompt"),
+                prompt_token_ids=m.get("prompt_token_ids"),
+                priority=m.get("priority", 0),
+                lane=m.get("lane", "interactive"),
+                created_ms=m.get("created_ms", 0),
+                deadline_ms=m.get("deadline_ms"),
+            )
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(str(exc), rid) from None
+
+
+@dataclass
+class OutputChunk:
+    """Tokens ``index .. index + len(token_ids) - 1`` of a request and their text."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+
+    @property
+    def entry_id(self) -> str:
+        return f"{self.index + len(self.token_ids)}-0"
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "v": SCHEMA_VERSION,
+                "kind": "chunk",
+                "index": self.index,
+                "token_ids": self.token_ids,
+                "text": self.text,
+            }
+        )
+
+
+@dataclass
+class FinalEntry:
+    """The last entry of a request's output stream."""
+
+    finish_reason: str
+    num_tokens: int
+    usage: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    # Text released only at the end (held back for a possible stop string, say), if any.
+    text: str = ""
+
+    @property
+    def entry_id(self) -> str:
+        return f"{self.num_tokens}-1"
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "v": SCHEMA_VERSION,
+                "kind": "final",
+                "finish_reason": self.finish_reason,
+                "num_tokens": self.num_tokens,
+                "usage": self.usage,
+                "error": self.error,
+                "text": self.text,
+            }
+        )
+
+
+def decode_output(data: bytes) -> OutputChunk | FinalEntry:
+    """Parse one output stream entry."""
+    m = _unpack(data)
+    try:
+        _check_version(m)
+        if m.get("kind") == "chunk":
+            return OutputChunk(int(m["index"]), list(m["token_ids"]), str(m.get("text", "")))
+        if m.get("kind") == "final":
+            return FinalEntry(
+                str(m["finish_reason"]),
+                int(m["num_tokens"]),
+                dict(m.get("usage") or {}),
+                m.get("error"),
+                str(m.get("text", "")),
+            )
+        raise ValueError(f"unknown output entry kind {m.get('kind')!r}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed output entry: {exc}") from None
+
+
+def error_final(reason: str, num_tokens: int = 0) -> FinalEntry:
+    """The final entry of a request that failed."""
+    return FinalEntry("error", num_tokens, {}, reason[:2000])
+
+
+def _valid_id(rid: str) -> bool:
+    try:
+        validate_request_id(rid)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_version(m: dict[str, Any]) -> None:
+    if m.get("v") != SCHEMA_VERSION:
+        raise ValueError(
+            f"unsupported schema version {m.get('v')!r} (this side speaks {SCHEMA_VERSION})"
+        )
+
+
+def _pack(m: dict[str, Any]) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def _unpack(data: Any) -> dict[str, Any]:
+    if not isinstance(data, bytes | bytearray):
+        raise ProtocolError("entry has no message field")
+    if len(data) > MAX_ENTRY_BYTES:
+        raise ProtocolError(f"entry larger than {MAX_ENTRY_BYTES} bytes")
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
+    if not isinstance(m, dict):
+        raise ProtocolError("message is not a map")
+    return m

@@ -1,0 +1,33 @@
+"""Workers running in the test process against the session's real Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.fleet.config import WorkerConfig
+from worker.fleet.process import Worker
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+def start_worker(redis_url, tiny_llama):
+    """start_worker(**engine_settings) -> a started Worker; all are stopped after the test."""
+    workers: list[Worker] = []
+
+    def start(worker_id: str | None = None, prefetch: int = 8, **engine) -> Worker:
+        settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
+        config = WorkerConfig(
+            model_dir=tiny_llama, served_model_name=MODEL, redis_url=redis_url,
+            worker_id=worker_id or f"w{len(workers)}", engine=settings, prefetch=prefetch,
+            read_block_ms=100, heartbeat_interval_s=0.5,
+        )
+        worker = Worker(config)
+        worker.start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for w in workers:
+        if w.state != "stopped":
+            w.stop(drain_timeout_s=10)

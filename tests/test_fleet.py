@@ -1,0 +1,194 @@
+"""Producers, workers and token streams over a real Redis."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+
+from fleet_fixtures import MODEL
+from producer.client import Client
+from producer.keys import GROUP, Keys
+from producer.protocol import FIELD
+from worker import Engine, FinishReason, SamplingParams
+from worker.fleet.config import WorkerConfig
+from worker.fleet.process import Worker
+
+KEYS = Keys()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+def pending(client: Client) -> int:
+    total = 0
+    for lane in ("interactive", "batch"):
+        info = client.redis.xpending(KEYS.requests(MODEL, lane), GROUP)
+        total += info["pending"]
+    return total
+
+
+def test_results_equal_the_offline_engine_and_requests_are_acked(redis_url, tiny_llama,
+                                                                 start_worker):
+    start_worker()
+    client = Client(redis_url)
+    prompts = [prompt(n, seed=n) for n in (3, 40, 120)] + ["The old library"]
+    ids = [client.submit(p, model=MODEL, max_tokens=12, temperature=0) for p in prompts]
+    results = [client.result(i, timeout=60) for i in ids]
+
+    offline = Engine(tiny_llama, dtype="float64", num_kv_blocks=512)
+    expected = offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    for got, want in zip(results, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert pending(client) == 0
+
+
+def test_stream_yields_each_token_index_once_and_can_resume(redis_url, start_worker):
+    start_worker()
+    client = Client(redis_url)
+    rid = client.submit(prompt(20), model=MODEL, max_tokens=10, temperature=0, ignore_eos=True)
+    events = list(client.stream(rid, timeout=60))
+    chunks, final = events[:-1], events[-1]
+    indexes = [i for c in chunks for i in range(c.index, c.index + len(c.token_ids))]
+    assert indexes == list(range(10))
+    assert final.finish_reason == "length" and final.num_tokens == 10
+    # Resume from the fourth entry: only what came after it.
+    resumed = list(client.stream(rid, from_id=chunks[3].entry_id, timeout=5))
+    assert [c.index for c in resumed[:-1]] == [c.index for c in chunks[4:]]
+
+
+def test_model_is_registered_for_producers(redis_url, start_worker):
+    worker = start_worker()
+    client = Client(redis_url)
+    info = client.model_info(MODEL)
+    assert info["max_model_len"] == worker.engine.max_model_len
+    assert info["eos_token_ids"] == sorted(worker.engine.eos_token_ids)
+    tok = client.tokenizer(MODEL)
+    assert tok.encode("hello there").ids == worker.engine.tokenizer.encode("hello there")
+
+
+def test_two_workers_share_64_queued_requests(redis_url, start_worker):
+    client = Client(redis_url)
+    ids = [client.submit(prompt(10, seed=i), model=MODEL, max_tokens=16, temperature=0,
+                         ignore_eos=True) for i in range(64)]
+    a = start_worker("a", max_num_seqs=16)
+    b = start_worker("b", max_num_seqs=16)
+    results = [client.result(i, timeout=120) for i in ids]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    assert a.loop.tokens_generated > 0 and b.loop.tokens_generated > 0
+    assert a.loop.tokens_generated + b.loop.tokens_generated == 64 * 16
+    assert pending(client) == 0
+
+
+def test_interactive_lane_is_served_before_batch(redis_url, tiny_llama):
+    client = Client(redis_url)
+    batch = [client.submit(prompt(5, seed=i), model=MODEL, lane="batch", max_tokens=2,
+                           temperature=0) for i in range(4)]
+    interactive = [client.submit(prompt(5, seed=i), model=MODEL, max_tokens=2, temperature=0)
+                   for i in range(4)]
+    # One request in flight at a time, so the admission order is the reading order.
+    worker = Worker(WorkerConfig(model_dir=tiny_llama, served_model_name=MODEL,
+                                 redis_url=redis_url, engine={"max_num_seqs": 1}, prefetch=0,
+                                 read_block_ms=100))
+    admitted = []
+    add = worker.engine.add_request
+    worker.engine.add_request = lambda *a, **kw: admitted.append(kw["request_id"]) or add(*a, **kw)
+    worker.start()
+    try:
+        for rid in batch:
+            client.result(rid, timeout=60)
+    finally:
+        worker.stop()
+    assert admitted == interactive + batch
+
+
+def test_cancel_a_running_request_and_one_not_yet_read(redis_url, start_worker):
+    worker = start_worker()
+    client = Client(redis_url)
+    rid = client.submit(prompt(10), model=MODEL, max_tokens=1500, temperature=0, ignore_eos=True)
+    stream = client.stream(rid, timeout=60)
+    next(stream)  # it is running
+    client.cancel(rid)
+    final = [e for e in stream][-1]
+    assert final.finish_reason == "cancelled" and final.num_tokens < 1500
+    # Cancelled before any worker read it: answered without running.
+    worker.stop()
+    early = client.submit(prompt(10), model=MODEL, max_tokens=50, temperature=0)
+    client.cancel(early)
+    start_worker("second")
+    result = client.result(early, timeout=30)
+    assert result.finish_reason is FinishReason.CANCELLED and result.token_ids == []
+    assert pending(client) == 0
+
+
+def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_url,
+                                                                          start_worker):
+    worker = start_worker()
+    client = Client(redis_url)
+    stream = KEYS.requests(MODEL, "interactive")
+    good = {"v": 1, "model": MODEL, "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 2}}
+    bad_entries = [
+        {b"x": b"no message field"},
+        {FIELD: b"\xc1 not msgpack"},
+        {FIELD: msgpack.packb([1, 2, 3])},
+        {FIELD: msgpack.packb({**good, "id": "bad id with spaces"})},
+        {FIELD: msgpack.packb({**good, "id": "missing-prompt", "prompt_token_ids": None})},
+        {FIELD: msgpack.packb({**good, "id": "huge-max", "params": {"max_tokens": "lots"}})},
+        {FIELD: msgpack.packb({**good, "id": "unknown-param", "params": {"beam": 4}})},
+        {FIELD: msgpack.packb({**good, "id": "too-long", "prompt_token_ids": [5] * 5000})},
+        {FIELD: msgpack.packb({**good, "id": "out-of-vocab", "prompt_token_ids": [10**7]})},
+        {FIELD: msgpack.packb({**good, "id": "wrong-model", "model": "other"})},
+    ]
+    for fields in bad_entries:
+        client.redis.xadd(stream, fields)
+    ok = client.submit([5, 6, 7], model=MODEL, max_tokens=3, temperature=0)
+    assert client.result(ok, timeout=30).finish_reason is FinishReason.LENGTH
+
+    deadline = time.monotonic() + 10
+    while client.redis.xlen(KEYS.dead) < len(bad_entries) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dead = client.redis.xrange(KEYS.dead)
+    assert len(dead) == len(bad_entries)
+    assert all(fields[b"reason"] for _, fields in dead)
+    for rid in ("missing-prompt", "huge-max", "unknown-param", "too-long", "out-of-vocab",
+                "wrong-model"):
+        result = client.result(rid, timeout=10)
+        assert result.finish_reason is FinishReason.ERROR and result.error
+    assert pending(client) == 0
+    assert worker.loop.is_alive() and worker.intake.is_alive()
+
+
+def test_heartbeat_shows_status_and_load(redis_url, start_worker):
+    start_worker("hb")
+    client = Client(redis_url)
+    beat = client.redis.hgetall(KEYS.worker("hb"))
+    assert beat[b"status"] == b"serving" and beat[b"model"] == MODEL.encode()
+    assert 0 < client.redis.ttl(KEYS.worker("hb")) <= 3
+
+
+def test_stop_drains_in_flight_requests(redis_url, start_worker):
+    worker = start_worker()
+    client = Client(redis_url)
+    ids = [client.submit(prompt(8, seed=i), model=MODEL, max_tokens=30, temperature=0,
+                         ignore_eos=True) for i in range(6)]
+    next(client.stream(ids[0], timeout=30))
+    assert worker.stop(drain_timeout_s=60)
+    for rid in ids:
+        assert client.result(rid, timeout=1).finish_reason is FinishReason.LENGTH
+    assert pending(client) == 0
+    assert client.redis.exists(KEYS.worker(worker.config.worker_id)) == 0
+
+
+@pytest.mark.parametrize("lane", ["interactive", "batch"])
+def test_queued_before_any_worker_existed_is_served(redis_url, start_worker, lane):
+    client = Client(redis_url)
+    rid = client.submit([5, 6], model=MODEL, lane=lane, max_tokens=2, temperature=0)
+    start_worker()
+    assert client.result(rid, timeout=30).finish_reason is FinishReason.LENGTH

@@ -1,0 +1,1 @@
+"""The worker process: intake from Redis, the engine loop, publishing, heartbeat, cancellation."""

@@ -1,0 +1,43 @@
+"""Settings of one worker process, each with its default and meaning."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def default_worker_id() -> str:
+    # Host and pid: unique per process, and readable in `conveyor top`.
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{host or 'worker'}-{os.getpid()}"
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker serves, where, and how much it takes on."""
+
+    model_dir: Path
+    # The name producers address; defaults to the model folder's name.
+    served_model_name: str | None = None
+    # Redis URL; None means the embedded server.
+    redis_url: str | None = None
+    namespace: str = "conveyor"
+    worker_id: str = field(default_factory=default_worker_id)
+    # Engine settings (any EngineConfig field).
+    engine: dict[str, Any] = field(default_factory=dict)
+    # Requests read beyond what the engine runs at once, so the next step never starves.
+    prefetch: int = 8
+    # Longest a blocking read waits before the intake re-checks its room and stop flag.
+    read_block_ms: int = 1000
+    # Output streams live this long after their last write (renewed on every write).
+    output_ttl_s: int = 3600
+    heartbeat_interval_s: float = 2.0
+    # On SIGTERM, how long in-flight requests may take to finish.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name

@@ -1,0 +1,68 @@
+"""The requests a worker has taken from Redis and not yet acknowledged."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InflightRequest:
+    """Where a request came from and how much of it has been published."""
+
+    request_id: str
+    stream: str  # the request stream it was read from
+    entry_id: str  # its entry there, acknowledged after the final output entry
+    num_prompt_tokens: int
+    # Token index of the next token to publish.
+    next_index: int = 0
+    received: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+
+
+class InflightTable:
+    """Thread-safe table of in-flight requests with a capacity the intake waits on."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: dict[str, InflightRequest] = {}
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def __contains__(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self._items
+
+    def room(self) -> int:
+        with self._cond:
+            return max(0, self.capacity - len(self._items))
+
+    def add(self, item: InflightRequest) -> None:
+        with self._cond:
+            self._items[item.request_id] = item
+
+    def get(self, request_id: str) -> InflightRequest | None:
+        with self._cond:
+            return self._items.get(request_id)
+
+    def remove(self, request_id: str) -> InflightRequest | None:
+        with self._cond:
+            item = self._items.pop(request_id, None)
+            self._cond.notify_all()
+            return item
+
+    def ids(self) -> list[str]:
+        with self._cond:
+            return list(self._items)
+
+    def wait_for_room(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._items) < self.capacity, timeout)
+
+    def wait_empty(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._items, timeout)

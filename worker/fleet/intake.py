@@ -1,0 +1,156 @@
+"""The intake thread: reads only as many requests as the worker can serve soon."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+import structlog
+
+from producer.keys import GROUP, LANES, Keys
+from producer.protocol import FIELD, GenerationRequest, ProtocolError
+from worker.fleet.cancellation import cancelled_ids
+from worker.fleet.inflight import InflightRequest, InflightTable
+from worker.fleet.publisher import Publisher, Rejection
+from worker.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Admission:
+    """A decoded, tokenized request on its way to the engine loop."""
+
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    stream: str
+    entry_id: str
+
+
+def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
+    """Create the consumer group on each request stream if missing (from the stream's start,
+    so requests queued before any worker existed are served)."""
+    for stream in streams:
+        try:
+            client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+class Intake(threading.Thread):
+    """XREADGROUP up to the room left in the in-flight table; interactive lane first."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        model: str,
+        worker_id: str,
+        inflight: InflightTable,
+        inbox: queue.Queue[Admission],
+        publisher: Publisher,
+        tokenizer: Tokenizer | None,
+        read_block_ms: int,
+        on_cancel: Callable[[str], None],
+    ) -> None:
+        super().__init__(name="intake", daemon=True)
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.worker_id = worker_id
+        self.inflight = inflight
+        self.inbox = inbox
+        self.publisher = publisher
+        self.tokenizer = tokenizer
+        self.read_block_ms = read_block_ms
+        self.on_cancel = on_cancel
+        self.streams = [keys.requests(model, lane) for lane in LANES]
+        self.stopping = threading.Event()
+        self.num_read = 0
+
+    def run(self) -> None:
+        ensure_groups(self.client, self.streams)
+        while not self.stopping.is_set():
+            room = self.inflight.room()
+            if room == 0:
+                self.inflight.wait_for_room(timeout=0.2)
+                continue
+            try:
+                entries = self._read(room)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. Redis restart)
+                    ensure_groups(self.client, self.streams)
+                    continue
+                raise
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("intake read failed, retrying", error=str(exc))
+                time.sleep(0.5)
+                continue
+            admitted = [a for s, e, f in entries if (a := self._accept(s, e, f)) is not None]
+            # Cancelled before we read it: the engine loop answers it without running it.
+            for rid in cancelled_ids(self.client, self.keys,
+                                     [a.request.request_id for a in admitted]):
+                self.on_cancel(rid)
+            for adm in admitted:
+                self.inbox.put(adm)
+
+    def _read(self, room: int) -> list[tuple[str, str, dict]]:
+        got: list[tuple[str, str, dict]] = []
+        # Interactive first, without blocking; batch only gets the room left.
+        for stream in self.streams:
+            if len(got) < room:
+                got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
+        if got:
+            return got
+        return self._xreadgroup({s: ">" for s in self.streams}, room, block=self.read_block_ms)
+
+    def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None):
+        reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=count, block=block)
+        out = []
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((name, eid, fields or {}))
+        return out
+
+    def _accept(self, stream: str, entry_id: str, fields: dict) -> Admission | None:
+        self.num_read += 1
+        raw = fields.get(FIELD)
+        try:
+            req = GenerationRequest.decode(raw)
+            if req.model != self.model:
+                raise ProtocolError(f"request for model {req.model!r} on a stream of "
+                                    f"{self.model!r}", req.request_id)
+            prompt_ids = self._tokenize(req)
+        except ProtocolError as exc:
+            self._reject(stream, entry_id, exc.reason, exc.request_id, raw)
+            return None
+        if req.request_id in self.inflight:
+            # A second request with a live id: answering it would corrupt the first one's stream.
+            self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
+                         req.request_id, raw, write_final=False)
+            return None
+        self.inflight.add(InflightRequest(req.request_id, stream, entry_id, len(prompt_ids)))
+        return Admission(req, prompt_ids, stream, entry_id)
+
+    def _tokenize(self, req: GenerationRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer: send prompt_token_ids",
+                                req.request_id)
+        ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise ProtocolError("prompt encodes to no tokens", req.request_id)
+        return ids
+
+    def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True) -> None:
+        log.warning("request rejected", request_id=request_id, entry_id=entry_id, reason=reason)
+        self.publisher.publish([Rejection(stream, entry_id, reason, request_id,
+                                          raw if isinstance(raw, bytes) else None, write_final)])

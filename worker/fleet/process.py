@@ -1,0 +1,114 @@
+"""One worker process: wires intake, engine loop, publisher, heartbeat and cancellation."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+import structlog
+
+from producer.connection import connect, describe
+from producer.keys import Keys
+from worker.engine import Engine
+from worker.fleet.cancellation import CancelListener
+from worker.fleet.config import WorkerConfig
+from worker.fleet.engine_loop import EngineLoop
+from worker.fleet.heartbeat import Heartbeat
+from worker.fleet.inflight import InflightTable
+from worker.fleet.intake import Admission, Intake
+from worker.fleet.publisher import Publisher
+from worker.fleet.registration import register_model
+
+log = structlog.get_logger(__name__)
+
+
+class Worker:
+    """Serves one model from Redis until stopped; ``stop()`` drains in-flight work first."""
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.keys = Keys(config.namespace)
+        self.model = config.model_name
+        self.engine = engine or Engine(config.model_dir, **config.engine)
+        self.client: redis.Redis = connect(config.redis_url)
+        self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
+        self.inbox: queue.Queue[Admission] = queue.Queue()
+        self.publisher = Publisher(self.client, self.keys, config.worker_id, config.output_ttl_s)
+        self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher)
+        self.intake = Intake(self.client, self.keys, self.model, config.worker_id, self.inflight,
+                             self.inbox, self.publisher, self.engine.tokenizer,
+                             config.read_block_ms, self.loop.cancel)
+        self.cancels = CancelListener(self.client, self.keys, self.loop.cancel)
+        self.heartbeat = Heartbeat(self.client, self.keys, config.worker_id,
+                                   config.heartbeat_interval_s, self.status)
+        self.state = "starting"
+        self._started = time.monotonic()
+        self._stopped = threading.Event()
+
+    def status(self) -> dict[str, Any]:
+        """Load and progress, for the heartbeat and `conveyor top`."""
+        stats = self.engine.stats()
+        elapsed = max(1e-9, time.monotonic() - self._started)
+        return {
+            "status": self.state,
+            "model": self.model,
+            "running": stats["running"],
+            "waiting": stats["waiting"],
+            "inflight": len(self.inflight),
+            "kv_blocks_used": stats["kv_blocks_used"],
+            "kv_blocks_total": stats["kv_blocks_total"],
+            "tokens_generated": self.loop.tokens_generated,
+            "tokens_per_s": round(self.loop.tokens_generated / elapsed, 1),
+            "steps": stats["steps"],
+        }
+
+    def start(self) -> None:
+        register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
+                       self.config.worker_id)
+        self.state = "serving"
+        self.heartbeat.beat()
+        for thread in (self.publisher, self.loop, self.cancels, self.intake, self.heartbeat):
+            thread.start()
+        self.cancels.subscribed.wait(timeout=5)
+        log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
+                 redis=describe(self.config.redis_url) if self.config.redis_url else "embedded")
+
+    def stop(self, drain_timeout_s: float | None = None) -> bool:
+        """Stop reading, let in-flight requests finish (up to the drain timeout), then stop.
+
+        Returns True when everything in flight finished. Requests still unfinished stay
+        pending in Redis, unacknowledged, for another worker to claim.
+        """
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self.state = "draining"
+        self.intake.stopping.set()
+        self.intake.join()
+        drained = self.inflight.wait_empty(timeout)
+        self.loop.stopping.set()
+        self.loop.join()
+        self.publisher.close()
+        for thread in (self.cancels, self.heartbeat):
+            thread.stopping.set()
+            thread.join()
+        self.heartbeat.clear()
+        self.state = "stopped"
+        self._stopped.set()
+        log.info("worker stopped", worker_id=self.config.worker_id, drained=drained)
+        return drained
+
+    def run_until_signalled(self) -> int:
+        """Serve until SIGTERM or SIGINT, then drain; the exit status for the process."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        while not stop.wait(0.5):
+            if not self.loop.is_alive():
+                log.error("engine loop died", error=repr(self.loop.error))
+                return 1
+        self.stop()
+        return 0

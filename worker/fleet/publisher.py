@@ -1,0 +1,139 @@
+"""The publisher thread: each step's output entries, finals and acks in one pipeline."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+import structlog
+
+from producer.keys import GROUP, Keys
+from producer.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+
+log = structlog.get_logger(__name__)
+
+# The dead-letter stream is for inspection, not an archive: keep about this many entries.
+DEAD_LETTER_MAXLEN = 100_000
+
+
+@dataclass
+class Publication:
+    """Output of one request in one step: a chunk, a final entry, or both."""
+
+    request_id: str
+    chunk: OutputChunk | None = None
+    final: FinalEntry | None = None
+    # (request stream, entry id) to acknowledge once the final entry is written.
+    ack: tuple[str, str] | None = None
+
+
+@dataclass
+class Rejection:
+    """A request entry that cannot be served: dead-lettered, answered when possible, acked."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    request_id: str | None = None
+    raw: bytes | None = None
+    # False when another request with this id is live: its stream must not get our error.
+    write_final: bool = True
+
+
+class Publisher(threading.Thread):
+    """Writes what the engine loop produced; the engine loop never waits on Redis."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int) -> None:
+        super().__init__(name="publisher", daemon=True)
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.output_ttl_s = output_ttl_s
+        self._queue: queue.Queue[list[Publication | Rejection] | None] = queue.Queue()
+        self.published_entries = 0
+
+    def publish(self, items: list[Publication | Rejection]) -> None:
+        if items:
+            self._queue.put(items)
+
+    def close(self) -> None:
+        """Write everything queued so far, then stop."""
+        self._queue.put(None)
+        self.join()
+
+    def run(self) -> None:
+        done = False
+        while not done:
+            batch = self._queue.get()
+            if batch is None:
+                break
+            # Coalesce whatever else is queued: one round trip for several steps when behind.
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    done = True
+                    break
+                batch.extend(more)
+            self._write(batch)
+
+    def _write(self, batch: list[Publication | Rejection]) -> None:
+        while True:
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for item in batch:
+                    if isinstance(item, Rejection):
+                        self._add_rejection(pipe, item)
+                    else:
+                        self._add_publication(pipe, item)
+                results = pipe.execute(raise_on_error=False)
+                self._log_failures(results)
+                self.published_entries += len(batch)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Keep what we owe and write it once Redis is back; entry ids make retries safe.
+                log.warning("publish failed, retrying", error=str(exc))
+                time.sleep(0.5)
+
+    def _add_publication(self, pipe, item: Publication) -> None:
+        key = self.keys.output(item.request_id)
+        for entry in (item.chunk, item.final):
+            if entry is not None:
+                pipe.xadd(key, {FIELD: entry.encode()}, id=entry.entry_id)
+        pipe.expire(key, self.output_ttl_s)
+        if item.ack is not None:
+            pipe.xack(item.ack[0], GROUP, item.ack[1])
+
+    def _add_rejection(self, pipe, item: Rejection) -> None:
+        fields = {
+            "reason": item.reason[:2000],
+            "stream": item.stream,
+            "entry_id": item.entry_id,
+            "request_id": item.request_id or "",
+            "worker": self.worker_id,
+            "ts_ms": str(now_ms()),
+        }
+        if item.raw is not None:
+            fields["raw"] = item.raw[:65536]
+        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        if item.request_id and item.write_final:
+            key = self.keys.output(item.request_id)
+            final = error_final(item.reason)
+            pipe.xadd(key, {FIELD: final.encode()}, id=final.entry_id)
+            pipe.expire(key, self.output_ttl_s)
+        pipe.xack(item.stream, GROUP, item.entry_id)
+
+    @staticmethod
+    def _log_failures(results: list) -> None:
+        for r in results:
+            if isinstance(r, redis.ResponseError):
+                # An XADD refused for an id at or below the top: a token index already written
+                # (e.g. by the worker this request was claimed from). Refusing it is the point.
+                if "equal or smaller" in str(r):
+                    continue
+                log.warning("redis refused a write", error=str(r))

@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from producer.cli_client import CLIENT_COMMANDS, add_client_parsers, run_client_cmd
+from producer.cli_redis import add_redis_parser, add_redis_url_option, run_redis_cmd
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -13,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference worker fleet driven by Redis.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    add_client_parsers(sub)
+    add_redis_parser(sub)
 
     p = sub.add_parser("make-model", help="write a small deterministic checkpoint (no model hub)")
     p.add_argument("dir", nargs="?", help="output folder (default: the data folder's models/PRESET)")
@@ -29,27 +35,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto")
 
-    p = sub.add_parser("demo", help="make the small model if missing and show the engine at work")
+    p = sub.add_parser("worker", help="serve a model from Redis until SIGTERM (then drain)")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--served-model-name", help="name producers address (default: folder name)")
+    add_redis_url_option(p)
+    p.add_argument("--namespace", default="conveyor")
+    p.add_argument("--name", dest="worker_id", help="worker id (default: HOST-PID)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget a step")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+
+    p = sub.add_parser(
+        "demo",
+        help="start Redis and a worker, stream short questions and one long document live",
+        description="Makes the small model if missing, starts the embedded Redis (unless --redis "
+        "is given) and a worker process, submits short questions and one long document, shows "
+        "them streaming, and ends with a summary (tokens/s, TTFT p50/p99).",
+    )
     p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
     p.add_argument("--requests", type=int, default=24, help="number of short questions")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the worker")
+    add_redis_url_option(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Worker verbs live in worker.commands, imported only when one runs (it imports torch).
-    from worker import commands
-
-    handler = {
-        "make-model": commands.make_model_cmd,
-        "generate": commands.generate_cmd,
-        "demo": commands.demo_cmd,
-    }[args.command]
+    if args.command == "redis":
+        return run_redis_cmd(args)
+    if args.command in CLIENT_COMMANDS:
+        handler = run_client_cmd
+    else:
+        handler = _worker_handler(args.command)
     try:
         return handler(args) or 0
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"conveyor {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _worker_handler(command: str):
+    # Worker verbs live in worker.commands, imported only when one runs (it imports torch).
+    from worker import commands
+
+    return {
+        "make-model": commands.make_model_cmd,
+        "generate": commands.generate_cmd,
+        "demo": commands.demo_cmd,
+        "worker": commands.worker_cmd,
+    }[command]
 
 
 if __name__ == "__main__":

@@ -28,3 +28,8 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(model_factory):
     return model_factory("llama", preset="tiny", arch="llama")
+
+
+# Real Redis fixtures (a private redis-server per session, flushed before each test).
+from redis_fixtures import redis_client, redis_server, redis_url  # noqa: E402, F401
+from fleet_fixtures import start_worker  # noqa: E402, F401

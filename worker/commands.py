@@ -50,8 +50,32 @@ def generate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_cmd(args: argparse.Namespace) -> int:
-    from worker.demo import run_offline_demo
+def worker_cmd(args: argparse.Namespace) -> int:
+    from worker.fleet.config import WorkerConfig
+    from worker.fleet.process import Worker
 
-    run_offline_demo(ensure_model(args.model), num_questions=args.requests)
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
+              args.max_num_batched_tokens, "dtype": args.dtype}
+    if args.num_kv_blocks:
+        engine["num_kv_blocks"] = args.num_kv_blocks
+    if args.threads:
+        engine["num_threads"] = args.threads
+    config = WorkerConfig(model_dir=ensure_model(args.model), served_model_name=args.served_model_name,
+                          redis_url=args.redis, namespace=args.namespace,
+                          engine=engine, drain_timeout_s=args.drain_timeout)
+    if args.worker_id:
+        config.worker_id = args.worker_id
+    return Worker(config).run_until_signalled()
+
+
+def demo_cmd(args: argparse.Namespace) -> int:
+    from producer.redis_server import ensure_running
+    from worker.demo import run_demo
+
+    model_dir = ensure_model(args.model)
+    redis_url = args.redis or ensure_running()
+    run_demo(model_dir, redis_url, num_questions=args.requests, threads=args.threads)
+    if not args.redis:
+        print("the embedded Redis keeps running for later commands; stop it with "
+              "`conveyor redis stop`")
     return 0

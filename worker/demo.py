@@ -1,17 +1,22 @@
-"""The offline demo: many short questions and one long document through one engine."""
+"""`conveyor demo`: a worker process, short questions and one long document, streamed live."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from producer.params import SamplingParams
-from worker.engine import Engine
+from producer.client import Client
+from producer.keys import Keys
+from producer.paths import data_dir
+from producer.stream_events import ChunkEvent, FinalEvent
 
 _TOPICS = ["the river", "a lighthouse", "the old library", "winter markets", "a clockmaker",
            "the harbour at dawn", "bees", "a mountain railway", "paper lanterns", "tide pools"]
+MODEL = "demo"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -19,42 +24,106 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def run_offline_demo(model_dir: Path, num_questions: int = 24) -> dict[str, float]:
-    """Serve a mix of requests, printing progress as tokens stream; returns the summary."""
-    rng = random.Random(0)
-    engine = Engine(model_dir, max_num_batched_tokens=512)
-    document = " ".join(f"Chapter {i}: notes on {rng.choice(_TOPICS)}." for i in range(250))
-    prompts = [f"Tell me about {rng.choice(_TOPICS)}." for _ in range(num_questions)]
-    prompts.append("Summarise this document. " + document)
-    params = SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)
+def start_worker(model_dir: Path, redis_url: str, threads: int) -> tuple[subprocess.Popen, Path]:
+    """A `conveyor worker` child process; returns it and its log file."""
+    log = data_dir() / "demo-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", str(model_dir),
+           "--served-model-name", MODEL, "--redis", redis_url, "--name", f"demo-{os.getpid()}",
+           "--threads", str(threads), "--max-num-batched-tokens", "512"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return proc, log
 
-    start = time.perf_counter()
-    ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-    first_token: dict[str, float] = {}
-    produced = {rid: 0 for rid in ids}
-    texts = {rid: "" for rid in ids}
-    finished = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter() - start
-            first_token.setdefault(out.request_id, now)
-            produced[out.request_id] += len(out.new_token_ids)
-            texts[out.request_id] += out.text_delta
-            finished += out.finished
-        total = sum(produced.values())
-        sys.stderr.write(f"\r{finished}/{len(ids)} done, {total} tokens, "
-                         f"{total / (time.perf_counter() - start):.0f} tok/s   ")
-    elapsed = time.perf_counter() - start
-    sys.stderr.write("\n")
-    for rid, i in list(ids.items())[:3] + list(ids.items())[-1:]:
-        print(f"{rid} ({len(engine.tokenizer.encode(prompts[i]))} prompt tokens): "
-              f"{texts[rid][:70]!r}...")
-    total = sum(produced.values())
-    ttfts = list(first_token.values())
+
+def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    key = Keys().worker(f"demo-{os.getpid()}")
+    deadline = time.monotonic() + timeout
+    while not client.redis.exists(key):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the demo worker did not start; its log ({log}):\n{tail}")
+        time.sleep(0.2)
+
+
+def _prompts(rng: random.Random, num_questions: int) -> list[tuple[str, int]]:
+    questions = [(f"Tell me about {rng.choice(_TOPICS)}.", 48) for _ in range(num_questions)]
+    document = " ".join(f"Chapter {i}: notes on {rng.choice(_TOPICS)} and {rng.choice(_TOPICS)}."
+                        for i in range(220))
+    return questions + [("Summarise this document. " + document, 64)]
+
+
+class LiveView:
+    """Redraws one line per request on a terminal; prints a progress line elsewhere."""
+
+    def __init__(self, names: list[str], limits: list[int]) -> None:
+        self.names, self.limits = names, limits
+        self.tty = sys.stdout.isatty()
+        self.drawn = 0
+        self.last_print = 0.0
+
+    def draw(self, produced: list[int], done: list[bool], texts: list[str], elapsed: float) -> None:
+        total = sum(produced)
+        if not self.tty:
+            if time.monotonic() - self.last_print > 2 or all(done):
+                print(f"{elapsed:6.1f}s  {sum(done)}/{len(done)} done, {total} tokens", flush=True)
+                self.last_print = time.monotonic()
+            return
+        lines = []
+        for name, n, limit, d, text in zip(self.names, produced, self.limits, done, texts,
+                                           strict=True):
+            bar = "#" * (20 * n // limit) + "." * (20 - 20 * n // limit)
+            snippet = text.replace("\n", " ")[-40:]
+            lines.append(f"{'done' if d else '    '} {name:<10} [{bar}] {n:>3}/{limit:<3} {snippet}")
+        lines.append(f"{elapsed:6.1f}s  {sum(done)}/{len(done)} done, {total} tokens, "
+                     f"{total / max(elapsed, 1e-9):.0f} tokens/s")
+        if self.drawn:
+            sys.stdout.write(f"\x1b[{self.drawn}F")
+        sys.stdout.write("".join(f"\x1b[2K{line}\n" for line in lines))
+        sys.stdout.flush()
+        self.drawn = len(lines)
+
+
+def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
+             threads: int = 2) -> dict[str, float]:
+    """Serve the demo workload through a worker process; returns the summary."""
+    client = Client(redis_url)
+    proc, log = start_worker(model_dir, redis_url, threads)
+    try:
+        print(f"starting a worker (log: {log}) ...", flush=True)
+        wait_for_worker(client, proc, log)
+        work = _prompts(random.Random(0), num_questions)
+        start = time.perf_counter()
+        ids = [client.submit(p, model=MODEL, max_tokens=m, temperature=0.8, seed=i,
+                             ignore_eos=True) for i, (p, m) in enumerate(work)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        names = [f"q{i}" for i in range(num_questions)] + ["document"]
+        view = LiveView(names, [m for _, m in work])
+        produced, done = [0] * len(ids), [False] * len(ids)
+        texts = [""] * len(ids)
+        first: dict[int, float] = {}
+        for rid, event in client.follow_many(ids, timeout=600):
+            i = index[rid]
+            if isinstance(event, ChunkEvent):
+                first.setdefault(i, time.perf_counter() - start)
+                produced[i] += len(event.token_ids)
+                texts[i] += event.text
+            elif isinstance(event, FinalEvent):
+                done[i] = True
+                if event.error:
+                    texts[i] = f"error: {event.error}"
+            view.draw(produced, done, texts, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        client.close()
+    total = sum(produced)
+    ttfts = list(first.values())
     summary = {"requests": len(ids), "tokens": total, "seconds": elapsed,
                "tokens_per_s": total / elapsed, "ttft_p50_s": _percentile(ttfts, 0.5),
                "ttft_p99_s": _percentile(ttfts, 0.99)}
-    print(f"{summary['requests']} requests, {total} tokens in {elapsed:.1f} s: "
+    print(f"\n{len(ids)} requests, {total} tokens in {elapsed:.1f} s: "
           f"{summary['tokens_per_s']:.0f} tokens/s; TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms,"
           f" p99 {summary['ttft_p99_s'] * 1000:.0f} ms")
     return summary

@@ -25,8 +25,9 @@ class Tokenizer:
         return cls(_HFTokenizer.from_str(text))
 
     def encode(self, text: str) -> list[int]:
-        # No special tokens: a prompt is exactly the text it says.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # Special tokens as the tokenizer's own post-processor adds them (e.g. BOS), exactly
+        # as transformers' tokenizer and a producer's `tokenizers` copy encode the text.
+        return self._tok.encode(text).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,94 @@
+"""argparse wiring for `conveyor redis` (the embedded server) and the shared --redis option."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from producer import redis_server
+from producer.connection import describe
+
+ACTIONS = ("run", "stop", "status")
+REDIS_URL_ENV = "CONVEYOR_REDIS_URL"
+
+# `conveyor redis status` exit codes, as init scripts use them: 0 running, 3 not running.
+STATUS_NOT_RUNNING = 3
+
+
+def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--redis URL`` (default ``$CONVEYOR_REDIS_URL``, else None: the embedded server)."""
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get(REDIS_URL_ENV),
+        help="Redis >= 6.2 or Valkey: redis://[user:password@]host:port/db, rediss:// (TLS) "
+        f"or unix:///path.sock (default: ${REDIS_URL_ENV}, else the embedded server)",
+    )
+
+
+def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``redis`` verb: run (default, foreground), stop or status of the embedded server."""
+    p = subparsers.add_parser(
+        "redis",
+        help="run, stop or inspect the embedded Redis server",
+        description="The embedded redis-server kept in the data folder (unix socket, AOF). "
+        "`conveyor redis` runs it in the foreground (Ctrl-C stops it); other commands "
+        "start it in the background on demand when no --redis URL is given.",
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=ACTIONS,
+        default="run",
+        help="run in the foreground (default), stop the running server, or show its status",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="server folder (default: the conveyor data folder's redis/)",
+    )
+    p.add_argument(
+        "--port", type=int, metavar="N", help="run: also listen on TCP port N (on --bind)"
+    )
+    p.add_argument(
+        "--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address (default: loopback)"
+    )
+    p.add_argument("--json", action="store_true", help="status: print one JSON object")
+    return p
+
+
+def run_redis_cmd(args: argparse.Namespace) -> int:
+    """Carry out a parsed ``conveyor redis`` command; the process exit code."""
+    try:
+        if args.action == "stop":
+            stopped = redis_server.stop(args.data_dir)
+            print("stopped" if stopped else "not running")
+            return 0
+        if args.action == "status":
+            return _print_status(redis_server.status(args.data_dir), as_json=args.json)
+        return redis_server.run_foreground(
+            args.data_dir, port=args.port, bind=args.bind, on_ready=_announce
+        )
+    except redis_server.RedisServerError as exc:
+        print(f"conveyor redis: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _announce(urls: list[str]) -> None:
+    print(f"conveyor redis: serving {', '.join(urls)} (Ctrl-C stops it)", flush=True)
+
+
+def _print_status(report: dict, *, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(report))
+    else:
+        state = "running" if report["running"] else "not running"
+        print(f"{state}: {describe(report['url'])}")
+        for key in ("pid", "version", "keys", "tcp_port", "data_dir", "log"):
+            if report.get(key) is not None:
+                print(f"  {key}: {report[key]}")
+    return 0 if report["running"] else STATUS_NOT_RUNNING

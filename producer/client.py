@@ -1,0 +1,301 @@
+"""The synchronous client: submit requests, stream or wait for their output, cancel them.
+
+The pure parts (building a request, reading a model hash, BLOCK lengths) are
+module functions here so that :mod:`producer.async_client` shares them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from producer.completion import Completion
+from producer.connection import connect
+from producer.defaults import MAX_BLOCK_MS
+from producer.keys import Keys
+from producer.params import SamplingParams
+from producer.protocol import FIELD, GenerationRequest, now_ms
+from producer.stream_events import OutputTracker, StreamEvent, completion_from, validate_entry_id
+from producer.validation import validate_request_id
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+# How long a cancellation marker outlives the announcement: covers workers that were
+# restarting or had the request queued when the message went out.
+CANCEL_MARKER_TTL_S = 3600
+# Entries fetched per XREAD; a reader that fell behind catches up in few round trips.
+READ_COUNT = 512
+# Streams one XREAD of follow_many covers; the rest wait for the next round.
+FOLLOW_MANY_KEYS = 256
+
+# Model hash fields (written by workers) that hold integers, and the one holding a JSON list.
+_INT_FIELDS = ("max_model_len", "vocab_size", "updated_ms")
+_JSON_FIELDS = ("eos_token_ids",)
+
+
+def new_request_id() -> str:
+    """A random request id: 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    model: str,
+    lane: str,
+    request_id: str | None,
+    priority: int,
+    deadline_ms: int | None,
+    timeout: float | None,
+    sampling: dict[str, Any],
+) -> GenerationRequest:
+    """A validated GenerationRequest from ``submit``'s arguments; ValueError when invalid."""
+    params = SamplingParams.from_dict(sampling)
+    if timeout is not None:
+        if deadline_ms is not None:
+            raise ValueError("give at most one of timeout and deadline_ms")
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        deadline_ms = now_ms() + math.ceil(timeout * 1000)
+    rid = new_request_id() if request_id is None else validate_request_id(request_id)
+    if isinstance(prompt, str):
+        text, token_ids = prompt, None
+    elif isinstance(prompt, list | tuple):
+        text, token_ids = None, list(prompt)
+    else:
+        kind = type(prompt).__name__
+        raise ValueError(f"prompt must be a str or a list of token ids, got {kind}")
+    return GenerationRequest(
+        request_id=rid,
+        model=model,
+        params=params,
+        prompt=text,
+        prompt_token_ids=token_ids,
+        priority=priority,
+        lane=lane,
+        deadline_ms=deadline_ms,
+    )
+
+
+def parse_model_info(raw: dict[bytes, bytes]) -> dict[str, Any] | None:
+    """A model hash as workers register it, decoded; None for an empty (absent) hash."""
+    if not raw:
+        return None
+    info: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+    for name in _INT_FIELDS:
+        if name in info:
+            info[name] = int(info[name])
+    for name in _JSON_FIELDS:
+        if name in info:
+            info[name] = json.loads(info[name])
+    return info
+
+
+def model_names(keys: Keys, found: list[bytes]) -> list[str]:
+    """Sorted model names from the keys a SCAN over ``{ns}:model:*`` returned."""
+    prefix = len(model_pattern(keys)) - 1
+    return sorted({k.decode()[prefix:] for k in found})
+
+
+def model_pattern(keys: Keys) -> str:
+    return f"{keys.ns}:model:*"
+
+
+def block_ms(deadline: float | None) -> int:
+    """BLOCK for the next XREAD: the time left to ``deadline`` (monotonic), at least 1 ms
+    (0 would block forever) and at most MAX_BLOCK_MS (so the socket never times out)."""
+    if deadline is None:
+        return MAX_BLOCK_MS
+    left = math.ceil((deadline - time.monotonic()) * 1000)
+    return max(1, min(MAX_BLOCK_MS, left))
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """A monotonic deadline ``timeout`` seconds from now; None waits forever."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, int | float) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def check_bytes_replies(conn: Any) -> None:
+    """Stream entries hold msgpack bytes: a connection that decodes replies would break them."""
+    if conn.get_connection_kwargs().get("decode_responses"):
+        raise ValueError("the client needs a Redis connection with decode_responses=False")
+
+
+def timed_out(request_id: str, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"request {request_id}: no final entry within {timeout} s")
+
+
+class Client:
+    """Submit generation requests and read their output, over one Redis connection.
+
+    ``url`` None means the embedded redis-server (see :func:`producer.connection.connect`);
+    pass ``connection`` to share an existing client instead (it is not closed by ``close``).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        namespace: str = "conveyor",
+        *,
+        connection: redis.Redis | None = None,
+    ) -> None:
+        self.keys = Keys(namespace)
+        if connection is not None:
+            check_bytes_replies(connection)
+        self._owns_connection = connection is None
+        self.redis = connection if connection is not None else connect(url)
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        *,
+        model: str,
+        lane: str = "interactive",
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline_ms: int | None = None,
+        timeout: float | None = None,
+        pipeline: redis.client.Pipeline | None = None,
+        **sampling: Any,
+    ) -> str:
+        """Enqueue one request and return its id; ValueError (nothing written) when invalid.
+
+        ``prompt`` is text or token ids; ``timeout`` (seconds from now) sets ``deadline_ms``;
+        other keywords are SamplingParams fields. With ``pipeline`` the XADD is only queued.
+        """
+        request = build_request(
+            prompt,
+            model=model,
+            lane=lane,
+            request_id=request_id,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            timeout=timeout,
+            sampling=sampling,
+        )
+        key = self.keys.requests(request.model, request.lane)
+        (pipeline or self.redis).xadd(key, {FIELD: request.encode()})
+        return request.request_id
+
+    def stream(
+        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
+    ) -> Iterator[StreamEvent]:
+        """Yield a request's ChunkEvents in token order, then its FinalEvent, then stop.
+
+        Starts after entry ``from_id`` (default: the beginning), so a reader resumes from
+        the last entry id it saw. Each token index is yielded once. ``timeout`` (seconds,
+        None = forever) raises TimeoutError when no final entry arrived in time.
+        """
+        key = self.keys.output(request_id)
+        tracker = OutputTracker(validate_entry_id(from_id or "0-0"))
+        deadline = deadline_after(timeout)
+        return self._follow(request_id, key, tracker, deadline, timeout)
+
+    def _follow(
+        self,
+        request_id: str,
+        key: str,
+        tracker: OutputTracker,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Iterator[StreamEvent]:
+        while True:
+            reply = self.redis.xread(
+                {key: tracker.last_id}, count=READ_COUNT, block=block_ms(deadline)
+            )
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    event = tracker.feed(entry_id, fields)
+                    if event is not None:
+                        yield event
+                    if tracker.done:
+                        return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise timed_out(request_id, timeout)
+
+    def follow_many(
+        self, request_ids: list[str], *, timeout: float | None = None
+    ) -> Iterator[tuple[str, StreamEvent]]:
+        """Yield (request id, event) for many requests at once, until every one has finished.
+
+        One XREAD covers up to FOLLOW_MANY_KEYS streams, so a dashboard or a benchmark
+        follows hundreds of requests without a thread each.
+        """
+        trackers = {rid: OutputTracker() for rid in request_ids}
+        keys = {self.keys.output(rid): rid for rid in request_ids}
+        deadline = deadline_after(timeout)
+        while trackers:
+            batch = {self.keys.output(rid): t.last_id
+                     for rid, t in list(trackers.items())[:FOLLOW_MANY_KEYS]}
+            reply = self.redis.xread(batch, count=READ_COUNT, block=block_ms(deadline))
+            for stream, entries in reply or []:
+                rid = keys[stream.decode() if isinstance(stream, bytes) else stream]
+                tracker = trackers.get(rid)
+                for entry_id, fields in entries:
+                    if tracker is None:
+                        break
+                    event = tracker.feed(entry_id, fields)
+                    if event is not None:
+                        yield rid, event
+                    if tracker.done:
+                        del trackers[rid]
+                        tracker = None
+            if deadline is not None and time.monotonic() >= deadline and trackers:
+                raise timed_out(next(iter(trackers)), timeout)
+
+    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for a request to finish and return its whole Completion.
+
+        A failed request returns finish_reason ``error`` with the message in ``error``.
+        """
+        return completion_from(request_id, list(self.stream(request_id, timeout=timeout)))
+
+    def cancel(self, request_id: str, *, pipeline: redis.client.Pipeline | None = None) -> None:
+        """Ask workers to stop a request: a marker key plus an announcement, in one go."""
+        marker = self.keys.cancelled(request_id)
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
+        pipe.set(marker, b"1", ex=CANCEL_MARKER_TTL_S)
+        pipe.publish(self.keys.cancel_channel, request_id)
+        if pipeline is None:
+            pipe.execute()
+
+    def models(self) -> list[str]:
+        """Names of the models workers have registered, sorted."""
+        found = list(self.redis.scan_iter(match=model_pattern(self.keys), count=100))
+        return model_names(self.keys, found)
+
+    def model_info(self, name: str) -> dict[str, Any] | None:
+        """A registered model's description (max_model_len, eos_token_ids, vocab_size,
+        tokenizer_json, served_by, updated_ms), or None when no worker registered it."""
+        return parse_model_info(self.redis.hgetall(self.keys.model(name)))
+
+    def tokenizer(self, name: str) -> Tokenizer | None:
+        """The model's tokenizer, built from its registered tokenizer.json, or None."""
+        raw = self.redis.hget(self.keys.model(name), "tokenizer_json")
+        if raw is None:
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(raw.decode())
+
+    def close(self) -> None:
+        """Close the connection, unless it was passed in by the caller."""
+        if self._owns_connection:
+            self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""The one place that opens Redis connections, sync and asyncio, with the project's options."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
+from redis.retry import Retry
+
+from producer import redis_server
+from producer.defaults import (
+    DEFAULT_SOCKET_TIMEOUT,
+    HEALTH_CHECK_INTERVAL,
+    REDIS_PROTOCOL,
+    RETRY_ATTEMPTS,
+    RETRY_BACKOFF_BASE,
+    RETRY_BACKOFF_CAP,
+    SOCKET_CONNECT_TIMEOUT,
+)
+
+SCHEMES = ("redis", "rediss", "unix")
+
+# Errors worth retrying; redis-py's AuthenticationError is a ConnectionError but is never transient.
+TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
+
+
+def connect(
+    url: str | None = None,
+    *,
+    decode_responses: bool = False,
+    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+) -> redis.Redis:
+    """A Redis client for ``url`` (redis://, rediss:// or unix://, user:password allowed).
+
+    ``url=None`` means the embedded server under the data folder, started if it is not
+    running. ``socket_timeout`` must stay above the longest BLOCK a caller uses.
+    """
+    url = _resolve(url)
+    retry = _TransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS)
+    return redis.Redis.from_url(url, **_options(url, decode_responses, socket_timeout, retry))
+
+
+def connect_async(
+    url: str | None = None,
+    *,
+    decode_responses: bool = False,
+    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+) -> redis.asyncio.Redis:
+    """The asyncio twin of :func:`connect`, with the same URL rules and options.
+
+    With ``url=None`` it checks (and may start) the embedded server synchronously, once here.
+    """
+    url = _resolve(url)
+    retry = _AsyncTransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS)
+    return redis.asyncio.Redis.from_url(
+        url, **_options(url, decode_responses, socket_timeout, retry)
+    )
+
+
+def describe(url: str | None) -> str:
+    """``url`` safe for logs: any password (in the userinfo or a ``password=`` query) is masked."""
+    if url is None:
+        return "embedded"
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        return f"***@{url.rpartition('@')[2]}" if "@" in url else url
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:
+        return f"{scheme}://<unparsable URL>"  # never echo what might hold a password
+    netloc = parts.netloc
+    if has_password:
+        userinfo, _, hostport = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    query = "&".join(
+        f"{k}=***" if k.lower() == "password" else f"{k}{eq}{v}"
+        for k, eq, v in (p.partition("=") for p in parts.query.split("&") if p)
+    )
+    masked = f"{scheme}://{netloc}{parts.path}"
+    if query:
+        masked += f"?{query}"
+    return masked
+
+
+def _resolve(url: str | None) -> str:
+    if url is None:
+        return redis_server.ensure_running()
+    scheme = url.partition("://")[0].lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unsupported Redis URL {describe(url)!r}: use redis://, rediss:// (TLS) or unix://"
+        )
+    return url
+
+
+def _transient(error: Exception) -> bool:
+    # The asyncio unix-socket client wraps a refused password in a plain ConnectionError.
+    return not isinstance(error, AuthenticationError) and not isinstance(
+        error.__cause__, AuthenticationError
+    )
+
+
+class _TransientRetry(Retry):
+    """A Retry that gives up at once on a refused password instead of backing off for seconds."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # noqa: ANN001
+        def retryable(error: Exception) -> bool:
+            return _transient(error) and (is_retryable is None or is_retryable(error))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _AsyncTransientRetry(redis.asyncio.retry.Retry):
+    """The asyncio twin of :class:`_TransientRetry`."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # noqa: ANN001
+        def retryable(error: Exception) -> bool:
+            return _transient(error) and (is_retryable is None or is_retryable(error))
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def _backoff() -> ExponentialWithJitterBackoff:
+    # Jitter spreads the reconnects of a whole fleet after a Redis restart.
+    return ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP, base=RETRY_BACKOFF_BASE)
+
+
+def _options(url: str, decode_responses: bool, socket_timeout: float, retry: Any) -> dict:
+    options: dict[str, Any] = {
+        # RESP2: identical reply shapes on Redis 6.2/7/Valkey and proxies without HELLO, and in
+        # redis-py's sync and asyncio clients (redis-py 8 would otherwise negotiate RESP3).
+        "protocol": REDIS_PROTOCOL,
+        "decode_responses": decode_responses,
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
+        "health_check_interval": HEALTH_CHECK_INTERVAL,
+        # TimeoutError is in the retry's errors: this replaces the deprecated retry_on_timeout.
+        "retry": retry,
+    }
+    if not url.lower().startswith("unix://"):
+        # Keepalive is a TCP option; unix socket connections refuse the argument.
+        options["socket_keepalive"] = True
+    return options

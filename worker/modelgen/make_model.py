@@ -1,0 +1,83 @@
+"""make_model: write a small deterministic Hugging Face checkpoint to a local folder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from worker.modelgen.config_json import build_config, build_generation_config, dump_json
+from worker.modelgen.presets import ARCHS, PRESETS
+from worker.modelgen.safetensors_io import INDEX_FILE, write_weights
+from worker.modelgen.tokenizer_files import write_tokenizer
+from worker.modelgen.weights import init_weights
+
+# Every fixed-name file make_model may write (weights aside, which are globbed).
+OWN_FILES = (
+    "config.json",
+    "generation_config.json",
+    INDEX_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def make_model(
+    out_dir: str | os.PathLike[str],
+    preset: str = "tiny",
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    tie_word_embeddings: bool | None = None,
+    num_kv_heads: int | None = None,
+    rope_scaling: Mapping[str, Any] | None = None,
+    num_shards: int = 1,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write a random-weight float32 checkpoint that transformers can load; return its folder.
+
+    The same arguments always give byte-identical files. The folder gets config.json,
+    generation_config.json, model.safetensors (or ``num_shards`` shards plus
+    model.safetensors.index.json) and, with ``with_tokenizer``, tokenizer.json and
+    tokenizer_config.json. Files an earlier call wrote to the folder are removed
+    first, so a sharded and an unsharded checkpoint (or a stale tokenizer) never mix.
+
+    Args:
+        out_dir: destination folder, created if missing.
+        preset: a key of ``presets.PRESETS`` ("tiny" for tests, "small" for benchmarks).
+        arch: a key of ``presets.ARCHS``: "llama", "qwen2" or "mistral".
+        seed: weight seed; each tensor's values depend only on the seed and its name.
+        tie_word_embeddings: None takes the arch default (qwen2 tied, others untied).
+        num_kv_heads: override the preset's KV head count (1 gives MQA); must divide
+            the query head count.
+        rope_scaling: an old-style rope scaling dict such as ``presets.LLAMA3_ROPE_SCALING``.
+        num_shards: 1 writes model.safetensors; more writes HF-style shards and an index.
+        with_tokenizer: also write the shipped byte-level BPE tokenizer.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    shape, spec = PRESETS[preset], ARCHS[arch]
+    kv_heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
+    if kv_heads < 1 or shape.num_heads % kv_heads:
+        raise ValueError(f"num_kv_heads={kv_heads} must divide num_heads={shape.num_heads}")
+    tie = spec.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+    weights = init_weights(shape, spec, kv_heads, tie, seed)
+    if not 1 <= num_shards <= len(weights):
+        raise ValueError(f"num_shards must be in 1..{len(weights)}, got {num_shards}")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Files an earlier call may have left: a folder must reflect exactly these arguments.
+    for stale in [*out.glob("model*.safetensors"), *(out / name for name in OWN_FILES)]:
+        stale.unlink(missing_ok=True)
+
+    config = build_config(shape, spec, kv_heads, tie, rope_scaling)
+    (out / "config.json").write_bytes(dump_json(config))
+    (out / "generation_config.json").write_bytes(dump_json(build_generation_config()))
+    write_weights(weights, out, num_shards)
+    if with_tokenizer:
+        write_tokenizer(out, shape.vocab_size, shape.max_position_embeddings)
+    return out

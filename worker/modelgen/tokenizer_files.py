@@ -1,0 +1,59 @@
+"""Copy a shipped, hash-checked tokenizer into a checkpoint with its tokenizer_config.json."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from worker.modelgen.config_json import dump_json
+from worker.modelgen.presets import BOS_TOKEN, EOS_TOKEN, TOKENIZER_SHA256
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def shipped_tokenizer_path(vocab_size: int) -> Path:
+    """The shipped tokenizer JSON for a vocab size (see train_tokenizer.py)."""
+    return DATA_DIR / f"tokenizer-{vocab_size}.json"
+
+
+def read_shipped_tokenizer(vocab_size: int) -> bytes:
+    """The shipped tokenizer's bytes, refusing any file whose SHA-256 is not the recorded one."""
+    if vocab_size not in TOKENIZER_SHA256:
+        raise ValueError(f"no shipped tokenizer with vocab size {vocab_size}")
+    data = shipped_tokenizer_path(vocab_size).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TOKENIZER_SHA256[vocab_size]:
+        raise RuntimeError(
+            f"{shipped_tokenizer_path(vocab_size)} has sha256 {digest}, "
+            f"expected {TOKENIZER_SHA256[vocab_size]}"
+        )
+    return data
+
+
+def tokenizer_config(model_max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json: load tokenizer.json verbatim as a fast tokenizer.
+
+    tokenizer_class is the generic fast class so transformers never swaps in a
+    model-specific tokenizer (v5's LlamaTokenizer would rebuild a Metaspace one).
+    add_bos_token mirrors the BOS template already in tokenizer.json.
+    """
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> list[Path]:
+    """Write tokenizer.json (a byte copy of the shipped file) and tokenizer_config.json."""
+    tok_path = out_dir / "tokenizer.json"
+    tok_path.write_bytes(read_shipped_tokenizer(vocab_size))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg_path.write_bytes(dump_json(tokenizer_config(model_max_length)))
+    return [tok_path, cfg_path]

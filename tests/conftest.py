@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-# Tests share two cores with whatever else runs: one process, two threads.
-torch.set_num_threads(2)
+# Tests share two cores with worker subprocesses and each other: with more threads than free
+# cores, OpenMP's spinning threads stall each other. Benchmarks ask for their own count.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,98 @@
+"""What an attention backend needs to know about one step's flat ragged batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat batch, shared by every layer.
+
+    The batch holds B sequences whose new tokens are laid end to end (T tokens in
+    all, no padding). Sequence i owns query tokens
+    ``query_start_loc[i]:query_start_loc[i + 1]``; they sit at the end of its
+    context, so its first ``context_lens[i]`` tokens are already in the cache.
+    """
+
+    # [B + 1] int64: offsets of each sequence's new tokens in the flat batch.
+    query_start_loc: torch.Tensor
+    # [B] int64: tokens in the cache after this step's writes (context + new).
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int64: physical block ids, in order; entries past a
+    # sequence's last block are padding and must never be read.
+    block_tables: torch.Tensor
+    # [T] int64: flat cache slot (block_id * block_size + offset) for each new token.
+    slot_mapping: torch.Tensor
+    block_size: int
+    # The same lengths as plain ints, so backends can loop without syncing a device.
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    # Scratch space where a backend keeps work it derives once per step and reuses in
+    # every layer (gather indices, masks, a flashinfer plan), keyed by backend name.
+    backend_plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Lay out one step from per-sequence lengths and block tables.
+
+        Sequence i brings ``query_lens[i]`` new tokens at positions
+        ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``; ``block_tables[i]``
+        must hold at least ``ceil(seq_lens[i] / block_size)`` blocks. Rows of the
+        padded block table tensor are filled with 0 past their last block.
+        """
+        if not len(query_lens) == len(seq_lens) == len(block_tables):
+            raise ValueError(
+                "query_lens, seq_lens and block_tables must have one entry per sequence"
+            )
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 0 < q_len <= s_len:
+                raise ValueError(f"need 0 < query_len <= seq_len, got {q_len} and {s_len}")
+            if len(table) * block_size < s_len:
+                raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {s_len} tokens")
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size
+                for p in range(s_len - q_len, s_len)
+            )
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        return cls(
+            query_start_loc=tensor(starts),
+            seq_lens=tensor(list(seq_lens)),
+            block_tables=tensor(padded).reshape(len(block_tables), width),
+            slot_mapping=tensor(slots),
+            block_size=block_size,
+            query_lens=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Tokens of each sequence already in the cache before this step."""
+        return [s - q for s, q in zip(self.seq_lens_list, self.query_lens, strict=True)]

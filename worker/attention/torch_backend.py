@@ -1,0 +1,209 @@
+"""The reference attention backend: plain torch ops, any device, any float dtype.
+
+Every K/V read goes through a gather of slot indices computed from the block
+tables, and every gathered index belongs to the sequence's own context: rows are
+padded by repeating the sequence's last real slot, and padded keys are masked with
+-inf. Masking alone would not do, because a free slot may hold NaN and
+``NaN * 0 = NaN`` would leak through the softmax-weighted sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+# Key under which this backend keeps its per-step plan in `AttentionMetadata.backend_plans`.
+_PLAN_KEY = "torch"
+# Query rows of a prefill chunk attended at once; bounds the [heads, rows, context] score tensor.
+PREFILL_QUERY_TILE = 1024
+
+
+@dataclass
+class _PrefillPlan:
+    """One sequence whose query is longer than a token, attended on its own."""
+
+    # Its new tokens in the flat batch are start:end.
+    start: int
+    end: int
+    # [seq_len] cache slots of its whole context, position order.
+    slots: torch.Tensor
+    # Tokens already cached before this step.
+    context_len: int
+
+
+@dataclass
+class _StepPlan:
+    """Gather indices and masks derived once per step and reused by every layer."""
+
+    # [Bd] flat-batch index of each decode (one-token query) sequence.
+    decode_tokens: torch.Tensor
+    # [Bd, max_len] cache slots; past a sequence's length it repeats its last slot.
+    decode_slots: torch.Tensor
+    # [Bd, max_len] True where the slot is a real context position.
+    decode_valid: torch.Tensor
+    prefills: list[_PrefillPlan]
+    # K and V gather buffers, made on first use and reused by every layer of the step:
+    # writing into them avoids faulting in fresh pages for each large gather.
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather(
+        self, flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows at ``slots [B, L]`` as ``[B, L, Hkv, D]`` views of the step's buffers."""
+        if self.buffers is None:
+            rows = max([self.decode_slots.numel()] + [p.slots.numel() for p in self.prefills])
+            self.buffers = (
+                flat_k.new_empty(rows, *flat_k.shape[1:]),
+                flat_v.new_empty(rows, *flat_v.shape[1:]),
+            )
+        index, rows = slots.reshape(-1), slots.numel()
+        k = torch.index_select(flat_k, 0, index, out=self.buffers[0][:rows])
+        v = torch.index_select(flat_v, 0, index, out=self.buffers[1][:rows])
+        return k.view(*slots.shape, *flat_k.shape[1:]), v.view(*slots.shape, *flat_v.shape[1:])
+
+
+class TorchAttention:
+    """Paged attention with torch gathers and batched matmuls; the numerical reference."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{num_heads} query heads cannot be grouped over {num_kv_heads} kv heads"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V at ``meta.slot_mapping``, then attend.
+
+        Returns ``[T, num_heads * head_dim]`` in the dtype of `q`.
+        """
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+
+        plan = meta.backend_plans.get(_PLAN_KEY)
+        if plan is None:
+            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device)
+        out = torch.empty_like(q)
+        if plan.decode_tokens.numel():
+            self._decode(q, flat_k, flat_v, plan, out)
+        for prefill in plan.prefills:
+            self._prefill(q, flat_k, flat_v, plan, prefill, out)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        plan: _StepPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """All one-token queries of the step at once: one padded gather, batched matmuls."""
+        keys, values = plan.gather(flat_k, flat_v, plan.decode_slots)
+        queries = q[plan.decode_tokens].unsqueeze(1)
+        attended = self._attend(queries, keys, values, plan.decode_valid[:, None, :])
+        out[plan.decode_tokens] = attended[:, 0]
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        plan: _StepPlan,
+        prefill: _PrefillPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """One multi-token query over its context, in tiles of query rows."""
+        keys, values = plan.gather(flat_k, flat_v, prefill.slots[None, :])
+        key_pos = torch.arange(prefill.slots.numel(), device=q.device)
+        for first in range(prefill.start, prefill.end, PREFILL_QUERY_TILE):
+            rows = slice(first, min(first + PREFILL_QUERY_TILE, prefill.end))
+            # Flat row r holds the token at absolute position context_len + (r - start).
+            offset = prefill.context_len - prefill.start
+            query_pos = torch.arange(rows.start + offset, rows.stop + offset, device=q.device)
+            causal = key_pos[None, :] <= query_pos[:, None]
+            out[rows] = self._attend(q[rows].unsqueeze(0), keys, values, causal.unsqueeze(0))[0]
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [B, Lq, H, D]
+        k: torch.Tensor,  # [B, Lk, Hkv, D]
+        v: torch.Tensor,  # [B, Lk, Hkv, D]
+        allowed: torch.Tensor,  # [B, Lq, Lk] bool
+    ) -> torch.Tensor:  # [B, Lq, H, D]
+        """Grouped-query attention, one batched matmul pair per K/V head.
+
+        A head's keys ``k[:, :, h]`` are a strided view that matmul reads in place;
+        batching over heads too would first copy all of K and V into head-major order.
+        """
+        batch, q_len = q.shape[:2]
+        kv_heads, dim = self.num_kv_heads, self.head_dim
+        groups = self.num_heads // kv_heads
+        # Query head h reads kv head h // groups (transformers' repeat_kv order).
+        q = q.view(batch, q_len, kv_heads, groups, dim)
+        out = torch.empty_like(q)
+        blocked = ~allowed[:, :, None, :]  # [B, Lq, 1, Lk], broadcast over the group
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+        for h in range(kv_heads):
+            q_h = q[:, :, h].reshape(batch, q_len * groups, dim)
+            scores = torch.matmul(q_h, k[:, :, h].to(q.dtype).transpose(1, 2)) * self.scale
+            scores = scores.view(batch, q_len, groups, -1).masked_fill(blocked, float("-inf"))
+            # Softmax in at least float32, as transformers' eager attention does for half types.
+            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+            attended = torch.matmul(probs.view(batch, q_len * groups, -1), v[:, :, h].to(q.dtype))
+            out[:, :, h] = attended.view(batch, q_len, groups, dim)
+        return out.view(batch, q_len, self.num_heads, dim)
+
+
+def _make_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    """Split the step into batched decodes and per-sequence prefills, with their gather indices."""
+    block_tables = meta.block_tables.to(device)
+    starts = [0]
+    for n in meta.query_lens:  # from the host-side lengths: no device sync
+        starts.append(starts[-1] + n)
+    prefills = []
+    for i, n in enumerate(meta.query_lens):
+        if n > 1:
+            seq_len = meta.seq_lens_list[i]
+            slots = _context_slots(block_tables[i, None], [seq_len], meta.block_size)[0]
+            prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
+    decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    lens = [meta.seq_lens_list[i] for i in decode_rows]
+    rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+    slots = _context_slots(block_tables[rows], lens, meta.block_size)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    valid = torch.arange(slots.shape[1], device=device)[None, :] < lens_t[:, None]
+    tokens = torch.tensor([starts[i] for i in decode_rows], dtype=torch.int64, device=device)
+    return _StepPlan(tokens, slots, valid, prefills)
+
+
+def _context_slots(
+    block_tables: torch.Tensor, seq_lens: list[int], block_size: int
+) -> torch.Tensor:
+    """``[B, max(seq_lens)]`` cache slots of context positions; short rows repeat their last slot.
+
+    Clamping the position (not the slot) keeps every index inside the sequence's own
+    blocks, so padded block-table entries are never even looked at.
+    """
+    device = block_tables.device
+    width = max(seq_lens, default=0)
+    last = torch.tensor(seq_lens, dtype=torch.int64, device=device) - 1
+    pos = torch.minimum(torch.arange(width, device=device)[None, :], last[:, None])
+    blocks = block_tables.gather(1, pos // block_size)
+    return blocks * block_size + pos % block_size

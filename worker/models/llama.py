@@ -1,0 +1,156 @@
+"""One decoder for Llama, Qwen2 and Mistral checkpoints, run over a flat ragged batch.
+
+Module and parameter names match the Hugging Face safetensors keys, so loading a
+checkpoint is a plain state-dict copy. Numerics follow transformers (RMSNorm in
+float32, rope tables in float32) so a float64 model matches a float64 Hugging Face
+model to rounding error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvstore.kv_tensors import PagedKVCache
+from worker.attention import get_attention_backend
+from worker.attention.metadata import AttentionMetadata
+from worker.models.config import ModelConfig
+from worker.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in float32 like transformers."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        # transformers casts to float32 for every dtype (a downcast for float64): we match it.
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Self-attention projections plus rope; the paged attention itself is the backend's."""
+
+    def __init__(self, config: ModelConfig, backend_cls: type) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_width, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
+        scale = self.head_dim**-0.5
+        self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.o_proj(self.attn.forward(q, k, v, k_cache, v_cache, meta))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: ModelConfig, backend_cls: type) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend_cls)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (the ``model.`` prefix of the checkpoint)."""
+
+    def __init__(self, config: ModelConfig, backend_cls: type) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend_cls) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM over one flat ragged batch (prefill chunks and decodes mixed)."""
+
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        backend_cls = get_attention_backend(attention_backend)
+        self.model = DecoderModel(config, backend_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    def tie_weights(self) -> None:
+        """Share the embedding table with the LM head if the config says so (again after moves)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, hidden]``.
+
+        Each token's K/V is written to the cache at ``meta.slot_mapping`` on the way.
+        Positions must be below ``config.max_position_embeddings``.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project ``hidden [N, hidden]`` to ``[N, vocab]`` logits."""
+        return self.lm_head(hidden)

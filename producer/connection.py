@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis
@@ -24,6 +25,7 @@ from producer.defaults import (
 )
 
 SCHEMES = ("redis", "rediss", "unix")
+T = TypeVar("T")
 
 # Errors worth retrying; redis-py's AuthenticationError is a ConnectionError but is never transient.
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
@@ -106,24 +108,57 @@ def _transient(error: Exception) -> bool:
     )
 
 
+class _Refused(Exception):
+    """Carries a non-transient error through Retry, which would otherwise retry it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class _TransientRetry(Retry):
     """A Retry that gives up at once on a refused password instead of backing off for seconds."""
 
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # noqa: ANN001
-        def retryable(error: Exception) -> bool:
-            return _transient(error) and (is_retryable is None or is_retryable(error))
+    # Wrapping ``do`` (not redis-py's newer is_retryable hook) works on every redis-py >= 5.
+    def call_with_retry(
+        self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> T:
+        def guarded() -> T:
+            try:
+                return do()
+            except TRANSIENT_ERRORS as error:
+                if _transient(error):
+                    raise
+                raise _Refused(error) from None
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        try:
+            return super().call_with_retry(guarded, fail, *args, **kwargs)
+        except _Refused as refused:
+            raise refused.error from None
 
 
 class _AsyncTransientRetry(redis.asyncio.retry.Retry):
     """The asyncio twin of :class:`_TransientRetry`."""
 
-    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # noqa: ANN001
-        def retryable(error: Exception) -> bool:
-            return _transient(error) and (is_retryable is None or is_retryable(error))
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: Callable[..., Awaitable[Any]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> T:
+        async def guarded() -> T:
+            try:
+                return await do()
+            except TRANSIENT_ERRORS as error:
+                if _transient(error):
+                    raise
+                raise _Refused(error) from None
 
-        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+        try:
+            return await super().call_with_retry(guarded, fail, *args, **kwargs)
+        except _Refused as refused:
+            raise refused.error from None
 
 
 def _backoff() -> ExponentialWithJitterBackoff:

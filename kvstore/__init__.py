@@ -4,6 +4,6 @@ Importing ``kvstore`` does not import torch; ``kvstore.kv_tensors`` does.
 """
 
 from kvstore.block_pool import BlockPool, OutOfBlocksError
-from kvstore.kv_manager import KVCacheManager, blocks_for
+from kvstore.kv_manager import KVCacheManager, PrefixHit, blocks_for
 
-__all__ = ["BlockPool", "KVCacheManager", "OutOfBlocksError", "blocks_for"]
+__all__ = ["BlockPool", "KVCacheManager", "OutOfBlocksError", "PrefixHit", "blocks_for"]

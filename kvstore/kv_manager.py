@@ -1,8 +1,12 @@
-"""Per-request block tables on top of the block pool: who holds which blocks."""
+"""Per-request block tables over the device pool, the prefix cache and the host swap tier."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from kvstore.block_pool import BlockPool
+from kvstore.prefix_hash import BlockHash, chain
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -10,41 +14,93 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a token sequence."""
+
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of every full block of the sequence (but its last token), hit or not.
+    hashes: list[BlockHash] = field(default_factory=list)
+    # The first block past the hit is being computed by a running request right now.
+    pending: bool = False
+    block_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+
 class KVCacheManager:
     """Maps each request to the ordered list of blocks that hold its KV.
 
     Position ``p`` of a request lives in slot ``p % block_size`` of block
-    ``table[p // block_size]``. Capacity only grows while a request runs and is
-    returned whole by ``free``.
+    ``table[p // block_size]``. Full blocks are registered in the prefix cache once
+    computed, so later requests with the same prefix share them. A swapped-out
+    request holds host blocks instead of device blocks.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, *, host_pool: BlockPool | None = None,
+                 enable_prefix_caching: bool = False, watermark_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
+        self.host_pool = host_pool
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # Admissions and swap-ins leave this many blocks free, so running requests can grow.
+        self.watermark_blocks = watermark_blocks
         self._tables: dict[str, list[int]] = {}
+        self._host_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        # Prefix blocks some running request is computing now: later requests wait for them.
+        self._computing: dict[BlockHash, str] = {}
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def holds(self, request_id: str) -> bool:
-        return request_id in self._tables
+        return request_id in self._tables or request_id in self._host_tables
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks still to allocate so the request can hold ``num_tokens`` tokens."""
         have = len(self._tables.get(request_id, ()))
         return max(0, blocks_for(num_tokens, self.block_size) - have)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new request could get blocks for its first ``num_tokens`` tokens."""
-        return self.pool.can_allocate(blocks_for(num_tokens, self.block_size))
+    # ----- admission and growth -----
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Give a new request blocks for its first ``num_tokens`` tokens."""
+    def prefix_lookup(self, tokens: list[int]) -> PrefixHit:
+        """Cached blocks covering the longest prefix of ``tokens``, leaving one token to compute."""
+        hit = PrefixHit(block_size=self.block_size)
+        if not self.enable_prefix_caching:
+            return hit
+        hit.hashes = chain(tokens[: len(tokens) - 1], self.block_size)
+        for h in hit.hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                hit.pending = h in self._computing
+                break
+            hit.block_ids.append(b)
+        return hit
+
+    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether a new request could get blocks for its first ``num_tokens`` tokens."""
+        reused = hit.block_ids if hit else []
+        revived = sum(1 for b in reused if self.pool.ref_count(b) == 0)
+        new = blocks_for(num_tokens, self.block_size) - len(reused)
+        return new + revived + self.watermark_blocks <= self.pool.num_free
+
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> list[int]:
+        """Give a new request the hit's cached blocks plus fresh ones up to ``num_tokens``."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        self._tables[request_id] = self.pool.allocate(blocks_for(num_tokens, self.block_size))
+        hit = hit or PrefixHit(block_size=self.block_size)
+        for b in hit.block_ids:
+            self.pool.share(b)
+        fresh = self.pool.allocate(blocks_for(num_tokens, self.block_size) - len(hit.block_ids))
+        self._tables[request_id] = hit.block_ids + fresh
+        self._hashes[request_id] = hit.hashes[: len(hit.block_ids)]
+        for h in hit.hashes[len(hit.block_ids) :]:
+            self._computing.setdefault(h, request_id)
         return self._tables[request_id]
 
     def can_append_slots(self, request_id: str, num_tokens: int) -> bool:
@@ -57,13 +113,74 @@ class KVCacheManager:
         self._tables.setdefault(request_id, []).extend(new)
         return new
 
+    def cache_computed(self, request_id: str, num_computed: int,
+                       tokens: Callable[[], list[int]]) -> None:
+        """Register the request's blocks that became full and computed (``tokens`` is lazy)."""
+        if not self.enable_prefix_caching:
+            return
+        known = self._hashes.setdefault(request_id, [])
+        full = num_computed // self.block_size
+        if full <= len(known):
+            return
+        table = self._tables[request_id]
+        parent = known[-1] if known else None
+        for i, h in enumerate(chain(tokens()[: full * self.block_size], self.block_size,
+                                    start=len(known), parent=parent), start=len(known)):
+            self.pool.register(table[i], h)
+            if self._computing.get(h) == request_id:
+                del self._computing[h]
+            known.append(h)
+
     def free(self, request_id: str) -> None:
-        """Give back every block of the request (a no-op for one that holds none)."""
+        """Give back every block of the request, device or host (no-op if it holds none)."""
         table = self._tables.pop(request_id, None)
         if table:
-            # Reverse order: the tail of a sequence is the least likely to be shared later.
+            # Reverse order: a sequence's tail is the least likely to be shared, so evict it first.
             self.pool.free(list(reversed(table)))
+        host = self._host_tables.pop(request_id, None)
+        if host and self.host_pool is not None:
+            self.host_pool.free(host)
+        self._forget_hashes(request_id)
 
     def slot(self, request_id: str, position: int) -> int:
         table = self._tables[request_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ----- host swap tier -----
+
+    def can_swap_out(self, request_id: str) -> bool:
+        n = len(self._tables.get(request_id, ()))
+        return self.host_pool is not None and n > 0 and self.host_pool.can_allocate(n)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request to host blocks; returns (device block, host block) copies to make."""
+        assert self.host_pool is not None
+        table = self._tables.pop(request_id)
+        host = self.host_pool.allocate(len(table))
+        self._host_tables[request_id] = host
+        self.pool.free(list(reversed(table)))
+        self._forget_hashes(request_id)
+        return list(zip(table, host, strict=True))
+
+    def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the swapped request fits back on the device with room for ``num_tokens``."""
+        n = max(len(self._host_tables[request_id]), blocks_for(num_tokens, self.block_size))
+        return n + self.watermark_blocks <= self.pool.num_free
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request back to device blocks; returns (host block, device block) copies."""
+        assert self.host_pool is not None
+        host = self._host_tables.pop(request_id)
+        device = self.pool.allocate(len(host))
+        self._tables[request_id] = device
+        self.host_pool.free(host)
+        return list(zip(host, device, strict=True))
+
+    def _forget_hashes(self, request_id: str) -> None:
+        for h in self._hashes.pop(request_id, ()):
+            if self._computing.get(h) == request_id:
+                del self._computing[h]
+        # Blocks it was still computing: nobody should wait for them any more.
+        stale = [h for h, rid in self._computing.items() if rid == request_id]
+        for h in stale:
+            del self._computing[h]

@@ -19,11 +19,18 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Longest sequence (prompt + output) a request may reach.
     max_model_len: int = 2048
+    # How a preempted request gives up its device KV: "auto" swaps to the host tier when
+    # it has room and the request has computed at least a block (less is cheaper to
+    # recompute), else recomputes; "swap" swaps whenever the host has room; "recompute" never swaps.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got "
+                             f"{self.preemption_mode!r}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -36,8 +36,12 @@ class SchedulerOutput:
 
     # One entry per scheduled request, decodes first, then prefill chunks.
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    # Requests preempted (KV dropped) during this step's scheduling.
+    # Requests preempted during this step's scheduling (swapped out or dropped).
     preempted_ids: list[str] = field(default_factory=list)
+    # KV copies the runner makes before the forward pass, swap-outs first:
+    # (device block, host block) pairs to save, then (host block, device block) to restore.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -45,7 +49,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing to compute and nothing to copy."""
+        return not (self.chunks or self.swap_out or self.swap_in)
 
 
 @dataclass
@@ -56,3 +61,5 @@ class RequestUpdate:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    # Prompt tokens served from the prefix cache (for usage).
+    num_cached_tokens: int = 0

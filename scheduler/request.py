@@ -14,7 +14,7 @@ class RequestStatus(Enum):
     WAITING = "waiting"  # queued, holds no KV
     RUNNING_CTX = "running_ctx"  # catching its KV up to its tokens (prefill, maybe in chunks)
     RUNNING_GEN = "running_gen"  # one new token a step
-    PREEMPTED = "preempted"  # evicted under memory pressure, KV dropped; waits to recompute
+    PREEMPTED = "preempted"  # evicted under memory pressure: KV swapped to host, or dropped
     FINISHED = "finished"
 
     @property
@@ -48,6 +48,11 @@ class Request:
     finish_reason: FinishReason | None = None
     # Times it was preempted; the engine's counters add these up.
     num_preemptions: int = 0
+    # How its KV left the device when preempted: "swap" (to host) or "recompute" (dropped).
+    preempted_by: str | None = None
+    # Prompt tokens whose KV came from the prefix cache at its first admission.
+    num_cached_tokens: int = 0
+    admitted_once: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +78,9 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def urgency_key(self) -> tuple[int, int]:
         """Sort key: smallest is served first."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 
 from kvstore import KVCacheManager
 from producer.completion import FinishReason
@@ -16,9 +17,10 @@ class Scheduler:
     """Builds each step under a token budget and applies the runner's results.
 
     Each step serves running decodes first, then running partial prefills, then
-    waiting requests by (priority, arrival). When a running request cannot get
-    its next block, the least urgent running request is preempted and will
-    recompute its KV later; a step that preempted admits nothing new.
+    swapped-out requests coming back, then waiting requests by (priority, arrival).
+    When a running request cannot get its next block, the least urgent running
+    request is preempted: swapped to the host tier or dropped for recompute. A step
+    that preempted brings nothing back and admits nothing new.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -26,11 +28,13 @@ class Scheduler:
         self.kv = kv
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
+        # Swapped-out requests, served before new admissions (most urgent first).
+        self.swapped: list[Request] = []
         # Heap of (priority, arrival, request); finished entries are skipped when popped.
         self._waiting: list[tuple[int, int, Request]] = []
         self._num_waiting = 0
         self._arrivals = itertools.count()
-        self.num_preemptions = 0
+        self.counters: Counter[str] = Counter()
 
     # ----- queue -----
 
@@ -50,7 +54,9 @@ class Scheduler:
             return None
         if req.status.running:
             self.running.remove(req)
-        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        elif req in self.swapped:
+            self.swapped.remove(req)
+        else:
             self._num_waiting -= 1  # its heap entry is dropped when it surfaces
         self._finish(req, reason)
         return req
@@ -63,6 +69,14 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters["preemptions_swap"] + self.counters["preemptions_recompute"]
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -71,8 +85,40 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks within the token budget."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
+        if not out.preempted_ids:
+            budget = self._swap_in(budget, scheduled, out)
+            self._admit_waiting(budget, scheduled)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Apply a step's results: advance progress, append sampled tokens, finish requests."""
+        updates = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or not req.status.running:
+                continue  # finished (e.g. cancelled) while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            req.output_token_ids.append(token)
+            req.status = RequestStatus.RUNNING_GEN
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            updates.append(RequestUpdate(req.request_id, [token], reason is not None,
+                                         reason and str(reason), req.num_cached_tokens))
+        return updates
+
+    # ----- the three sources of work -----
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
+                          out: SchedulerOutput) -> int:
         decodes = [r for r in self.running if r.status is RequestStatus.RUNNING_GEN]
         prefills = [r for r in self.running if r.status is RequestStatus.RUNNING_CTX]
         for req in decodes + prefills:
@@ -90,42 +136,58 @@ class Scheduler:
             self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
             scheduled[req.request_id] = self._chunk(req, n)
             budget -= n
-        if not out.preempted_ids:
-            budget = self._admit_waiting(budget, scheduled)
-        out.chunks = list(scheduled.values())
-        return out
+        return budget
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
-        """Apply a step's results: advance progress, append sampled tokens, finish requests."""
-        updates = []
-        for chunk in out.chunks:
-            req = self.requests.get(chunk.request_id)
-            if req is None or not req.status.running:
-                continue  # finished (e.g. cancelled) while the step ran
-            req.num_computed_tokens += chunk.num_tokens
-            if not chunk.sample:
+    def _swap_in(self, budget: int, scheduled: dict[str, ScheduledChunk],
+                 out: SchedulerOutput) -> int:
+        self.swapped.sort(key=Request.urgency_key)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = self._tokens_to_schedule(req, budget)
+            if n == 0 or not self.kv.can_swap_in(req.request_id, req.num_computed_tokens + n):
+                break  # the most urgent swapped request comes back first, or nobody does
+            self.swapped.pop(0)
+            out.swap_in += self.kv.swap_in(req.request_id)
+            self.counters["swapped_in_blocks"] += len(self.kv.block_table(req.request_id))
+            self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
+            req.status = (RequestStatus.RUNNING_GEN if req.num_uncomputed_tokens == 1
+                          else RequestStatus.RUNNING_CTX)
+            self.running.append(req)
+            scheduled[req.request_id] = self._chunk(req, n)
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        deferred = []
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._waiting[0][2]
+            if req.status is RequestStatus.FINISHED:
+                heapq.heappop(self._waiting)
                 continue
-            token = sampled[chunk.request_id]
-            req.output_token_ids.append(token)
-            req.status = RequestStatus.RUNNING_GEN
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            updates.append(
-                RequestUpdate(req.request_id, [token], reason is not None, reason and str(reason))
-            )
-        return updates
+            hit = self.kv.prefix_lookup(req.all_token_ids())
+            if hit.pending:
+                # Another running request is computing this prefix now: wait and share it.
+                deferred.append(heapq.heappop(self._waiting))
+                continue
+            req.num_computed_tokens = hit.num_tokens
+            n = self._tokens_to_schedule(req, budget)
+            # Head-of-line: a request that does not fit waits, and so does everyone behind it.
+            if n == 0 or not self.kv.can_allocate(hit.num_tokens + n, hit):
+                req.num_computed_tokens = 0
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            self.kv.allocate(req.request_id, hit.num_tokens + n, hit)
+            self._count_prefix_hit(req, hit.num_tokens)
+            req.status = RequestStatus.RUNNING_CTX
+            self.running.append(req)
+            scheduled[req.request_id] = self._chunk(req, n)
+            budget -= n
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
+        return budget
 
-    # ----- helpers -----
-
-    def _tokens_to_schedule(self, req: Request, budget: int) -> int:
-        n = req.num_uncomputed_tokens
-        if n <= 1:
-            return min(n, budget)
-        if not self.config.enable_chunked_prefill:
-            return n if n <= budget else 0
-        return min(n, budget, self.config.chunk_cap)
+    # ----- preemption -----
 
     def _make_room(
         self, req: Request, n: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput
@@ -138,32 +200,55 @@ class Scheduler:
         given_back = 0
         while not self.kv.can_append_slots(req.request_id, req.num_computed_tokens + n):
             victim = max(self.running, key=Request.urgency_key)
-            self._preempt(victim)
-            out.preempted_ids.append(victim.request_id)
             dropped = scheduled.pop(victim.request_id, None)
             given_back += dropped.num_tokens if dropped else 0
+            self._preempt(victim, out)
             if victim is req:
                 return False, given_back
         return True, given_back
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._waiting[0][2]
-            if req.status is RequestStatus.FINISHED:
-                heapq.heappop(self._waiting)
-                continue
-            n = self._tokens_to_schedule(req, budget)
-            # Head-of-line: a request that does not fit waits, and so does everyone behind it.
-            if n == 0 or not self.kv.can_allocate(req.num_computed_tokens + n):
-                break
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
-            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
-            req.status = RequestStatus.RUNNING_CTX
-            self.running.append(req)
-            scheduled[req.request_id] = self._chunk(req, n)
-            budget -= n
-        return budget
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the device: swap its KV to the host, or drop it."""
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        out.preempted_ids.append(req.request_id)
+        if self._should_swap(req):
+            pairs = self.kv.swap_out(req.request_id)
+            out.swap_out += pairs
+            req.preempted_by = "swap"
+            self.counters["preemptions_swap"] += 1
+            self.counters["swapped_out_blocks"] += len(pairs)
+            self.swapped.append(req)
+        else:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.preempted_by = "recompute"
+            self.counters["preemptions_recompute"] += 1
+            self._push_waiting(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(req.request_id):
+            return False
+        return mode == "swap" or req.num_computed_tokens >= self.kv.block_size
+
+    # ----- helpers -----
+
+    def _tokens_to_schedule(self, req: Request, budget: int) -> int:
+        n = req.num_uncomputed_tokens
+        if n <= 1:
+            return min(n, budget)
+        if not self.config.enable_chunked_prefill:
+            return n if n <= budget else 0
+        return min(n, budget, self.config.chunk_cap)
+
+    def _count_prefix_hit(self, req: Request, hit_tokens: int) -> None:
+        self.counters["prefix_cache_queries"] += req.num_tokens
+        self.counters["prefix_cache_hit_tokens"] += hit_tokens
+        if not req.admitted_once:
+            req.num_cached_tokens = min(hit_tokens, req.num_prompt_tokens)
+            req.admitted_once = True
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -175,16 +260,6 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             output_index=req.num_output_tokens,
         )
-
-    def _preempt(self, req: Request) -> None:
-        """Drop a running request's KV; it waits to recompute prompt + output so far."""
-        self.running.remove(req)
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._push_waiting(req)
 
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self._waiting, (req.priority, req.arrival, req))

@@ -23,6 +23,14 @@ class EngineConfig:
     # full-length sequences can use). A small fixed pool, not a share of RAM: on a CPU the
     # KV cache shares memory with everything else.
     kv_cache_memory_gib: float = 0.5
+    # Host swap tier in blocks; None sizes it from swap_space_gib (0 turns swapping off).
+    swap_blocks: int | None = None
+    # Host memory for swapped-out KV when swap_blocks is None (pinned on CUDA).
+    swap_space_gib: float = 0.5
+    # "auto" (swap when the host has room and it beats recomputing), "swap", "recompute".
+    preemption_mode: str = "auto"
+    # Share the KV of identical full prompt blocks between requests.
+    enable_prefix_caching: bool = True
     # Token budget of one step (prefill chunks plus one per decode).
     max_num_batched_tokens: int = 1024
     # Requests running at once.
@@ -56,6 +64,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.swap_blocks is not None and self.swap_blocks < 0:
+            raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got "
+                             f"{self.preemption_mode!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

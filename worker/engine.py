@@ -44,11 +44,20 @@ class Engine:
                                  mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
 
-        num_blocks = cfg.num_kv_blocks or self._blocks_from_budget()
-        self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, cfg.block_size,
-                                     mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        num_blocks = cfg.num_kv_blocks or self._blocks_for_gib(cfg.kv_cache_memory_gib, cap=True)
+        self.kv_cache = self._kv_tensors(num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, shuffle_seed=cfg.block_shuffle_seed)
-        self.kv = KVCacheManager(self.block_pool, cfg.block_size)
+        swap_blocks = (cfg.swap_blocks if cfg.swap_blocks is not None
+                       else self._blocks_for_gib(cfg.swap_space_gib, cap=False))
+        if cfg.preemption_mode == "recompute":
+            swap_blocks = 0
+        self.host_pool = BlockPool(swap_blocks) if swap_blocks else None
+        self.host_cache = (self._kv_tensors(swap_blocks, torch.device("cpu"),
+                                            pin=self.device.type == "cuda")
+                           if swap_blocks else None)
+        self.kv = KVCacheManager(self.block_pool, cfg.block_size, host_pool=self.host_pool,
+                                 enable_prefix_caching=cfg.enable_prefix_caching,
+                                 watermark_blocks=max(1, num_blocks // 100))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -56,10 +65,11 @@ class Engine:
                 max_prefill_chunk=cfg.max_prefill_chunk,
                 enable_chunked_prefill=cfg.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
+                preemption_mode=cfg.preemption_mode,
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
         self._outputs: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -135,6 +145,7 @@ class Engine:
         results = []
         for upd in self.scheduler.update(sched, tokens):
             state = self._outputs[upd.request_id]
+            state.num_cached_tokens = upd.num_cached_tokens
             state.add_tokens(upd.new_token_ids, logprobs.get(upd.request_id))
             reason = FinishReason(upd.finish_reason) if upd.finished else None
             if reason is None and state.hit_stop_string:
@@ -173,16 +184,28 @@ class Engine:
         return [done[i] for i in ids]
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges of this engine."""
+        """Counters (since start) and gauges (now) of this engine."""
+        c = self.scheduler.counters
         return {
             "steps": self.num_steps,
             "forwards": self.runner.num_forwards,
             "computed_tokens": self.runner.num_computed_tokens,
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
+            "swapped": self.scheduler.num_swapped,
             "kv_blocks_total": self.block_pool.num_blocks,
             "kv_blocks_used": self.block_pool.num_used,
+            "kv_blocks_cached": self.block_pool.num_cached,
+            "host_blocks_total": self.host_pool.num_blocks if self.host_pool else 0,
+            "host_blocks_used": self.host_pool.num_used if self.host_pool else 0,
             "preemptions": self.scheduler.num_preemptions,
+            "preemptions_swap": c["preemptions_swap"],
+            "preemptions_recompute": c["preemptions_recompute"],
+            "swapped_out_blocks": c["swapped_out_blocks"],
+            "swapped_in_blocks": c["swapped_in_blocks"],
+            "prefix_cache_queries": c["prefix_cache_queries"],
+            "prefix_cache_hit_tokens": c["prefix_cache_hit_tokens"],
+            "prefix_cache_evictions": self.block_pool.num_evictions,
         }
 
     # ----- helpers -----
@@ -192,7 +215,8 @@ class Engine:
         state = self._outputs.pop(request_id)
         state.finish_text()
         return StepOutput(request_id, new_ids, state.take_delta(final=True), True, reason,
-                          [logprob] if logprob else None, state.completion(reason))
+                          [logprob] if logprob else None,
+                          state.completion(reason, state.num_cached_tokens))
 
     def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         if params is None:
@@ -229,11 +253,18 @@ class Engine:
                 f"({self.block_pool.num_blocks} blocks of {self.config.block_size})"
             )
 
-    def _blocks_from_budget(self) -> int:
-        """Blocks that fit kv_cache_memory_gib, but no more than max_num_seqs full sequences use."""
+    def _kv_tensors(self, num_blocks: int, device: torch.device, pin: bool = False) -> PagedKVCache:
+        mc = self.model_config
+        return PagedKVCache(mc.num_hidden_layers, num_blocks, self.config.block_size,
+                            mc.num_key_value_heads, mc.head_dim, self.dtype, device, pin)
+
+    def _blocks_for_gib(self, gib: float, cap: bool) -> int:
+        """Blocks that fit ``gib``; with ``cap``, no more than max_num_seqs full sequences use."""
         mc = self.model_config
         per_block = PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.config.block_size,
                                                  mc.num_key_value_heads, mc.head_dim, self.dtype)
-        fits = int(self.config.kv_cache_memory_gib * 2**30) // per_block
+        fits = int(gib * 2**30) // per_block
+        if not cap:
+            return fits
         useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
         return max(1, min(fits, useful))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.kv_tensors import PagedKVCache
+from kvstore.kv_tensors import PagedKVCache, copy_blocks
 from producer.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
@@ -14,10 +14,14 @@ from worker.sampling import SampleRequest, Sampler
 class ModelRunner:
     """Turns a SchedulerOutput into one forward pass over the paged cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 host_cache: PagedKVCache | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.host_cache = host_cache
         self.device = device
+        # Swaps run on a side stream on CUDA so they overlap with whatever runs before them.
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.sampler = Sampler()
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
@@ -28,7 +32,10 @@ class ModelRunner:
         self, out: SchedulerOutput, rows: dict[str, SampleRequest]
     ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
         """Compute every chunk of the step; sample a token for each chunk that asks for one."""
+        self._swap(out)
         chunks = out.chunks
+        if not chunks:
+            return {}, {}
         ids: list[int] = []
         positions: list[int] = []
         for c in chunks:
@@ -59,3 +66,13 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, sample_rows)
         ids_out = [chunks[i].request_id for i in sampling]
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Save preempted KV to the host, then restore swapped-in KV, before the forward."""
+        if not (out.swap_out or out.swap_in):
+            return
+        assert self.host_cache is not None, "the scheduler swapped without a host tier"
+        copy_blocks(self.kv_cache, self.host_cache, out.swap_out, self.swap_stream)
+        copy_blocks(self.host_cache, self.kv_cache, out.swap_in, self.swap_stream)
+        if self.swap_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.swap_stream)

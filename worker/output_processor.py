@@ -38,6 +38,7 @@ class RequestOutputState:
     text: str = ""  # text so far, cut at a stop string once one is found
     emitted: int = 0  # characters of text already handed out
     hit_stop_string: bool = False
+    num_cached_tokens: int = 0
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,

@@ -1,0 +1,1 @@
+"""Benchmarks: the reference workloads and `conveyor bench`."""

@@ -161,3 +161,22 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
     assert len(c.token_ids) == 4 and c.text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         bare.add_request("text needs a tokenizer")
+
+
+def test_deadline_expires_a_waiting_and_a_running_request_keeping_their_tokens(engine):
+    import time
+
+    running = engine.add_request(prompt(10), SamplingParams(max_tokens=500, temperature=0,
+                                                            ignore_eos=True),
+                                 deadline=time.time() + 0.3)
+    late = engine.add_request(prompt(10), SamplingParams(max_tokens=5, temperature=0),
+                              deadline=time.time() - 1)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.completion
+    assert finals[late].finish_reason is FinishReason.EXPIRED and finals[late].token_ids == []
+    assert finals[running].finish_reason is FinishReason.EXPIRED
+    assert 0 < len(finals[running].token_ids) < 500
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
         self._outputs: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
+        self._deadlines: list[tuple[float, str]] = []
         self.num_steps = 0
 
     # ----- requests -----
@@ -84,12 +87,14 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         generated_token_ids: Sequence[int] = (),
+        deadline: float | None = None,
     ) -> str:
         """Queue a request; raises ValueError on bad input, leaving the engine untouched.
 
         ``generated_token_ids`` resumes a request whose first tokens were already
         produced (by a crashed worker or before a preemption): it continues
-        exactly as the uninterrupted request would have.
+        exactly as the uninterrupted request would have. ``deadline`` (unix seconds) ends
+        the request as ``expired`` at the first step after it, keeping what it produced.
         """
         params = self._params(params)
         request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
@@ -117,13 +122,16 @@ class Engine:
             state.take_delta(final=False)  # already delivered by whoever produced them
         self.scheduler.add_request(req)
         self._outputs[request_id] = state
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, request_id))
         return request_id
 
-    def abort(self, request_id: str) -> StepOutput | None:
-        """Cancel a request now; returns its final output, or None if it is unknown."""
-        if self.scheduler.finish_request(request_id, FinishReason.CANCELLED) is None:
+    def abort(self, request_id: str,
+              reason: FinishReason = FinishReason.CANCELLED) -> StepOutput | None:
+        """End a request now; returns its final output, or None if it is unknown."""
+        if self.scheduler.finish_request(request_id, reason) is None:
             return None
-        return self._final_output(request_id, [], FinishReason.CANCELLED)
+        return self._final_output(request_id, [], reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -132,9 +140,10 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward, sample; returns what each advanced request gained."""
+        expired = self._expire_overdue()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return expired
         rows = {
             c.request_id: SampleRequest(self._outputs[c.request_id].params,
                                         self._outputs[c.request_id].seed, c.output_index)
@@ -159,7 +168,7 @@ class Engine:
                 results.append(StepOutput(upd.request_id, upd.new_token_ids,
                                           state.take_delta(final=False),
                                           logprobs=[lp] if lp else None))
-        return results
+        return expired + results
 
     def generate(
         self,
@@ -209,6 +218,16 @@ class Engine:
         }
 
     # ----- helpers -----
+
+    def _expire_overdue(self) -> list[StepOutput]:
+        """Finish requests whose deadline has passed, before or during generation."""
+        outs = []
+        now = time.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if (out := self.abort(rid, FinishReason.EXPIRED)) is not None:
+                outs.append(out)
+        return outs
 
     def _final_output(self, request_id: str, new_ids: list[int], reason: FinishReason,
                       logprob: Any = None) -> StepOutput:

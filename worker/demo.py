@@ -49,7 +49,7 @@ def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path, timeout: 
 def _prompts(rng: random.Random, num_questions: int) -> list[tuple[str, int]]:
     questions = [(f"Tell me about {rng.choice(_TOPICS)}.", 48) for _ in range(num_questions)]
     document = " ".join(f"Chapter {i}: notes on {rng.choice(_TOPICS)} and {rng.choice(_TOPICS)}."
-                        for i in range(220))
+                        for i in range(90))
     return questions + [("Summarise this document. " + document, 64)]
 
 
@@ -101,6 +101,7 @@ def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
         view = LiveView(names, [m for _, m in work])
         produced, done = [0] * len(ids), [False] * len(ids)
         texts = [""] * len(ids)
+        errors: list[str] = []
         first: dict[int, float] = {}
         for rid, event in client.follow_many(ids, timeout=600):
             i = index[rid]
@@ -112,6 +113,7 @@ def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
                 done[i] = True
                 if event.error:
                     texts[i] = f"error: {event.error}"
+                    errors.append(f"{names[i]}: {event.error}")
             view.draw(produced, done, texts, time.perf_counter() - start)
         elapsed = time.perf_counter() - start
     finally:
@@ -120,10 +122,12 @@ def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
         client.close()
     total = sum(produced)
     ttfts = list(first.values())
-    summary = {"requests": len(ids), "tokens": total, "seconds": elapsed,
+    for line in errors:
+        print(f"failed: {line}")
+    summary = {"requests": len(ids), "failed": len(errors), "tokens": total, "seconds": elapsed,
                "tokens_per_s": total / elapsed, "ttft_p50_s": _percentile(ttfts, 0.5),
                "ttft_p99_s": _percentile(ttfts, 0.99)}
-    print(f"\n{len(ids)} requests, {total} tokens in {elapsed:.1f} s: "
+    print(f"\n{len(ids)} requests ({len(errors)} failed), {total} tokens in {elapsed:.1f} s: "
           f"{summary['tokens_per_s']:.0f} tokens/s; TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms,"
           f" p99 {summary['ttft_p99_s'] * 1000:.0f} ms")
     return summary

@@ -12,22 +12,26 @@ MODEL = "tiny"
 
 @pytest.fixture
 def start_worker(redis_url, tiny_llama):
-    """start_worker(**engine_settings) -> a started Worker; all are stopped after the test."""
+    """start_worker(**engine_settings) -> a started Worker (autostart=False: built, not started);
+    all are stopped after the test."""
     workers: list[Worker] = []
 
-    def start(worker_id: str | None = None, prefetch: int = 8, **engine) -> Worker:
+    def start(worker_id: str | None = None, prefetch: int = 8, metrics_port: int | None = None,
+              autostart: bool = True, **engine) -> Worker:
         settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
         config = WorkerConfig(
             model_dir=tiny_llama, served_model_name=MODEL, redis_url=redis_url,
             worker_id=worker_id or f"w{len(workers)}", engine=settings, prefetch=prefetch,
-            read_block_ms=100, heartbeat_interval_s=0.5,
+            read_block_ms=100, heartbeat_interval_s=0.5, metrics_port=metrics_port,
+            metrics_host="127.0.0.1", queue_poll_interval_s=0.2,
         )
         worker = Worker(config)
-        worker.start()
+        if autostart:
+            worker.start()
         workers.append(worker)
         return worker
 
     yield start
     for w in workers:
-        if w.state != "stopped":
+        if w.state not in ("stopped", "starting"):
             w.stop(drain_timeout_s=10)

@@ -78,8 +78,11 @@ def test_two_workers_share_64_queued_requests(redis_url, start_worker):
     client = Client(redis_url)
     ids = [client.submit(prompt(10, seed=i), model=MODEL, max_tokens=16, temperature=0,
                          ignore_eos=True) for i in range(64)]
-    a = start_worker("a", max_num_seqs=16)
-    b = start_worker("b", max_num_seqs=16)
+    # Both load their model first, then start together, as long-running workers would be.
+    a = start_worker("a", max_num_seqs=16, autostart=False)
+    b = start_worker("b", max_num_seqs=16, autostart=False)
+    a.start()
+    b.start()
     results = [client.result(i, timeout=120) for i in ids]
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     assert a.loop.tokens_generated > 0 and b.loop.tokens_generated > 0

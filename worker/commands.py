@@ -1,4 +1,4 @@
-"""Worker-side CLI verbs: make-model, generate, demo. Imported only when one of them runs."""
+"""Worker-side CLI verbs (make-model, generate, worker, demo, bench); imported when one runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ def make_model_cmd(args: argparse.Namespace) -> int:
     from worker.modelgen import make_model
 
     out = Path(args.dir) if args.dir else default_model_dir(args.preset)
+    if args.exist_ok and (out / "config.json").is_file():
+        print(out)
+        return 0
     if out.exists() and any(out.iterdir()):
         if not args.force:
             raise FileExistsError(f"{out} exists and is not empty (use --force to overwrite)")
@@ -60,9 +63,15 @@ def worker_cmd(args: argparse.Namespace) -> int:
         engine["num_kv_blocks"] = args.num_kv_blocks
     if args.threads:
         engine["num_threads"] = args.threads
+    if not args.chunked_prefill:
+        engine["enable_chunked_prefill"] = False
+    if args.max_prefill_chunk:
+        engine["max_prefill_chunk"] = args.max_prefill_chunk
     config = WorkerConfig(model_dir=ensure_model(args.model), served_model_name=args.served_model_name,
                           redis_url=args.redis, namespace=args.namespace,
-                          engine=engine, drain_timeout_s=args.drain_timeout)
+                          engine=engine, drain_timeout_s=args.drain_timeout,
+                          heartbeat_interval_s=args.heartbeat_interval,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     if args.worker_id:
         config.worker_id = args.worker_id
     return Worker(config).run_until_signalled()
@@ -79,3 +88,9 @@ def demo_cmd(args: argparse.Namespace) -> int:
         print("the embedded Redis keeps running for later commands; stop it with "
               "`conveyor redis stop`")
     return 0
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    from worker.bench.cli import bench_cmd as run_bench
+
+    return run_bench(args)

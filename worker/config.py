@@ -48,6 +48,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # torch intra-op threads for this process; None leaves torch's default.
     num_threads: int | None = None
+    # Detokenize and apply stop strings in the engine. The fleet worker turns this off and
+    # does both on its publisher thread, off the engine loop.
+    detokenize: bool = True
     # Hand out KV blocks in a scrambled order (tests use it to prove order never matters).
     block_shuffle_seed: int | None = None
 

@@ -116,7 +116,8 @@ class Engine:
             output_token_ids=list(generated),
         )
         seed = params.seed if params.seed is not None else fresh_seed()
-        state = RequestOutputState.create(request_id, params, seed, len(prompt_ids), self.tokenizer)
+        state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
+                                          self.tokenizer if self.config.detokenize else None)
         if generated:
             state.add_tokens(generated, None)
             state.take_delta(final=False)  # already delivered by whoever produced them

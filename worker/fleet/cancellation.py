@@ -10,6 +10,7 @@ import redis
 import structlog
 
 from producer.keys import Keys
+from producer.logging import bind_thread_context
 
 log = structlog.get_logger(__name__)
 
@@ -17,8 +18,10 @@ log = structlog.get_logger(__name__)
 class CancelListener(threading.Thread):
     """Subscribes to the cancel channel and forwards each id to ``on_cancel``."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, on_cancel: Callable[[str], None]) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, on_cancel: Callable[[str], None],
+                 worker_id: str = "") -> None:
         super().__init__(name="cancel-listener", daemon=True)
+        self.worker_id = worker_id
         self.client = client
         self.keys = keys
         self.on_cancel = on_cancel
@@ -26,6 +29,7 @@ class CancelListener(threading.Thread):
         self.subscribed = threading.Event()
 
     def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
         while not self.stopping.is_set():
             try:
                 self._listen()

@@ -37,6 +37,13 @@ class WorkerConfig:
     heartbeat_interval_s: float = 2.0
     # On SIGTERM, how long in-flight requests may take to finish.
     drain_timeout_s: float = 30.0
+    # Serve Prometheus metrics on this port (0: any free port, see Worker.metrics_port);
+    # None: not served.
+    metrics_port: int | None = None
+    # Address the metrics server binds (all interfaces: Prometheus scrapes from elsewhere).
+    metrics_host: str = "0.0.0.0"
+    # How often the lane depth and pending gauges are read from Redis while metrics are served.
+    queue_poll_interval_s: float = 2.0
 
     @property
     def model_name(self) -> str:

@@ -9,11 +9,13 @@ import time
 import structlog
 
 from producer.completion import FinishReason
-from producer.protocol import FinalEntry, OutputChunk
+from producer.logging import bind_thread_context
+from producer.protocol import FinalEntry, OutputChunk, now_ms
 from worker.engine import Engine
-from worker.fleet.inflight import InflightTable
+from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
+from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
 
 log = structlog.get_logger(__name__)
@@ -23,12 +25,14 @@ class EngineLoop(threading.Thread):
     """Runs the engine continuously; never waits on Redis (the publisher does)."""
 
     def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
-                 publisher: Publisher) -> None:
+                 publisher: Publisher, metrics: WorkerMetrics, worker_id: str) -> None:
         super().__init__(name="engine-loop", daemon=True)
         self.engine = engine
         self.inflight = inflight
         self.inbox = inbox
         self.publisher = publisher
+        self.metrics = metrics
+        self.worker_id = worker_id
         self.stopping = threading.Event()
         self._cancel_lock = threading.Lock()
         self._cancels: set[str] = set()
@@ -41,12 +45,13 @@ class EngineLoop(threading.Thread):
             self._cancels.add(request_id)
 
     def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
         try:
             while not self.stopping.is_set():
                 self._admit(block=not self.engine.has_unfinished())
                 self._apply_cancels()
                 if self.engine.has_unfinished():
-                    self._publish(self.engine.step())
+                    self._publish(self._step())
         except BaseException as exc:  # a bug in the engine: let the process die loudly
             self.error = exc
             log.exception("engine loop crashed")
@@ -66,21 +71,44 @@ class EngineLoop(threading.Thread):
         for adm in pending:
             self._add(adm)
 
+    def _step(self) -> list[StepOutput]:
+        before = self.engine.stats()["computed_tokens"]
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        tokens = self.engine.stats()["computed_tokens"] - before
+        if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
+            self.metrics.step_done(elapsed, tokens)
+        return outputs
+
     def _add(self, adm: Admission) -> None:
         req = adm.request
+        # Queue wait is on the producer's clock: Redis stream, worker inbox, until now.
+        wait_s = max(0.0, (now_ms() - req.created_ms) / 1000)
         with self._cancel_lock:
             cancelled = req.request_id in self._cancels
             self._cancels.discard(req.request_id)
         if cancelled:
+            log.info("request cancelled before it started", request_id=req.request_id)
+            self.metrics.request_finished(str(FinishReason.CANCELLED), wait_s, 0)
             self._finish_unstarted(adm, FinalEntry(str(FinishReason.CANCELLED), 0))
             return
+        entry = self.inflight.get(req.request_id)
+        if entry is not None:
+            entry.created = time.monotonic() - wait_s
         try:
             self.engine.add_request(adm.prompt_token_ids, req.params, request_id=req.request_id,
                                     priority=req.priority)
         except ValueError as exc:
+            log.warning("request rejected", request_id=req.request_id, reason=str(exc))
+            self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
             self.inflight.remove(req.request_id)
             self.publisher.publish([Rejection(adm.stream, adm.entry_id, str(exc),
                                               req.request_id)])
+            return
+        self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
+        log.debug("request admitted", request_id=req.request_id, lane=req.lane,
+                  prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         self.inflight.remove(adm.request.request_id)
@@ -101,6 +129,7 @@ class EngineLoop(threading.Thread):
     def _publish(self, outputs: list[StepOutput]) -> None:
         items = []
         now = time.monotonic()
+        generated = 0
         for out in outputs:
             entry = self.inflight.get(out.request_id)
             if entry is None:
@@ -109,8 +138,8 @@ class EngineLoop(threading.Thread):
             if out.new_token_ids:
                 chunk = OutputChunk(entry.next_index, list(out.new_token_ids), out.text_delta)
                 entry.next_index += len(out.new_token_ids)
-                entry.first_token = entry.first_token or now
-                self.tokens_generated += len(out.new_token_ids)
+                self._time_tokens(entry, now, len(out.new_token_ids))
+                generated += len(out.new_token_ids)
             final = ack = None
             if out.finished:
                 usage = out.completion.usage if out.completion else None
@@ -124,5 +153,29 @@ class EngineLoop(threading.Thread):
                 )
                 ack = (entry.stream, entry.entry_id)
                 self.inflight.remove(out.request_id)
+                self._finished(entry, final, now)
             items.append(Publication(out.request_id, chunk, final, ack))
         self.publisher.publish(items)
+        if generated:
+            self.tokens_generated += generated
+            self.metrics.tokens_generated(generated)
+
+    def _time_tokens(self, entry: InflightRequest, now: float, num_tokens: int) -> None:
+        if entry.first_token is None:
+            entry.first_token = now
+            self.metrics.first_token(now - (entry.created or entry.received))
+        else:
+            self.metrics.token_gap((now - (entry.last_token or now)) / num_tokens, num_tokens)
+        entry.last_token = now
+
+    def _finished(self, entry: InflightRequest, final: FinalEntry, now: float) -> None:
+        created = entry.created or entry.received
+        usage = final.usage or {}
+        self.metrics.request_finished(final.finish_reason, now - created,
+                                      usage.get("cached_tokens", 0))
+        ttft = None if entry.first_token is None else round((entry.first_token - created) * 1000, 1)
+        log.info("request finished", request_id=entry.request_id,
+                 finish_reason=final.finish_reason, prompt_tokens=entry.num_prompt_tokens,
+                 completion_tokens=usage.get("completion_tokens"),
+                 cached_tokens=usage.get("cached_tokens", 0), ttft_ms=ttft,
+                 e2e_ms=round((now - created) * 1000, 1))

@@ -12,6 +12,7 @@ import redis
 import structlog
 
 from producer.keys import Keys
+from producer.logging import bind_thread_context
 from producer.protocol import now_ms
 
 log = structlog.get_logger(__name__)
@@ -27,6 +28,7 @@ class Heartbeat(threading.Thread):
         self.key = keys.worker(worker_id)
         self.interval_s = interval_s
         self.status = status
+        self.worker_id = worker_id
         self.stopping = threading.Event()
         self.static = {"worker_id": worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_ms": now_ms()}
@@ -39,6 +41,7 @@ class Heartbeat(threading.Thread):
         pipe.execute()
 
     def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
         while not self.stopping.wait(self.interval_s):
             try:
                 self.beat()

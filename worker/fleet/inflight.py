@@ -18,7 +18,10 @@ class InflightRequest:
     # Token index of the next token to publish.
     next_index: int = 0
     received: float = field(default_factory=time.monotonic)
+    # When the producer created it (its created_ms on this clock); set at admission.
+    created: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
 
 
 class InflightTable:

@@ -12,6 +12,7 @@ import redis
 import structlog
 
 from producer.keys import GROUP, LANES, Keys
+from producer.logging import bind_thread_context
 from producer.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.inflight import InflightRequest, InflightTable
@@ -74,6 +75,7 @@ class Intake(threading.Thread):
         self.num_read = 0
 
     def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
         ensure_groups(self.client, self.streams)
         while not self.stopping.is_set():
             room = self.inflight.room()

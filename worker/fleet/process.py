@@ -22,6 +22,7 @@ from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake
 from worker.fleet.publisher import Publisher
 from worker.fleet.registration import register_model
+from worker.metrics import QueuePoller, WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -38,44 +39,68 @@ class Worker:
         self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
         self.inbox: queue.Queue[Admission] = queue.Queue()
         self.publisher = Publisher(self.client, self.keys, config.worker_id, config.output_ttl_s)
-        self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher)
+        self.metrics = WorkerMetrics(self.model, config.worker_id, self.engine.stats)
+        self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
+                               self.metrics, config.worker_id)
         self.intake = Intake(self.client, self.keys, self.model, config.worker_id, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel)
-        self.cancels = CancelListener(self.client, self.keys, self.loop.cancel)
+        self.cancels = CancelListener(self.client, self.keys, self.loop.cancel, config.worker_id)
+        self.queue_poller = QueuePoller(self.client, self.keys, self.model, config.worker_id,
+                                        self.metrics, config.queue_poll_interval_s)
+        # The port /metrics is served on once started (None: not served).
+        self.metrics_port: int | None = None
         self.heartbeat = Heartbeat(self.client, self.keys, config.worker_id,
                                    config.heartbeat_interval_s, self.status)
         self.state = "starting"
         self._started = time.monotonic()
+        # (time, tokens generated) where the current tokens-per-second window began.
+        self._rate_mark = (self._started, 0)
         self._stopped = threading.Event()
 
     def status(self) -> dict[str, Any]:
         """Load and progress, for the heartbeat and `conveyor top`."""
         stats = self.engine.stats()
-        elapsed = max(1e-9, time.monotonic() - self._started)
         return {
             "status": self.state,
             "model": self.model,
             "running": stats["running"],
             "waiting": stats["waiting"],
+            "swapped": stats.get("swapped", 0),
             "inflight": len(self.inflight),
             "kv_blocks_used": stats["kv_blocks_used"],
             "kv_blocks_total": stats["kv_blocks_total"],
             "tokens_generated": self.loop.tokens_generated,
-            "tokens_per_s": round(self.loop.tokens_generated / elapsed, 1),
+            "tokens_per_s": self._tokens_per_s(),
             "steps": stats["steps"],
+            "preemptions": stats.get("preemptions", 0),
+            "metrics_port": self.metrics_port or "",
         }
+
+    def _tokens_per_s(self) -> float:
+        """Generation rate since the previous call at least a second ago (a heartbeat)."""
+        now, tokens = time.monotonic(), self.loop.tokens_generated
+        mark_t, mark_n = self._rate_mark
+        rate = (tokens - mark_n) / max(1e-9, now - mark_t)
+        if now - mark_t >= 1.0:
+            self._rate_mark = (now, tokens)
+        return round(rate, 1)
 
     def start(self) -> None:
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port,
+                                                   self.config.metrics_host)
+            self.queue_poller.start()
         self.state = "serving"
         self.heartbeat.beat()
         for thread in (self.publisher, self.loop, self.cancels, self.intake, self.heartbeat):
             thread.start()
         self.cancels.subscribed.wait(timeout=5)
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
-                 redis=describe(self.config.redis_url) if self.config.redis_url else "embedded")
+                 redis=describe(self.config.redis_url) if self.config.redis_url else "embedded",
+                 metrics_port=self.metrics_port)
 
     def stop(self, drain_timeout_s: float | None = None) -> bool:
         """Stop reading, let in-flight requests finish (up to the drain timeout), then stop.
@@ -91,10 +116,12 @@ class Worker:
         self.loop.stopping.set()
         self.loop.join()
         self.publisher.close()
-        for thread in (self.cancels, self.heartbeat):
+        for thread in (self.cancels, self.heartbeat, self.queue_poller):
             thread.stopping.set()
-            thread.join()
+            if thread.is_alive():
+                thread.join()
         self.heartbeat.clear()
+        self.metrics.close()
         self.state = "stopped"
         self._stopped.set()
         log.info("worker stopped", worker_id=self.config.worker_id, drained=drained)

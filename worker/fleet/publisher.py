@@ -11,6 +11,7 @@ import redis
 import structlog
 
 from producer.keys import GROUP, Keys
+from producer.logging import bind_thread_context
 from producer.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 
 log = structlog.get_logger(__name__)
@@ -65,6 +66,7 @@ class Publisher(threading.Thread):
         self.join()
 
     def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
         done = False
         while not done:
             batch = self._queue.get()

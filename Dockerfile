@@ -1,0 +1,26 @@
+# A conveyor worker image (CPU): `docker compose up` uses it for the make-model and worker
+# services. Every `conveyor` verb works: `docker run IMAGE worker --model ... --redis ...`.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# The CPU build of torch first, from PyTorch's CPU wheel index: the default wheel brings CUDA
+# (gigabytes). Installing conveyor afterwards keeps it, since it satisfies torch>=2.4.
+RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+
+COPY pyproject.toml README.md ./
+COPY producer ./producer
+COPY worker ./worker
+COPY scheduler ./scheduler
+COPY kvstore ./kvstore
+RUN pip install ".[worker]"
+
+# Prometheus metrics, when a worker runs with --metrics-port 9400 (docker-compose.yml does).
+EXPOSE 9400
+
+ENTRYPOINT ["conveyor"]
+CMD ["--help"]

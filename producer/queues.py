@@ -1,0 +1,60 @@
+"""How full each request lane is: read by `conveyor top` and the workers' metrics poller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from producer.keys import GROUP, LANES, Keys
+
+# Redis < 7 reports no consumer-group lag: we count undelivered entries instead, up to this many
+# (request streams are not trimmed, so XLEN counts served requests too).
+DEPTH_SCAN_CAP = 1000
+
+
+@dataclass(frozen=True)
+class LaneStats:
+    """One request stream (a model's lane) as its consumer group sees it."""
+
+    model: str
+    lane: str
+    # Entries not yet read by any worker (the group's lag); a lower bound when capped.
+    depth: int
+    # Entries read by a worker and not yet acknowledged (being served, or stranded).
+    pending: int
+    # Workers that ever read from this lane (consumers of the group).
+    consumers: int
+    # Entries in the stream, served ones included.
+    length: int
+
+
+def lane_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:
+    """Depth, pending and consumers of each of ``model``'s lanes; zeros for a missing stream."""
+    return [_one_lane(client, keys.requests(model, lane), model, lane) for lane in LANES]
+
+
+def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneStats:
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+    length, groups = pipe.execute(raise_on_error=False)
+    if isinstance(length, Exception) or isinstance(groups, Exception):  # no such stream yet
+        return LaneStats(model, lane, 0, 0, 0, 0 if isinstance(length, Exception) else length)
+    group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
+    if group is None:  # no worker has read this lane yet: everything in it waits
+        return LaneStats(model, lane, min(length, DEPTH_SCAN_CAP), 0, 0, length)
+    lag = group.get("lag")
+    depth = lag if isinstance(lag, int) else _count_after(client, stream,
+                                                          _text(group["last-delivered-id"]))
+    return LaneStats(model, lane, depth, int(group.get("pending") or 0),
+                     int(group.get("consumers") or 0), length)
+
+
+def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
+    """Entries after the group's last delivered id (Redis < 7, or lag unknown after deletions)."""
+    return len(client.xrange(stream, min=f"({last_delivered}", count=DEPTH_SCAN_CAP))
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,170 @@
+"""`conveyor top`: a live terminal view of the fleet, read from Redis (no torch, no worker).
+
+Workers come from their heartbeat hashes (``{ns}:worker:*``), lanes from each model's
+request streams and consumer group; one frame is one snapshot of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from producer.cli_redis import add_redis_url_option
+from producer.client import Client
+from producer.connection import describe
+from producer.protocol import now_ms
+from producer.queues import LaneStats, lane_stats
+
+DEFAULT_INTERVAL_S = 1.0
+# Home the cursor and clear the screen: each frame redraws in place on a terminal.
+_CLEAR = "\x1b[H\x1b[J"
+
+
+@dataclass
+class FleetSnapshot:
+    """What `top` shows in one frame."""
+
+    taken_ms: int
+    # One dict per live worker: its heartbeat hash, decoded to str values.
+    workers: list[dict[str, str]] = field(default_factory=list)
+    lanes: list[LaneStats] = field(default_factory=list)
+
+
+def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``top`` verb to the ``conveyor`` command."""
+    p = subparsers.add_parser(
+        "top", help="live view of the fleet: workers, lanes, load",
+        description="Workers (from their heartbeats) with running / waiting / KV use / tokens "
+        "per second, and each model's lanes with the requests waiting and pending.")
+    add_redis_url_option(p)
+    p.add_argument("--namespace", metavar="NS", default="conveyor")
+    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+                   help=f"seconds between frames (default: {DEFAULT_INTERVAL_S})")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    return p
+
+
+def run_top_cmd(args: argparse.Namespace) -> int:
+    """Draw frames until Ctrl-C (or one with ``--once``); the exit status."""
+    where = describe(args.redis) if args.redis else "embedded"
+    live = not args.once and sys.stdout.isatty()
+    try:
+        with Client(args.redis, args.namespace) as client:
+            while True:
+                try:
+                    frame = render(take_snapshot(client), where, client.keys.ns)
+                except redis.ConnectionError as exc:
+                    if args.once:
+                        print(f"conveyor top: cannot reach Redis: {exc}", file=sys.stderr)
+                        return 1
+                    frame = f"conveyor top  {where}: cannot reach Redis ({exc}); retrying"
+                sys.stdout.write((_CLEAR if live else "") + frame + "\n")
+                sys.stdout.flush()
+                if args.once:
+                    return 0
+                time.sleep(args.interval)
+                if not live:
+                    print()
+    except KeyboardInterrupt:
+        return 0
+
+
+def take_snapshot(client: Client) -> FleetSnapshot:
+    """Every live worker's heartbeat, and the lanes of every model that is registered, served
+    or has a request stream (requests may wait for a model no worker serves)."""
+    conn, keys = client.redis, client.keys
+    worker_keys, models = [], set()
+    # One SCAN for all three kinds of key: SCAN walks the whole keyspace whatever it matches.
+    for key in conn.scan_iter(match=f"{keys.ns}:*", count=1000):
+        kind, _, rest = _text(key)[len(keys.ns) + 1:].partition(":")
+        if kind == "worker":
+            worker_keys.append(key)
+        elif kind == "model":
+            models.add(rest)
+        elif kind == "req":  # {ns}:req:{model}:{lane}
+            models.add(rest.rpartition(":")[0])
+    workers = read_workers(conn, worker_keys)
+    models |= {w["model"] for w in workers if w.get("model")}
+    lanes = [s for model in sorted(models) for s in lane_stats(conn, keys, model)]
+    return FleetSnapshot(now_ms(), workers, lanes)
+
+
+def read_workers(conn: redis.Redis, worker_keys: list[bytes]) -> list[dict[str, str]]:
+    """The heartbeat hashes behind these keys, sorted by worker id."""
+    pipe = conn.pipeline(transaction=False)
+    for key in worker_keys:
+        pipe.hgetall(key)
+    workers = []
+    for raw in pipe.execute():
+        if raw:  # expired between SCAN and HGETALL
+            workers.append({_text(k): _text(v) for k, v in raw.items()})
+    return sorted(workers, key=lambda w: w.get("worker_id", ""))
+
+
+def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") -> str:
+    """One frame as text: a summary line, the lanes table, the workers table."""
+    ws = snap.workers
+    clock = time.strftime("%H:%M:%S", time.localtime(snap.taken_ms / 1000))
+    summary = (f"conveyor top  {where}  ns={namespace}  {clock}  workers {len(ws)}  "
+               f"running {_sum(ws, 'running')}  waiting {_sum(ws, 'waiting')}  "
+               f"queued {sum(s.depth for s in snap.lanes)}  "
+               f"tokens/s {sum(_float(w, 'tokens_per_s') for w in ws):.1f}")
+    lanes = _table(["model", "lane", "queued", "pending", "consumers", "length"],
+                   [[s.model, s.lane, s.depth, s.pending, s.consumers, s.length]
+                    for s in snap.lanes]) if snap.lanes else ["(no models registered)"]
+    rows = [[w.get("worker_id", "?"), w.get("model", "?"), w.get("status", "?"),
+             w.get("running", "0"), w.get("waiting", "0"), w.get("swapped", "0"),
+             w.get("inflight", "0"), _kv(w), f"{_float(w, 'tokens_per_s'):.1f}",
+             w.get("tokens_generated", "0"), _age(snap.taken_ms, w)] for w in ws]
+    workers = _table(["worker", "model", "status", "running", "waiting", "swapped", "inflight",
+                      "kv used", "tokens/s", "tokens", "seen"], rows) if ws else [
+        "(no live workers)"]
+    return "\n".join([summary, "", "LANES", *lanes, "", "WORKERS", *workers])
+
+
+def _table(headers: Sequence[str], rows: list[list[object]]) -> list[str]:
+    """Columns padded to their widest cell; text left-aligned, numbers right-aligned."""
+    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_number(r[i]) for r in cells[1:]) for i in range(len(headers))]
+    return ["  ".join(c.rjust(w) if num else c.ljust(w)
+                      for c, w, num in zip(r, widths, numeric, strict=True)).rstrip()
+            for r in cells]
+
+
+def _kv(w: dict[str, str]) -> str:
+    used, total = int(_float(w, "kv_blocks_used")), int(_float(w, "kv_blocks_total"))
+    return f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
+
+
+def _age(now: int, w: dict[str, str]) -> str:
+    updated = _float(w, "updated_ms")
+    return f"{max(0.0, (now - updated) / 1000):.1f}s ago" if updated else "-"
+
+
+def _sum(workers: list[dict[str, str]], key: str) -> int:
+    return sum(int(_float(w, key)) for w in workers)
+
+
+def _float(w: dict[str, str], key: str) -> float:
+    try:
+        return float(w.get(key) or 0)
+    except ValueError:
+        return 0.0
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,68 @@
+"""`conveyor top --once`: one frame of the fleet, read from a real Redis and live workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from fleet_fixtures import MODEL
+
+from producer.cli import build_parser
+from producer.client import Client
+from producer.top import run_top_cmd
+
+
+def frame(redis_url: str, capsys) -> str:
+    assert run_top_cmd(build_parser().parse_args(["top", "--once", "--redis", redis_url])) == 0
+    return capsys.readouterr().out
+
+
+def row(text: str, *first: str) -> list[str]:
+    """The table row whose first cells are ``first``."""
+    for line in text.splitlines():
+        cells = line.split()
+        if cells[:len(first)] == list(first):
+            return cells
+    raise AssertionError(f"no row {first} in:\n{text}")
+
+
+def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url, start_worker,
+                                                                      capsys):
+    client = Client(redis_url)
+    ids = [client.submit([1, 2, 3], model=MODEL, max_tokens=4, ignore_eos=True)
+           for _ in range(3)]
+    client.submit([1, 2, 3], model="nobody-serves-me", lane="batch", max_tokens=4)
+
+    before = frame(redis_url, capsys)
+    assert "(no live workers)" in before and "workers 0" in " ".join(row(before, "conveyor", "top"))
+    # model, lane, queued, pending, consumers, length
+    assert row(before, MODEL, "interactive") == [MODEL, "interactive", "3", "0", "0", "3"]
+    assert row(before, "nobody-serves-me", "batch")[2] == "1"
+
+    start_worker("w-top")
+    for rid in ids:
+        client.result(rid, timeout=60)
+    after = frame(redis_url, capsys)
+    assert row(after, MODEL, "interactive") == [MODEL, "interactive", "0", "0", "1", "3"]
+    assert row(after, MODEL, "batch")[2:4] == ["0", "0"]
+    # worker, model, status, running, waiting, swapped, inflight, kv used (2 cells), tokens/s,
+    # tokens, seen
+    worker = row(after, "w-top")
+    assert worker[1:3] == [MODEL, "serving"]
+    assert worker[3:7] == ["0", "0", "0", "0"]
+    assert worker[7].endswith("/512") and worker[8].endswith("%)")
+    assert float(worker[9]) >= 0 and int(worker[10]) >= 0
+    assert "workers 1" in " ".join(row(after, "conveyor", "top"))
+
+
+def test_top_runs_as_a_cli_verb_without_torch(redis_url):
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from producer.cli import main
+        rc = main(["top", "--once", "--redis", {redis_url!r}])
+        assert "torch" not in sys.modules and "worker" not in sys.modules
+        sys.exit(rc)
+    """)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("conveyor top") and "(no live workers)" in done.stdout

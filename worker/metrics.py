@@ -1,0 +1,243 @@
+"""Prometheus metrics of one worker: request latencies, tokens, engine load, lane queues.
+
+Each worker has its own registry (two workers can share a process in tests). The engine
+loop feeds the request and step metrics without touching Redis; engine gauges and counters
+are read from ``Engine.stats()`` when scraped; lane depths come from :class:`QueuePoller`.
+Every metric carries a ``model`` label. The table is in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from wsgiref.simple_server import WSGIServer
+
+import redis
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from producer.completion import FinishReason
+from producer.keys import LANES, Keys
+from producer.logging import bind_thread_context
+from producer.queues import LaneStats, lane_stats
+
+log = structlog.get_logger(__name__)
+
+# No `*_created` series beside every counter and histogram: they double what is scraped.
+disable_created_metrics()
+
+# Seconds. TTFT and queue wait span milliseconds (idle fleet) to minutes (a deep backlog).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Seconds. One decode step on a busy worker: a few ms on a GPU to a few hundred on a CPU.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+                2.56, 5.12)
+# Tokens computed in one forward pass (decodes plus prefill chunks), up to the step budget.
+TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+# Engine.stats() key -> (metric, help); exported when the engine reports the key.
+ENGINE_GAUGES = {
+    "running": ("conveyor_requests_running", "Requests in the running batch."),
+    "waiting": ("conveyor_requests_waiting", "Requests admitted to the engine, not yet running."),
+    "swapped": ("conveyor_requests_swapped", "Preempted requests whose KV is in host memory."),
+    "kv_blocks_used": ("conveyor_kv_blocks_used", "Device KV blocks held by requests."),
+    "kv_blocks_total": ("conveyor_kv_blocks_total", "Device KV blocks in the pool."),
+    "kv_blocks_cached": ("conveyor_kv_blocks_cached",
+                         "Device KV blocks holding a findable prefix block (used or free)."),
+    "host_blocks_used": ("conveyor_host_kv_blocks_used", "Host (swap) KV blocks in use."),
+    "host_blocks_total": ("conveyor_host_kv_blocks_total", "Host (swap) KV blocks in the pool."),
+}
+ENGINE_COUNTERS = {
+    "steps": ("conveyor_engine_steps", "Engine steps that ran a forward pass."),
+    "computed_tokens": ("conveyor_computed_tokens", "Tokens run through the model."),
+    "swapped_out_blocks": ("conveyor_kv_swapped_out_blocks", "KV blocks copied device to host."),
+    "swapped_in_blocks": ("conveyor_kv_swapped_in_blocks", "KV blocks copied host to device."),
+    "prefix_cache_queries": ("conveyor_prefix_cache_queries",
+                             "Tokens looked up in the prefix cache at admission."),
+    "prefix_cache_hit_tokens": ("conveyor_prefix_cache_hits",
+                                "Tokens found in the prefix cache at admission."),
+    "prefix_cache_evictions": ("conveyor_prefix_cache_evictions",
+                               "Cached blocks evicted for new allocations."),
+}
+
+
+class WorkerMetrics:
+    """The metrics of one worker, in their own registry; ``serve()`` exposes them over HTTP."""
+
+    def __init__(self, model: str, worker_id: str,
+                 engine_stats: Callable[[], Mapping[str, object]]) -> None:
+        self.model = model
+        self.registry = r = CollectorRegistry()
+        m = ["model"]
+        Gauge("conveyor_worker_info", "Always 1; labels name the worker and its model.",
+              ["model", "worker_id"], registry=r).labels(model, worker_id).set(1)
+        self.admitted = Counter("conveyor_requests_admitted", "Requests the engine took on.",
+                                ["model", "lane"], registry=r)
+        self.finished = Counter("conveyor_requests_finished",
+                                "Requests answered with a final entry, by finish reason.",
+                                ["model", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens admitted.", m,
+                                     registry=r).labels(model)
+        self.generation_tokens = Counter("conveyor_generation_tokens", "Tokens generated.", m,
+                                         registry=r).labels(model)
+        self.cached_tokens = Counter("conveyor_prefix_cached_tokens",
+                                     "Prompt tokens of finished requests served from the "
+                                     "prefix cache.", m, registry=r).labels(model)
+        self.ttft = Histogram("conveyor_time_to_first_token_seconds",
+                              "Request created (created_ms) to its first token.", m,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model)
+        self.itl = Histogram("conveyor_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request.", m,
+                             buckets=ITL_BUCKETS, registry=r).labels(model)
+        self.queue_wait = Histogram("conveyor_request_queue_wait_seconds",
+                                    "Request created (created_ms) to admitted by a worker.", m,
+                                    buckets=TTFT_BUCKETS, registry=r).labels(model)
+        self.e2e = Histogram("conveyor_e2e_request_latency_seconds",
+                             "Request created (created_ms) to its final entry.", m,
+                             buckets=E2E_BUCKETS, registry=r).labels(model)
+        self.step_time = Histogram("conveyor_step_duration_seconds",
+                                   "Wall time of one engine step.", m, buckets=STEP_BUCKETS,
+                                   registry=r).labels(model)
+        self.step_tokens = Histogram("conveyor_step_tokens", "Tokens computed in one step.", m,
+                                     buckets=TOKENS_PER_STEP_BUCKETS, registry=r).labels(model)
+        depth = Gauge("conveyor_queue_depth", "Requests in a lane not yet read by any worker.",
+                      ["model", "lane"], registry=r)
+        pending = Gauge("conveyor_queue_pending",
+                        "Requests read from a lane and not yet acknowledged.",
+                        ["model", "lane"], registry=r)
+        self._lanes = {lane: (depth.labels(model, lane), pending.labels(model, lane))
+                       for lane in LANES}
+        for lane in LANES:  # children exist from the start: a panel never shows "no data"
+            self.admitted.labels(model, lane)
+        for reason in FinishReason:
+            self.finished.labels(model, str(reason))
+        r.register(_EngineStatsCollector(model, engine_stats))
+        self._server: WSGIServer | None = None
+        self._server_thread: threading.Thread | None = None
+
+    # ----- fed by the engine loop (no I/O) -----
+
+    def request_admitted(self, lane: str, prompt_tokens: int, queue_wait_s: float) -> None:
+        self.admitted.labels(self.model, lane).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.queue_wait.observe(queue_wait_s)
+
+    def request_finished(self, reason: str, e2e_s: float, cached_tokens: int) -> None:
+        self.finished.labels(self.model, reason).inc()
+        self.e2e.observe(e2e_s)
+        if cached_tokens:
+            self.cached_tokens.inc(cached_tokens)
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def token_gap(self, seconds_per_token: float, num_tokens: int = 1) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(seconds_per_token)
+
+    def tokens_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def step_done(self, seconds: float, tokens: int) -> None:
+        self.step_time.observe(seconds)
+        self.step_tokens.observe(tokens)
+
+    # ----- fed by the queue poller -----
+
+    def set_lanes(self, lanes: Iterable[LaneStats]) -> None:
+        for s in lanes:
+            depth, pending = self._lanes[s.lane]
+            depth.set(s.depth)
+            pending.set(s.pending)
+
+    # ----- HTTP -----
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve /metrics on ``host:port`` (0: any free port); returns the bound port."""
+        self._server, self._server_thread = start_http_server(port, host, self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _EngineStatsCollector(Collector):
+    """Reads ``Engine.stats()`` at scrape time: gauges now, counters since the engine started."""
+
+    def __init__(self, model: str, stats: Callable[[], Mapping[str, object]]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.stats()
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            if key in stats:
+                g = GaugeMetricFamily(name, doc, labels=["model"])
+                g.add_metric([self.model], float(stats[key]))  # type: ignore[arg-type]
+                yield g
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            if key in stats:
+                c = CounterMetricFamily(name, doc, labels=["model"])
+                c.add_metric([self.model], float(stats[key]))  # type: ignore[arg-type]
+                yield c
+        c = CounterMetricFamily("conveyor_preemptions", "Requests preempted, by mode.",
+                                labels=["model", "mode"])
+        for mode, n in _preemptions_by_mode(stats).items():
+            c.add_metric([self.model, mode], float(n))
+        yield c
+
+
+def _preemptions_by_mode(stats: Mapping[str, object]) -> dict[str, int]:
+    """``preemptions_<mode>`` keys when the engine reports them; else all count as recompute."""
+    by_mode = {mode: int(stats.get(f"preemptions_{mode}", 0)) for mode in PREEMPTION_MODES}
+    if not any(f"preemptions_{mode}" in stats for mode in PREEMPTION_MODES):
+        by_mode["recompute"] = int(stats.get("preemptions", 0))  # type: ignore[call-overload]
+    return by_mode
+
+
+class QueuePoller(threading.Thread):
+    """Every interval, reads the depth and pending count of the model's lanes into metrics.
+
+    Its own thread and its own reads, so neither the engine loop nor a scrape waits on Redis.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
+                 metrics: WorkerMetrics, interval_s: float) -> None:
+        super().__init__(name="queue-poller", daemon=True)
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.stopping = threading.Event()
+
+    def poll(self) -> None:
+        self.metrics.set_lanes(lane_stats(self.client, self.keys, self.model))
+
+    def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
+        while True:
+            try:
+                self.poll()
+            except redis.RedisError as exc:
+                log.warning("queue poll failed", error=str(exc))
+            if self.stopping.wait(self.interval_s):
+                return

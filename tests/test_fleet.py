@@ -195,3 +195,21 @@ def test_queued_before_any_worker_existed_is_served(redis_url, start_worker, lan
     rid = client.submit([5, 6], model=MODEL, lane=lane, max_tokens=2, temperature=0)
     start_worker()
     assert client.result(rid, timeout=30).finish_reason is FinishReason.LENGTH
+
+
+def test_stop_strings_are_applied_on_the_publisher_like_the_offline_engine(redis_url, tiny_llama,
+                                                                           start_worker):
+    start_worker()
+    client = Client(redis_url)
+    offline = Engine(tiny_llama, dtype="float64", num_kv_blocks=512)
+    sampling = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    (free,) = offline.generate(["The harbour at dawn"], SamplingParams(**sampling))
+    stop = free.text[6:9]
+    (want,) = offline.generate(["The harbour at dawn"], SamplingParams(**sampling, stop=[stop]))
+
+    got = client.result(client.submit("The harbour at dawn", model=MODEL, stop=[stop], **sampling),
+                        timeout=30)
+    assert got.finish_reason is FinishReason.STOP == want.finish_reason
+    assert got.text == want.text and stop not in got.text
+    assert got.token_ids == want.token_ids
+    assert pending(client) == 0

@@ -168,7 +168,8 @@ class Engine:
                 lp = logprobs.get(upd.request_id)
                 results.append(StepOutput(upd.request_id, upd.new_token_ids,
                                           state.take_delta(final=False),
-                                          logprobs=[lp] if lp else None))
+                                          logprobs=[lp] if lp else None,
+                                          num_cached_tokens=state.num_cached_tokens))
         return expired + results
 
     def generate(
@@ -236,7 +237,8 @@ class Engine:
         state.finish_text()
         return StepOutput(request_id, new_ids, state.take_delta(final=True), True, reason,
                           [logprob] if logprob else None,
-                          state.completion(reason, state.num_cached_tokens))
+                          state.completion(reason, state.num_cached_tokens),
+                          state.num_cached_tokens)
 
     def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         if params is None:

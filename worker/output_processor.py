@@ -22,6 +22,8 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     # Set on the last output of a request.
     completion: Completion | None = None
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass

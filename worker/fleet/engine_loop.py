@@ -15,6 +15,7 @@ from worker.engine import Engine
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
+from worker.fleet.text_stage import Track
 from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
 
@@ -106,6 +107,8 @@ class EngineLoop(threading.Thread):
             self.publisher.publish([Rejection(adm.stream, adm.entry_id, str(exc),
                                               req.request_id)])
             return
+        self.publisher.publish([Track(req.request_id, req.params, len(adm.prompt_token_ids),
+                                      (adm.stream, adm.entry_id))])
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
@@ -136,7 +139,8 @@ class EngineLoop(threading.Thread):
                 continue
             chunk = None
             if out.new_token_ids:
-                chunk = OutputChunk(entry.next_index, list(out.new_token_ids), out.text_delta)
+                # Text is filled in on the publisher thread (TextStage).
+                chunk = OutputChunk(entry.next_index, list(out.new_token_ids))
                 entry.next_index += len(out.new_token_ids)
                 self._time_tokens(entry, now, len(out.new_token_ids))
                 generated += len(out.new_token_ids)
@@ -148,13 +152,11 @@ class EngineLoop(threading.Thread):
                     {"prompt_tokens": entry.num_prompt_tokens,
                      "completion_tokens": usage.completion_tokens if usage else entry.next_index,
                      "cached_tokens": usage.cached_tokens if usage else 0},
-                    # Text released without a token (held back until the end) rides on the final.
-                    text="" if chunk else out.text_delta,
                 )
                 ack = (entry.stream, entry.entry_id)
                 self.inflight.remove(out.request_id)
                 self._finished(entry, final, now)
-            items.append(Publication(out.request_id, chunk, final, ack))
+            items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens))
         self.publisher.publish(items)
         if generated:
             self.tokens_generated += generated

@@ -22,6 +22,7 @@ from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake
 from worker.fleet.publisher import Publisher
 from worker.fleet.registration import register_model
+from worker.fleet.text_stage import TextStage
 from worker.metrics import QueuePoller, WorkerMetrics
 
 log = structlog.get_logger(__name__)
@@ -34,11 +35,14 @@ class Worker:
         self.config = config
         self.keys = Keys(config.namespace)
         self.model = config.model_name
-        self.engine = engine or Engine(config.model_dir, **config.engine)
+        # Text is made on the publisher thread (TextStage), not in the engine loop.
+        self.engine = engine or Engine(config.model_dir, **{**config.engine, "detokenize": False})
         self.client: redis.Redis = connect(config.redis_url)
         self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
         self.inbox: queue.Queue[Admission] = queue.Queue()
-        self.publisher = Publisher(self.client, self.keys, config.worker_id, config.output_ttl_s)
+        text = TextStage(self.engine.tokenizer, lambda rid: self.loop.cancel(rid))
+        self.publisher = Publisher(self.client, self.keys, config.worker_id, config.output_ttl_s,
+                                   text)
         self.metrics = WorkerMetrics(self.model, config.worker_id, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, config.worker_id)

@@ -13,6 +13,7 @@ import structlog
 from producer.keys import GROUP, Keys
 from producer.logging import bind_thread_context
 from producer.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from worker.fleet.text_stage import TextStage, Track
 
 log = structlog.get_logger(__name__)
 
@@ -29,6 +30,8 @@ class Publication:
     final: FinalEntry | None = None
     # (request stream, entry id) to acknowledge once the final entry is written.
     ack: tuple[str, str] | None = None
+    # Prompt tokens served from the prefix cache so far (for a final made by a stop string).
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -47,16 +50,18 @@ class Rejection:
 class Publisher(threading.Thread):
     """Writes what the engine loop produced; the engine loop never waits on Redis."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
+                 text: TextStage) -> None:
         super().__init__(name="publisher", daemon=True)
+        self.text = text
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
         self.output_ttl_s = output_ttl_s
-        self._queue: queue.Queue[list[Publication | Rejection] | None] = queue.Queue()
+        self._queue: queue.Queue[list[Publication | Rejection | Track] | None] = queue.Queue()
         self.published_entries = 0
 
-    def publish(self, items: list[Publication | Rejection]) -> None:
+    def publish(self, items: list[Publication | Rejection | Track]) -> None:
         if items:
             self._queue.put(items)
 
@@ -82,7 +87,17 @@ class Publisher(threading.Thread):
                     done = True
                     break
                 batch.extend(more)
-            self._write(batch)
+            self._write(self._prepare(batch))
+
+    def _prepare(self, batch: list[Publication | Rejection | Track]) -> list[Publication | Rejection]:
+        """Detokenize, apply stop strings, and drop output of requests already ended here."""
+        ready: list[Publication | Rejection] = []
+        for item in batch:
+            if isinstance(item, Track):
+                self.text.track(item)
+            elif isinstance(item, Rejection) or self.text.apply(item):
+                ready.append(item)
+        return ready
 
     def _write(self, batch: list[Publication | Rejection]) -> None:
         while True:

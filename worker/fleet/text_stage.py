@@ -1,0 +1,84 @@
+"""Detokenization and stop strings on the publisher thread, off the engine loop.
+
+The engine loop hands over token ids only. Here each request's tokens become text deltas;
+when a stop string appears, the request's final entry is written at once and the engine is
+asked to abort it, and tokens it produced meanwhile are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from producer.completion import FinishReason
+from producer.params import SamplingParams
+from producer.protocol import FinalEntry
+from worker.output_processor import RequestOutputState
+from worker.tokenizer import Tokenizer
+
+
+@dataclass
+class Track:
+    """Start following a request: its parameters and where its entry came from."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    ack: tuple[str, str]
+
+
+class TextStage:
+    """Per-request text state, used only by the publisher thread."""
+
+    def __init__(self, tokenizer: Tokenizer | None, on_stop: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.on_stop = on_stop
+        self._states: dict[str, tuple[RequestOutputState, Track]] = {}
+        # Requests ended here by a stop string, until the engine's own final arrives.
+        self._stopped: set[str] = set()
+
+    def track(self, item: Track) -> None:
+        state = RequestOutputState.create(item.request_id, item.params, 0, item.num_prompt_tokens,
+                                          self.tokenizer)
+        self._states[item.request_id] = (state, item)
+
+    def apply(self, pub) -> bool:
+        """Fill in the publication's text (and a stop-string final); False means drop it."""
+        rid = pub.request_id
+        if rid in self._stopped:
+            if pub.final is not None:
+                self._stopped.discard(rid)  # the engine's abort caught up: forget the request
+            return False
+        entry = self._states.get(rid)
+        if entry is None:
+            return True  # never tracked (e.g. cancelled before it started): nothing to add
+        state, track = entry
+        if pub.chunk is not None:
+            state.add_tokens(pub.chunk.token_ids, None)
+        if state.hit_stop_string:
+            self._stop(pub, state, track)
+        elif pub.final is not None:
+            state.finish_text()
+        end = pub.final is not None
+        delta = state.take_delta(final=end)
+        if pub.chunk is not None:
+            pub.chunk.text = delta
+        elif pub.final is not None:
+            pub.final.text = delta
+        if end:
+            self._states.pop(rid, None)
+        return True
+
+    def _stop(self, pub, state: RequestOutputState, track: Track) -> None:
+        if pub.final is None:
+            # Finish here; the engine is told to abort and its later output is dropped.
+            num = pub.chunk.index + len(pub.chunk.token_ids)
+            pub.final = FinalEntry(str(FinishReason.STOP), num,
+                                   {"prompt_tokens": track.num_prompt_tokens,
+                                    "completion_tokens": len(state.token_ids),
+                                    "cached_tokens": pub.cached_tokens})
+            pub.ack = track.ack
+            self._stopped.add(pub.request_id)
+            self.on_stop(pub.request_id)
+        else:
+            pub.final.finish_reason = str(FinishReason.STOP)

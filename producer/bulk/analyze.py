@@ -1,0 +1,246 @@
+"""The RQ job that analyses a long document: split it by tokens, ask the fleet about every
+chunk on the ``batch`` lane (map), then combine the answers (reduce), recursively when they
+do not fit one context. Enqueue it by path: ``producer.bulk.analyze_document``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rq import get_current_job
+from rq.job import Job
+from tokenizers import Tokenizer
+
+from producer.bulk import defaults
+from producer.bulk.chunking import Span, check_chunking, split
+from producer.bulk.prompts import Templates, plan_reduce
+from producer.bulk.queue import fleet_connection
+from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
+from producer.client import Client
+from producer.params import SamplingParams
+
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+class AnalysisFailed(RuntimeError):
+    """A chunk or reduce request failed for good; the message carries the fleet's reason."""
+
+
+@dataclass
+class Analysis:
+    """What one analysis asks, validated before anything is sent."""
+
+    instruction: str
+    model: str
+    chunk_tokens: int
+    overlap_tokens: int
+    reduce_instruction: str
+    map_sampling: dict[str, Any]  # SamplingParams fields of chunk requests
+    reduce_sampling: dict[str, Any]  # ... and of reduce requests
+
+    def __post_init__(self) -> None:
+        check_chunking(self.chunk_tokens, self.overlap_tokens)
+        SamplingParams.from_dict(self.map_sampling)
+        SamplingParams.from_dict(self.reduce_sampling)
+
+
+@dataclass
+class Progress:
+    """Progress kept in the running job's meta (only here outside RQ), saved on every change."""
+
+    job: Job | None
+    meta: dict[str, Any] = field(default_factory=lambda: {
+        "stage": "starting", "chunks_total": None, "chunks_done": 0, "reduce_level": 0,
+        "reduce_total": 0, "reduce_done": 0, "retries": 0, "usage": empty_usage(),
+        "error": None})
+
+    def update(self, **changes: Any) -> None:
+        self.meta.update(changes, updated_at=datetime.now(UTC).isoformat())
+        if self.job is not None:
+            self.job.meta.update(self.meta)
+            self.job.save_meta()
+
+    def request_done(self, usage: dict[str, int], **changes: Any) -> None:
+        """Count one finished request's usage into the totals, with other changes."""
+        total = dict(self.meta["usage"])
+        for name in _USAGE_FIELDS:
+            total[name] += usage[name]
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        total["requests"] += 1
+        self.update(usage=total, **changes)
+
+    def retried(self, *_: object) -> None:
+        self.update(retries=self.meta["retries"] + 1)
+
+
+def empty_usage() -> dict[str, int]:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+            "total_tokens": 0, "requests": 0}
+
+
+def analyze_document(
+    text: str,
+    instruction: str,
+    model: str,
+    chunk_tokens: int = defaults.CHUNK_TOKENS,
+    overlap_tokens: int = defaults.OVERLAP_TOKENS,
+    reduce_instruction: str | None = None,
+    max_tokens: int = defaults.MAX_TOKENS,
+    reduce_max_tokens: int | None = None,
+    sampling: dict[str, Any] | None = None,
+    request_timeout: float = defaults.REQUEST_TIMEOUT_S,
+    max_attempts: int = defaults.MAX_ATTEMPTS,
+    backoff_base: float = defaults.BACKOFF_BASE_S,
+    concurrency: int = defaults.CONCURRENCY,
+    priority: int = 0,
+    namespace: str = "conveyor",
+    redis_url: str | None = None,
+) -> dict[str, Any]:
+    """Answer ``instruction`` about ``text`` with ``model`` and return a JSON-ready dict.
+
+    The document is tokenized with the model's registered tokenizer and cut into chunks of
+    ``chunk_tokens`` that repeat the last ``overlap_tokens`` of the previous chunk; each
+    chunk goes to the fleet as token ids on the ``batch`` lane (answers of at most
+    ``max_tokens``). The answers are combined by reduce requests (``reduce_instruction``,
+    ``reduce_max_tokens``, default ``max_tokens``), in several levels when they do not fit
+    the model's context. ``sampling`` holds other SamplingParams fields for every request
+    (greedy unless it sets ``temperature``). A request is retried, under a new id, when it
+    gets no final entry within ``request_timeout`` seconds (up to ``max_attempts`` tries with
+    backoff from ``backoff_base``); a request the fleet refuses fails the job at once.
+
+    The result: ``answer``, ``chunks`` (per chunk: span, text, usage, tries), ``reduce``
+    (levels and per-request results), ``usage`` totals and ``timings``. Progress (chunks
+    done of total, reduce level, usage so far) is kept in the job's meta while it runs.
+    Reach the fleet through ``redis_url``, else ``$CONVEYOR_REDIS_URL``, else the Redis the
+    job came from.
+    """
+    marks = {"started": time.monotonic()}
+    started_at = datetime.now(UTC).isoformat()
+    base = {"temperature": 0.0, **(sampling or {})}
+    reduce_max = max_tokens if reduce_max_tokens is None else reduce_max_tokens
+    spec = Analysis(instruction, model, chunk_tokens, overlap_tokens,
+                    reduce_instruction or defaults.REDUCE_INSTRUCTION,
+                    {**base, "max_tokens": max_tokens}, {**base, "max_tokens": reduce_max})
+    policy = RetryPolicy(request_timeout, max_attempts, backoff_base,
+                         max(backoff_base, defaults.BACKOFF_CAP_S))
+    job = get_current_job()
+    progress = Progress(job)
+    with (fleet_connection(redis_url, job) as connection,
+          Client(namespace=namespace, connection=connection) as client):
+        runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
+                               concurrency=concurrency, on_retry=progress.retried)
+        try:
+            tokenizer, info = _model_tokenizer(client, model)
+            doc_ids = tokenizer.encode(text, add_special_tokens=False).ids
+            if not doc_ids:
+                raise ValueError("the document is empty: it encodes to no tokens")
+            spans = split(len(doc_ids), chunk_tokens, overlap_tokens)
+            marks["tokenized"] = time.monotonic()
+            templates = Templates(tokenizer, instruction, spec.reduce_instruction)
+            progress.update(stage="map", chunks_total=len(spans), num_tokens=len(doc_ids))
+            chunks = _map(runner, templates, spec, doc_ids, spans, progress)
+            marks["mapped"] = time.monotonic()
+            eos = set(info.get("eos_token_ids") or [])
+            answers = [([t for t in c.pop("token_ids") if t not in eos], c["text"])
+                       for c in chunks]
+            context = int(info["max_model_len"]) - reduce_max
+            answer, reduces = _reduce(runner, templates, spec, answers, context, progress)
+        except RequestFailed as exc:
+            progress.update(stage="failed", error=_failure_message(exc.outcome))
+            raise AnalysisFailed(progress.meta["error"]) from None
+        except Exception as exc:
+            progress.update(stage="failed", error=str(exc))
+            raise
+    marks["ended"] = time.monotonic()
+    progress.update(stage="done")
+    return {
+        "answer": answer, "model": model, "instruction": instruction,
+        "num_tokens": len(doc_ids), "chunk_tokens": chunk_tokens,
+        "overlap_tokens": overlap_tokens, "num_chunks": len(spans), "chunks": chunks,
+        "reduce": {"levels": max((r["level"] for r in reduces), default=0), "requests": reduces},
+        "usage": progress.meta["usage"], "retries": runner.retries,
+        "timings": _timings(marks, started_at),
+    }
+
+
+def _model_tokenizer(client: Client, model: str) -> tuple[Tokenizer, dict[str, Any]]:
+    info = client.model_info(model)
+    if info is None:
+        raise ValueError(f"model {model!r} is not registered: no worker has served it yet")
+    if not info.get("tokenizer_json"):
+        raise ValueError(f"model {model!r} was registered without a tokenizer")
+    tokenizer = Tokenizer.from_str(info["tokenizer_json"])
+    tokenizer.no_truncation()  # the whole document, however long
+    return tokenizer, info
+
+
+def _map(runner: RequestRunner, templates: Templates, spec: Analysis, doc_ids: list[int],
+         spans: list[Span], progress: Progress) -> list[dict[str, Any]]:
+    """One request per chunk; the results in chunk order, token ids included."""
+    works = [Work(s.index, templates.chunk_prompt(doc_ids[s.start:s.end], s.index, len(spans)),
+                  spec.model, spec.map_sampling) for s in spans]
+    results: dict[int, dict[str, Any]] = {}
+    for outcome in runner.run(works, fail_fast=True):
+        span = spans[outcome.key]
+        result = {"index": span.index, "start": span.start, "end": span.end,
+                  **_request_result(outcome)}
+        results[span.index] = result
+        progress.request_done(result["usage"], chunks_done=len(results))
+    return [results[i] for i in range(len(spans))]
+
+
+def _reduce(runner: RequestRunner, templates: Templates, spec: Analysis,
+            answers: list[tuple[list[int], str]], context: int,
+            progress: Progress) -> tuple[str, list[dict[str, Any]]]:
+    """Combine answers level by level until one is left; returns it and every reduce result."""
+    results: list[dict[str, Any]] = []
+    level = 0
+    while len(answers) > 1:
+        level += 1
+        items, groups = plan_reduce(templates, [ids for ids, _ in answers], context)
+        works = [Work((level, g), templates.reduce_prompt(items[i] for i in group), spec.model,
+                      spec.reduce_sampling) for g, group in enumerate(groups) if len(group) > 1]
+        progress.update(stage="reduce", reduce_level=level, reduce_total=len(works),
+                        reduce_done=0)
+        # A group of one goes on to the next level unchanged.
+        combined = {g: answers[group[0]] for g, group in enumerate(groups) if len(group) == 1}
+        for outcome in runner.run(works, fail_fast=True):
+            g = outcome.key[1]
+            result = {"level": level, "group": g, "inputs": groups[g], **_request_result(outcome)}
+            combined[g] = (result.pop("token_ids"), result["text"])
+            results.append(result)
+            progress.request_done(result["usage"], reduce_done=progress.meta["reduce_done"] + 1)
+        answers = [combined[g] for g in range(len(groups))]
+    return answers[0][1], sorted(results, key=lambda r: (r["level"], r["group"]))
+
+
+def _request_result(outcome: Outcome) -> dict[str, Any]:
+    c = outcome.completion
+    return {
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "finish_reason": str(c.finish_reason),
+        "usage": {name: int(getattr(c.usage, name)) for name in _USAGE_FIELDS},
+        "attempts": outcome.attempts,
+        "request_ids": outcome.request_ids,
+        "elapsed_s": round(outcome.elapsed_s, 4),
+    }
+
+
+def _timings(marks: dict[str, float], started_at: str) -> dict[str, Any]:
+    return {
+        "started_at": started_at,
+        "ended_at": datetime.now(UTC).isoformat(),
+        "tokenize_s": round(marks["tokenized"] - marks["started"], 4),
+        "map_s": round(marks["mapped"] - marks["tokenized"], 4),
+        "reduce_s": round(marks["ended"] - marks["mapped"], 4),
+        "total_s": round(marks["ended"] - marks["started"], 4),
+    }
+
+
+def _failure_message(outcome: Outcome) -> str:
+    key = outcome.key  # a chunk index, or (level, group) of a reduce request
+    what = f"chunk {key}" if isinstance(key, int) else f"reduce level {key[0]} group {key[1]}"
+    return f"{what} failed ({outcome.failure}): {outcome.error}"

@@ -1,0 +1,282 @@
+"""Batch files in the OpenAI batch format: one request per JSONL line in, one result line per
+request out (same ``custom_id``), resumable by running it again.
+
+Input line: ``{"custom_id": "q1", "method": "POST", "url": "/v1/completions",
+"body": {"model": "small", "prompt": "...", "max_tokens": 16, "temperature": 0}}``
+(``method``, ``url`` and ``body.model`` optional). Output lines are written as requests finish,
+so their order is not the input's; a line that cannot be run gets an error line instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.bulk import defaults
+from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
+from producer.client import Client
+from producer.completion import Completion
+from producer.params import SamplingParams
+
+COMPLETIONS_URL = "/v1/completions"
+# Body fields that map onto SamplingParams fields of the same name.
+SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                             "stop", "stop_token_ids", "ignore_eos"})
+# OpenAI fields accepted only at the value that means "nothing special".
+NEUTRAL_FIELDS = {"n": 1, "best_of": 1, "echo": False, "stream": False,
+                  "presence_penalty": 0, "frequency_penalty": 0}
+# OpenAI fields accepted and ignored.
+IGNORED_FIELDS = frozenset({"user"})
+# OpenAI's default for completions when a body leaves max_tokens out.
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class BatchItem:
+    """A valid input line."""
+
+    line: int
+    custom_id: str
+    model: str
+    prompt: str | list[int]
+    sampling: dict[str, Any]
+
+
+@dataclass
+class BadLine:
+    """An input line that cannot be run, and why."""
+
+    line: int
+    custom_id: str | None
+    code: str
+    message: str
+
+
+@dataclass
+class BatchSummary:
+    """Counts of one run over a batch file."""
+
+    total: int  # request lines in the input (blank lines aside)
+    skipped: int = 0  # already answered in the output by an earlier run
+    succeeded: int = 0
+    failed: int = 0  # error lines written by this run
+    elapsed_s: float = 0.0
+
+    @property
+    def done(self) -> int:
+        return self.succeeded + self.failed
+
+    @property
+    def todo(self) -> int:
+        return self.total - self.skipped
+
+
+def parse_line(text: str, line: int, model: str | None = None,
+               default_model: str | None = None) -> BatchItem | BadLine:
+    """One input line; ``model`` (when given) replaces the body's model, ``default_model``
+    serves bodies without one."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return BadLine(line, None, "invalid_json", f"line {line} is not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return BadLine(line, None, "invalid_request", f"line {line} is not a JSON object")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BadLine(line, None, "invalid_request",
+                       f"line {line} has no custom_id (a non-empty string)")
+    try:
+        model, prompt, sampling = _parse_body(obj, model, default_model)
+    except ValueError as exc:
+        return BadLine(line, custom_id, "invalid_request", str(exc))
+    return BatchItem(line, custom_id, model, prompt, sampling)
+
+
+def _parse_body(obj: dict[str, Any], model: str | None,
+                default_model: str | None) -> tuple[str, str | list[int], dict]:
+    if obj.get("method", "POST") != "POST":
+        raise ValueError(f"method must be POST, got {obj.get('method')!r}")
+    if obj.get("url", COMPLETIONS_URL) != COMPLETIONS_URL:
+        raise ValueError(f"only {COMPLETIONS_URL} is supported (a body with a prompt), "
+                         f"got {obj.get('url')!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    model = model or body.get("model") or default_model
+    if not isinstance(model, str) or not model:
+        raise ValueError("no model: set body.model or pass --model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI allows a one-element list of strings
+    tokens = isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not tokens:
+        raise ValueError("body.prompt must be a non-empty string or list of token ids")
+    unknown = sorted(k for k in body if k not in SAMPLING_FIELDS | IGNORED_FIELDS | {
+        "model", "prompt"} and NEUTRAL_FIELDS.get(k, object()) != body[k])
+    if unknown:
+        raise ValueError(f"unsupported body field(s): {', '.join(unknown)}")
+    sampling = {"max_tokens": DEFAULT_MAX_TOKENS,
+                **{k: v for k, v in body.items() if k in SAMPLING_FIELDS}}
+    SamplingParams.from_dict(sampling)  # ValueError now, as an error line, not at submit
+    return model, prompt, sampling
+
+
+def result_line(item: BatchItem, completion: Completion, created: int) -> dict[str, Any]:
+    """The output line of a served request, shaped like OpenAI's batch output."""
+    usage = completion.usage
+    return {
+        "id": f"batch_req_{completion.request_id}",
+        "custom_id": item.custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": completion.request_id,
+            "body": {
+                "id": completion.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": item.model,
+                "choices": [{"index": 0, "text": completion.text, "logprobs": None,
+                             "finish_reason": str(completion.finish_reason)}],
+                "usage": {"prompt_tokens": usage.prompt_tokens,
+                          "completion_tokens": usage.completion_tokens,
+                          "total_tokens": usage.total_tokens},
+            },
+        },
+        "error": None,
+    }
+
+
+def error_line(custom_id: str | None, code: str, message: str, *, line: int | None = None,
+               request_id: str | None = None) -> dict[str, Any]:
+    """The output line of a request that failed or could not be read. ``line`` (the input
+    line number) marks lines without a usable custom_id, so a rerun skips them too."""
+    out: dict[str, Any] = {"id": f"batch_req_{request_id}" if request_id else None,
+                           "custom_id": custom_id, "response": None,
+                           "error": {"code": code, "message": message}}
+    if line is not None:
+        out["line"] = line
+    return out
+
+
+def read_done(path: Path) -> tuple[set[str], set[int]]:
+    """custom_ids and input line numbers an existing output file already answers.
+
+    A last line cut short by a crash is removed from the file, so appending starts clean.
+    """
+    if not path.exists():
+        return set(), set()
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):
+        with path.open("r+b") as f:
+            f.truncate(cut)
+    ids: set[str] = set()
+    lines: set[int] = set()
+    for raw in data[:cut].splitlines():
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if isinstance(obj.get("line"), int):
+            lines.add(obj["line"])
+        elif isinstance(obj.get("custom_id"), str):
+            ids.add(obj["custom_id"])
+    return ids, lines
+
+
+def plan(input_path: Path, output_path: Path, model: str | None, default_model: str | None,
+         served: set[str]) -> tuple[list[BatchItem], list[BadLine], int, int]:
+    """What a run has to do: items to submit, bad lines to answer, total lines, skipped."""
+    done_ids, done_lines = read_done(output_path)
+    items: list[BatchItem] = []
+    bad: list[BadLine] = []
+    seen: set[str] = set()
+    total = skipped = 0
+    with input_path.open(encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            total += 1
+            parsed = parse_line(text, n, model, default_model)
+            cid = parsed.custom_id
+            if n in done_lines or (cid is not None and cid in done_ids):
+                skipped += 1
+            elif cid is not None and cid in seen:
+                bad.append(BadLine(n, cid, "duplicate_custom_id",
+                                   f"custom_id {cid!r} appears on an earlier line"))
+            elif isinstance(parsed, BatchItem) and parsed.model not in served:
+                bad.append(BadLine(n, cid, "model_not_found",
+                                   f"model {parsed.model!r} is not served by any worker"))
+            elif isinstance(parsed, BatchItem):
+                items.append(parsed)
+            else:
+                bad.append(parsed)
+            if cid is not None:
+                seen.add(cid)
+    return items, bad, total, skipped
+
+
+def run_batch_file(
+    client: Client,
+    input_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    default_model: str | None = None,
+    policy: RetryPolicy | None = None,
+    concurrency: int = defaults.CONCURRENCY,
+    priority: int = 0,
+    on_progress: Callable[[BatchSummary], None] | None = None,
+) -> BatchSummary:
+    """Run every line of ``input_path`` not yet answered in ``output_path`` on the ``batch``
+    lane and append one line per request to ``output_path`` as each finishes.
+
+    ``model`` replaces every body's model; ``default_model`` serves bodies without one.
+    Invalid lines, requests the fleet refuses and
+    requests out of tries get error lines; lines already in the output are skipped, so
+    after a crash running it again finishes the rest (delete an error line to retry it).
+    """
+    started = time.monotonic()
+    input_path, output_path = Path(input_path), Path(output_path)
+    items, bad, total, skipped = plan(input_path, output_path, model, default_model,
+                                      set(client.models()))
+    summary = BatchSummary(total=total, skipped=skipped)
+    by_line = {item.line: item for item in items}
+    runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
+                           concurrency=concurrency)
+    with output_path.open("a", encoding="utf-8") as out:
+
+        def emit(line: dict[str, Any], ok: bool) -> None:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()  # a crash loses at most the line being written
+            summary.succeeded += ok
+            summary.failed += not ok
+            summary.elapsed_s = time.monotonic() - started
+            if on_progress is not None:
+                on_progress(summary)
+
+        for b in bad:
+            line_no = b.line if b.custom_id is None or b.code == "duplicate_custom_id" else None
+            emit(error_line(b.custom_id, b.code, b.message, line=line_no), False)
+        works = [Work(item.line, item.prompt, item.model, item.sampling) for item in items]
+        for outcome in runner.run(works):
+            item = by_line[outcome.key]
+            emit(_outcome_line(item, outcome), outcome.ok)
+    summary.elapsed_s = time.monotonic() - started
+    return summary
+
+
+def _outcome_line(item: BatchItem, outcome: Outcome) -> dict[str, Any]:
+    if outcome.ok:
+        return result_line(item, outcome.completion, int(time.time()))
+    code = "invalid_request" if outcome.failure == "invalid" else "request_failed"
+    rid = outcome.request_ids[-1] if outcome.request_ids else None
+    return error_line(item.custom_id, code, outcome.error or "failed", request_id=rid)

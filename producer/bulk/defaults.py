@@ -1,0 +1,43 @@
+"""Defaults of bulk work (RQ jobs and batch files), each with its meaning."""
+
+from __future__ import annotations
+
+# --- RQ ----------------------------------------------------------------------------------------
+
+# The RQ queue bulk jobs go on unless the caller names another.
+DEFAULT_QUEUE = "conveyor-bulk"
+
+# An analyze job may run this long however short its document (seconds) ...
+JOB_TIMEOUT_BASE_S = 600
+# ... plus this much per 1,000 characters of document (about 250 tokens of prefill and one
+# chunk answer's share of decode on a busy fleet).
+JOB_TIMEOUT_PER_1K_CHARS_S = 6.0
+# Finished jobs keep their result (and failed ones their traceback) this long (seconds).
+RESULT_TTL_S = 7 * 24 * 3600
+FAILURE_TTL_S = 7 * 24 * 3600
+
+# --- Document analysis -------------------------------------------------------------------------
+
+# Document tokens per chunk, and how many of them repeat the end of the previous chunk.
+CHUNK_TOKENS = 1500
+OVERLAP_TOKENS = 100
+# Most tokens each chunk answer (and each reduce answer) may have.
+MAX_TOKENS = 256
+# What the reduce requests are asked when the caller gives no reduce instruction.
+REDUCE_INSTRUCTION = (
+    "Below are answers to the same question about consecutive parts of one document. "
+    "Combine them into one answer for the whole document."
+)
+
+# --- Requests to the fleet ---------------------------------------------------------------------
+
+# Seconds one request may take, queue wait included, before it is presumed lost (its worker
+# died) and resubmitted under a new id.
+REQUEST_TIMEOUT_S = 600.0
+# Tries per request (the first one included) when failures are transient.
+MAX_ATTEMPTS = 4
+# Backoff before try n+1: a random fraction (half to all) of BASE * 2**(n-1), at most CAP.
+BACKOFF_BASE_S = 1.0
+BACKOFF_CAP_S = 30.0
+# Requests a job (or a batch file run) keeps in flight at once; the rest wait their turn.
+CONCURRENCY = 64

@@ -1,0 +1,113 @@
+"""RQ plumbing for bulk jobs: the queue (JSON serializer, never pickle), enqueueing an analysis
+with a timeout that grows with the document, reading a job's progress, and the connection a
+running job uses to reach the fleet."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import quote
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer.bulk import defaults
+from producer.connection import connect
+
+# Where another service (or `rq enqueue`) finds the analysis job.
+ANALYZE_FUNC = "producer.bulk.analyze_document"
+# The environment variable conveyor's CLI reads for its Redis URL; jobs honour it too.
+REDIS_URL_ENV = "CONVEYOR_REDIS_URL"
+
+
+def bulk_queue(url: str | None = None, name: str = defaults.DEFAULT_QUEUE, *,
+               connection: redis.Redis | None = None) -> Queue:
+    """The RQ queue for bulk jobs, with RQ's JSON serializer; ``url=None`` is the embedded
+    Redis, or pass an open ``connection``."""
+    return Queue(name, connection=connection or connect(url), serializer=JSONSerializer)
+
+
+def job_timeout_for(text: str) -> int:
+    """Seconds an analysis of ``text`` may run: a base plus a share per 1,000 characters."""
+    return int(defaults.JOB_TIMEOUT_BASE_S
+               + defaults.JOB_TIMEOUT_PER_1K_CHARS_S * len(text) / 1000)
+
+
+def enqueue_analyze(queue: Queue, text: str, instruction: str, *, model: str,
+                    job_id: str | None = None, **options: Any) -> Job:
+    """Enqueue :func:`producer.bulk.analyze_document` by its path, with a job timeout sized
+    for the document; ``options`` are the job's other keyword arguments (JSON values)."""
+    return queue.enqueue(
+        ANALYZE_FUNC,
+        kwargs={"text": text, "instruction": instruction, "model": model, **options},
+        job_timeout=job_timeout_for(text),
+        result_ttl=defaults.RESULT_TTL_S,
+        failure_ttl=defaults.FAILURE_TTL_S,
+        job_id=job_id,
+        description=f"analyze {len(text)} characters with {model}: {instruction[:60]}",
+        meta={"stage": "queued", "chunks_done": 0, "chunks_total": None},
+    )
+
+
+def fetch_job(connection: redis.Redis, job_id: str) -> Job:
+    """Any RQ job by id, read with the JSON serializer; rq's NoSuchJobError when absent."""
+    return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+
+
+def job_progress(job: Job) -> dict[str, Any]:
+    """A job's status and the progress it keeps in its meta, as one JSON-ready dict."""
+    job.refresh()
+    status = job.get_status(refresh=False)
+    return {
+        "id": job.id,
+        "status": str(status.value if hasattr(status, "value") else status),
+        "func": job.func_name if _readable(job) else None,
+        "origin": job.origin,
+        "enqueued_at": _iso(job.enqueued_at),
+        "started_at": _iso(job.started_at),
+        "ended_at": _iso(job.ended_at),
+        "meta": dict(job.meta),
+    }
+
+
+def fleet_url_for(connection: redis.Redis) -> str:
+    """A URL for the server ``connection`` talks to (host or unix socket, db, credentials), so
+    a job can open a conveyor connection (RESP2, bytes replies) next to its RQ one."""
+    pool = connection.connection_pool
+    kw = pool.connection_kwargs
+    user, password = kw.get("username"), kw.get("password")
+    db = int(kw.get("db") or 0)
+    if "path" in kw:
+        query = f"?db={db}" + (f"&password={quote(password, safe='')}" if password else "")
+        userinfo = f"{quote(user, safe='')}@" if user else ""
+        return f"unix://{userinfo}{kw['path']}{query}"
+    userinfo = ""
+    if user or password:
+        userinfo = quote(user or "", safe="")
+        userinfo += f":{quote(password, safe='')}@" if password else "@"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{userinfo}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{db}"
+
+
+def fleet_connection(redis_url: str | None, job: Job | None) -> redis.Redis:
+    """The connection an analysis job reaches the fleet with: ``redis_url`` if given, else
+    ``$CONVEYOR_REDIS_URL``, else the server the job itself came from, else the embedded one."""
+    url = redis_url or os.environ.get(REDIS_URL_ENV)
+    if url is None and job is not None:
+        url = fleet_url_for(job.connection)
+    return connect(url)
+
+
+def _readable(job: Job) -> bool:
+    # A job someone else enqueued with pickle cannot be decoded here: report it anyway.
+    try:
+        job.func_name  # noqa: B018
+    except Exception:  # noqa: BLE001 - any decoding error means "not ours to read"
+        return False
+    return True
+
+
+def _iso(moment: Any) -> str | None:
+    return moment.isoformat() if moment is not None else None

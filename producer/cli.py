@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between heartbeats (status and load in Redis)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    p.add_argument("--lease-ms", type=int, default=30_000,
+                   help="in-flight entries idle this long are claimed by other workers")
+    p.add_argument("--max-deliveries", type=int, default=5,
+                   help="a request delivered more often goes to the dead-letter stream")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--metrics-port", type=int, default=None, metavar="N",

@@ -70,6 +70,7 @@ def worker_cmd(args: argparse.Namespace) -> int:
     config = WorkerConfig(model_dir=ensure_model(args.model), served_model_name=args.served_model_name,
                           redis_url=args.redis, namespace=args.namespace,
                           engine=engine, drain_timeout_s=args.drain_timeout,
+                          lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
                           heartbeat_interval_s=args.heartbeat_interval,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     if args.worker_id:

@@ -35,8 +35,12 @@ class WorkerConfig:
     # Output streams live this long after their last write (renewed on every write).
     output_ttl_s: int = 3600
     heartbeat_interval_s: float = 2.0
-    # On SIGTERM, how long in-flight requests may take to finish.
+    # On SIGTERM, how long in-flight requests may take to finish; the rest is handed back.
     drain_timeout_s: float = 30.0
+    # An in-flight entry not renewed for this long belongs to a dead worker and is claimed.
+    lease_ms: int = 30_000
+    # A request delivered more often than this keeps killing workers: dead-lettered.
+    max_deliveries: int = 5
     # Serve Prometheus metrics on this port (0: any free port, see Worker.metrics_port);
     # None: not served.
     metrics_port: int | None = None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import structlog
 
@@ -15,11 +17,17 @@ from worker.engine import Engine
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
+from worker.fleet.faults import maybe_die
 from worker.fleet.text_stage import Track
 from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
 
 log = structlog.get_logger(__name__)
+
+
+def stable_seed(request_id: str) -> int:
+    """A sampling seed derived from the request id (the same on every worker)."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest()) >> 1
 
 
 class EngineLoop(threading.Thread):
@@ -37,6 +45,7 @@ class EngineLoop(threading.Thread):
         self.stopping = threading.Event()
         self._cancel_lock = threading.Lock()
         self._cancels: set[str] = set()
+        self._drops: set[str] = set()
         self.tokens_generated = 0
         self.error: BaseException | None = None
 
@@ -44,6 +53,11 @@ class EngineLoop(threading.Thread):
         """Ask for a request to end at the next step (called from other threads)."""
         with self._cancel_lock:
             self._cancels.add(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Stop a request without publishing anything: another worker owns it now."""
+        with self._cancel_lock:
+            self._drops.add(request_id)
 
     def run(self) -> None:
         bind_thread_context(worker_id=self.worker_id)
@@ -97,9 +111,22 @@ class EngineLoop(threading.Thread):
         entry = self.inflight.get(req.request_id)
         if entry is not None:
             entry.created = time.monotonic() - wait_s
+        maybe_die(adm.prompt_token_ids)
+        generated = adm.published.token_ids if adm.published else []
+        if generated and (reason := self._already_done(adm, generated)) is not None:
+            self._finish_unstarted(adm, FinalEntry(str(reason), len(generated),
+                                                   {"prompt_tokens": len(adm.prompt_token_ids),
+                                                    "completion_tokens": len(generated)}))
+            return
+        # Unseeded requests get a seed from their id: a resumed request samples the same
+        # tokens on any worker.
+        params = req.params if req.params.seed is not None else replace(
+            req.params, seed=stable_seed(req.request_id))
+        deadline = req.deadline_ms / 1000 if req.deadline_ms else None
         try:
-            self.engine.add_request(adm.prompt_token_ids, req.params, request_id=req.request_id,
-                                    priority=req.priority)
+            self.engine.add_request(adm.prompt_token_ids, params, request_id=req.request_id,
+                                    priority=req.priority, generated_token_ids=generated,
+                                    deadline=deadline)
         except ValueError as exc:
             log.warning("request rejected", request_id=req.request_id, reason=str(exc))
             self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
@@ -108,10 +135,22 @@ class EngineLoop(threading.Thread):
                                               req.request_id)])
             return
         self.publisher.publish([Track(req.request_id, req.params, len(adm.prompt_token_ids),
-                                      (adm.stream, adm.entry_id))])
+                                      (adm.stream, adm.entry_id), generated,
+                                      adm.published.text if adm.published else "")])
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
+
+    def _already_done(self, adm: Admission, generated: list[int]) -> FinishReason | None:
+        """A resumed request whose published tokens already end it (its worker died first)."""
+        p = adm.request.params
+        last = generated[-1]
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.engine.eos_token_ids):
+            return FinishReason.STOP
+        if (len(generated) >= p.max_tokens
+                or len(adm.prompt_token_ids) + len(generated) >= self.engine.max_model_len):
+            return FinishReason.LENGTH
+        return None
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         self.inflight.remove(adm.request.request_id)
@@ -119,6 +158,7 @@ class EngineLoop(threading.Thread):
                                             ack=(adm.stream, adm.entry_id))])
 
     def _apply_cancels(self) -> None:
+        self._apply_drops()
         with self._cancel_lock:
             if not self._cancels:
                 return
@@ -128,6 +168,15 @@ class EngineLoop(threading.Thread):
         with self._cancel_lock:
             self._cancels |= {rid for rid in ids if rid in self.inflight} - {o.request_id for o in outs}
         self._publish(outs)
+
+    def _apply_drops(self) -> None:
+        with self._cancel_lock:
+            if not self._drops:
+                return
+            ids, self._drops = self._drops, set()
+        for rid in ids:
+            self.inflight.remove(rid)  # first: the abort's output must find no entry
+            self.engine.abort(rid)
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         items = []

@@ -17,6 +17,7 @@ from producer.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.publisher import Publisher, Rejection
+from worker.fleet.resume import Published
 from worker.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -30,6 +31,8 @@ class Admission:
     prompt_token_ids: list[int]
     stream: str
     entry_id: str
+    # What an earlier worker already published (a claimed request resumes after it).
+    published: Published | None = None
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -93,7 +96,7 @@ class Intake(threading.Thread):
                 log.warning("intake read failed, retrying", error=str(exc))
                 time.sleep(0.5)
                 continue
-            admitted = [a for s, e, f in entries if (a := self._accept(s, e, f)) is not None]
+            admitted = [a for s, e, f in entries if (a := self.accept(s, e, f)) is not None]
             # Cancelled before we read it: the engine loop answers it without running it.
             for rid in cancelled_ids(self.client, self.keys,
                                      [a.request.request_id for a in admitted]):
@@ -121,7 +124,9 @@ class Intake(threading.Thread):
                 out.append((name, eid, fields or {}))
         return out
 
-    def _accept(self, stream: str, entry_id: str, fields: dict) -> Admission | None:
+    def accept(self, stream: str, entry_id: str, fields: dict,
+               published: Published | None = None) -> Admission | None:
+        """Decode, validate and tokenize an entry; rejects it (None) when it is malformed."""
         self.num_read += 1
         raw = fields.get(FIELD)
         try:
@@ -131,15 +136,17 @@ class Intake(threading.Thread):
                                     f"{self.model!r}", req.request_id)
             prompt_ids = self._tokenize(req)
         except ProtocolError as exc:
-            self._reject(stream, entry_id, exc.reason, exc.request_id, raw)
+            self._reject(stream, entry_id, exc.reason, exc.request_id, raw,
+                         num_tokens=len(published.token_ids) if published else 0)
             return None
         if req.request_id in self.inflight:
             # A second request with a live id: answering it would corrupt the first one's stream.
             self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)
             return None
-        self.inflight.add(InflightRequest(req.request_id, stream, entry_id, len(prompt_ids)))
-        return Admission(req, prompt_ids, stream, entry_id)
+        self.inflight.add(InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
+                                          len(published.token_ids) if published else 0))
+        return Admission(req, prompt_ids, stream, entry_id, published)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -152,7 +159,9 @@ class Intake(threading.Thread):
             raise ProtocolError("prompt encodes to no tokens", req.request_id)
         return ids
 
-    def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True) -> None:
+    def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True,
+                num_tokens: int = 0) -> None:
         log.warning("request rejected", request_id=request_id, entry_id=entry_id, reason=reason)
         self.publisher.publish([Rejection(stream, entry_id, reason, request_id,
-                                          raw if isinstance(raw, bytes) else None, write_final)])
+                                          raw if isinstance(raw, bytes) else None, write_final,
+                                          num_tokens)])

@@ -21,6 +21,8 @@ from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake
 from worker.fleet.publisher import Publisher
+from worker.fleet.leases import LeaseKeeper, hand_back
+from worker.fleet.reaper import Reaper
 from worker.fleet.registration import register_model
 from worker.fleet.text_stage import TextStage
 from worker.metrics import QueuePoller, WorkerMetrics
@@ -49,6 +51,11 @@ class Worker:
         self.intake = Intake(self.client, self.keys, self.model, config.worker_id, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel)
+        self.leases = LeaseKeeper(self.client, config.worker_id, self.inflight, config.lease_ms,
+                                  self.loop.drop)
+        self.reaper = Reaper(self.client, self.keys, config.worker_id, self.intake, self.inflight,
+                             config.lease_ms, config.max_deliveries,
+                             interval_s=max(0.2, config.lease_ms / 2000))
         self.cancels = CancelListener(self.client, self.keys, self.loop.cancel, config.worker_id)
         self.queue_poller = QueuePoller(self.client, self.keys, self.model, config.worker_id,
                                         self.metrics, config.queue_poll_interval_s)
@@ -99,7 +106,8 @@ class Worker:
             self.queue_poller.start()
         self.state = "serving"
         self.heartbeat.beat()
-        for thread in (self.publisher, self.loop, self.cancels, self.intake, self.heartbeat):
+        for thread in (self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
+                       self.leases, self.reaper):
             thread.start()
         self.cancels.subscribed.wait(timeout=5)
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
@@ -109,18 +117,22 @@ class Worker:
     def stop(self, drain_timeout_s: float | None = None) -> bool:
         """Stop reading, let in-flight requests finish (up to the drain timeout), then stop.
 
-        Returns True when everything in flight finished. Requests still unfinished stay
-        pending in Redis, unacknowledged, for another worker to claim.
+        Returns True when everything in flight finished. What is still unfinished has its
+        published tokens flushed and is handed back (its lease made to look expired), so
+        another worker claims it at once and continues after those tokens.
         """
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         self.state = "draining"
-        self.intake.stopping.set()
-        self.intake.join()
+        for thread in (self.intake, self.reaper):
+            thread.stopping.set()
+            if thread.is_alive():
+                thread.join()
         drained = self.inflight.wait_empty(timeout)
         self.loop.stopping.set()
         self.loop.join()
         self.publisher.close()
-        for thread in (self.cancels, self.heartbeat, self.queue_poller):
+        self._hand_back_unfinished()
+        for thread in (self.leases, self.cancels, self.heartbeat, self.queue_poller):
             thread.stopping.set()
             if thread.is_alive():
                 thread.join()
@@ -130,6 +142,18 @@ class Worker:
         self._stopped.set()
         log.info("worker stopped", worker_id=self.config.worker_id, drained=drained)
         return drained
+
+    def _hand_back_unfinished(self) -> None:
+        left = [e for rid in self.inflight.ids() if (e := self.inflight.get(rid)) is not None]
+        if not left:
+            return
+        try:
+            hand_back(self.client, self.config.worker_id, [(e.stream, e.entry_id) for e in left],
+                      self.config.lease_ms)
+            log.info("handed back unfinished requests", count=len(left))
+        except redis.RedisError as exc:  # they lapse with the lease instead
+            log.warning("hand back failed; requests wait for their lease to lapse",
+                        error=str(exc))
 
     def run_until_signalled(self) -> int:
         """Serve until SIGTERM or SIGINT, then drain; the exit status for the process."""

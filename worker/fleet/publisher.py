@@ -45,6 +45,8 @@ class Rejection:
     raw: bytes | None = None
     # False when another request with this id is live: its stream must not get our error.
     write_final: bool = True
+    # Tokens already on the request's output stream (the error final goes after them).
+    num_tokens: int = 0
 
 
 class Publisher(threading.Thread):
@@ -140,7 +142,7 @@ class Publisher(threading.Thread):
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         if item.request_id and item.write_final:
             key = self.keys.output(item.request_id)
-            final = error_final(item.reason)
+            final = error_final(item.reason, item.num_tokens)
             pipe.xadd(key, {FIELD: final.encode()}, id=final.entry_id)
             pipe.expire(key, self.output_ttl_s)
         pipe.xack(item.stream, GROUP, item.entry_id)

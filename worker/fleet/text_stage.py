@@ -25,6 +25,9 @@ class Track:
     params: SamplingParams
     num_prompt_tokens: int
     ack: tuple[str, str]
+    # A resumed request: the tokens and text an earlier worker already published.
+    published_token_ids: list[int] | None = None
+    published_text: str = ""
 
 
 class TextStage:
@@ -40,6 +43,11 @@ class TextStage:
     def track(self, item: Track) -> None:
         state = RequestOutputState.create(item.request_id, item.params, 0, item.num_prompt_tokens,
                                           self.tokenizer)
+        if item.published_token_ids:
+            state.add_tokens(item.published_token_ids, None)
+            # Text the earlier worker held back (a partial character, a possible stop string)
+            # was never published: emit from where its stream's text ends.
+            state.emitted = min(len(item.published_text), len(state.text))
         self._states[item.request_id] = (state, item)
 
     def apply(self, pub) -> bool:

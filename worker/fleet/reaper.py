@@ -1,0 +1,112 @@
+"""The reaper thread: claims entries whose lease lapsed (their worker died) and resumes them.
+
+Also runs at start-up, so a worker restarted under the same name takes back its own work.
+Entries delivered more often than ``max_deliveries`` are poison: dead-lettered, not retried.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+import structlog
+
+from producer.keys import GROUP, Keys
+from producer.logging import bind_thread_context
+from producer.protocol import FIELD, GenerationRequest, ProtocolError
+from worker.fleet.inflight import InflightTable
+from worker.fleet.intake import Intake
+from worker.fleet.publisher import Rejection
+from worker.fleet.resume import read_published
+
+log = structlog.get_logger(__name__)
+
+
+class Reaper(threading.Thread):
+    """Every ``interval_s``, claims up to the room left of entries idle past the lease."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, intake: Intake,
+                 inflight: InflightTable, lease_ms: int, max_deliveries: int,
+                 interval_s: float) -> None:
+        super().__init__(name="reaper", daemon=True)
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.intake = intake
+        self.inflight = inflight
+        self.lease_ms = lease_ms
+        self.max_deliveries = max_deliveries
+        self.interval_s = interval_s
+        self.stopping = threading.Event()
+        self.claimed = 0
+
+    def run(self) -> None:
+        bind_thread_context(worker_id=self.worker_id)
+        while not self.stopping.is_set():
+            try:
+                for stream in self.intake.streams:
+                    self.reap(stream)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):  # the intake recreates lost groups
+                    log.warning("reaper failed", error=str(exc))
+            except redis.RedisError as exc:
+                log.warning("reaper failed", error=str(exc))
+            self.stopping.wait(self.interval_s)
+
+    def reap(self, stream: str) -> int:
+        """Claim and resume lapsed entries of one stream; returns how many were claimed."""
+        room = self.inflight.room()
+        if room == 0:
+            return 0
+        # JUSTID first (cheap, same reply on 6.2 and 7), then XCLAIM to fetch the entries,
+        # which also counts the delivery.
+        ids = self.client.xautoclaim(stream, GROUP, self.worker_id, self.lease_ms, "0-0",
+                                     count=room, justid=True)
+        if not ids:
+            return 0
+        claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, ids)
+        found = {_str(eid): fields for eid, fields in claimed if eid is not None}
+        for eid in map(_str, ids):
+            fields = found.get(eid)
+            if fields is None:  # trimmed away: nothing left to serve
+                self.client.xack(stream, GROUP, eid)
+                continue
+            self._resume(stream, eid, fields, self._deliveries(stream, eid))
+        self.claimed += len(ids)
+        return len(ids)
+
+    def _deliveries(self, stream: str, entry_id: str) -> int:
+        info = self.client.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 0
+
+    def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> None:
+        request_id = _request_id(fields)
+        published = read_published(self.client, self.keys, request_id) if request_id else None
+        if published is not None and published.finished:
+            self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
+            return
+        if deliveries > self.max_deliveries:
+            reason = (f"delivered {deliveries} times (limit {self.max_deliveries}): "
+                      "it keeps failing the workers that take it")
+            log.error("poison request dead-lettered", request_id=request_id, entry_id=entry_id)
+            num = len(published.token_ids) if published else 0
+            self.intake.publisher.publish([Rejection(stream, entry_id, reason, request_id,
+                                                     fields.get(FIELD), num_tokens=num)])
+            return
+        log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
+                 published_tokens=len(published.token_ids) if published else 0,
+                 deliveries=deliveries)
+        adm = self.intake.accept(stream, entry_id, fields, published)
+        if adm is not None:
+            self.intake.inbox.put(adm)
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _request_id(fields: dict) -> str | None:
+    try:
+        return GenerationRequest.decode(fields.get(FIELD)).request_id
+    except ProtocolError as exc:
+        return exc.request_id

@@ -1,0 +1,193 @@
+"""Nothing lost: killed workers, drains, a restarted Redis and poison requests."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+from fleet_fixtures import MODEL
+from worker_processes import spawn_worker, stop_all, wait_ready
+
+from producer.client import Client
+from producer.keys import GROUP, Keys
+from producer.protocol import FIELD, GenerationRequest, decode_output
+from worker import Engine, FinishReason, SamplingParams
+
+KEYS = Keys()
+LEASE = ["--lease-ms", "1500"]
+
+
+def workload(n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 1000) for _ in range(rng.randint(5, 40))] for _ in range(n)], max_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """No-fault greedy outputs, computed once per (prompts, max_tokens)."""
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=2048, max_num_seqs=64)
+    cache: dict = {}
+
+    def outputs(prompts, max_tokens):
+        key = (tuple(map(tuple, prompts)), max_tokens)
+        if key not in cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            cache[key] = [c.token_ids for c in engine.generate(prompts, params)]
+        return cache[key]
+
+    return outputs
+
+
+def submit_all(client: Client, prompts, max_tokens) -> list[str]:
+    return [client.submit(p, model=MODEL, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            for p in prompts]
+
+
+def stream_indexes(client: Client, rid: str) -> list[int]:
+    """Every token index written to the request's output stream, in stream order."""
+    out = []
+    for _, fields in client.redis.xrange(KEYS.output(rid)):
+        entry = decode_output(fields[FIELD])
+        if hasattr(entry, "index"):
+            out.extend(range(entry.index, entry.index + len(entry.token_ids)))
+    return out
+
+
+def assert_exact(client: Client, ids: list[str], expected: list[list[int]]) -> None:
+    """Each consumer sees the no-fault tokens; the stream holds each index exactly once."""
+    results = [client.result(rid, timeout=180) for rid in ids]
+    for rid, result, want in zip(ids, results, expected, strict=True):
+        assert result.finish_reason is FinishReason.LENGTH, result.error
+        assert result.token_ids == want
+        assert stream_indexes(client, rid) == list(range(len(want)))
+
+
+def pending(client: Client) -> int:
+    return sum(client.redis.xpending(KEYS.requests(MODEL, lane), GROUP)["pending"]
+               for lane in ("interactive", "batch"))
+
+
+def owned_with_tokens(client: Client, worker: str, ids: list[str]) -> int:
+    """Requests the worker holds pending whose output stream already has tokens."""
+    stream = KEYS.requests(MODEL, "interactive")
+    mine = client.redis.xpending_range(stream, GROUP, "-", "+", 1000, consumername=worker)
+    entries = {e["message_id"] for e in mine}
+    held = 0
+    for entry_id, fields in client.redis.xrange(stream):
+        if entry_id in entries:
+            rid = GenerationRequest.decode(fields[FIELD]).request_id
+            held += client.redis.xlen(KEYS.output(rid)) > 0 if rid in ids else 0
+    return held
+
+
+def test_sigkill_a_worker_and_the_other_finishes_its_requests_exactly(
+        redis_url, tiny_llama, reference, tmp_path):
+    client = Client(redis_url)
+    prompts, max_tokens = workload(40, 400)
+    procs = [spawn_worker(tiny_llama, redis_url, name, *LEASE, "--max-num-seqs", "16",
+                          log_dir=tmp_path) for name in ("victim", "survivor")]
+    try:
+        for name, proc in zip(("victim", "survivor"), procs, strict=True):
+            wait_ready(client, name, proc)
+        ids = submit_all(client, prompts, max_tokens)
+        deadline = time.monotonic() + 60
+        while (held := owned_with_tokens(client, "victim", ids)) < 8:
+            assert time.monotonic() < deadline, "the victim never held 8 requests with tokens"
+            time.sleep(0.02)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert held >= 8
+        assert_exact(client, ids, reference(prompts, max_tokens))
+        assert pending(client) == 0
+    finally:
+        stop_all(procs)
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(redis_url, tiny_llama, reference,
+                                                           tmp_path):
+    client = Client(redis_url)
+    prompts, max_tokens = workload(6, 80, seed=1)
+    proc = spawn_worker(tiny_llama, redis_url, "drainer", *LEASE, log_dir=tmp_path)
+    try:
+        wait_ready(client, "drainer", proc)
+        ids = submit_all(client, prompts, max_tokens)
+        next(client.stream(ids[0], timeout=30))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for rid, want in zip(ids, reference(prompts, max_tokens), strict=True):
+            assert client.result(rid, timeout=1).token_ids == want
+        assert pending(client) == 0
+    finally:
+        stop_all([proc])
+
+
+def test_a_drain_too_short_hands_the_rest_to_another_worker(redis_url, tiny_llama, reference,
+                                                            tmp_path):
+    client = Client(redis_url)
+    prompts, max_tokens = workload(12, 600, seed=2)
+    # A long lease: only the hand-back (not a lapsed lease) can move the requests in time.
+    quitter = spawn_worker(tiny_llama, redis_url, "quitter", "--lease-ms", "60000",
+                           "--drain-timeout", "0.3", log_dir=tmp_path)
+    procs = [quitter]
+    try:
+        wait_ready(client, "quitter", quitter)
+        ids = submit_all(client, prompts, max_tokens)
+        for rid in ids:
+            next(client.stream(rid, timeout=30))  # every request has started on the quitter
+        procs.append(spawn_worker(tiny_llama, redis_url, "taker", "--lease-ms", "60000",
+                                  log_dir=tmp_path))
+        wait_ready(client, "taker", procs[1])
+        quitter.send_signal(signal.SIGTERM)
+        assert quitter.wait(timeout=60) == 0
+        started = time.monotonic()
+        assert_exact(client, ids, reference(prompts, max_tokens))
+        assert time.monotonic() - started < 50  # well before a 60 s lease could lapse
+        assert pending(client) == 0
+    finally:
+        stop_all(procs)
+
+
+def test_redis_restart_mid_run_loses_nothing(redis_server, redis_url, tiny_llama, reference,
+                                             start_worker):
+    client = Client(redis_url)
+    prompts, max_tokens = workload(16, 300, seed=3)
+    start_worker("steady", max_num_seqs=32)
+    ids = submit_all(client, prompts, max_tokens)
+    next(client.stream(ids[-1], timeout=30))
+    redis_server.restart()
+    assert_exact(client, ids, reference(prompts, max_tokens))
+    assert pending(client) == 0
+
+
+def test_a_request_that_kills_every_worker_ends_in_the_dead_letter_stream(redis_url, tiny_llama,
+                                                                          tmp_path):
+    client = Client(redis_url)
+    poison = client.submit([5, 999, 6], model=MODEL, max_tokens=4, temperature=0)
+    env = {"CONVEYOR_FAULT_KILL_ON_TOKEN": "999"}
+    procs = []
+    try:
+        deaths = 0
+        deadline = time.monotonic() + 150
+        while not client.redis.exists(KEYS.output(poison)) or client.redis.xlen(KEYS.dead) == 0:
+            assert time.monotonic() < deadline, "the poison request was never dead-lettered"
+            if not procs or procs[-1].poll() is not None:
+                deaths += bool(procs)
+                name = f"w{len(procs)}"
+                procs.append(spawn_worker(tiny_llama, redis_url, name, "--lease-ms", "800",
+                                          "--max-deliveries", "2", env=env, log_dir=tmp_path))
+            time.sleep(0.2)
+        result = client.result(poison, timeout=30)
+        assert result.finish_reason is FinishReason.ERROR and "delivered" in result.error
+        assert deaths >= 2  # it really killed workers before being set aside
+        # The fleet goes on serving (a worker started after the last death takes it).
+        if procs[-1].poll() is not None:
+            procs.append(spawn_worker(tiny_llama, redis_url, "after", env=env, log_dir=tmp_path))
+        fine = client.submit([5, 6, 7], model=MODEL, max_tokens=4, temperature=0)
+        assert client.result(fine, timeout=60).finish_reason is FinishReason.LENGTH
+        (_, dead), = client.redis.xrange(KEYS.dead)
+        assert dead[b"request_id"] == poison.encode()
+        assert pending(client) == 0
+    finally:
+        stop_all(procs)

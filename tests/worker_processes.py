@@ -1,0 +1,40 @@
+"""Worker subprocesses for fault tests: real processes that can be killed and signalled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from producer.client import Client
+from producer.keys import Keys
+
+
+def spawn_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
+                 env: dict[str, str] | None = None, log_dir: Path | None = None) -> subprocess.Popen:
+    """Start `conveyor worker` serving the tiny model as "tiny", float64, one thread."""
+    cmd = [sys.executable, "-m", "producer.cli", "--log-level", "warning", "worker",
+           "--model", str(model_dir), "--served-model-name", "tiny", "--redis", redis_url,
+           "--name", name, "--dtype", "float64", "--threads", "1", *extra]
+    out = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+
+
+def wait_ready(client: Client, name: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Wait for the worker's heartbeat (it is serving); fail if it exits first."""
+    key = Keys().worker(name)
+    deadline = time.monotonic() + timeout
+    while not client.redis.exists(key):
+        assert proc.poll() is None, f"worker {name} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"worker {name} did not start"
+        time.sleep(0.1)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)

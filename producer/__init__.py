@@ -1,6 +1,7 @@
-"""The producer side of conveyor: request types and (later) the Redis client. Never imports torch."""
+"""The producer side of conveyor: request types, the wire protocol and clients. No torch."""
 
+from producer.backpressure import QueueFull
 from producer.completion import Completion, FinishReason, TokenLogprob, Usage
 from producer.params import SamplingParams
 
-__all__ = ["Completion", "FinishReason", "SamplingParams", "TokenLogprob", "Usage"]
+__all__ = ["Completion", "FinishReason", "QueueFull", "SamplingParams", "TokenLogprob", "Usage"]

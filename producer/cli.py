@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     p = sub.add_parser("make-model", help="write a small deterministic checkpoint (no model hub)")
-    p.add_argument("dir", nargs="?", help="output folder (default: the data folder's models/PRESET)")
+    p.add_argument("dir", nargs="?",
+                   help="output folder (default: the data folder's models/PRESET)")
     p.add_argument("--preset", choices=["tiny", "small"], default="small")
     p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
     p.add_argument("--seed", type=int, default=0)

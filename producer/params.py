@@ -7,12 +7,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from producer.validation import MAX_TOKEN_ID, brief
+
 # Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+# Beyond any model's context; a 32-bit int, like token ids and top_k below.
+MAX_NEW_TOKENS = 2**31 - 1
+# Any top_k at or above the vocabulary size keeps every token.
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,11 @@ class SamplingParams:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{name} must be a list, got {brief(value)}")
+            object.__setattr__(self, name, tuple(value))
         self._validate()
 
     @property
@@ -52,9 +61,9 @@ class SamplingParams:
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
         """Build from a plain mapping, rejecting unknown keys with a ValueError."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(brief(k) for k in set(values) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown[:8])}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,9 +74,9 @@ class SamplingParams:
         return d
 
     def _validate(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_float("temperature", self.temperature, low=0.0)
-        _check_int("top_k", self.top_k, low=0)
+        _check_int("top_k", self.top_k, low=0, high=MAX_TOP_K)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:
             raise ValueError("top_p must be in (0, 1], got 0")
@@ -75,7 +84,7 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be a bool, got {brief(self.ignore_eos)}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -84,28 +93,30 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
                     f"each stop string must be a non-empty str of at most "
-                    f"{MAX_STOP_STRING_CHARS} characters, got {s!r}"
+                    f"{MAX_STOP_STRING_CHARS} characters, got {brief(s)}"
                 )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, low=0)
+            _check_int("stop_token_ids entry", t, low=0, high=MAX_TOKEN_ID)
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     # bool is an int subclass; True as max_tokens is a caller bug, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {brief(value)}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise ValueError(f"{name} must be >= {low}, got {brief(value)}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise ValueError(f"{name} must be <= {high}, got {brief(value)}")
 
 
-def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+def _check_float(name: str, value: Any, low: float | None = None,
+                 high: float | None = None) -> None:
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or (isinstance(value, float) and not math.isfinite(value))):
+        raise ValueError(f"{name} must be a finite number, got {brief(value)}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise ValueError(f"{name} must be >= {low}, got {brief(value)}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise ValueError(f"{name} must be <= {high}, got {brief(value)}")

@@ -77,7 +77,7 @@ def test_text_prompt_and_stop_string_is_removed(engine):
 
 def test_streamed_text_deltas_add_up_to_the_completion_text(engine):
     params = SamplingParams(max_tokens=25, temperature=0.7, seed=3, ignore_eos=True, stop=["zzq"])
-    rid = engine.add_request("Tell me about the lighthouse", params)
+    engine.add_request("Tell me about the lighthouse", params)
     deltas = []
     while engine.has_unfinished():
         for out in engine.step():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from hf_reference import Reference, hf_greedy
+
 from worker import Engine, SamplingParams
 
 NUM_PROMPTS = 24
@@ -61,12 +61,21 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
     pending = list(enumerate(work))
     ids: dict[str, int] = {}
     tokens: dict[int, list[int]] = {}
-    mixed_steps = 0
 
     def add_next():
         i, (prompt, max_tokens) = pending.pop(0)
         ids[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))] = i
 
+    # Record what each step held: its chunks are decodes (True) or prefill chunks (False).
+    step_kinds: list[list[bool]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        step_kinds.append([c.is_decode for c in out.chunks])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
     while pending and arrival == "together":
         add_next()
     while pending or engine.has_unfinished():
@@ -74,19 +83,10 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
             add_next()
         if nan_free_blocks:
             engine.kv_cache.fill_blocks_(engine.block_pool.free_block_ids(), float("nan"))
-        sched_probe = engine.scheduler.schedule
-        kinds = []
-
-        def probing_schedule():
-            out = sched_probe()
-            kinds.extend(c.is_decode for c in out.chunks)
-            return out
-
-        engine.scheduler.schedule = probing_schedule
         for out in engine.step():
             tokens.setdefault(ids[out.request_id], []).extend(out.new_token_ids)
-        engine.scheduler.schedule = sched_probe
-        mixed_steps += any(kinds) and not all(kinds)
+    engine.scheduler.schedule = schedule
+    mixed_steps = sum(any(k) and not all(k) for k in step_kinds)
     return {"tokens": [tokens.get(i, []) for i in range(len(work))], "mixed_steps": mixed_steps}
 
 

@@ -19,9 +19,10 @@ KEYS = Keys()
 LEASE = ["--lease-ms", "1500"]
 
 
-def workload(n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+def workload(n: int, max_tokens: int, seed: int = 0) -> tuple[list[list[int]], int]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, 1000) for _ in range(rng.randint(5, 40))] for _ in range(n)], max_tokens
+    prompts = [[rng.randrange(2, 1000) for _ in range(rng.randint(5, 40))] for _ in range(n)]
+    return prompts, max_tokens
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from producer.keys import Keys
 
 
 def spawn_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
-                 env: dict[str, str] | None = None, log_dir: Path | None = None) -> subprocess.Popen:
+                 env: dict[str, str] | None = None,
+                 log_dir: Path | None = None) -> subprocess.Popen:
     """Start `conveyor worker` serving the tiny model as "tiny", float64, one thread."""
     cmd = [sys.executable, "-m", "producer.cli", "--log-level", "warning", "worker",
            "--model", str(model_dir), "--served-model-name", "tiny", "--redis", redis_url,

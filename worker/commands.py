@@ -67,7 +67,8 @@ def worker_cmd(args: argparse.Namespace) -> int:
         engine["enable_chunked_prefill"] = False
     if args.max_prefill_chunk:
         engine["max_prefill_chunk"] = args.max_prefill_chunk
-    config = WorkerConfig(model_dir=ensure_model(args.model), served_model_name=args.served_model_name,
+    config = WorkerConfig(model_dir=ensure_model(args.model),
+                          served_model_name=args.served_model_name,
                           redis_url=args.redis, namespace=args.namespace,
                           engine=engine, drain_timeout_s=args.drain_timeout,
                           lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,

@@ -36,7 +36,8 @@ def start_worker(model_dir: Path, redis_url: str, threads: int) -> tuple[subproc
     return proc, log
 
 
-def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path,
+                    timeout: float = 180) -> None:
     key = Keys().worker(f"demo-{os.getpid()}")
     deadline = time.monotonic() + timeout
     while not client.redis.exists(key):
@@ -74,7 +75,8 @@ class LiveView:
                                            strict=True):
             bar = "#" * (20 * n // limit) + "." * (20 - 20 * n // limit)
             snippet = text.replace("\n", " ")[-40:]
-            lines.append(f"{'done' if d else '    '} {name:<10} [{bar}] {n:>3}/{limit:<3} {snippet}")
+            mark = "done" if d else "    "
+            lines.append(f"{mark} {name:<10} [{bar}] {n:>3}/{limit:<3} {snippet}")
         lines.append(f"{elapsed:6.1f}s  {sum(done)}/{len(done)} done, {total} tokens, "
                      f"{total / max(elapsed, 1e-9):.0f} tokens/s")
         if self.drawn:

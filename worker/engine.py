@@ -258,7 +258,8 @@ class Engine:
             prompt = self.tokenizer.encode(prompt)
         return validate_token_ids(prompt, self.model_config.vocab_size)
 
-    def _check_lengths(self, prompt: list[int], generated: list[int], params: SamplingParams) -> None:
+    def _check_lengths(self, prompt: list[int], generated: list[int],
+                       params: SamplingParams) -> None:
         n = len(prompt) + len(generated)
         if n >= self.max_model_len:
             raise ValueError(

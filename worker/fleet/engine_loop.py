@@ -14,10 +14,10 @@ from producer.completion import FinishReason
 from producer.logging import bind_thread_context
 from producer.protocol import FinalEntry, OutputChunk, now_ms
 from worker.engine import Engine
+from worker.fleet.faults import maybe_die
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
-from worker.fleet.faults import maybe_die
 from worker.fleet.text_stage import Track
 from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
@@ -166,7 +166,8 @@ class EngineLoop(threading.Thread):
         outs = [o for rid in ids if (o := self.engine.abort(rid)) is not None]
         # Ids not known here may still be in the inbox, or belong to another worker.
         with self._cancel_lock:
-            self._cancels |= {rid for rid in ids if rid in self.inflight} - {o.request_id for o in outs}
+            done = {o.request_id for o in outs}
+            self._cancels |= {rid for rid in ids if rid in self.inflight} - done
         self._publish(outs)
 
     def _apply_drops(self) -> None:

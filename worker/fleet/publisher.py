@@ -91,7 +91,9 @@ class Publisher(threading.Thread):
                 batch.extend(more)
             self._write(self._prepare(batch))
 
-    def _prepare(self, batch: list[Publication | Rejection | Track]) -> list[Publication | Rejection]:
+    def _prepare(
+        self, batch: list[Publication | Rejection | Track]
+    ) -> list[Publication | Rejection]:
         """Detokenize, apply stop strings, and drop output of requests already ended here."""
         ready: list[Publication | Rejection] = []
         for item in batch:

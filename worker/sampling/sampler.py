@@ -80,6 +80,7 @@ class Sampler:
             result[i] = TokenLogprob(
                 token_id=tokens[i],
                 logprob=float(logp[row, tokens[i]]),
-                top=list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else [],
+                top=(list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                     if top else []),
             )
         return result

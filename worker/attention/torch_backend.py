@@ -19,6 +19,11 @@ from worker.attention.metadata import AttentionMetadata
 _PLAN_KEY = "torch"
 # Query rows of a prefill chunk attended at once; bounds the [heads, rows, context] score tensor.
 PREFILL_QUERY_TILE = 1024
+# Decodes are batched in groups of similar context length, so one long sequence does not pad
+# every other one to its length: a group's longest context is at most this many times its
+# shortest, unless the group would have fewer than DECODE_GROUP_MIN members.
+DECODE_GROUP_SPREAD = 1.5
+DECODE_GROUP_MIN = 8
 
 
 @dataclass
@@ -35,15 +40,22 @@ class _PrefillPlan:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decode (one-token query) sequences of similar length, attended together."""
+
+    # [Bg] flat-batch index of each sequence's token.
+    tokens: torch.Tensor
+    # [Bg, max_len] cache slots; past a sequence's length it repeats its last slot.
+    slots: torch.Tensor
+    # [Bg, max_len] True where the slot is a real context position.
+    valid: torch.Tensor
+
+
+@dataclass
 class _StepPlan:
     """Gather indices and masks derived once per step and reused by every layer."""
 
-    # [Bd] flat-batch index of each decode (one-token query) sequence.
-    decode_tokens: torch.Tensor
-    # [Bd, max_len] cache slots; past a sequence's length it repeats its last slot.
-    decode_slots: torch.Tensor
-    # [Bd, max_len] True where the slot is a real context position.
-    decode_valid: torch.Tensor
+    decodes: list[_DecodeGroup]
     prefills: list[_PrefillPlan]
     # K and V gather buffers, made on first use and reused by every layer of the step:
     # writing into them avoids faulting in fresh pages for each large gather.
@@ -54,7 +66,8 @@ class _StepPlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows at ``slots [B, L]`` as ``[B, L, Hkv, D]`` views of the step's buffers."""
         if self.buffers is None:
-            rows = max([self.decode_slots.numel()] + [p.slots.numel() for p in self.prefills])
+            rows = max([g.slots.numel() for g in self.decodes]
+                       + [p.slots.numel() for p in self.prefills])
             self.buffers = (
                 flat_k.new_empty(rows, *flat_k.shape[1:]),
                 flat_v.new_empty(rows, *flat_v.shape[1:]),
@@ -100,8 +113,8 @@ class TorchAttention:
         if plan is None:
             plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device)
         out = torch.empty_like(q)
-        if plan.decode_tokens.numel():
-            self._decode(q, flat_k, flat_v, plan, out)
+        for group in plan.decodes:
+            self._decode(q, flat_k, flat_v, plan, group, out)
         for prefill in plan.prefills:
             self._prefill(q, flat_k, flat_v, plan, prefill, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -112,13 +125,14 @@ class TorchAttention:
         flat_k: torch.Tensor,
         flat_v: torch.Tensor,
         plan: _StepPlan,
+        group: _DecodeGroup,
         out: torch.Tensor,
     ) -> None:
-        """All one-token queries of the step at once: one padded gather, batched matmuls."""
-        keys, values = plan.gather(flat_k, flat_v, plan.decode_slots)
-        queries = q[plan.decode_tokens].unsqueeze(1)
-        attended = self._attend(queries, keys, values, plan.decode_valid[:, None, :])
-        out[plan.decode_tokens] = attended[:, 0]
+        """One group of one-token queries at once: one padded gather, batched matmuls."""
+        keys, values = plan.gather(flat_k, flat_v, group.slots)
+        queries = q[group.tokens].unsqueeze(1)
+        attended = self._attend(queries, keys, values, group.valid[:, None, :])
+        out[group.tokens] = attended[:, 0]
 
     def _prefill(
         self,
@@ -184,13 +198,29 @@ def _make_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
             slots = _context_slots(block_tables[i, None], [seq_len], meta.block_size)[0]
             prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    lens = [meta.seq_lens_list[i] for i in decode_rows]
-    rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-    slots = _context_slots(block_tables[rows], lens, meta.block_size)
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-    valid = torch.arange(slots.shape[1], device=device)[None, :] < lens_t[:, None]
-    tokens = torch.tensor([starts[i] for i in decode_rows], dtype=torch.int64, device=device)
-    return _StepPlan(tokens, slots, valid, prefills)
+    groups = []
+    for rows in _group_by_length(decode_rows, meta.seq_lens_list):
+        lens = [meta.seq_lens_list[i] for i in rows]
+        slots = _context_slots(block_tables[torch.tensor(rows, device=device)], lens,
+                               meta.block_size)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        valid = torch.arange(slots.shape[1], device=device)[None, :] < lens_t[:, None]
+        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
+        groups.append(_DecodeGroup(tokens, slots, valid))
+    return _StepPlan(groups, prefills)
+
+
+def _group_by_length(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split decode rows into groups of similar context length (see DECODE_GROUP_SPREAD)."""
+    groups: list[list[int]] = []
+    for i in sorted(rows, key=lambda r: seq_lens[r]):
+        current = groups[-1] if groups else None
+        if (current is None or (seq_lens[i] > DECODE_GROUP_SPREAD * seq_lens[current[0]]
+                                and len(current) >= DECODE_GROUP_MIN)):
+            groups.append([i])
+        else:
+            current.append(i)
+    return groups
 
 
 def _context_slots(

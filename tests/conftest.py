@@ -32,5 +32,5 @@ def tiny_llama(model_factory):
 
 
 # Real Redis fixtures (a private redis-server per session, flushed before each test).
-from redis_fixtures import redis_client, redis_server, redis_url  # noqa: E402, F401
 from fleet_fixtures import start_worker  # noqa: E402, F401
+from redis_fixtures import redis_client, redis_server, redis_url  # noqa: E402, F401

@@ -7,8 +7,8 @@ import time
 
 import msgpack
 import pytest
-
 from fleet_fixtures import MODEL
+
 from producer.client import Client
 from producer.keys import GROUP, Keys
 from producer.protocol import FIELD

@@ -8,7 +8,7 @@ from kvstore.kv_tensors import PagedKVCache, copy_blocks
 from producer.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
-from worker.sampling import SampleRequest, Sampler
+from worker.sampling import Sampler, SampleRequest
 
 
 class ModelRunner:

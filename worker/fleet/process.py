@@ -20,8 +20,8 @@ from worker.fleet.engine_loop import EngineLoop
 from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake
-from worker.fleet.publisher import Publisher
 from worker.fleet.leases import LeaseKeeper, hand_back
+from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
 from worker.fleet.registration import register_model
 from worker.fleet.text_stage import TextStage

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 
+from producer.backpressure import add_if_room_async, check_max_queue
 from producer.client import (
     CANCEL_MARKER_TTL_S,
     READ_COUNT,
@@ -18,6 +19,7 @@ from producer.client import (
     model_names,
     model_pattern,
     parse_model_info,
+    queue_limit,
     timed_out,
 )
 from producer.completion import Completion
@@ -34,7 +36,8 @@ class AsyncClient:
     """Submit generation requests and read their output from asyncio code.
 
     ``url`` None means the embedded redis-server; pass ``connection`` to share an
-    existing asyncio client instead (it is not closed by ``close``).
+    existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
+    default for :meth:`submit`'s (None: no limit).
     """
 
     def __init__(
@@ -43,8 +46,10 @@ class AsyncClient:
         namespace: str = "conveyor",
         *,
         connection: redis.asyncio.Redis | None = None,
+        max_queue: int | None = None,
     ) -> None:
         self.keys = Keys(namespace)
+        self.max_queue = check_max_queue(max_queue)
         if connection is not None:
             check_bytes_replies(connection)
         self._owns_connection = connection is None
@@ -61,12 +66,15 @@ class AsyncClient:
         deadline_ms: int | None = None,
         timeout: float | None = None,
         pipeline: redis.asyncio.client.Pipeline | None = None,
+        max_queue: int | None = None,
         **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
-        See :meth:`producer.client.Client.submit`; with ``pipeline`` the XADD is only queued.
+        See :meth:`producer.client.Client.submit`; with ``pipeline`` the XADD is only queued,
+        and ``max_queue`` raises QueueFull when the stream is full (never checked in a pipeline).
         """
+        limit = queue_limit(max_queue, self.max_queue, pipeline is not None)
         request = build_request(
             prompt,
             model=model,
@@ -78,7 +86,9 @@ class AsyncClient:
             sampling=sampling,
         )
         key = self.keys.requests(request.model, request.lane)
-        if pipeline is not None:
+        if limit is not None:
+            await add_if_room_async(self.redis, key, FIELD, request.encode(), limit)
+        elif pipeline is not None:
             pipeline.xadd(key, {FIELD: request.encode()})
         else:
             await self.redis.xadd(key, {FIELD: request.encode()})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from producer.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
 from producer.completion import Completion
 from producer.connection import connect
 from producer.defaults import MAX_BLOCK_MS
@@ -84,6 +85,15 @@ def build_request(
     )
 
 
+def queue_limit(given: int | None, default: int | None, pipelined: bool) -> int | None:
+    """The ``max_queue`` a submit applies: its own, else the client's; none when pipelined."""
+    if pipelined:
+        if given is not None:
+            raise ValueError("max_queue cannot be checked in a pipeline: submit without one")
+        return None
+    return check_max_queue(given) if given is not None else default
+
+
 def parse_model_info(raw: dict[bytes, bytes]) -> dict[str, Any] | None:
     """A model hash as workers register it, decoded; None for an empty (absent) hash."""
     if not raw:
@@ -141,6 +151,7 @@ class Client:
 
     ``url`` None means the embedded redis-server (see :func:`producer.connection.connect`);
     pass ``connection`` to share an existing client instead (it is not closed by ``close``).
+    ``max_queue`` is the default for :meth:`submit`'s (None: no limit).
     """
 
     def __init__(
@@ -149,8 +160,10 @@ class Client:
         namespace: str = "conveyor",
         *,
         connection: redis.Redis | None = None,
+        max_queue: int | None = None,
     ) -> None:
         self.keys = Keys(namespace)
+        self.max_queue = check_max_queue(max_queue)
         if connection is not None:
             check_bytes_replies(connection)
         self._owns_connection = connection is None
@@ -167,13 +180,21 @@ class Client:
         deadline_ms: int | None = None,
         timeout: float | None = None,
         pipeline: redis.client.Pipeline | None = None,
+        max_queue: int | None = None,
         **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
         ``prompt`` is text or token ids; ``timeout`` (seconds from now) sets ``deadline_ms``;
         other keywords are SamplingParams fields. With ``pipeline`` the XADD is only queued.
+
+        ``max_queue`` (default: the client's) refuses the request with
+        :class:`~producer.backpressure.QueueFull` when its stream already holds that many
+        undelivered plus pending requests; the check and the XADD are atomic. A pipelined
+        submit is never checked (its answer would come back only at ``execute``): the
+        caller bounds what it pipelines, and an explicit ``max_queue`` there is a ValueError.
         """
+        limit = queue_limit(max_queue, self.max_queue, pipeline is not None)
         request = build_request(
             prompt,
             model=model,
@@ -185,7 +206,10 @@ class Client:
             sampling=sampling,
         )
         key = self.keys.requests(request.model, request.lane)
-        (pipeline or self.redis).xadd(key, {FIELD: request.encode()})
+        if limit is not None:
+            add_if_room(self.redis, key, FIELD, request.encode(), limit)
+        else:
+            (pipeline or self.redis).xadd(key, {FIELD: request.encode()})
         return request.request_id
 
     def stream(

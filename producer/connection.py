@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -29,6 +30,9 @@ T = TypeVar("T")
 
 # Errors worth retrying; redis-py's AuthenticationError is a ConnectionError but is never transient.
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
+# Causes that make a ConnectionError permanent: a refused password, a TLS certificate that
+# does not verify (wrong CA, wrong host name). Retrying them only delays the error.
+PERMANENT_CAUSES = (AuthenticationError, ssl.SSLCertVerificationError)
 
 
 def connect(
@@ -102,10 +106,10 @@ def _resolve(url: str | None) -> str:
 
 
 def _transient(error: Exception) -> bool:
-    # The asyncio unix-socket client wraps a refused password in a plain ConnectionError.
-    return not isinstance(error, AuthenticationError) and not isinstance(
-        error.__cause__, AuthenticationError
-    )
+    # The asyncio unix-socket client wraps a refused password in a plain ConnectionError, and
+    # redis-py raises a certificate failure as a ConnectionError while handling the SSL error.
+    return not any(isinstance(e, PERMANENT_CAUSES)
+                   for e in (error, error.__cause__, error.__context__))
 
 
 class _Refused(Exception):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from producer.validation import validate_request_id
+from producer.validation import brief, validate_request_id
 
 # The consumer group every worker of a model reads its request streams with.
 GROUP = "workers"
@@ -17,13 +17,13 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 def validate_name(kind: str, value: object) -> str:
     """Namespaces, model and worker names become parts of keys: no separators, no spaces."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{kind} must match [A-Za-z0-9._-]{{1,128}}, got {str(value)[:80]!r}")
+        raise ValueError(f"{kind} must match [A-Za-z0-9._-]{{1,128}}, got {brief(value)}")
     return value
 
 
 def validate_lane(lane: object) -> str:
-    if lane not in LANES:
-        raise ValueError(f"lane must be one of {', '.join(LANES)}, got {str(lane)[:40]!r}")
+    if not isinstance(lane, str) or lane not in LANES:
+        raise ValueError(f"lane must be one of {', '.join(LANES)}, got {brief(lane)}")
     return str(lane)
 
 

@@ -16,15 +16,23 @@ import msgpack
 
 from producer.keys import validate_lane, validate_name
 from producer.params import SamplingParams
-from producer.validation import validate_request_id
+from producer.validation import MAX_TOKEN_ID, brief, validate_request_id
 
 SCHEMA_VERSION = 1
 # Each stream entry holds one field with one msgpack map.
 FIELD = b"m"
 
+# Limits on one request entry; a producer is refused (ValueError) before writing past them
+# and a worker dead-letters an entry that does.
 MAX_ENTRY_BYTES = 4 * 2**20
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 262_144
+PRIORITY_RANGE = (-1000, 1000)
+# Latest unix millisecond a created_ms or deadline_ms may hold (the end of year 9999).
+MAX_UNIX_MS = 253_402_300_799_999
+# Fields a request map may hold; any other is an error (a typo must not pass silently).
+REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "params",
+                            "priority", "lane", "created_ms", "deadline_ms"})
 
 
 class ProtocolError(ValueError):
@@ -70,21 +78,23 @@ class GenerationRequest:
             ids = self.prompt_token_ids
             if not isinstance(ids, list) or not ids or len(ids) > MAX_PROMPT_TOKENS:
                 raise ValueError(f"prompt_token_ids must be a list of 1 to {MAX_PROMPT_TOKENS} ids")
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ValueError("prompt_token_ids must be non-negative integers")
-        if (
-            not isinstance(self.priority, int)
-            or isinstance(self.priority, bool)
-            or not (-1000 <= self.priority <= 1000)
-        ):
-            raise ValueError(f"priority must be an integer in [-1000, 1000], got {self.priority!r}")
-        for name in ("created_ms", "deadline_ms"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name} must be a non-negative integer (unix ms)")
+            if not all(_int_in(t, 0, MAX_TOKEN_ID) for t in ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {MAX_TOKEN_ID}]")
+        low, high = PRIORITY_RANGE
+        if not _int_in(self.priority, low, high):
+            raise ValueError(
+                f"priority must be an integer in [{low}, {high}], got {brief(self.priority)}"
+            )
+        if not _int_in(self.created_ms, 0, MAX_UNIX_MS):
+            raise ValueError(f"created_ms must be an integer in [0, {MAX_UNIX_MS}] (unix ms), "
+                             f"got {brief(self.created_ms)}")
+        if self.deadline_ms is not None and not _int_in(self.deadline_ms, 0, MAX_UNIX_MS):
+            raise ValueError(f"deadline_ms must be None or an integer in [0, {MAX_UNIX_MS}] "
+                             f"(unix ms), got {brief(self.deadline_ms)}")
 
     def encode(self) -> bytes:
-        return _pack(
+        """The entry's message; ValueError when it would exceed MAX_ENTRY_BYTES."""
+        data = _pack(
             {
                 "v": SCHEMA_VERSION,
                 "id": self.request_id,
@@ -98,32 +108,28 @@ class GenerationRequest:
                 "deadline_ms": self.deadline_ms,
             }
         )
+        if len(data) > MAX_ENTRY_BYTES:
+            raise ValueError(f"request is {len(data)} bytes encoded, more than {MAX_ENTRY_BYTES}")
+        return data
 
     @classmethod
     def decode(cls, data: bytes) -> GenerationRequest:
-        """Parse and validate; raises ProtocolError with the id when it could be read."""
+        """Parse and validate; raises ProtocolError with the id when it could be read.
+
+        Whatever the bytes hold, the only exception is ProtocolError: a hostile entry must
+        never take down the thread reading it.
+        """
         m = _unpack(data)
         rid = m.get("id")
         rid = rid if isinstance(rid, str) and _valid_id(rid) else None
         try:
             _check_version(m)
-            known = {
-                "v",
-                "id",
-                "model",
-                "prompt",
-                "prompt_token_ids",
-                "params",
-                "priority",
-                "lane",
-                "created_ms",
-                "deadline_ms",
-            }
-            if unknown := sorted(str(k) for k in set(m) - known):
-                raise ValueError(f"unknown request field(s): {', '.join(unknown)}")
-            params = m.get("params") or {}
+            if unknown := sorted(brief(k) for k in set(m) - REQUEST_FIELDS):
+                raise ValueError(f"unknown request field(s): {', '.join(unknown[:8])}")
+            params = m.get("params")
+            params = {} if params is None else params
             if not isinstance(params, dict):
-                raise ValueError("params must be a map")
+                raise ValueError(f"params must be a map, got {brief(params)}")
             return cls(
                 request_id=m.get("id"),
                 model=m.get("model"),
@@ -137,6 +143,8 @@ class GenerationRequest:
             )
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc), rid) from None
+        except Exception as exc:  # a validation bug must dead-letter the entry, not kill intake
+            raise ProtocolError(f"invalid request ({type(exc).__name__})", rid) from None
 
 
 @dataclass
@@ -225,10 +233,16 @@ def _valid_id(rid: str) -> bool:
         return False
 
 
+def _int_in(value: object, low: int, high: int) -> bool:
+    # bool is an int subclass: True is a caller bug, not 1.
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def _check_version(m: dict[str, Any]) -> None:
-    if m.get("v") != SCHEMA_VERSION:
+    v = m.get("v")
+    if not _int_in(v, SCHEMA_VERSION, SCHEMA_VERSION):
         raise ValueError(
-            f"unsupported schema version {m.get('v')!r} (this side speaks {SCHEMA_VERSION})"
+            f"unsupported schema version {brief(v)} (this side speaks {SCHEMA_VERSION})"
         )
 
 

@@ -1,4 +1,5 @@
-"""How full each request lane is: read by `conveyor top` and the workers' metrics poller."""
+"""How full each request lane is (read by `conveyor top` and the workers' metrics poller),
+and trimming what workers have served from a request stream."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import redis
 from producer.keys import GROUP, LANES, Keys
 
 # Redis < 7 reports no consumer-group lag: we count undelivered entries instead, up to this many
-# (request streams are not trimmed, so XLEN counts served requests too).
+# (XLEN counts served requests too, until trim_request_stream removes them).
 DEPTH_SCAN_CAP = 1000
+# The largest sequence part of a stream entry id (an unsigned 64-bit integer).
+MAX_ID_SEQUENCE = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,37 @@ def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def trim_request_stream(client: redis.Redis, stream: str) -> int:
+    """Remove the entries of a request stream that workers have served; how many went.
+
+    Trims (XTRIM MINID, exact) below the oldest pending entry, or, when nothing is pending,
+    up to and including the group's last-delivered id: undelivered and pending requests
+    are never removed, so it is safe to call at any time from any worker. A stream
+    without the consumer group is left alone (nothing in it was delivered yet).
+    """
+    # One MULTI so the group's last-delivered id and its pending list are one snapshot;
+    # anything delivered afterwards has a larger id than both, so the trim never reaches it.
+    pipe = client.pipeline(transaction=True)
+    pipe.xinfo_groups(stream)
+    pipe.xpending(stream, GROUP)
+    groups, pending = pipe.execute(raise_on_error=False)
+    if isinstance(groups, Exception) or isinstance(pending, Exception):
+        return 0  # no such stream, or no group yet
+    group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
+    if group is None:
+        return 0
+    if pending["pending"]:
+        min_id = _text(pending["min"])
+    else:
+        min_id = _next_id(_text(group["last-delivered-id"]))
+    return int(client.xtrim(stream, minid=min_id, approximate=False))
+
+
+def _next_id(entry_id: str) -> str:
+    """The smallest stream id above ``entry_id``."""
+    ms, _, seq = entry_id.partition("-")
+    if int(seq) == MAX_ID_SEQUENCE:
+        return f"{int(ms) + 1}-0"
+    return f"{ms}-{int(seq) + 1}"

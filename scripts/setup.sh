@@ -4,6 +4,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Tests that need a Redis 7 built with TLS skip without one. In CI (or with
+# CONVEYOR_INSTALL_TEST_DEPS=1), as root with apt, install Debian's redis-server for them;
+# a machine that already has one is left alone, and nothing here runs elsewhere.
+has_redis7_tls() {
+  local bin out
+  bin=$(command -v redis-server) || return 1
+  out=$("$bin" --version 2>/dev/null) || return 1
+  [[ $out =~ \ v=([0-9]+)\. ]] && [ "${BASH_REMATCH[1]}" -ge 7 ] || return 1
+  # A build without TLS refuses the directive; a TLS build stops at "not listening anywhere".
+  out=$(timeout 10 "$bin" --port 0 --tls-port 0 --save '' 2>&1 </dev/null) || true
+  [[ $out != *"Bad directive"* ]]
+}
+if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! has_redis7_tls; then
+  echo "setup: installing redis-server (Redis 7 with TLS) for the tests" >&2
+  if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
+      >/dev/null; then
+    # The package may start a system service on port 6379; tests run their own servers.
+    service redis-server stop >/dev/null 2>&1 || true
+    update-rc.d redis-server disable >/dev/null 2>&1 || true
+  else
+    echo "setup: could not install redis-server; the tests that need it will be skipped" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.conveyor-installed

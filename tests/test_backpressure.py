@@ -1,0 +1,225 @@
+"""Backpressure, trimming and queue lag, on the embedded Redis 6.2 and on a Redis 7.
+
+Redis 6.2 has no consumer-group lag: the max_queue script and the lane depths count
+undelivered entries themselves, so both versions are exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import redis
+from redis_fixtures import REDIS_VERSIONS, redis_binary
+
+from producer.async_client import AsyncClient
+from producer.backpressure import QueueFull
+from producer.client import Client
+from producer.connection import connect
+from producer.keys import GROUP, Keys
+from producer.queues import lane_stats, trim_request_stream
+from producer.redis_server import start_ephemeral
+
+MODEL = "m"
+KEYS = Keys()
+STREAM = KEYS.requests(MODEL, "interactive")
+
+
+@pytest.fixture(scope="module", params=REDIS_VERSIONS)
+def server(request, tmp_path_factory):
+    binary = redis_binary(request.param)
+    with start_ephemeral(tmp_path_factory.mktemp(f"redis-{request.param}"),
+                         binary=binary) as srv:
+        yield srv
+
+
+@pytest.fixture
+def r(server):
+    client = connect(server.url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def client(server, r):
+    with Client(server.url) as c:
+        yield c
+
+
+def submit(client: Client, n: int = 1, **kwargs) -> list[str]:
+    return [client.submit([1, 2, 3], model=MODEL, max_tokens=2, **kwargs) for _ in range(n)]
+
+
+def deliver(r: redis.Redis, count: int) -> list[str]:
+    """Read ``count`` entries as a worker would; their ids, oldest first."""
+    reply = r.xreadgroup(GROUP, "w1", {STREAM: ">"}, count=count)
+    return [entry_id.decode() for _s, entries in reply for entry_id, _f in entries]
+
+
+def make_group(r: redis.Redis) -> None:
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+
+
+def test_a_stream_no_worker_read_yet_counts_every_entry(client, r):
+    submit(client, 3, max_queue=3)
+
+    with pytest.raises(QueueFull) as refused:
+        submit(client, max_queue=3)
+
+    assert r.xlen(STREAM) == 3
+    assert (refused.value.stream, refused.value.count, refused.value.limit) == (STREAM, 3, 3)
+    message = str(refused.value)
+    assert STREAM in message and "3 requests" in message and "max_queue is 3" in message
+
+
+def test_undelivered_plus_pending_counts_and_acked_entries_do_not(client, r):
+    make_group(r)
+    submit(client, 5)
+    delivered = deliver(r, 3)  # pending 3, undelivered 2
+    r.xack(STREAM, GROUP, *delivered[:2])  # pending 1, undelivered 2
+
+    with pytest.raises(QueueFull) as refused:
+        submit(client, max_queue=3)
+    assert refused.value.count == 3
+
+    r.xack(STREAM, GROUP, delivered[2])  # pending 0, undelivered 2
+    submit(client, max_queue=3)
+    with pytest.raises(QueueFull):
+        submit(client, max_queue=3)
+
+
+def test_pending_alone_can_fill_the_queue(client, r):
+    make_group(r)
+    submit(client, 4)
+    deliver(r, 4)
+
+    with pytest.raises(QueueFull) as refused:
+        submit(client, max_queue=4)
+    assert refused.value.count == 4
+
+
+def test_the_client_default_applies_and_a_call_overrides_it(server, r):
+    with Client(server.url, max_queue=2) as limited:
+        submit(limited, 2)
+        with pytest.raises(QueueFull):
+            submit(limited)
+        submit(limited, max_queue=3)
+    assert r.xlen(STREAM) == 3
+
+
+def test_racing_producers_never_overshoot_the_limit(server, r):
+    make_group(r)
+    added, refused = [], []
+
+    def produce() -> None:
+        with Client(server.url) as c:
+            for _ in range(10):
+                try:
+                    added.append(submit(c, max_queue=12)[0])
+                except QueueFull:
+                    refused.append(1)
+
+    threads = [threading.Thread(target=produce) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert len(added) == 12 and len(refused) == 48
+    assert r.xlen(STREAM) == 12
+
+
+def test_the_script_is_loaded_again_after_redis_lost_it(client, r, server):
+    submit(client, max_queue=5)
+    r.script_flush()  # what a restart does to the script cache
+    submit(client, max_queue=5)
+    server.restart()  # and a real restart (the append-only file keeps the stream)
+    submit(client, max_queue=5)
+    assert r.xlen(STREAM) == 3
+
+
+def test_async_client_refuses_a_full_queue_too(server, r):
+    async def run() -> None:
+        async with AsyncClient(server.url, max_queue=2) as ac:
+            for _ in range(2):
+                await ac.submit([1, 2], model=MODEL)
+            with pytest.raises(QueueFull):
+                await ac.submit([1, 2], model=MODEL)
+
+    asyncio.run(run())
+    assert r.xlen(STREAM) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "10"])
+def test_max_queue_must_be_a_positive_integer(client, r, server, bad):
+    with pytest.raises(ValueError, match="max_queue"):
+        submit(client, max_queue=bad)
+    with pytest.raises(ValueError, match="max_queue"):
+        Client(server.url, max_queue=bad)
+    assert r.dbsize() == 0
+
+
+def test_pipelined_submits_are_not_checked(server, r):
+    with Client(server.url, max_queue=1) as limited:
+        pipe = r.pipeline(transaction=False)
+        submit(limited, 3, pipeline=pipe)  # the client's default does not apply
+        pipe.execute()
+        with pytest.raises(ValueError, match="pipeline"):
+            submit(limited, pipeline=pipe, max_queue=5)
+    assert r.xlen(STREAM) == 3
+
+
+# --- trimming ----------------------------------------------------------------------------
+
+
+def test_trim_keeps_everything_from_the_oldest_pending_entry(client, r):
+    make_group(r)
+    submit(client, 6)
+    ids = deliver(r, 4)
+    r.xack(STREAM, GROUP, ids[0], ids[1], ids[3])  # ids[2] still pending
+
+    assert trim_request_stream(r, STREAM) == 2
+    left = [e.decode() for e, _f in r.xrange(STREAM)]
+    assert left[:2] == ids[2:4] and len(left) == 4  # pending, acked after it, 2 undelivered
+
+
+def test_with_nothing_pending_trim_keeps_only_undelivered_entries(client, r):
+    make_group(r)
+    submit(client, 5)
+    ids = deliver(r, 3)
+    r.xack(STREAM, GROUP, *ids)
+
+    assert trim_request_stream(r, STREAM) == 3
+    assert r.xlen(STREAM) == 2
+    assert [e.decode() for e, _f in r.xrange(STREAM)] == deliver(r, 10)  # still deliverable
+
+
+def test_trim_leaves_streams_without_a_group_or_without_entries_alone(client, r):
+    assert trim_request_stream(r, STREAM) == 0  # no stream
+    submit(client, 3)
+    assert trim_request_stream(r, STREAM) == 0  # no worker read it yet
+    assert r.xlen(STREAM) == 3
+    make_group(r)
+    assert trim_request_stream(r, STREAM) == 0  # group, nothing delivered
+    assert r.xlen(STREAM) == 3
+
+
+# --- queue lag ---------------------------------------------------------------------------
+
+
+def test_lane_depth_and_pending_are_visible(client, r):
+    submit(client, 2, lane="batch")
+    before = {s.lane: s for s in lane_stats(r, KEYS, MODEL)}
+    assert (before["batch"].depth, before["batch"].pending) == (2, 0)
+    assert (before["interactive"].depth, before["interactive"].length) == (0, 0)
+
+    make_group(r)
+    submit(client, 5)
+    ids = deliver(r, 2)
+    r.xack(STREAM, GROUP, ids[0])
+    trim_request_stream(r, STREAM)
+
+    lane = next(s for s in lane_stats(r, KEYS, MODEL) if s.lane == "interactive")
+    assert (lane.depth, lane.pending, lane.length) == (3, 1, 4)

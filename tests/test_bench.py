@@ -1,0 +1,245 @@
+"""`conveyor bench`: its math, its arrival plan, its workloads, and quick end-to-end runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from producer.cli import build_parser, main
+from worker.bench import metrics, report
+from worker.bench.arrivals import ArrivalPlan
+from worker.bench.records import RequestRecord
+from worker.bench.workloads import (
+    WorkItem,
+    w1_heavy_tailed,
+    w2_long_document_burst,
+    with_poisson_arrivals,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _record(submit: float, chunk_times: list[float], finish: float | None = None,
+            error: str | None = None, tokens_per_chunk: int = 1) -> RequestRecord:
+    r = RequestRecord(0, "all", 10, len(chunk_times) * tokens_per_chunk, submit)
+    r.chunks = [(t, tokens_per_chunk) for t in chunk_times]
+    r.finish_s = finish if finish is not None else (chunk_times[-1] if chunk_times else None)
+    r.error = error
+    return r
+
+
+# ----- percentile and latency math -----
+
+def test_percentile_matches_numpy_linear_interpolation():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100, 1001):
+        values = [rng.lognormvariate(0, 1) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert metrics.percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_percentile_of_nothing_is_nan_and_q_must_be_in_range():
+    assert math.isnan(metrics.percentile([], 50))
+    with pytest.raises(ValueError):
+        metrics.percentile([1.0], 101)
+
+
+def test_percentile_of_1_to_100():
+    values = list(range(1, 101))
+    assert metrics.percentile(values, 50) == pytest.approx(50.5)
+    assert metrics.percentile(values, 99) == pytest.approx(99.01)
+
+
+def test_ttft_e2e_and_itl_come_from_chunk_arrival_times():
+    r = _record(1.0, [1.5, 1.6, 1.8], finish=1.9)
+    assert metrics.ttft(r) == pytest.approx(0.5)
+    assert metrics.e2e(r) == pytest.approx(0.9)
+    assert metrics.itls(r) == pytest.approx([0.1, 0.2])
+    assert metrics.tpot(r) == pytest.approx(0.15)
+
+
+def test_a_chunk_of_several_tokens_shares_its_gap_among_them():
+    r = _record(0.0, [1.0, 1.4], tokens_per_chunk=2)  # tokens 0-1 at 1.0, tokens 2-3 at 1.4
+    assert metrics.itls(r) == pytest.approx([0.2, 0.2])
+    assert metrics.tpot(r) == pytest.approx(0.4 / 3)
+
+
+def test_summaries_are_in_milliseconds():
+    s = metrics.summarize_ms([0.010, 0.020, 0.030])
+    assert s["p50"] == 20.0 and s["max"] == 30.0 and s["mean"] == 20.0 and s["count"] == 3
+
+
+def test_goodput_counts_requests_meeting_both_slos_per_second():
+    slo = metrics.SLO(ttft_s=0.5, itl_s=0.1)
+    good = _record(0.0, [0.4, 0.45, 0.5])  # TTFT 0.4, mean ITL 0.05
+    slow_start = _record(0.0, [0.6, 0.65])  # TTFT 0.6
+    slow_tokens = _record(0.0, [0.1, 0.5])  # mean ITL 0.4
+    one_stall = _record(0.0, [0.1, 0.15, 0.2, 0.25, 0.45])  # one 0.2 gap, mean 0.0875
+    failed = _record(0.0, [0.1, 0.12], error="boom")
+    out = metrics.goodput([good, slow_start, slow_tokens, one_stall, failed], 2.0, slo)
+    assert out == {"requests": 2, "requests_per_s": 1.0, "fraction": 0.4}
+
+
+def test_throughput_counts_output_tokens_and_finished_requests():
+    records = [_record(0.0, [0.5, 1.0]), _record(0.0, [1.0, 1.5, 2.0])]
+    out = metrics.throughput(records, 2.0)
+    assert out["output_tokens_per_s"] == 2.5 and out["requests_per_s"] == 1.0
+    assert out["total_tokens_per_s"] == (5 + 20) / 2
+
+
+def test_tokens_over_time_bins_add_up_to_all_tokens():
+    records = [_record(0.0, [0.1, 0.2, 0.9, 1.95]), _record(0.5, [1.0, 1.1])]
+    series = metrics.tokens_over_time(records, 2.0, bins=4)
+    assert sum(v * 0.5 for _, v in series) == pytest.approx(6)
+    assert [t for t, _ in series] == [0.25, 0.75, 1.25, 1.75]
+
+
+def _summary(tok_s: float, itl_p99: float) -> dict:
+    itl = {"p50": 10.0, "p99": itl_p99, "p99.9": 1.5 * itl_p99, "max": 2 * itl_p99}
+    return {"throughput": {"output_tokens_per_s": tok_s}, "latency_ms": {"itl": itl},
+            "groups": {"steady": {"latency_ms": {"itl": itl}}}}
+
+
+def test_comparisons_divide_the_fleet_by_each_alternative_and_check_the_aims():
+    summaries = {"fleet": _summary(500, 40), "hf-static": _summary(100, 20),
+                 "offline": _summary(600, 30), "fleet-chunked-off": _summary(480, 80)}
+    rows = {r["what"]: r for r in report.comparisons(summaries, "w1")}
+    hf = rows["output tokens/s, fleet / hf-static"]
+    assert hf["ratio"] == 5.0 and hf["aim"] == 5.0 and hf["met"] is True
+    offline = rows["output tokens/s, fleet / offline"]
+    assert offline["ratio"] == pytest.approx(0.833) and offline["met"] is False
+    assert rows["ITL p99 of the steady requests, chunked prefill on / off"]["ratio"] == 0.5
+    assert "aim" not in report.comparisons(summaries, "w1", aims=False)[0]
+    assert "aim" not in report.comparisons(summaries, "w2")[0]  # 5x is a W1 aim
+
+
+def test_results_json_has_no_nan(tmp_path):
+    path = tmp_path / "r.json"
+    report.write_json({"a": [math.nan, 1.0], "b": {"c": math.nan}}, path)
+    assert json.loads(path.read_text()) == {"a": [None, 1.0], "b": {"c": None}}
+
+
+# ----- arrivals and workloads -----
+
+def _items(n: int, **kw) -> list[WorkItem]:
+    return [WorkItem([2, 3], 4, **kw) for _ in range(n)]
+
+
+def test_arrival_plan_hands_out_timed_requests_once_when_due():
+    items = [WorkItem([2], 4, arrival_s=t) for t in (0.0, 0.5, 1.0)]
+    plan = ArrivalPlan(items)
+    assert plan.due(0.0, 0, 0) == [0]
+    assert plan.seconds_to_next(0.2) == pytest.approx(0.3)
+    assert plan.due(0.7, 1, 0) == [1]
+    assert plan.due(0.7, 1, 0) == []
+    assert plan.due(5.0, 0, 0) == [2] and plan.done
+
+
+def test_arrival_plan_with_concurrency_keeps_that_many_in_flight():
+    plan = ArrivalPlan(_items(5), concurrency=2)
+    assert plan.due(0.0, 0, 0) == [0, 1]
+    assert plan.due(0.1, 2, 0) == []
+    assert plan.due(0.2, 1, 0) == [2]
+    assert plan.seconds_to_next(0.2) is None
+
+
+def test_arrival_plan_holds_a_request_until_enough_tokens_were_streamed():
+    items = _items(2) + [WorkItem([2] * 50, 4, after_tokens=20, group="burst")]
+    plan = ArrivalPlan(items)
+    assert plan.due(0.0, 0, 0) == [0, 1]
+    assert plan.due(1.0, 2, 19) == []
+    assert plan.due(1.1, 2, 20) == [2]
+
+
+def test_w2_is_48_steady_decodes_and_one_long_document_after_20_steps():
+    items = w2_long_document_burst()
+    steady = [i for i in items if i.group == "steady"]
+    (burst,) = [i for i in items if i.group == "burst"]
+    assert len(steady) == 48
+    assert all(len(i.prompt_token_ids) == 32 and i.max_tokens == 256 for i in steady)
+    assert len(burst.prompt_token_ids) == 2000 and burst.after_tokens == 20
+    assert items == w2_long_document_burst()  # seeded
+
+
+def test_poisson_arrivals_keep_the_requests_and_spread_them_at_the_rate():
+    items = w1_heavy_tailed(400)
+    timed = with_poisson_arrivals(items, rate=10.0)
+    assert [i.prompt_token_ids for i in timed] == [i.prompt_token_ids for i in items]
+    times = [i.arrival_s for i in timed]
+    assert times == sorted(times) and times[0] > 0
+    assert times[-1] / len(times) == pytest.approx(0.1, rel=0.15)
+
+
+def test_worker_verb_takes_the_chunked_prefill_flags():
+    args = build_parser().parse_args(["worker", "--model", "m", "--no-chunked-prefill",
+                                      "--max-prefill-chunk", "64", "--heartbeat-interval", "0.5"])
+    assert args.chunked_prefill is False and args.max_prefill_chunk == 64
+    assert args.heartbeat_interval == 0.5
+    assert build_parser().parse_args(["worker", "--model", "m"]).chunked_prefill is True
+
+
+# ----- quick end-to-end runs -----
+
+RUN_KEYS = {"settings", "duration_s", "requests", "completed", "errors", "output_tokens",
+            "throughput", "latency_ms", "goodput", "tokens_per_s_over_time", "kv", "cpu_s"}
+
+
+def _check_outputs(out_dir, runs: set[str]) -> dict:
+    results = json.loads((out_dir / "results.json").read_text())
+    assert {"workload", "model", "slo", "host", "runs", "comparisons", "requests",
+            "plots"} <= set(results)
+    assert set(results["runs"]) == runs
+    expected_tokens = results["workload"]["output_tokens"]
+    for name, run in results["runs"].items():
+        assert RUN_KEYS <= set(run), name
+        assert run["completed"] == run["requests"] == results["workload"]["requests"], name
+        assert run["output_tokens"] == expected_tokens, name  # greedy, ignore_eos
+        assert run["throughput"]["output_tokens_per_s"] > 0
+        for kind in ("ttft", "itl", "e2e"):
+            assert {"p50", "p90", "p99"} <= set(run["latency_ms"][kind])
+            assert 0 < run["latency_ms"][kind]["p50"] <= run["latency_ms"][kind]["p99"]
+        assert run["goodput"]["requests"] <= run["requests"]
+    for name in results["plots"]:
+        data = (out_dir / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000, name
+    from PIL import Image
+
+    for name in results["plots"]:
+        with Image.open(out_dir / name) as image:
+            image.verify()
+    return results
+
+
+def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
+        tiny_llama, tmp_path, capsys):
+    out = tmp_path / "results"
+    rc = main(["bench", "--quick", "--model", str(tiny_llama), "--threads", "1",
+               "--offline", "--baseline", "hf-static", "--out", str(out)])
+    assert rc == 0
+    results = _check_outputs(out, {"fleet", "offline", "hf-static"})
+    assert set(results["plots"]) == {"latency_cdf.png", "tokens_per_s.png", "kv_usage.png"}
+    assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
+    assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
+    whats = [row["what"] for row in results["comparisons"]]
+    assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"]
+    printed = capsys.readouterr().out
+    assert "fleet / hf-static" in printed and "results.json" in printed
+
+
+def test_quick_w2_compares_chunked_prefill_on_and_off_through_a_given_redis(
+        tiny_llama, tmp_path, redis_url):
+    out = tmp_path / "w2"
+    rc = main(["bench", "--quick", "--workload", "w2", "--model", str(tiny_llama),
+               "--threads", "1", "--redis", redis_url, "--chunked-prefill", "off",
+               "--out", str(out)])
+    assert rc == 0
+    results = _check_outputs(out, {"fleet", "fleet-chunked-off"})
+    off = results["runs"]["fleet-chunked-off"]["settings"]["engine"]
+    assert off["enable_chunked_prefill"] is False
+    assert set(results["runs"]["fleet"]["groups"]) == {"steady", "burst"}
+    rows = {row["what"]: row for row in results["comparisons"]}
+    assert "ITL p99 of the steady requests, chunked prefill on / off" in rows

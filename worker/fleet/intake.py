@@ -88,10 +88,15 @@ class Intake(threading.Thread):
             try:
                 entries = self._read(room)
             except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. Redis restart)
+                # The stream or its group was deleted (a restart without persistence, a
+                # flush): Redis 6.2 says NOGROUP, 7 unblocks the read with UNBLOCKED.
+                if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
                     ensure_groups(self.client, self.streams)
                     continue
-                raise
+                # Anything else (an ACL change, say) must not stop the worker reading for good.
+                log.error("intake read refused, retrying", error=str(exc))
+                time.sleep(1.0)
+                continue
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("intake read failed, retrying", error=str(exc))
                 time.sleep(0.5)

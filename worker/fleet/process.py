@@ -55,7 +55,8 @@ class Worker:
                                   self.loop.drop)
         self.reaper = Reaper(self.client, self.keys, config.worker_id, self.intake, self.inflight,
                              config.lease_ms, config.max_deliveries,
-                             interval_s=max(0.2, config.lease_ms / 2000))
+                             # Often enough that a handed-back request moves at once.
+                             interval_s=min(1.0, max(0.2, config.lease_ms / 2000)))
         self.cancels = CancelListener(self.client, self.keys, self.loop.cancel, config.worker_id)
         self.queue_poller = QueuePoller(self.client, self.keys, self.model, config.worker_id,
                                         self.metrics, config.queue_poll_interval_s)

@@ -7,6 +7,7 @@ Entries delivered more often than ``max_deliveries`` are poison: dead-lettered, 
 from __future__ import annotations
 
 import threading
+import time
 
 import redis
 import structlog
@@ -14,6 +15,7 @@ import structlog
 from producer.keys import GROUP, Keys
 from producer.logging import bind_thread_context
 from producer.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.queues import trim_request_stream
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
 from worker.fleet.publisher import Rejection
@@ -22,8 +24,16 @@ from worker.fleet.resume import read_published
 log = structlog.get_logger(__name__)
 
 
+# Served request entries are trimmed from the request streams about this often.
+TRIM_INTERVAL_S = 30.0
+
+
 class Reaper(threading.Thread):
-    """Every ``interval_s``, claims up to the room left of entries idle past the lease."""
+    """Every ``interval_s``, claims up to the room left of entries idle past the lease.
+
+    It also trims the request streams now and then: only entries below the oldest
+    pending one go, so nothing undelivered or in flight is ever removed.
+    """
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, intake: Intake,
                  inflight: InflightTable, lease_ms: int, max_deliveries: int,
@@ -39,6 +49,7 @@ class Reaper(threading.Thread):
         self.interval_s = interval_s
         self.stopping = threading.Event()
         self.claimed = 0
+        self._next_trim = time.monotonic() + TRIM_INTERVAL_S
 
     def run(self) -> None:
         bind_thread_context(worker_id=self.worker_id)
@@ -46,6 +57,10 @@ class Reaper(threading.Thread):
             try:
                 for stream in self.intake.streams:
                     self.reap(stream)
+                if time.monotonic() >= self._next_trim:
+                    self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+                    for stream in self.intake.streams:
+                        trim_request_stream(self.client, stream)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):  # the intake recreates lost groups
                     log.warning("reaper failed", error=str(exc))

@@ -48,7 +48,7 @@ def servers_using(data_dir: Path) -> list[int]:
                 cwd = os.readlink(entry / "cwd")
             except OSError:
                 continue
-            alive = embedded._pid_alive(int(entry.name))
+            alive = embedded.pid_alive(int(entry.name))
             if b"redis-server" in cmdline and cwd == str(data_dir.resolve()) and alive:
                 found.append(int(entry.name))
     return found
@@ -117,7 +117,7 @@ def test_stop_stops_the_server_and_cleans_up(home):
     pid = embedded.status()["pid"]
     sock = Path(url.removeprefix("unix://"))
     assert embedded.stop() is True
-    assert not embedded._pid_alive(pid)
+    assert not embedded.pid_alive(pid)
     assert not sock.exists() and not sock.parent.exists()
     assert embedded.status()["running"] is False
     assert embedded.stop() is False
@@ -150,7 +150,7 @@ def test_a_killed_server_is_replaced_on_the_next_call(home):
     embedded.ensure_running()
     pid = embedded.status()["pid"]
     os.kill(pid, signal.SIGKILL)
-    assert embedded._wait_gone(pid, 5)
+    assert embedded.wait_gone(pid, 5)
     url = embedded.ensure_running()
     assert embedded.status()["pid"] not in (None, pid)
     with connect(url) as client:

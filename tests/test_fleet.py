@@ -213,3 +213,20 @@ def test_stop_strings_are_applied_on_the_publisher_like_the_offline_engine(redis
     assert got.text == want.text and stop not in got.text
     assert got.token_ids == want.token_ids
     assert pending(client) == 0
+
+
+def test_deadlines_expire_requests_before_and_during_generation(redis_url, start_worker):
+    start_worker()
+    client = Client(redis_url)
+    # Already past its deadline when a worker reads it: expired without a token.
+    late = client.submit([5, 6, 7], model=MODEL, max_tokens=5, temperature=0,
+                         deadline_ms=int(time.time() * 1000) - 1000)
+    # Expires while generating: keeps the tokens it produced.
+    slow = client.submit([5, 6, 7], model=MODEL, max_tokens=1500, temperature=0,
+                         ignore_eos=True, timeout=1.0)
+    late_result = client.result(late, timeout=30)
+    assert late_result.finish_reason is FinishReason.EXPIRED and late_result.token_ids == []
+    slow_result = client.result(slow, timeout=30)
+    assert slow_result.finish_reason is FinishReason.EXPIRED
+    assert 0 < len(slow_result.token_ids) < 1500
+    assert pending(client) == 0

@@ -22,6 +22,7 @@ DEFAULT_LEVEL = "info"
 
 # The queue listener of the current configuration; replaced when configure_logging runs again.
 _listener: logging.handlers.QueueListener | None = None
+_registered_exit = False
 
 
 def configure_logging(level: str = DEFAULT_LEVEL, json: bool | None = None) -> None:
@@ -29,7 +30,7 @@ def configure_logging(level: str = DEFAULT_LEVEL, json: bool | None = None) -> N
 
     ``json=None`` picks JSON lines unless stderr is a terminal. Safe to call again.
     """
-    global _listener
+    global _listener, _registered_exit
     if level.lower() not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
     numeric = logging.getLevelName(level.upper())
@@ -54,15 +55,16 @@ def configure_logging(level: str = DEFAULT_LEVEL, json: bool | None = None) -> N
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
 
-    if _listener is not None:
-        _listener.stop()
+    if not _registered_exit:
+        atexit.register(_stop_listener)  # once: flush what is queued when the process exits
+        _registered_exit = True
+    _stop_listener()
     handler = logging.StreamHandler(sys.stderr)
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     enqueue = logging.handlers.QueueHandler(records)
     enqueue.setFormatter(formatter)  # format in the caller, write in the listener thread
     _listener = logging.handlers.QueueListener(records, handler)
     _listener.start()
-    atexit.register(_listener.stop)
 
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -90,3 +92,11 @@ def bind_thread_context(**values: Any) -> None:
     Threads start with an empty context, so each worker thread calls this first.
     """
     structlog.contextvars.bind_contextvars(**values)
+
+
+def _stop_listener() -> None:
+    """Write out queued lines and stop the listener thread (safe to call twice)."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+        _listener = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -15,6 +15,11 @@ class WorkItem:
     max_tokens: int
     # Seconds after the start of the run (0 for everything-at-once workloads).
     arrival_s: float = 0.0
+    # Also wait until some earlier request has streamed this many tokens (W2's "after 20
+    # steps": every running request gains one token a step); 0 = no such condition.
+    after_tokens: int = 0
+    # Which part of the workload it belongs to; latency is also reported per group.
+    group: str = "all"
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -23,20 +28,51 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def w1_heavy_tailed(num_requests: int = 64, vocab: int = 8192, seed: int = 0,
-                    rate: float | None = None) -> list[WorkItem]:
+                    rate: float | None = None, max_prompt: int = 1024,
+                    max_output: int = 512) -> list[WorkItem]:
     """W1: prompts lognormal(4.5, 0.8) capped at 1024, outputs lognormal(3.5, 1.0) in [4, 512].
 
-    All at t=0, or Poisson arrivals at ``rate`` requests per second.
+    All at t=0, or Poisson arrivals at ``rate`` requests per second. ``max_prompt`` and
+    ``max_output`` lower the caps (quick runs on the tiny model).
     """
     rng = random.Random(seed)
     items, t = [], 0.0
     for _ in range(num_requests):
-        prompt = min(1024, max(1, int(round(rng.lognormvariate(4.5, 0.8)))))
-        output = min(512, max(4, int(round(rng.lognormvariate(3.5, 1.0)))))
+        prompt = min(max_prompt, max(1, int(round(rng.lognormvariate(4.5, 0.8)))))
+        output = min(max_output, max(4, int(round(rng.lognormvariate(3.5, 1.0)))))
         if rate:
             t += rng.expovariate(rate)
         items.append(WorkItem(_tokens(rng, prompt, vocab), output, t))
     return items
+
+
+def w2_long_document_burst(num_steady: int = 48, vocab: int = 8192, seed: int = 0,
+                           steady_prompt: int = 32, steady_output: int = 256,
+                           after_steps: int = 20, doc_tokens: int = 2000,
+                           doc_output: int = 32) -> list[WorkItem]:
+    """W2: ``num_steady`` requests decoding steadily, then one long prompt after ``after_steps``.
+
+    The steady ones are group "steady" (their inter-token latency is what W2 measures); the
+    document, group "burst", arrives once one of them has streamed ``after_steps`` tokens.
+    """
+    rng = random.Random(seed)
+    items = [WorkItem(_tokens(rng, steady_prompt, vocab), steady_output, group="steady")
+             for _ in range(num_steady)]
+    items.append(WorkItem(_tokens(rng, doc_tokens, vocab), doc_output,
+                          after_tokens=after_steps, group="burst"))
+    return items
+
+
+def with_poisson_arrivals(items: list[WorkItem], rate: float, seed: int = 0) -> list[WorkItem]:
+    """The same requests, arriving as a Poisson process of ``rate`` requests per second."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    rng = random.Random(seed + 1)  # its own stream: the lengths stay those of the workload
+    t, out = 0.0, []
+    for item in items:
+        t += rng.expovariate(rate)
+        out.append(replace(item, arrival_s=t))
+    return out
 
 
 def w3_shared_document(num_questions: int = 16, doc_tokens: int = 2000, vocab: int = 8192,
@@ -51,3 +87,36 @@ def w3_shared_document(num_questions: int = 16, doc_tokens: int = 2000, vocab: i
 def kv_blocks_needed(items: list[WorkItem], block_size: int = 16) -> int:
     """Blocks all requests need at their longest, at once (W4 sizes the pool from this)."""
     return sum(math.ceil((len(i.prompt_token_ids) + i.max_tokens) / block_size) for i in items)
+
+
+# Quick runs (tests, smoke checks on the tiny model): few requests, short prompts and outputs.
+QUICK_REQUESTS = 8
+
+
+def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 0,
+                   quick: bool = False) -> list[WorkItem]:
+    """The named reference workload (w1, w2, w3), all at t=0; ``quick`` shrinks it."""
+    n = num_requests or (QUICK_REQUESTS if quick else None)
+    if name == "w1":
+        if quick:
+            return w1_heavy_tailed(n, vocab, seed, max_prompt=128, max_output=32)
+        return w1_heavy_tailed(n or 64, vocab, seed)
+    if name == "w2":
+        if quick:
+            return w2_long_document_burst(n, vocab, seed, steady_output=48, after_steps=8,
+                                          doc_tokens=512, doc_output=8)
+        return w2_long_document_burst(n or 48, vocab, seed)
+    if name == "w3":
+        if quick:
+            return w3_shared_document(n, doc_tokens=256, vocab=vocab, seed=seed, output=8)
+        return w3_shared_document(n or 16, vocab=vocab, seed=seed)
+    raise ValueError(f"unknown workload {name!r}: w1, w2 or w3")
+
+
+def describe(items: list[WorkItem]) -> dict[str, int | float]:
+    """Sizes of a workload, for the report."""
+    prompts = [len(i.prompt_token_ids) for i in items]
+    outputs = [i.max_tokens for i in items]
+    return {"requests": len(items), "prompt_tokens": sum(prompts), "max_prompt": max(prompts),
+            "output_tokens": sum(outputs), "max_output": max(outputs),
+            "last_arrival_s": round(max(i.arrival_s for i in items), 3)}

@@ -1,0 +1,159 @@
+"""`conveyor bench`: run the workload on the fleet and the asked-for alternatives, then report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from worker.bench import metrics, report, workloads
+from worker.bench.plots import write_plots
+from worker.bench.records import RunResult
+from worker.bench.systems import choose_systems
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed arguments describe; writes results.json and plots."""
+    from worker.commands import ensure_model
+
+    _check(args)
+    model_dir = ensure_model(args.model, "tiny" if args.quick else "small")
+    config = json.loads((model_dir / "config.json").read_text())
+    items = workloads.build_workload(args.workload, args.requests, config["vocab_size"],
+                                     args.seed, args.quick)
+    if args.rate:
+        items = workloads.with_poisson_arrivals(items, args.rate, args.seed)
+    out_dir = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+
+    runs: dict[str, list[RunResult]] = {}
+    with _exit_on_sigterm(), _redis(args.redis) as redis_url:
+        systems = choose_systems(args, model_dir, config, items, redis_url, out_dir)
+        # Round robin: load from other processes lands on every system alike.
+        for repeat in range(args.repeat):
+            for system in systems:
+                _say(f"[{repeat + 1}/{args.repeat}] {system.name}: {len(items)} requests, "
+                     f"{system.describe} ...")
+                run = system.run(repeat)
+                runs.setdefault(system.name, []).append(run)
+                tput = metrics.throughput(run.records, run.duration_s)
+                _say(f"  {tput['output_tokens_per_s']:.1f} output tokens/s, "
+                     f"{run.duration_s:.1f} s")
+
+    slo = metrics.SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
+    chosen = {name: _median_run(repeats) for name, repeats in runs.items()}
+    summaries = {}
+    for name, run in chosen.items():
+        summaries[name] = metrics.summarize_run(run, slo)
+        summaries[name]["repeats"] = [_repeat_row(r) for r in runs[name]]
+    rows = report.comparisons(summaries, args.workload, aims=not args.quick)
+    title = f"{args.workload} on {model_dir.name}, {_arrivals(args)}"
+    plots = write_plots(list(chosen.values()), out_dir, title)
+    load_after = os.getloadavg()
+    results = {
+        "conveyor_bench": 1,
+        "arguments": {k: v for k, v in vars(args).items() if k != "command"},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "workload": {"name": args.workload, "arrivals": _arrivals(args), "seed": args.seed,
+                     "quick": args.quick, **workloads.describe(items)},
+        "model": {"dir": str(model_dir), "name": model_dir.name},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
+                "itl_applies_to": "each request's mean inter-token latency (TPOT)"},
+        "host": {"cpus": os.cpu_count(), "load_before": list(load_before),
+                 "load_after": list(load_after)},
+        "runs": summaries,
+        "comparisons": rows,
+        "requests": {run.name: metrics.request_rows(run.records) for run in chosen.values()},
+        "plots": plots,
+    }
+    report.write_json(results, out_dir / "results.json")
+    _print(summaries, rows, load_before, load_after, out_dir, plots, args.repeat)
+    return 0
+
+
+def _median_run(repeats: list[RunResult]) -> RunResult:
+    """The repeat of median output throughput (the faster middle one of an even count)."""
+    ranked = sorted(repeats, key=lambda r: sum(x.output_tokens for x in r.records) / r.duration_s)
+    return ranked[len(ranked) // 2]
+
+
+def _repeat_row(run: RunResult) -> dict[str, Any]:
+    return {"duration_s": round(run.duration_s, 3),
+            **metrics.throughput(run.records, run.duration_s), "cpu_s": run.cpu_s}
+
+
+def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: tuple,
+           load_after: tuple, out_dir: Path, plots: list[str], repeats: int) -> None:
+    if repeats > 1:
+        print(f"each run: the median of {repeats} repeats by output tokens/s")
+    print(report.format_runs(summaries))
+    print(report.format_cpu(summaries))
+    if repeats > 1:
+        print(report.format_repeats(summaries))
+    if rows:
+        print()
+        print(report.format_comparisons(rows))
+    print(f"\nload average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)} "
+          f"({os.cpu_count()} CPUs)")
+    print(f"results: {out_dir / 'results.json'}; plots: {', '.join(plots)}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("requests", "concurrency", "hf_batch_size", "threads", "repeat"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.rate is not None and args.rate <= 0:
+        raise ValueError(f"--rate must be > 0, got {args.rate}")
+
+
+@contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM ends the bench like Ctrl-C: the worker and Redis it started are stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    """The given Redis, or a private redis-server for this run (no persistence), stopped after."""
+    if url:
+        yield url
+        return
+    from producer.redis_server import start_ephemeral
+
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
+        with start_ephemeral(Path(tmp), appendonly="no") as server:
+            yield server.url
+
+
+def _arrivals(args: argparse.Namespace) -> str:
+    if args.rate:
+        return f"Poisson arrivals at {args.rate:g} req/s"
+    if args.concurrency:
+        return f"concurrency {args.concurrency}"
+    return "all at t=0"
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.2f}" for v in avg)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,64 @@
+"""What a benchmark run records: per request, when its tokens arrived; per run, KV use over time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.bench.workloads import WorkItem
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times are seconds since the run started."""
+
+    index: int
+    group: str
+    prompt_tokens: int
+    max_tokens: int
+    submit_s: float
+    # (arrival time, tokens in it) of each output chunk, in order.
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    finish_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def for_item(cls, index: int, item: WorkItem, submit_s: float) -> RequestRecord:
+        return cls(index, item.group, len(item.prompt_token_ids), item.max_tokens, submit_s)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def ok(self) -> bool:
+        """Finished without an error and produced at least one token."""
+        return self.finish_s is not None and self.error is None and bool(self.chunks)
+
+
+@dataclass
+class KVSample:
+    """KV pool use at one moment (from a worker heartbeat or the offline engine's stats)."""
+
+    t: float
+    blocks_used: int
+    blocks_total: int
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass
+class RunResult:
+    """Everything one system measured on the workload."""
+
+    # "fleet", "fleet-chunked-off", "offline" or "hf-static".
+    name: str
+    settings: dict[str, Any]
+    records: list[RequestRecord]
+    # From the run's start to the last request's finish.
+    duration_s: float
+    kv: list[KVSample] = field(default_factory=list)
+    # CPU seconds used during the run, by process ("worker", "client", "redis", "bench").
+    cpu_s: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)

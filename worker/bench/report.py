@@ -1,0 +1,142 @@
+"""The benchmark's JSON file, its comparison ratios and the tables printed at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Aims of the project's acceptance criteria, by comparison.
+AIM_FLEET_OVER_HF = 5.0  # continuous batching vs static batches, on the heavy-tailed W1
+AIM_FLEET_OVER_OFFLINE = 0.9  # Redis, intake and publishing cost at most 10%
+
+
+def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
+                aims: bool = True) -> list[dict[str, Any]]:
+    """Ratios between the runs present; each row says what it divides and the aim, if any.
+
+    ``aims`` False leaves the aims out (quick runs on the tiny model measure nothing real).
+    """
+    rows = []
+    fleet = summaries.get("fleet")
+    if fleet is None:
+        return rows
+    tput = _get(fleet, "throughput", "output_tokens_per_s")
+    if "hf-static" in summaries:
+        aim = AIM_FLEET_OVER_HF if aims and workload == "w1" else None
+        rows.append(_row("output tokens/s, fleet / hf-static", tput,
+                         _get(summaries["hf-static"], "throughput", "output_tokens_per_s"),
+                         aim, higher_is_better=True))
+    if "offline" in summaries:
+        rows.append(_row("output tokens/s, fleet / offline", tput,
+                         _get(summaries["offline"], "throughput", "output_tokens_per_s"),
+                         AIM_FLEET_OVER_OFFLINE if aims else None, higher_is_better=True))
+    if "fleet-chunked-off" in summaries:
+        off = summaries["fleet-chunked-off"]
+        for stat in ("p50", "p99", "p99.9", "max"):
+            rows.append(_row(f"ITL {stat}{_group_note(fleet)}, chunked prefill on / off",
+                             _itl(fleet, stat), _itl(off, stat), None, higher_is_better=False))
+    return rows
+
+
+def _row(what: str, a: float, b: float, aim: float | None, higher_is_better: bool
+         ) -> dict[str, Any]:
+    ratio = round(a / b, 3) if b and not math.isnan(a) and not math.isnan(b) else math.nan
+    row: dict[str, Any] = {"what": what, "numerator": a, "denominator": b, "ratio": ratio,
+                           "higher_is_better": higher_is_better}
+    if aim is not None:
+        row["aim"] = aim
+        row["met"] = bool(ratio >= aim) if not math.isnan(ratio) else False
+    return row
+
+
+def _itl(summary: dict[str, Any], stat: str) -> float:
+    # W2 measures the steady requests' ITL, not the burst's own.
+    latency = summary.get("groups", {}).get("steady", summary)["latency_ms"]
+    return latency["itl"][stat]
+
+
+def _group_note(summary: dict[str, Any]) -> str:
+    return " of the steady requests" if "steady" in summary.get("groups", {}) else ""
+
+
+def _get(summary: dict[str, Any], *path: str) -> float:
+    for key in path:
+        summary = summary[key]
+    return summary  # type: ignore[return-value]
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    """Write ``results``; NaN (no data) becomes null so any JSON reader accepts the file."""
+    path.write_text(json.dumps(_no_nan(results), indent=1) + "\n")
+
+
+def _no_nan(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def format_runs(summaries: dict[str, dict[str, Any]]) -> str:
+    """One line per run: throughput, latency percentiles and goodput."""
+    head = (f"{'run':<18} {'tok/s':>8} {'req/s':>7} {'TTFT p50/p90/p99 ms':>22} "
+            f"{'ITL p50/p90/p99 ms':>20} {'E2E p50/p90/p99 ms':>22} {'goodput/s':>10}")
+    lines = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        lat, tput = s["latency_ms"], s["throughput"]
+        lines.append(f"{name:<18} {tput['output_tokens_per_s']:>8.1f} "
+                     f"{tput['requests_per_s']:>7.2f} {_pcts(lat['ttft']):>22} "
+                     f"{_pcts(lat['itl']):>20} {_pcts(lat['e2e']):>22} "
+                     f"{s['goodput']['requests_per_s']:>10.2f}")
+    return "\n".join(lines)
+
+
+def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
+    """CPU seconds each run's processes used, next to its wall time."""
+    lines = []
+    for name, s in summaries.items():
+        used = ", ".join(f"{who} {v:.1f}" for who, v in s.get("cpu_s", {}).items()
+                         if v is not None)
+        if used:
+            lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)")
+    return "\n".join(lines)
+
+
+def format_repeats(summaries: dict[str, dict[str, Any]]) -> str:
+    """Output tokens/s of every repeat, when there were several."""
+    lines = []
+    for name, s in summaries.items():
+        values = [r["output_tokens_per_s"] for r in s.get("repeats", [])]
+        if len(values) > 1:
+            lines.append(f"{name:<18} tok/s of each repeat: "
+                         + ", ".join(f"{v:.1f}" for v in values))
+    return "\n".join(lines)
+
+
+def format_comparisons(rows: list[dict[str, Any]]) -> str:
+    """The ratio table; an aim shows as met or MISSED."""
+    if not rows:
+        return ""
+    lines = []
+    for r in rows:
+        aim = ""
+        if "aim" in r:
+            aim = f"  (aim >= {r['aim']}: {'met' if r['met'] else 'MISSED'})"
+        lines.append(f"{r['what']:<55} {r['numerator']:>9.1f} / {r['denominator']:>9.1f} "
+                     f"= {r['ratio']:>6.2f}{aim}")
+    return "\n".join(lines)
+
+
+def _pcts(s: dict[str, float]) -> str:
+    return "/".join(_num(s[f"p{q}"]) for q in (50, 90, 99))
+
+
+def _num(v: float) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:.0f}" if v >= 10 else f"{v:.1f}"

@@ -1,0 +1,145 @@
+"""Run a workload through the real fleet: this process is the client, the worker a child process."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.client import Client
+from producer.stream_events import ChunkEvent, FinalEvent
+from worker.bench import cpu
+from worker.bench.arrivals import ArrivalPlan
+from worker.bench.follower import StreamFollower
+from worker.bench.records import KVSample, RequestRecord, RunResult
+from worker.bench.worker_process import WorkerProcess
+from worker.bench.workloads import WorkItem
+
+# How often the worker's heartbeat hash is read for the KV plot.
+KV_SAMPLE_INTERVAL_S = 0.1
+# Longest one XREAD waits, so arrivals, KV samples and a dead worker are noticed in time.
+MAX_BLOCK_MS = 50
+
+
+@dataclass
+class FleetTarget:
+    """Where and how the benchmarked worker runs."""
+
+    model_dir: Path
+    redis_url: str
+    namespace: str
+    # `conveyor worker` flags: engine settings and threads.
+    worker_flags: list[str]
+    log_dir: Path
+
+
+def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
+              concurrency: int | None, settings: dict[str, Any], timeout_s: float,
+              repeat: int = 0) -> RunResult:
+    """Start a worker, warm it up, drive the workload through Redis, stop the worker."""
+    label = f"{name}-{repeat}"
+    model = f"bench-{os.getpid()}-{label}"  # its own request stream: no other worker serves it
+    with Client(target.redis_url, target.namespace) as client:
+        worker = WorkerProcess(label, target.model_dir, model, target.redis_url,
+                               target.namespace, target.worker_flags,
+                               target.log_dir / f"worker-{label}.log")
+        with worker:
+            worker.start(client.redis)
+            _warm_up(client, model, worker)
+            plan = ArrivalPlan(items, concurrency)
+            before = _cpu_now(client, worker)
+            records, kv, duration = _drive(client, model, items, plan, worker, timeout_s)
+            after = _cpu_now(client, worker)
+            used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+    return RunResult(name, settings, records, duration, kv, used,
+                     notes=["client in the bench process, worker in a child process"])
+
+
+def _cpu_now(client: Client, worker: WorkerProcess) -> dict[str, float | None]:
+    return {"worker": cpu.process_cpu_s(worker.proc.pid) if worker.proc else None,
+            "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
+
+
+def _warm_up(client: Client, model: str, worker: WorkerProcess) -> None:
+    # First forwards allocate and pick kernels: keep that out of the measured run.
+    ids = [client.submit(list(range(2, 2 + n)), model=model, max_tokens=4, temperature=0,
+                         ignore_eos=True) for n in (8, 64)]
+    for rid in ids:
+        worker.check_alive()
+        client.result(rid, timeout=300)
+
+
+def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
+           worker: WorkerProcess, timeout_s: float
+           ) -> tuple[list[RequestRecord], list[KVSample], float]:
+    follower = StreamFollower(client.redis, client.keys)
+    records: dict[str, RequestRecord] = {}
+    kv = _HeartbeatSampler(client, worker.key)
+    start = time.perf_counter()
+    kv.wall_start = time.time()
+    max_seen, finished, next_check = 0, 0, 0.0
+    while finished < len(items):
+        now = time.perf_counter() - start
+        due = plan.due(now, len(follower), max_seen)
+        if due:
+            for rid, i in _submit(client, model, items, due):
+                records[rid] = RequestRecord.for_item(i, items[i], now)
+                follower.add(rid)
+        if now >= next_check:
+            worker.check_alive()
+            kv.sample()
+            next_check = now + KV_SAMPLE_INTERVAL_S
+            if now > timeout_s:
+                raise TimeoutError(f"the fleet run took over {timeout_s:.0f} s")
+        wait = plan.seconds_to_next(now)
+        if not len(follower):
+            time.sleep(min(wait or 0.005, MAX_BLOCK_MS / 1000))
+            continue
+        block = MAX_BLOCK_MS if wait is None else min(MAX_BLOCK_MS, int(wait * 1000) + 1)
+        events = follower.poll(block)
+        t = time.perf_counter() - start
+        for rid, event in events:
+            rec = records[rid]
+            if isinstance(event, ChunkEvent):
+                rec.chunks.append((t, len(event.token_ids)))
+                max_seen = max(max_seen, rec.output_tokens)
+            elif isinstance(event, FinalEvent):
+                rec.finish_s, rec.finish_reason, rec.error = t, event.finish_reason, event.error
+                finished += 1
+    duration = time.perf_counter() - start
+    kv.sample()
+    return sorted(records.values(), key=lambda r: r.index), kv.samples, duration
+
+
+def _submit(client: Client, model: str, items: list[WorkItem], due: list[int]
+            ) -> list[tuple[str, int]]:
+    """Enqueue the due requests in one round trip; (request id, workload index) of each."""
+    pipe = client.redis.pipeline(transaction=False)
+    ids = [client.submit(items[i].prompt_token_ids, model=model, pipeline=pipe,
+                         max_tokens=items[i].max_tokens, temperature=0, ignore_eos=True)
+           for i in due]
+    pipe.execute()
+    return list(zip(ids, due, strict=True))
+
+
+class _HeartbeatSampler:
+    """KV use over time from the worker's heartbeat hash (one sample per new heartbeat)."""
+
+    def __init__(self, client: Client, key: str) -> None:
+        self.client, self.key = client, key
+        self.wall_start = time.time()
+        self.samples: list[KVSample] = []
+        self._last_ms = 0
+
+    def sample(self) -> None:
+        raw = {k.decode(): v.decode() for k, v in self.client.redis.hgetall(self.key).items()}
+        updated = int(raw.get("updated_ms", 0))
+        if not raw or updated == self._last_ms:
+            return
+        self._last_ms = updated
+        self.samples.append(KVSample(max(0.0, updated / 1000 - self.wall_start),
+                                     int(raw.get("kv_blocks_used", 0)),
+                                     int(raw.get("kv_blocks_total", 0)),
+                                     int(raw.get("running", 0)), int(raw.get("waiting", 0))))

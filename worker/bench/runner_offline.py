@@ -1,0 +1,72 @@
+"""Run a workload on the engine in this process, without Redis (the `--offline` alternative)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.bench.arrivals import ArrivalPlan
+from worker.bench.records import KVSample, RequestRecord, RunResult
+from worker.bench.workloads import WorkItem
+
+
+def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
+                engine_settings: dict[str, Any], timeout_s: float) -> RunResult:
+    """The same workload and arrivals as the fleet run, on an in-process Engine."""
+    import torch
+
+    from worker.engine import Engine
+
+    threads = torch.get_num_threads()
+    try:
+        engine = Engine(model_dir, **engine_settings)
+        engine.generate([list(range(2, 10)), list(range(2, 66))],
+                        {"max_tokens": 4, "temperature": 0, "ignore_eos": True})  # warm-up
+        before = time.process_time()
+        records, kv, duration = _drive(engine, items, ArrivalPlan(items, concurrency), timeout_s)
+        used = {"bench": round(time.process_time() - before, 3)}
+    finally:
+        torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process
+    return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
+                     notes=["engine in the bench process, no Redis"])
+
+
+def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: float
+           ) -> tuple[list[RequestRecord], list[KVSample], float]:
+    records: dict[str, RequestRecord] = {}
+    kv: list[KVSample] = []
+    start = time.perf_counter()
+    max_seen, finished = 0, 0
+    while finished < len(items):
+        now = time.perf_counter() - start
+        in_flight = len(records) - finished
+        for i in plan.due(now, in_flight, max_seen):
+            rid = f"bench-{i}"
+            engine.add_request(items[i].prompt_token_ids,
+                               {"max_tokens": items[i].max_tokens, "temperature": 0,
+                                "ignore_eos": True}, request_id=rid)
+            records[rid] = RequestRecord.for_item(i, items[i], time.perf_counter() - start)
+        if now > timeout_s:
+            raise TimeoutError(f"the offline run took over {timeout_s:.0f} s")
+        if not engine.has_unfinished():
+            time.sleep(min(plan.seconds_to_next(now) or 0.001, 0.05))
+            continue
+        outputs = engine.step()
+        t = time.perf_counter() - start
+        kv.append(_kv_sample(engine, t))  # every step: stats() only reads counters
+        for out in outputs:
+            rec = records[out.request_id]
+            if out.new_token_ids:
+                rec.chunks.append((t, len(out.new_token_ids)))
+                max_seen = max(max_seen, rec.output_tokens)
+            if out.finished:
+                rec.finish_s, rec.finish_reason = t, str(out.finish_reason)
+                finished += 1
+    duration = time.perf_counter() - start
+    return sorted(records.values(), key=lambda r: r.index), kv, duration
+
+
+def _kv_sample(engine: Any, t: float) -> KVSample:
+    s = engine.stats()
+    return KVSample(t, s["kv_blocks_used"], s["kv_blocks_total"], s["running"], s["waiting"])

@@ -109,12 +109,13 @@ def test_sigkill_a_worker_and_the_other_finishes_its_requests_exactly(
 def test_sigterm_drains_in_flight_requests_and_exits_zero(redis_url, tiny_llama, reference,
                                                            tmp_path):
     client = Client(redis_url)
-    prompts, max_tokens = workload(6, 80, seed=1)
+    prompts, max_tokens = workload(6, 300, seed=1)
     proc = spawn_worker(tiny_llama, redis_url, "drainer", *LEASE, log_dir=tmp_path)
     try:
         wait_ready(client, "drainer", proc)
         ids = submit_all(client, prompts, max_tokens)
-        next(client.stream(ids[0], timeout=30))
+        for rid in ids:
+            next(client.stream(rid, timeout=30))  # all six are in flight on this worker
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         for rid, want in zip(ids, reference(prompts, max_tokens), strict=True):

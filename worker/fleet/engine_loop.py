@@ -87,11 +87,12 @@ class EngineLoop(threading.Thread):
             self._add(adm)
 
     def _step(self) -> list[StepOutput]:
-        before = self.engine.stats()["computed_tokens"]
+        # The runner's counter, not engine.stats(): that builds a whole dict, twice a step.
+        before = self.engine.runner.num_computed_tokens
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
-        tokens = self.engine.stats()["computed_tokens"] - before
+        tokens = self.engine.runner.num_computed_tokens - before
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
             self.metrics.step_done(elapsed, tokens)
         return outputs

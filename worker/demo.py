@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from producer.client import Client
@@ -47,11 +48,17 @@ def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path,
         time.sleep(0.2)
 
 
-def _prompts(rng: random.Random, num_questions: int) -> list[tuple[str, int]]:
+def _prompts(rng: random.Random, num_questions: int, count_tokens: Callable[[str], int],
+             max_model_len: int) -> list[tuple[str, int]]:
+    """Short questions, then one long document cut to fit the served model's length."""
     questions = [(f"Tell me about {rng.choice(_TOPICS)}.", 48) for _ in range(num_questions)]
-    document = " ".join(f"Chapter {i}: notes on {rng.choice(_TOPICS)} and {rng.choice(_TOPICS)}."
-                        for i in range(90))
-    return questions + [("Summarise this document. " + document, 64)]
+    chapters = [f"Chapter {i}: notes on {rng.choice(_TOPICS)} and {rng.choice(_TOPICS)}."
+                for i in range(90)]
+    document = "Summarise this document. " + " ".join(chapters)
+    while len(chapters) > 1 and count_tokens(document) + 64 >= max_model_len:
+        chapters = chapters[: len(chapters) * 3 // 4]
+        document = "Summarise this document. " + " ".join(chapters)
+    return questions + [(document, 64)]
 
 
 class LiveView:
@@ -94,7 +101,11 @@ def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
     try:
         print(f"starting a worker (log: {log}) ...", flush=True)
         wait_for_worker(client, proc, log)
-        work = _prompts(random.Random(0), num_questions)
+        info = client.model_info(MODEL) or {}
+        tokenizer = client.tokenizer(MODEL)
+        work = _prompts(random.Random(0), num_questions,
+                        lambda text: len(tokenizer.encode(text).ids) if tokenizer else 0,
+                        int(info.get("max_model_len", 4096)))
         start = time.perf_counter()
         ids = [client.submit(p, model=MODEL, max_tokens=m, temperature=0.8, seed=i,
                              ignore_eos=True) for i, (p, m) in enumerate(work)]

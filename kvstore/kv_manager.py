@@ -142,10 +142,6 @@ class KVCacheManager:
             self.host_pool.free(host)
         self._forget_hashes(request_id)
 
-    def slot(self, request_id: str, position: int) -> int:
-        table = self._tables[request_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
-
     # ----- host swap tier -----
 
     def can_swap_out(self, request_id: str) -> bool:

@@ -20,7 +20,7 @@ from producer.bulk.batch_file import BatchSummary, run_batch_file
 from producer.bulk.queue import bulk_queue, enqueue_analyze, fetch_job, job_progress
 from producer.bulk.requests import RetryPolicy
 from producer.cli_client import resolve_model
-from producer.cli_redis import add_redis_url_option
+from producer.cli_redis import add_connection_args
 from producer.client import Client
 
 # Seconds between two looks at a followed job.
@@ -50,7 +50,7 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY, metavar="N",
                    help="requests in flight at once")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    _add_connection_args(p)
+    add_connection_args(p)
 
     p = sub.add_parser("analyze", help="enqueue analyze_document for a file and follow it")
     p.add_argument("file", help="text file to analyse ('-' reads stdin)")
@@ -68,19 +68,19 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--queue", default=defaults.DEFAULT_QUEUE, help="RQ queue name")
     p.add_argument("--no-follow", action="store_true", help="print the job id and return")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    _add_connection_args(p)
+    add_connection_args(p)
 
     p = sub.add_parser("status", help="show any RQ job's status and progress")
     p.add_argument("job_id", metavar="JOB")
     p.add_argument("--follow", "-f", action="store_true", help="keep showing until it ends")
     p.add_argument("--json", action="store_true", help="print status, meta and result as JSON")
-    _add_connection_args(p)
+    add_connection_args(p)
 
     p = sub.add_parser("worker", help="run an RQ worker for bulk jobs (JSON serializer)")
     p.add_argument("--queue", action="append", default=None,
                    help=f"queue to serve, repeatable (default: {defaults.DEFAULT_QUEUE})")
     p.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    _add_connection_args(p)
+    add_connection_args(p)
 
 
 def run_bulk_cmd(args: argparse.Namespace) -> int:
@@ -93,11 +93,6 @@ def run_bulk_cmd(args: argparse.Namespace) -> int:
     except RedisConnectionError as exc:
         print(f"conveyor bulk {args.bulk_command}: cannot reach Redis: {exc}", file=sys.stderr)
         return 1
-
-
-def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    add_redis_url_option(p)
-    p.add_argument("--namespace", metavar="NS", default="conveyor")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:

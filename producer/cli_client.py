@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer.cli_redis import add_redis_url_option
+from producer.cli_redis import add_connection_args
 from producer.client import Client
 from producer.keys import LANES
 from producer.stream_events import ChunkEvent, FinalEvent, StreamEvent
@@ -29,7 +29,7 @@ def add_client_parsers(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--lane", choices=LANES, default="interactive")
     p.add_argument("--stream", action="store_true", help="print tokens' text as they arrive")
-    _add_connection_args(p)
+    add_connection_args(p)
 
     p = subparsers.add_parser("tail", help="follow (or resume) a request's output stream")
     p.add_argument("request_id", metavar="ID", help="request id")
@@ -40,7 +40,7 @@ def add_client_parsers(subparsers: Any) -> None:
         default=None,
         help="resume after this output entry id (default: from the beginning)",
     )
-    _add_connection_args(p)
+    add_connection_args(p)
 
 
 def run_client_cmd(args: argparse.Namespace) -> int:
@@ -67,11 +67,6 @@ def resolve_model(client: Client, model: str | None) -> str:
             "start a worker or pass --model"
         )
     raise ValueError(f"several models are registered ({', '.join(names)}): pass --model")
-
-
-def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    add_redis_url_option(p)
-    p.add_argument("--namespace", metavar="NS", default="conveyor")
 
 
 def _submit(client: Client, args: argparse.Namespace) -> int:

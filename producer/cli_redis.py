@@ -29,6 +29,12 @@ def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--redis URL`` and ``--namespace NS``: where a client verb finds the fleet."""
+    add_redis_url_option(parser)
+    parser.add_argument("--namespace", metavar="NS", default="conveyor")
+
+
 def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``redis`` verb: run (default, foreground), stop or status of the embedded server."""
     p = subparsers.add_parser(

@@ -14,15 +14,11 @@ from producer.client import Client
 from producer.keys import Keys
 from producer.paths import data_dir
 from producer.stream_events import ChunkEvent, FinalEvent
+from worker.bench.metrics import percentile
 
 _TOPICS = ["the river", "a lighthouse", "the old library", "winter markets", "a clockmaker",
            "the harbour at dawn", "bees", "a mountain railway", "paper lanterns", "tide pools"]
 MODEL = "demo"
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def start_worker(model_dir: Path, redis_url: str, threads: int) -> tuple[subprocess.Popen, Path]:
@@ -138,8 +134,8 @@ def run_demo(model_dir: Path, redis_url: str, num_questions: int = 24,
     for line in errors:
         print(f"failed: {line}")
     summary = {"requests": len(ids), "failed": len(errors), "tokens": total, "seconds": elapsed,
-               "tokens_per_s": total / elapsed, "ttft_p50_s": _percentile(ttfts, 0.5),
-               "ttft_p99_s": _percentile(ttfts, 0.99)}
+               "tokens_per_s": total / elapsed, "ttft_p50_s": percentile(ttfts, 50),
+               "ttft_p99_s": percentile(ttfts, 99)}
     print(f"\n{len(ids)} requests ({len(errors)} failed), {total} tokens in {elapsed:.1f} s: "
           f"{summary['tokens_per_s']:.0f} tokens/s; TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms,"
           f" p99 {summary['ttft_p99_s'] * 1000:.0f} ms")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import redis
@@ -54,4 +53,3 @@ class Heartbeat(threading.Thread):
             self.client.delete(self.key)
         except redis.RedisError:
             pass
-        time.sleep(0)

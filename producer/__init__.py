@@ -1,7 +1,9 @@
-"""The producer side of conveyor: request types, the wire protocol and clients. No torch."""
+"""The producer side of conveyor: the wire types, clients and bulk jobs. Never imports torch.
 
-from producer.backpressure import QueueFull
-from producer.completion import Completion, FinishReason, TokenLogprob, Usage
-from producer.params import SamplingParams
+``import producer`` loads only the shared wire types (producer.wire); the clients
+(producer.client, producer.async_client) load redis when imported.
+"""
+
+from producer.wire import Completion, FinishReason, QueueFull, SamplingParams, TokenLogprob, Usage
 
 __all__ = ["Completion", "FinishReason", "QueueFull", "SamplingParams", "TokenLogprob", "Usage"]

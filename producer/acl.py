@@ -7,7 +7,7 @@ and run a request through, so the list stays what the code actually sends. Redis
 
 from __future__ import annotations
 
-from producer.keys import Keys
+from producer.wire.keys import Keys
 
 ROLES = ("producer", "worker", "observer")
 

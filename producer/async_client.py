@@ -22,11 +22,11 @@ from producer.client import (
     queue_limit,
     timed_out,
 )
-from producer.completion import Completion
 from producer.connection import connect_async
-from producer.keys import Keys
-from producer.protocol import FIELD
 from producer.stream_events import OutputTracker, StreamEvent, completion_from, validate_entry_id
+from producer.wire.completion import Completion
+from producer.wire.keys import Keys
+from producer.wire.protocol import FIELD
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

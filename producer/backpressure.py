@@ -14,7 +14,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.keys import GROUP
+from producer.wire.errors import QueueFull
+from producer.wire.keys import GROUP
 
 # KEYS[1]: the request stream. ARGV: group, limit, field, message.
 # Returns {"ok", entry id} after the XADD, or {"full", count} (count is at least the limit)
@@ -49,19 +50,6 @@ if count >= limit then
 end
 return {'ok', redis.call('XADD', stream, '*', ARGV[3], ARGV[4])}
 """
-
-
-class QueueFull(RuntimeError):
-    """A request stream already holds ``max_queue`` undelivered plus pending requests."""
-
-    def __init__(self, stream: str, count: int, limit: int) -> None:
-        super().__init__(
-            f"queue {stream} is full: {count} requests undelivered or pending, "
-            f"max_queue is {limit}; nothing was added"
-        )
-        self.stream = stream
-        self.count = count
-        self.limit = limit
 
 
 def check_max_queue(max_queue: object) -> int | None:

@@ -36,6 +36,7 @@ def add_bulk_parser(subparsers: Any) -> None:
         description="Bulk work over the fleet's batch lane. RQ jobs use the JSON serializer; "
         "run them with `conveyor bulk worker` or `rq worker --serializer "
         "rq.serializers.JSONSerializer`.")
+    bulk.set_defaults(handler=run_bulk_cmd)
     sub = bulk.add_subparsers(dest="bulk_command", required=True, metavar="ACTION")
 
     p = sub.add_parser("submit", help="run a JSONL batch file (OpenAI batch format)")

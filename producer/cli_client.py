@@ -11,10 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer.cli_redis import add_connection_args
 from producer.client import Client
-from producer.keys import LANES
 from producer.stream_events import ChunkEvent, FinalEvent, StreamEvent
-
-CLIENT_COMMANDS = ("submit", "tail")
+from producer.wire.keys import LANES
 
 
 def add_client_parsers(subparsers: Any) -> None:
@@ -30,6 +28,7 @@ def add_client_parsers(subparsers: Any) -> None:
     p.add_argument("--lane", choices=LANES, default="interactive")
     p.add_argument("--stream", action="store_true", help="print tokens' text as they arrive")
     add_connection_args(p)
+    p.set_defaults(handler=run_client_cmd)
 
     p = subparsers.add_parser("tail", help="follow (or resume) a request's output stream")
     p.add_argument("request_id", metavar="ID", help="request id")
@@ -41,6 +40,7 @@ def add_client_parsers(subparsers: Any) -> None:
         help="resume after this output entry id (default: from the beginning)",
     )
     add_connection_args(p)
+    p.set_defaults(handler=run_client_cmd)
 
 
 def run_client_cmd(args: argparse.Namespace) -> int:

@@ -64,6 +64,7 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address (default: loopback)"
     )
     p.add_argument("--json", action="store_true", help="status: print one JSON object")
+    p.set_defaults(handler=run_redis_cmd)
     return p
 
 

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from producer.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
-from producer.completion import Completion
 from producer.connection import connect
 from producer.defaults import MAX_BLOCK_MS
-from producer.keys import Keys
-from producer.params import SamplingParams
-from producer.protocol import FIELD, GenerationRequest, now_ms
 from producer.stream_events import OutputTracker, StreamEvent, completion_from, validate_entry_id
-from producer.validation import validate_request_id
+from producer.wire.completion import Completion
+from producer.wire.keys import Keys
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import FIELD, GenerationRequest, now_ms
+from producer.wire.validation import validate_request_id
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

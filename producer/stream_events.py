@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from producer.completion import Completion, FinishReason, Usage
-from producer.protocol import FIELD, FinalEntry, OutputChunk, decode_output
+from producer.wire.completion import Completion, FinishReason, Usage
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, decode_output
 
 # Stream ids a reader may resume from: "0", "0-0", "{ms}-{seq}".
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")

@@ -17,8 +17,8 @@ import redis
 from producer.cli_redis import add_redis_url_option
 from producer.client import Client
 from producer.connection import describe
-from producer.protocol import now_ms
 from producer.queues import LaneStats, lane_stats
+from producer.wire.protocol import now_ms
 
 DEFAULT_INTERVAL_S = 1.0
 # Home the cursor and clear the screen: each frame redraws in place on a terminal.
@@ -46,6 +46,7 @@ def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
                    help=f"seconds between frames (default: {DEFAULT_INTERVAL_S})")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(handler=run_top_cmd)
     return p
 
 

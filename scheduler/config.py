@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How a preempted request gives up its device KV (see SchedulerConfig.preemption_mode).
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+def check_preemption_mode(mode: object) -> str:
+    """``mode`` unchanged when it is one of PREEMPTION_MODES, else a ValueError."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                         f"got {mode!r}")
+    return mode
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -28,9 +39,7 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"preemption_mode must be auto, swap or recompute, got "
-                             f"{self.preemption_mode!r}")
+        check_preemption_mode(self.preemption_mode)
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

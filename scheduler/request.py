@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from producer.completion import FinishReason
+from producer.wire.completion import FinishReason
 
 
 class RequestStatus(Enum):

@@ -7,7 +7,8 @@ import itertools
 from collections import Counter
 
 from kvstore import KVCacheManager
-from producer.completion import FinishReason
+from producer.wire.completion import FinishReason
+from producer.wire.stopping import stop_reason
 from scheduler.config import SchedulerConfig
 from scheduler.output import RequestUpdate, ScheduledChunk, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -266,11 +267,10 @@ class Scheduler:
         self._num_waiting += 1
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
-            return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return stop_reason(token, req.num_output_tokens, req.num_tokens,
+                           max_tokens=req.max_tokens, max_model_len=self.config.max_model_len,
+                           stop_token_ids=req.stop_token_ids, eos_token_ids=req.eos_token_ids,
+                           ignore_eos=req.ignore_eos)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.kv.free(req.request_id)

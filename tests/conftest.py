@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-# Tests share two cores with worker subprocesses and each other: with more threads than free
-# cores, OpenMP's spinning threads stall each other. Benchmarks ask for their own count.
-torch.set_num_threads(1)
+
+def pytest_configure(config):
+    # Tests share two cores with worker subprocesses and each other: with more threads than
+    # free cores, OpenMP's spinning threads stall each other. Benchmarks ask for their own
+    # count. Without torch (the scheduler's tests run so, see test_layering) there is none.
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from worker.fleet.config import WorkerConfig
-from worker.fleet.process import Worker
 
 MODEL = "tiny"
 
@@ -15,6 +14,8 @@ def start_worker(redis_url, tiny_llama):
     """start_worker(**engine_settings) -> a started Worker (autostart=False: built, not started);
     all are stopped after the test. ``url`` points it at another Redis than the session's
     (e.g. as an ACL user, or over TLS)."""
+    from worker.fleet.process import Worker  # loads torch: only for tests that run a worker
+
     workers: list[Worker] = []
 
     def start(worker_id: str | None = None, prefetch: int = 8, metrics_port: int | None = None,

@@ -17,9 +17,9 @@ from producer.async_client import AsyncClient
 from producer.backpressure import QueueFull
 from producer.client import Client
 from producer.connection import connect
-from producer.keys import GROUP, Keys
 from producer.queues import lane_stats, trim_request_stream
 from producer.redis_server import start_ephemeral
+from producer.wire.keys import GROUP, Keys
 
 MODEL = "m"
 KEYS = Keys()

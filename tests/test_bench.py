@@ -9,7 +9,6 @@ import random
 import numpy as np
 import pytest
 
-from producer.cli import build_parser, main
 from worker.bench import metrics, report
 from worker.bench.arrivals import ArrivalPlan
 from worker.bench.records import RequestRecord
@@ -19,6 +18,7 @@ from worker.bench.workloads import (
     w2_long_document_burst,
     with_poisson_arrivals,
 )
+from worker.cli import build_parser, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

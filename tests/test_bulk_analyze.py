@@ -28,12 +28,12 @@ from producer.bulk.defaults import REDUCE_INSTRUCTION
 from producer.bulk.prompts import Templates
 from producer.bulk.queue import fleet_url_for
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
-from producer.cli import build_parser
 from producer.cli_bulk import run_bulk_cmd
-from producer.completion import Completion, FinishReason, Usage
 from producer.connection import connect
-from producer.keys import GROUP, Keys
-from producer.protocol import FIELD, GenerationRequest
+from producer.wire.completion import Completion, FinishReason, Usage
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest
+from worker.cli import build_parser
 
 KEYS = Keys()
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,7 +302,7 @@ def test_a_chunk_whose_worker_is_killed_is_resubmitted_and_the_job_finishes(
         redis_url, redis_client, tiny_llama, start_worker):
     env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
     doomed = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "worker", "--model", str(tiny_llama),
+        [sys.executable, "-m", "worker.cli", "worker", "--model", str(tiny_llama),
          "--served-model-name", MODEL, "--redis", redis_url, "--name", "doomed",
          "--threads", "1", "--dtype", "float32", "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -354,7 +354,7 @@ def test_the_cli_enqueues_an_analysis_follows_it_and_shows_its_status(
     start_worker(**FAST)
     env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
     rq_worker = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "bulk", "worker", "--redis", redis_url],
+        [sys.executable, "-m", "worker.cli", "bulk", "worker", "--redis", redis_url],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         doc = tmp_path / "doc.txt"

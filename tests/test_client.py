@@ -19,9 +19,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from producer.async_client import AsyncClient
 from producer.cli_client import add_client_parsers, resolve_model, run_client_cmd
 from producer.client import CANCEL_MARKER_TTL_S, Client
-from producer.completion import FinishReason
-from producer.keys import Keys
-from producer.protocol import (
+from producer.stream_events import ChunkEvent, FinalEvent
+from producer.wire.completion import FinishReason
+from producer.wire.keys import Keys
+from producer.wire.protocol import (
     FIELD,
     FinalEntry,
     GenerationRequest,
@@ -29,7 +30,6 @@ from producer.protocol import (
     error_final,
     now_ms,
 )
-from producer.stream_events import ChunkEvent, FinalEvent
 
 MODEL = "tiny-llama"
 KEYS = Keys()

@@ -11,8 +11,8 @@ from fleet_fixtures import MODEL
 from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client import Client
-from producer.keys import GROUP, Keys
-from producer.protocol import FIELD, GenerationRequest, decode_output
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, decode_output
 from worker import Engine, FinishReason, SamplingParams
 
 KEYS = Keys()

@@ -10,8 +10,8 @@ import pytest
 from fleet_fixtures import MODEL
 
 from producer.client import Client
-from producer.keys import GROUP, Keys
-from producer.protocol import FIELD
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD
 from worker import Engine, FinishReason, SamplingParams
 from worker.fleet.config import WorkerConfig
 from worker.fleet.process import Worker

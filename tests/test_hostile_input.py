@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from producer.client import Client
-from producer.keys import GROUP, LANES, Keys
-from producer.params import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
-from producer.protocol import (
+from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.params import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
+from producer.wire.protocol import (
     FIELD,
     MAX_ENTRY_BYTES,
     MAX_UNIX_MS,
@@ -30,7 +30,7 @@ from producer.protocol import (
     GenerationRequest,
     ProtocolError,
 )
-from producer.validation import MAX_TOKEN_ID, REQUEST_ID_PATTERN
+from producer.wire.validation import MAX_TOKEN_ID, REQUEST_ID_PATTERN
 
 KEYS = Keys()
 STREAM = KEYS.requests(MODEL, "interactive")

@@ -11,8 +11,6 @@ from kvstore import BlockPool, KVCacheManager, blocks_for
 from scheduler import Request, Scheduler, SchedulerConfig
 
 BLOCK = 4
-# Which kinds of event the generated cases produced (checked by the test after this one).
-SEEN: set[str] = set()
 
 
 def check_pools(s: Scheduler) -> None:
@@ -42,8 +40,8 @@ request_spec = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CASES = dict(
     specs=st.lists(request_spec, min_size=1, max_size=14),
     num_blocks=st.integers(12, 60),
     host_blocks=st.integers(0, 20),
@@ -51,8 +49,11 @@ request_spec = st.tuples(
     budget=st.integers(4, 64),
     seed=st.integers(0, 1000),
 )
-def test_eviction_never_frees_a_block_a_live_request_references(specs, num_blocks, host_blocks,
-                                                                mode, budget, seed):
+
+
+def simulate(specs, num_blocks, host_blocks, mode, budget, seed) -> set[str]:
+    """Run one generated case to the end, checking the pools after every step; returns the
+    kinds of event it produced (swaps, recomputes, prefix hits...)."""
     prefixes = [[7] * 9, [8] * 17, list(range(20, 33))]
     pool = BlockPool(num_blocks, shuffle_seed=seed)
     host = BlockPool(host_blocks) if host_blocks else None
@@ -77,12 +78,26 @@ def test_eviction_never_frees_a_block_a_live_request_references(specs, num_block
         step += 1
         assert step < 3000, "no progress"
     assert pool.num_free == num_blocks
-    SEEN.update(k for k, v in s.counters.items() if v)
     assert host is None or host.num_free == host_blocks
+    return {k for k, v in s.counters.items() if v}
+
+
+@PROPERTY
+@given(**CASES)
+def test_eviction_never_frees_a_block_a_live_request_references(specs, num_blocks, host_blocks,
+                                                                mode, budget, seed):
+    simulate(specs, num_blocks, host_blocks, mode, budget, seed)
 
 
 def test_the_property_cases_exercised_swaps_recomputes_and_prefix_hits():
-    if not SEEN:  # run on its own: generate the cases here
-        test_eviction_never_frees_a_block_a_live_request_references()
+    # Its own run of the same search (no reliance on another test having run first).
+    seen: set[str] = set()
+
+    @PROPERTY
+    @given(**CASES)
+    def cases(specs, num_blocks, host_blocks, mode, budget, seed):
+        seen.update(simulate(specs, num_blocks, host_blocks, mode, budget, seed))
+
+    cases()
     assert {"preemptions_swap", "preemptions_recompute", "swapped_in_blocks",
-            "prefix_cache_hit_tokens"} <= SEEN
+            "prefix_cache_hit_tokens"} <= seen

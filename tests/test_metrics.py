@@ -9,8 +9,8 @@ from fleet_fixtures import MODEL
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import Client
-from producer.keys import GROUP, Keys
 from producer.queues import lane_stats
+from producer.wire.keys import GROUP, Keys
 
 KEYS = Keys()
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvstore import BlockPool, KVCacheManager
-from producer.completion import FinishReason
+from producer.wire.completion import FinishReason
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
 EOS = 0

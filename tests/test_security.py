@@ -26,9 +26,12 @@ from producer.acl import ROLES, acl_rules, setuser_args
 from producer.async_client import AsyncClient
 from producer.client import Client
 from producer.connection import connect
-from producer.keys import GROUP, Keys
-from producer.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
-from producer.protocol import (
+from producer.queues import lane_stats, trim_request_stream
+from producer.redis_server import bundled_binary, start_ephemeral
+from producer.top import take_snapshot
+from producer.wire.keys import GROUP, Keys
+from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
+from producer.wire.protocol import (
     MAX_ENTRY_BYTES,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
@@ -36,10 +39,7 @@ from producer.protocol import (
     GenerationRequest,
     ProtocolError,
 )
-from producer.queues import lane_stats, trim_request_stream
-from producer.redis_server import bundled_binary, start_ephemeral
-from producer.top import take_snapshot
-from producer.validation import MAX_TOKEN_ID, brief
+from producer.wire.validation import MAX_TOKEN_ID, brief
 
 KEYS = Keys()
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"

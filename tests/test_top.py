@@ -8,9 +8,9 @@ import textwrap
 
 from fleet_fixtures import MODEL
 
-from producer.cli import build_parser
 from producer.client import Client
 from producer.top import run_top_cmd
+from worker.cli import build_parser
 
 
 def frame(redis_url: str, capsys) -> str:
@@ -59,7 +59,7 @@ def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url
 def test_top_runs_as_a_cli_verb_without_torch(redis_url):
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from producer.cli import main
+        from worker.cli import main
         rc = main(["top", "--once", "--redis", {redis_url!r}])
         assert "torch" not in sys.modules and "worker" not in sys.modules
         sys.exit(rc)

@@ -9,14 +9,14 @@ import time
 from pathlib import Path
 
 from producer.client import Client
-from producer.keys import Keys
+from producer.wire.keys import Keys
 
 
 def spawn_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
                  env: dict[str, str] | None = None,
                  log_dir: Path | None = None) -> subprocess.Popen:
     """Start `conveyor worker` serving the tiny model as "tiny", float64, one thread."""
-    cmd = [sys.executable, "-m", "producer.cli", "--log-level", "warning", "worker",
+    cmd = [sys.executable, "-m", "worker.cli", "--log-level", "warning", "worker",
            "--model", str(model_dir), "--served-model-name", "tiny", "--redis", redis_url,
            "--name", name, "--dtype", "float64", "--threads", "1", *extra]
     out = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115

@@ -1,4 +1,7 @@
-"""Worker-side CLI verbs (make-model, generate, worker, demo, bench); imported when one runs."""
+"""The worker-side CLI verbs (make-model, generate, worker, demo): their arguments and handlers.
+
+Importing this module loads no torch; a handler imports what it runs when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,98 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
+from producer.cli_redis import add_redis_url_option
 from producer.paths import default_model_dir
+from worker.config import EngineConfig, field_default
+from worker.fleet.config import WorkerConfig
+
+
+def add_worker_parsers(subparsers: Any) -> None:
+    """Add make-model, generate, worker and demo to the `conveyor` command's subparsers."""
+    p = subparsers.add_parser("make-model",
+                              help="write a small deterministic checkpoint (no model hub)")
+    p.add_argument("dir", nargs="?",
+                   help="output folder (default: the data folder's models/PRESET)")
+    p.add_argument("--preset", choices=["tiny", "small"], default="small")
+    p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="do nothing when the folder already holds a model (config.json)")
+    p.set_defaults(handler=make_model_cmd)
+
+    p = subparsers.add_parser("generate", help="run prompts through the offline engine (no Redis)")
+    p.add_argument("prompts", nargs="+", help="prompt texts")
+    p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
+    p.set_defaults(handler=generate_cmd)
+
+    _add_serve_parser(subparsers)
+
+    p = subparsers.add_parser(
+        "demo",
+        help="start Redis and a worker, stream short questions and one long document live",
+        description="Makes the small model if missing, starts the embedded Redis (unless --redis "
+        "is given) and a worker process, submits short questions and one long document, shows "
+        "them streaming, and ends with a summary (tokens/s, TTFT p50/p99).",
+    )
+    p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
+    p.add_argument("--requests", type=int, default=24, help="number of short questions")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the worker")
+    add_redis_url_option(p)
+    p.set_defaults(handler=demo_cmd)
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    # Every default comes from WorkerConfig or EngineConfig: the flags cannot drift from them.
+    def worker(name: str) -> Any:
+        return field_default(WorkerConfig, name)
+
+    def engine(name: str) -> Any:
+        return field_default(EngineConfig, name)
+
+    p = subparsers.add_parser("worker", help="serve a model from Redis until SIGTERM (then drain)")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--served-model-name", help="name producers address (default: folder name)")
+    add_redis_url_option(p)
+    p.add_argument("--namespace", default=worker("namespace"))
+    p.add_argument("--name", dest="worker_id", help="worker id (default: HOST-PID)")
+    p.add_argument("--max-num-seqs", type=int, default=engine("max_num_seqs"),
+                   help="requests running at once (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=engine("max_num_batched_tokens"),
+                   help="token budget of a step (default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step (needs --max-num-batched-tokens >= the "
+                   "model's max length)")
+    p.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
+                   help="cap on one request's prefill chunk in a step (default: the budget)")
+    p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
+                   metavar="S", help="seconds between heartbeats (status and load in Redis; "
+                   "default: %(default)s)")
+    p.add_argument("--dtype", default=engine("dtype"))
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    p.add_argument("--lease-ms", type=int, default=worker("lease_ms"),
+                   help="in-flight entries idle this long are claimed by other workers "
+                   "(default: %(default)s)")
+    p.add_argument("--max-deliveries", type=int, default=worker("max_deliveries"),
+                   help="a request delivered more often goes to the dead-letter stream "
+                   "(default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=worker("drain_timeout_s"),
+                   help="seconds in-flight requests may take to finish after SIGTERM "
+                   "(default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics on http://HOST:N/metrics (0: any free port; "
+                   "default: not served)")
+    p.add_argument("--metrics-host", default=worker("metrics_host"), metavar="ADDR",
+                   help="address the metrics server binds (default: all interfaces)")
+    p.set_defaults(handler=worker_cmd)
 
 
 def make_model_cmd(args: argparse.Namespace) -> int:
@@ -54,7 +147,6 @@ def generate_cmd(args: argparse.Namespace) -> int:
 
 
 def worker_cmd(args: argparse.Namespace) -> int:
-    from worker.fleet.config import WorkerConfig
     from worker.fleet.process import Worker
 
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
@@ -90,9 +182,3 @@ def demo_cmd(args: argparse.Namespace) -> int:
         print("the embedded Redis keeps running for later commands; stop it with "
               "`conveyor redis stop`")
     return 0
-
-
-def bench_cmd(args: argparse.Namespace) -> int:
-    from worker.bench.cli import bench_cmd as run_bench
-
-    return run_bench(args)

@@ -1,14 +1,14 @@
-"""Engine settings: every knob of the offline engine, with its default and meaning."""
+"""Engine settings: every knob of the offline engine, with its default and meaning. No torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-import torch
+from scheduler.config import check_preemption_mode
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+# Precisions an engine computes in, as torch spells them (worker.device maps them to dtypes).
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -69,23 +69,16 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.swap_blocks is not None and self.swap_blocks < 0:
             raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"preemption_mode must be auto, swap or recompute, got "
-                             f"{self.preemption_mode!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_preemption_mode(self.preemption_mode)
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got "
+                             f"{self.dtype!r}")
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
 
-    def backend_name(self, device: torch.device) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return "torch"
+def field_default(cls: type, name: str) -> Any:
+    """The default of one config dataclass field: the CLI's flags use and show these."""
+    default = next(f.default for f in fields(cls) if f.name == name)
+    if default is MISSING:
+        raise ValueError(f"{cls.__name__}.{name} has no plain default")
+    return default

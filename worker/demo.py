@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from producer.client import Client
-from producer.keys import Keys
 from producer.paths import data_dir
 from producer.stream_events import ChunkEvent, FinalEvent
+from producer.wire.keys import Keys
 from worker.bench.metrics import percentile
 
 _TOPICS = ["the river", "a lighthouse", "the old library", "winter markets", "a clockmaker",
@@ -25,7 +25,7 @@ def start_worker(model_dir: Path, redis_url: str, threads: int) -> tuple[subproc
     """A `conveyor worker` child process; returns it and its log file."""
     log = data_dir() / "demo-worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", str(model_dir),
            "--served-model-name", MODEL, "--redis", redis_url, "--name", f"demo-{os.getpid()}",
            "--threads", str(threads), "--max-num-batched-tokens", "512"]
     with open(log, "wb") as out:

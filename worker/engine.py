@@ -13,11 +13,12 @@ import torch
 
 from kvstore import BlockPool, KVCacheManager, blocks_for
 from kvstore.kv_tensors import PagedKVCache
-from producer.completion import Completion, FinishReason
-from producer.params import SamplingParams
-from producer.validation import validate_request_id, validate_token_ids
+from producer.wire.completion import Completion, FinishReason
+from producer.wire.params import SamplingParams
+from producer.wire.validation import validate_request_id, validate_token_ids
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.config import EngineConfig
+from worker.device import engine_device, engine_dtype
 from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
@@ -37,9 +38,9 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(settings)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        self.device = cfg.torch_device()
-        self.dtype = cfg.torch_dtype(self.device)
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.backend_name(self.device))
+        self.device = engine_device(cfg)
+        self.dtype = engine_dtype(cfg, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,

@@ -25,10 +25,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from producer.completion import FinishReason
-from producer.keys import LANES, Keys
 from producer.logging import bind_thread_context
 from producer.queues import LaneStats, lane_stats
+from producer.wire.completion import FinishReason
+from producer.wire.keys import LANES, Keys
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.kv_tensors import PagedKVCache, copy_blocks
-from producer.completion import TokenLogprob
+from producer.wire.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.sampling import Sampler, SampleRequest
@@ -20,7 +20,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.host_cache = host_cache
         self.device = device
-        # Swaps run on a side stream on CUDA so they overlap with whatever runs before them.
+        # On CUDA swaps are queued on their own stream; the compute stream waits for them
+        # before the forward reads the restored blocks.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.sampler = Sampler()
         # Counters that tests and stats read: forwards run and tokens fed to the model.

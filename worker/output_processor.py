@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer.completion import Completion, FinishReason, TokenLogprob, Usage
-from producer.params import SamplingParams
+from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
+from producer.wire.params import SamplingParams
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

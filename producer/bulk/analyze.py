@@ -19,7 +19,7 @@ from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
 from producer.client import Client
-from producer.params import SamplingParams
+from producer.wire.params import SamplingParams
 
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 

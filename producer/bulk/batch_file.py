@@ -20,8 +20,8 @@ from typing import Any
 from producer.bulk import defaults
 from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
 from producer.client import Client
-from producer.completion import Completion
-from producer.params import SamplingParams
+from producer.wire.completion import Completion
+from producer.wire.params import SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
 # Body fields that map onto SamplingParams fields of the same name.

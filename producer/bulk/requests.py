@@ -22,9 +22,9 @@ import redis
 
 from producer.bulk import defaults
 from producer.client import READ_COUNT, Client
-from producer.completion import Completion, FinishReason
 from producer.defaults import MAX_BLOCK_MS
 from producer.stream_events import OutputTracker, StreamEvent, completion_from
+from producer.wire.completion import Completion, FinishReason
 
 # Redis errors that outlived the connection's own retries: worth another try a bit later.
 _REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)

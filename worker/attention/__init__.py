@@ -1,7 +1,7 @@
 """Attention backends, chosen by name and imported only when chosen.
 
-A backend that needs CUDA kernels (flashinfer) lives in its own module, so
-importing this package never imports them and a CPU-only install still works.
+Each backend lives in its own module, imported by ``get_attention_backend``: a backend
+built on a device's own kernels never breaks ``import`` where they are missing.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ BACKENDS: dict[str, str] = {
 }
 
 
+# What "auto" picks: the only backend there is today, on every device.
+AUTO_BACKEND = "torch"
+
+
 def get_attention_backend(name: str) -> type[AttentionBackend]:
-    """The backend class registered as `name`; ValueError names the known ones if it is unknown."""
+    """The backend class registered as `name` ("auto": the default one); ValueError names the
+    known ones if it is unknown."""
+    name = AUTO_BACKEND if name == "auto" else name
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; known: {', '.join(sorted(BACKENDS))}"

@@ -32,7 +32,7 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_list: list[int]
     # Scratch space where a backend keeps work it derives once per step and reuses in
-    # every layer (gather indices, masks, a flashinfer plan), keyed by backend name.
+    # every layer (gather indices, masks), keyed by backend name.
     backend_plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

@@ -9,8 +9,8 @@ from __future__ import annotations
 import redis
 
 from producer.client import FOLLOW_MANY_KEYS, READ_COUNT
-from producer.keys import Keys
 from producer.stream_events import OutputTracker, StreamEvent
+from producer.wire.keys import Keys
 
 
 class StreamFollower:

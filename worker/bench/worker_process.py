@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from producer.keys import Keys
+from producer.wire.keys import Keys
 
 # The bench reads KV use from heartbeats: beat more often than a serving worker does.
 HEARTBEAT_INTERVAL_S = 0.2
@@ -27,7 +27,7 @@ class WorkerProcess:
         self.worker_id = f"bench-{os.getpid()}-{label}"
         self.key = Keys(namespace).worker(self.worker_id)
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", str(model_dir),
+        self.cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", str(model_dir),
                     "--served-model-name", model_name, "--redis", redis_url,
                     "--namespace", namespace, "--name", self.worker_id,
                     "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S), *worker_flags]

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from producer.keys import Keys
 from producer.logging import bind_thread_context
+from producer.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
 

@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import structlog
 
-from producer.completion import FinishReason
 from producer.logging import bind_thread_context
-from producer.protocol import FinalEntry, OutputChunk, now_ms
+from producer.wire.completion import FinishReason
+from producer.wire.protocol import FinalEntry, OutputChunk, now_ms
+from producer.wire.stopping import stop_reason
 from worker.engine import Engine
 from worker.fleet.faults import maybe_die
 from worker.fleet.inflight import InflightRequest, InflightTable
@@ -145,13 +146,11 @@ class EngineLoop(threading.Thread):
     def _already_done(self, adm: Admission, generated: list[int]) -> FinishReason | None:
         """A resumed request whose published tokens already end it (its worker died first)."""
         p = adm.request.params
-        last = generated[-1]
-        if last in p.stop_token_ids or (not p.ignore_eos and last in self.engine.eos_token_ids):
-            return FinishReason.STOP
-        if (len(generated) >= p.max_tokens
-                or len(adm.prompt_token_ids) + len(generated) >= self.engine.max_model_len):
-            return FinishReason.LENGTH
-        return None
+        return stop_reason(generated[-1], len(generated),
+                           len(adm.prompt_token_ids) + len(generated), max_tokens=p.max_tokens,
+                           max_model_len=self.engine.max_model_len,
+                           stop_token_ids=p.stop_token_ids,
+                           eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos)
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         self.inflight.remove(adm.request.request_id)

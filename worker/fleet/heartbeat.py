@@ -10,9 +10,9 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from producer.keys import Keys
 from producer.logging import bind_thread_context
-from producer.protocol import now_ms
+from producer.wire.keys import Keys
+from producer.wire.protocol import now_ms
 
 log = structlog.get_logger(__name__)
 

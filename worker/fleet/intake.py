@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from producer.keys import GROUP, LANES, Keys
 from producer.logging import bind_thread_context
-from producer.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.publisher import Publisher, Rejection

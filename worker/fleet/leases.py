@@ -13,8 +13,8 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from producer.keys import GROUP
 from producer.logging import bind_thread_context
+from producer.wire.keys import GROUP
 from worker.fleet.inflight import InflightTable
 
 log = structlog.get_logger(__name__)

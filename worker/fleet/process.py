@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from producer.connection import connect, describe
-from producer.keys import Keys
+from producer.wire.keys import Keys
 from worker.engine import Engine
 from worker.fleet.cancellation import CancelListener
 from worker.fleet.config import WorkerConfig

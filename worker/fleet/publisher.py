@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from producer.keys import GROUP, Keys
 from producer.logging import bind_thread_context
-from producer.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 from worker.fleet.text_stage import TextStage, Track
 
 log = structlog.get_logger(__name__)

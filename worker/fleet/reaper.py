@@ -12,10 +12,10 @@ import time
 import redis
 import structlog
 
-from producer.keys import GROUP, Keys
 from producer.logging import bind_thread_context
-from producer.protocol import FIELD, GenerationRequest, ProtocolError
 from producer.queues import trim_request_stream
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
 from worker.fleet.publisher import Rejection

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import redis
 
-from producer.keys import Keys
-from producer.protocol import now_ms
+from producer.wire.keys import Keys
+from producer.wire.protocol import now_ms
 from worker.engine import Engine
 
 

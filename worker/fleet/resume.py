@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.keys import Keys
-from producer.protocol import FIELD, FinalEntry, ProtocolError, decode_output
+from producer.wire.keys import Keys
+from producer.wire.protocol import FIELD, FinalEntry, ProtocolError, decode_output
 
 
 @dataclass

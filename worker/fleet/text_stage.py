@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from producer.completion import FinishReason
-from producer.params import SamplingParams
-from producer.protocol import FinalEntry
+from producer.wire.completion import FinishReason
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import FinalEntry
 from worker.output_processor import RequestOutputState
 from worker.tokenizer import Tokenizer
 

@@ -9,16 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from worker.device import resolve_dtype
 from worker.models.config import ModelConfig
 from worker.models.llama import CausalLM
 
-# dtype names accepted as strings, as torch spells them.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 # Checkpoint tensors we knowingly drop: old exports saved the rope frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Names listed at most in an error message.
@@ -77,18 +71,6 @@ def _copy_checkpoint(model: CausalLM, model_dir: Path) -> None:
             f"{model_dir}: checkpoint does not match {model.config.architecture}: "
             f"missing {_names(missing)}; unexpected {_names(sorted(unexpected))}"
         )
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from itself or its name ("float32", "torch.bfloat16", ...)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
-        return dtype
-    name = dtype.removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

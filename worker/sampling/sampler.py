@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from producer.completion import TokenLogprob
-from producer.params import SamplingParams
+from producer.wire.completion import TokenLogprob
+from producer.wire.params import SamplingParams
 from worker.sampling.randomness import uniform
 
 

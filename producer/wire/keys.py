@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from producer.validation import brief, validate_request_id
+from producer.wire.validation import brief, validate_request_id
 
 # The consumer group every worker of a model reads its request streams with.
 GROUP = "workers"

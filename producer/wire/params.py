@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from producer.validation import MAX_TOKEN_ID, brief
+from producer.wire.validation import MAX_TOKEN_ID, brief
 
 # Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
 MAX_STOP_STRINGS = 16

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 
-from producer.keys import validate_lane, validate_name
-from producer.params import SamplingParams
-from producer.validation import MAX_TOKEN_ID, brief, validate_request_id
+from producer.wire.keys import validate_lane, validate_name
+from producer.wire.params import SamplingParams
+from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 
 SCHEMA_VERSION = 1
 # Each stream entry holds one field with one msgpack map.

@@ -1,0 +1,31 @@
+"""When a request stops generating: the one rule the scheduler and a resuming worker share."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from producer.wire.completion import FinishReason
+
+
+def stop_reason(
+    last_token: int,
+    num_output_tokens: int,
+    num_tokens: int,
+    *,
+    max_tokens: int,
+    max_model_len: int,
+    stop_token_ids: Collection[int],
+    eos_token_ids: Collection[int],
+    ignore_eos: bool,
+) -> FinishReason | None:
+    """Why a request whose newest token is ``last_token`` is done, or None to go on.
+
+    ``num_tokens`` counts prompt and output. A stop token or (unless ignored) EOS is
+    ``stop``; reaching ``max_tokens`` or the model's length is ``length``. Stop strings
+    are text, decided where the text is made (see worker.output_processor).
+    """
+    if last_token in stop_token_ids or (not ignore_eos and last_token in eos_token_ids):
+        return FinishReason.STOP
+    if num_output_tokens >= max_tokens or num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

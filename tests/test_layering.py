@@ -1,0 +1,129 @@
+"""The house's layering, checked: which package may load which (docs/architecture.md).
+
+Each contract imports every module of a package in a fresh interpreter and inspects
+``sys.modules``: an import added anywhere, even deep inside a helper, breaks it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Imports every module of the packages named in argv (all of a package's modules, found
+# with pkgutil.walk_packages) except the ones listed after "--skip", then prints what
+# got loaded: third-party top-level names and the project's own modules.
+_PROBE = r"""
+import importlib, json, pkgutil, sys
+args = sys.argv[1:]
+skip = set(args[args.index("--skip") + 1:]) if "--skip" in args else set()
+packages = args[:args.index("--skip")] if "--skip" in args else args
+imported = []
+for name in packages:
+    pkg = importlib.import_module(name)
+    imported.append(name)
+    for info in pkgutil.walk_packages(getattr(pkg, "__path__", []), prefix=name + "."):
+        if info.name in skip or any(info.name.startswith(s + ".") for s in skip):
+            continue
+        importlib.import_module(info.name)
+        imported.append(info.name)
+print(json.dumps({"imported": imported, "loaded": sorted(sys.modules)}))
+"""
+
+OWN = ("producer", "worker", "scheduler", "kvstore")
+
+
+def probe(*packages: str, skip: tuple[str, ...] = ()) -> tuple[list[str], set[str]]:
+    """(modules imported, modules loaded) after importing every module of ``packages``."""
+    argv = [sys.executable, "-c", _PROBE, *packages]
+    if skip:
+        argv += ["--skip", *skip]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report["imported"], set(report["loaded"])
+
+
+def top_level(loaded: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in loaded}
+
+
+def own_packages(loaded: set[str]) -> set[str]:
+    """Project packages loaded, at the depth the contracts speak of (producer.wire apart)."""
+    out = set()
+    for name in loaded:
+        parts = name.split(".")
+        if parts[0] in OWN:
+            out.add("producer.wire" if parts[:2] == ["producer", "wire"] else parts[0])
+    return out
+
+
+def test_the_wire_types_load_neither_redis_nor_torch_nor_other_project_code():
+    imported, loaded = probe("producer.wire")
+    assert "producer.wire.protocol" in imported
+    assert not {"redis", "torch"} & top_level(loaded)
+    assert {n for n in loaded if n.split(".")[0] in OWN} <= {"producer"} | {
+        n for n in loaded if n.startswith("producer.wire")}
+
+
+def test_scheduler_loads_only_the_wire_types_and_kv_bookkeeping():
+    imported, loaded = probe("scheduler")
+    assert "scheduler.scheduler" in imported
+    assert not {"redis", "torch"} & top_level(loaded)
+    assert own_packages(loaded) <= {"scheduler", "kvstore", "producer.wire", "producer"}
+    assert not {n for n in loaded if n.startswith("producer.") and
+                not n.startswith("producer.wire")}
+
+
+def test_kvstore_bookkeeping_loads_neither_redis_nor_torch():
+    # kv_tensors owns the KV tensors (torch): the one module of kvstore allowed I/O.
+    imported, loaded = probe("kvstore", skip=("kvstore.kv_tensors",))
+    assert "kvstore.kv_manager" in imported
+    assert not {"redis", "torch"} & top_level(loaded)
+    assert own_packages(loaded) <= {"kvstore"}
+
+
+def test_producer_loads_no_torch_and_nothing_of_the_worker():
+    imported, loaded = probe("producer")
+    assert {"producer.client", "producer.async_client", "producer.bulk.analyze"} <= set(imported)
+    assert "torch" not in top_level(loaded)
+    assert own_packages(loaded) <= {"producer", "producer.wire"}
+
+
+def test_import_producer_alone_loads_the_wire_types_only():
+    code = ("import json, sys, producer; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not {"redis", "torch", "rq"} & set(json.loads(result.stdout))
+
+
+def test_the_cli_builds_its_whole_parser_without_torch():
+    code = ("import sys, worker.cli; worker.cli.build_parser(); "
+            "sys.exit('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr or "building the CLI parser loaded torch"
+
+
+def test_scheduler_tests_pass_where_importing_torch_fails():
+    # Blocked in sys.modules, `import torch` raises ImportError, in the tests and the conftest.
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider',"
+            " 'tests/test_scheduler.py', 'tests/test_kv_properties.py']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "error" not in result.stdout.lower()
+
+
+@pytest.mark.parametrize("module", ["worker.config", "worker.fleet.config", "worker.commands"])
+def test_worker_settings_and_verbs_load_no_torch(module):
+    _, loaded = probe(module)
+    assert "torch" not in top_level(loaded)

@@ -1,43 +1,45 @@
-"""The asyncio client: the same verbs as :class:`producer.client.Client`, awaited."""
+"""The asyncio client: the same verbs as :class:`producer.client.Client`, awaited.
+
+Everything but the Redis calls is shared with the synchronous client
+(:class:`producer.client.ClientBase`, :mod:`producer.stream_follow`).
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio
 
-from producer.backpressure import add_if_room_async, check_max_queue
+from producer.backpressure import add_if_room_async
 from producer.client import (
-    CANCEL_MARKER_TTL_S,
     READ_COUNT,
-    block_ms,
-    build_request,
-    check_bytes_replies,
-    deadline_after,
+    ClientBase,
     model_names,
     model_pattern,
     parse_model_info,
-    queue_limit,
-    timed_out,
+    tokenizer_from,
 )
+from producer.clock import Clock
 from producer.connection import connect_async
-from producer.stream_events import OutputTracker, StreamEvent, completion_from, validate_entry_id
+from producer.stream_events import StreamEvent, completion_from
+from producer.stream_follow import OutputFollower
 from producer.wire.completion import Completion
-from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+T = TypeVar("T")
 
-class AsyncClient:
+
+class AsyncClient(ClientBase):
     """Submit generation requests and read their output from asyncio code.
 
     ``url`` None means the embedded redis-server; pass ``connection`` to share an
     existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
-    default for :meth:`submit`'s (None: no limit).
+    default for :meth:`submit`'s (None: no limit); ``clock`` (default: the system's)
+    decides every timeout and deadline.
     """
 
     def __init__(
@@ -47,52 +49,33 @@ class AsyncClient:
         *,
         connection: redis.asyncio.Redis | None = None,
         max_queue: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        self.keys = Keys(namespace)
-        self.max_queue = check_max_queue(max_queue)
-        if connection is not None:
-            check_bytes_replies(connection)
-        self._owns_connection = connection is None
+        super().__init__(namespace, connection, max_queue, clock)
         self.redis = connection if connection is not None else connect_async(url)
 
     async def submit(
-        self,
-        prompt: str | list[int],
-        *,
-        model: str,
-        lane: str = "interactive",
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline_ms: int | None = None,
-        timeout: float | None = None,
-        pipeline: redis.asyncio.client.Pipeline | None = None,
-        max_queue: int | None = None,
-        **sampling: Any,
+        self, prompt: str | list[int], *, model: str, lane: str = "interactive",
+        request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
+        timeout: float | None = None, pipeline: redis.asyncio.client.Pipeline | None = None,
+        max_queue: int | None = None, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
         See :meth:`producer.client.Client.submit`; with ``pipeline`` the XADD is only queued,
         and ``max_queue`` raises QueueFull when the stream is full (never checked in a pipeline).
         """
-        limit = queue_limit(max_queue, self.max_queue, pipeline is not None)
-        request = build_request(
-            prompt,
-            model=model,
-            lane=lane,
-            request_id=request_id,
-            priority=priority,
-            deadline_ms=deadline_ms,
-            timeout=timeout,
-            sampling=sampling,
-        )
-        key = self.keys.requests(request.model, request.lane)
-        if limit is not None:
-            await add_if_room_async(self.redis, key, FIELD, request.encode(), limit)
+        sub = self._submission(
+            prompt, max_queue, pipeline is not None, model=model, lane=lane,
+            request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
+            sampling=sampling)
+        if sub.limit is not None:
+            await add_if_room_async(self.redis, sub.key, FIELD, sub.payload, sub.limit)
         elif pipeline is not None:
-            pipeline.xadd(key, {FIELD: request.encode()})
+            pipeline.xadd(sub.key, {FIELD: sub.payload})
         else:
-            await self.redis.xadd(key, {FIELD: request.encode()})
-        return request.request_id
+            await self.redis.xadd(sub.key, {FIELD: sub.payload})
+        return sub.request_id
 
     def stream(
         self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
@@ -101,32 +84,16 @@ class AsyncClient:
 
         Same resume, each-index-once and timeout rules as :meth:`producer.client.Client.stream`.
         """
-        key = self.keys.output(request_id)
-        tracker = OutputTracker(validate_entry_id(from_id or "0-0"))
-        deadline = deadline_after(timeout)
-        return self._follow(request_id, key, tracker, deadline, timeout)
+        return self._follow(self._follower(request_id, from_id, timeout))
 
-    async def _follow(
-        self,
-        request_id: str,
-        key: str,
-        tracker: OutputTracker,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> AsyncIterator[StreamEvent]:
-        while True:
-            reply = await self.redis.xread(
-                {key: tracker.last_id}, count=READ_COUNT, block=block_ms(deadline)
-            )
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    event = tracker.feed(entry_id, fields)
-                    if event is not None:
-                        yield event
-                    if tracker.done:
-                        return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timed_out(request_id, timeout)
+    async def _follow(self, follower: OutputFollower[T]) -> AsyncIterator[T]:
+        # The only I/O of following: the follower decides what to read and what it means.
+        while not follower.done:
+            streams, block = follower.streams(), follower.block_ms()
+            reply = await self.redis.xread(streams, count=READ_COUNT, block=block)
+            for item in follower.feed(reply):
+                yield item
+            follower.check_deadline()
 
     async def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a request to finish and return its whole Completion."""
@@ -137,10 +104,8 @@ class AsyncClient:
         self, request_id: str, *, pipeline: redis.asyncio.client.Pipeline | None = None
     ) -> None:
         """Ask workers to stop a request: a marker key plus an announcement, in one go."""
-        marker = self.keys.cancelled(request_id)
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.set(marker, b"1", ex=CANCEL_MARKER_TTL_S)
-        pipe.publish(self.keys.cancel_channel, request_id)
+        self._queue_cancel(pipe, request_id)
         if pipeline is None:
             await pipe.execute()
 
@@ -155,12 +120,7 @@ class AsyncClient:
 
     async def tokenizer(self, name: str) -> Tokenizer | None:
         """The model's tokenizer, built from its registered tokenizer.json, or None."""
-        raw = await self.redis.hget(self.keys.model(name), "tokenizer_json")
-        if raw is None:
-            return None
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_str(raw.decode())
+        return tokenizer_from(await self.redis.hget(self.keys.model(name), "tokenizer_json"))
 
     async def close(self) -> None:
         """Close the connection, unless it was passed in by the caller."""

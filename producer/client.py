@@ -1,28 +1,37 @@
 """The synchronous client: submit requests, stream or wait for their output, cancel them.
 
-The pure parts (building a request, reading a model hash, BLOCK lengths) are
-module functions here so that :mod:`producer.async_client` shares them.
+The I/O-free parts (building a request, reading a model hash, :class:`ClientBase`) live
+here so that :mod:`producer.async_client` shares them; following output streams is
+:mod:`producer.stream_follow`'s, and both clients only add the Redis calls.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
 from producer.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.connection import connect
-from producer.defaults import MAX_BLOCK_MS
-from producer.stream_events import OutputTracker, StreamEvent, completion_from, validate_entry_id
+from producer.stream_events import StreamEvent, completion_from
+from producer.stream_follow import (  # noqa: F401 (block_ms, deadline_after, timed_out: re-export)
+    ManyFollower,
+    OutputFollower,
+    StreamFollower,
+    block_ms,
+    deadline_after,
+    timed_out,
+)
 from producer.wire.completion import Completion
 from producer.wire.keys import Keys
 from producer.wire.params import SamplingParams
-from producer.wire.protocol import FIELD, GenerationRequest, now_ms
+from producer.wire.protocol import FIELD, GenerationRequest
 from producer.wire.validation import validate_request_id
 
 if TYPE_CHECKING:
@@ -40,6 +49,8 @@ FOLLOW_MANY_KEYS = 256
 _INT_FIELDS = ("max_model_len", "vocab_size", "updated_ms")
 _JSON_FIELDS = ("eos_token_ids",)
 
+T = TypeVar("T")
+
 
 def new_request_id() -> str:
     """A random request id: 32 hex characters."""
@@ -56,15 +67,19 @@ def build_request(
     deadline_ms: int | None,
     timeout: float | None,
     sampling: dict[str, Any],
+    clock: Clock = SYSTEM_CLOCK,
 ) -> GenerationRequest:
-    """A validated GenerationRequest from ``submit``'s arguments; ValueError when invalid."""
+    """A validated GenerationRequest from ``submit``'s arguments; ValueError when invalid.
+
+    ``timeout`` becomes a ``deadline_ms`` on ``clock``'s unix time.
+    """
     params = SamplingParams.from_dict(sampling)
     if timeout is not None:
         if deadline_ms is not None:
             raise ValueError("give at most one of timeout and deadline_ms")
         if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        deadline_ms = now_ms() + math.ceil(timeout * 1000)
+        deadline_ms = int(clock.time() * 1000) + math.ceil(timeout * 1000)
     rid = new_request_id() if request_id is None else validate_request_id(request_id)
     if isinstance(prompt, str):
         text, token_ids = prompt, None
@@ -118,40 +133,78 @@ def model_pattern(keys: Keys) -> str:
     return f"{keys.ns}:model:*"
 
 
-def block_ms(deadline: float | None) -> int:
-    """BLOCK for the next XREAD: the time left to ``deadline`` (monotonic), at least 1 ms
-    (0 would block forever) and at most MAX_BLOCK_MS (so the socket never times out)."""
-    if deadline is None:
-        return MAX_BLOCK_MS
-    left = math.ceil((deadline - time.monotonic()) * 1000)
-    return max(1, min(MAX_BLOCK_MS, left))
-
-
-def deadline_after(timeout: float | None) -> float | None:
-    """A monotonic deadline ``timeout`` seconds from now; None waits forever."""
-    if timeout is None:
-        return None
-    if not isinstance(timeout, int | float) or math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
-    return time.monotonic() + timeout
-
-
 def check_bytes_replies(conn: Any) -> None:
     """Stream entries hold msgpack bytes: a connection that decodes replies would break them."""
     if conn.get_connection_kwargs().get("decode_responses"):
         raise ValueError("the client needs a Redis connection with decode_responses=False")
 
 
-def timed_out(request_id: str, timeout: float | None) -> TimeoutError:
-    return TimeoutError(f"request {request_id}: no final entry within {timeout} s")
+
+def tokenizer_from(raw: bytes | None) -> Tokenizer | None:
+    """A Tokenizer from a model hash's ``tokenizer_json`` value, or None when there is none."""
+    if raw is None:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(raw.decode())
 
 
-class Client:
+@dataclass(frozen=True)
+class Submission:
+    """A validated request, ready to XADD: its stream, its entry and the queue limit to check."""
+
+    request_id: str
+    key: str
+    payload: bytes
+    # None: XADD without counting the queue (no limit, or a pipelined submit).
+    limit: int | None
+
+
+class ClientBase:
+    """What Client and AsyncClient share, all of it without I/O: they add only the Redis calls.
+
+    ``clock`` decides every timeout and deadline (default: the system's).
+    """
+
+    def __init__(
+        self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None
+    ) -> None:
+        self.keys = Keys(namespace)
+        self.max_queue = check_max_queue(max_queue)
+        self.clock = SYSTEM_CLOCK if clock is None else clock
+        if connection is not None:
+            check_bytes_replies(connection)
+        self._owns_connection = connection is None
+
+    def _submission(
+        self, prompt: str | Sequence[int], max_queue: int | None, pipelined: bool, **request: Any
+    ) -> Submission:
+        """Check a submit's arguments (``request``: build_request's keywords) and place it."""
+        limit = queue_limit(max_queue, self.max_queue, pipelined)
+        built = build_request(prompt, clock=self.clock, **request)
+        key = self.keys.requests(built.model, built.lane)
+        return Submission(built.request_id, key, built.encode(), limit)
+
+    def _follower(
+        self, request_id: str, from_id: str | None, timeout: float | None
+    ) -> StreamFollower:
+        """The follower of one request's stream; ValueError on a bad id or timeout."""
+        key = self.keys.output(request_id)
+        return StreamFollower(request_id, key, from_id or "0-0", timeout, self.clock)
+
+    def _queue_cancel(self, pipe: Any, request_id: str) -> None:
+        """Queue the cancellation marker and its announcement on ``pipe`` (sync or asyncio)."""
+        pipe.set(self.keys.cancelled(request_id), b"1", ex=CANCEL_MARKER_TTL_S)
+        pipe.publish(self.keys.cancel_channel, request_id)
+
+
+class Client(ClientBase):
     """Submit generation requests and read their output, over one Redis connection.
 
     ``url`` None means the embedded redis-server (see :func:`producer.connection.connect`);
     pass ``connection`` to share an existing client instead (it is not closed by ``close``).
-    ``max_queue`` is the default for :meth:`submit`'s (None: no limit).
+    ``max_queue`` is the default for :meth:`submit`'s (None: no limit). ``clock`` (default:
+    the system's) decides every timeout and deadline.
     """
 
     def __init__(
@@ -161,32 +214,22 @@ class Client:
         *,
         connection: redis.Redis | None = None,
         max_queue: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        self.keys = Keys(namespace)
-        self.max_queue = check_max_queue(max_queue)
-        if connection is not None:
-            check_bytes_replies(connection)
-        self._owns_connection = connection is None
+        super().__init__(namespace, connection, max_queue, clock)
         self.redis = connection if connection is not None else connect(url)
 
     def submit(
-        self,
-        prompt: str | list[int],
-        *,
-        model: str,
-        lane: str = "interactive",
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline_ms: int | None = None,
-        timeout: float | None = None,
-        pipeline: redis.client.Pipeline | None = None,
-        max_queue: int | None = None,
-        **sampling: Any,
+        self, prompt: str | list[int], *, model: str, lane: str = "interactive",
+        request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
+        timeout: float | None = None, pipeline: redis.client.Pipeline | None = None,
+        max_queue: int | None = None, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
-        ``prompt`` is text or token ids; ``timeout`` (seconds from now) sets ``deadline_ms``;
-        other keywords are SamplingParams fields. With ``pipeline`` the XADD is only queued.
+        ``prompt`` is text or token ids; ``timeout`` (seconds from now on the client's clock)
+        sets ``deadline_ms``; other keywords are SamplingParams fields. With ``pipeline`` the
+        XADD is only queued.
 
         ``max_queue`` (default: the client's) refuses the request with
         :class:`~producer.backpressure.QueueFull` when its stream already holds that many
@@ -194,23 +237,15 @@ class Client:
         submit is never checked (its answer would come back only at ``execute``): the
         caller bounds what it pipelines, and an explicit ``max_queue`` there is a ValueError.
         """
-        limit = queue_limit(max_queue, self.max_queue, pipeline is not None)
-        request = build_request(
-            prompt,
-            model=model,
-            lane=lane,
-            request_id=request_id,
-            priority=priority,
-            deadline_ms=deadline_ms,
-            timeout=timeout,
-            sampling=sampling,
-        )
-        key = self.keys.requests(request.model, request.lane)
-        if limit is not None:
-            add_if_room(self.redis, key, FIELD, request.encode(), limit)
+        sub = self._submission(
+            prompt, max_queue, pipeline is not None, model=model, lane=lane,
+            request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
+            sampling=sampling)
+        if sub.limit is not None:
+            add_if_room(self.redis, sub.key, FIELD, sub.payload, sub.limit)
         else:
-            (pipeline or self.redis).xadd(key, {FIELD: request.encode()})
-        return request.request_id
+            (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
+        return sub.request_id
 
     def stream(
         self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
@@ -218,35 +253,11 @@ class Client:
         """Yield a request's ChunkEvents in token order, then its FinalEvent, then stop.
 
         Starts after entry ``from_id`` (default: the beginning), so a reader resumes from
-        the last entry id it saw. Each token index is yielded once. ``timeout`` (seconds,
-        None = forever) raises TimeoutError when no final entry arrived in time.
+        the last entry id it saw. Each token index is yielded once. ``timeout`` (seconds on
+        the client's clock, None = forever) raises TimeoutError when no final entry arrived
+        in time.
         """
-        key = self.keys.output(request_id)
-        tracker = OutputTracker(validate_entry_id(from_id or "0-0"))
-        deadline = deadline_after(timeout)
-        return self._follow(request_id, key, tracker, deadline, timeout)
-
-    def _follow(
-        self,
-        request_id: str,
-        key: str,
-        tracker: OutputTracker,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Iterator[StreamEvent]:
-        while True:
-            reply = self.redis.xread(
-                {key: tracker.last_id}, count=READ_COUNT, block=block_ms(deadline)
-            )
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    event = tracker.feed(entry_id, fields)
-                    if event is not None:
-                        yield event
-                    if tracker.done:
-                        return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timed_out(request_id, timeout)
+        return self._follow(self._follower(request_id, from_id, timeout))
 
     def follow_many(
         self, request_ids: list[str], *, timeout: float | None = None
@@ -256,27 +267,16 @@ class Client:
         One XREAD covers up to FOLLOW_MANY_KEYS streams, so a dashboard or a benchmark
         follows hundreds of requests without a thread each.
         """
-        trackers = {rid: OutputTracker() for rid in request_ids}
         keys = {self.keys.output(rid): rid for rid in request_ids}
-        deadline = deadline_after(timeout)
-        while trackers:
-            batch = {self.keys.output(rid): t.last_id
-                     for rid, t in list(trackers.items())[:FOLLOW_MANY_KEYS]}
-            reply = self.redis.xread(batch, count=READ_COUNT, block=block_ms(deadline))
-            for stream, entries in reply or []:
-                rid = keys[stream.decode() if isinstance(stream, bytes) else stream]
-                tracker = trackers.get(rid)
-                for entry_id, fields in entries:
-                    if tracker is None:
-                        break
-                    event = tracker.feed(entry_id, fields)
-                    if event is not None:
-                        yield rid, event
-                    if tracker.done:
-                        del trackers[rid]
-                        tracker = None
-            if deadline is not None and time.monotonic() >= deadline and trackers:
-                raise timed_out(next(iter(trackers)), timeout)
+        yield from self._follow(ManyFollower(keys, timeout, self.clock, FOLLOW_MANY_KEYS))
+
+    def _follow(self, follower: OutputFollower[T]) -> Iterator[T]:
+        # The only I/O of following: the follower decides what to read and what it means.
+        while not follower.done:
+            streams, block = follower.streams(), follower.block_ms()
+            reply = self.redis.xread(streams, count=READ_COUNT, block=block)
+            yield from follower.feed(reply)
+            follower.check_deadline()
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a request to finish and return its whole Completion.
@@ -287,10 +287,8 @@ class Client:
 
     def cancel(self, request_id: str, *, pipeline: redis.client.Pipeline | None = None) -> None:
         """Ask workers to stop a request: a marker key plus an announcement, in one go."""
-        marker = self.keys.cancelled(request_id)
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.set(marker, b"1", ex=CANCEL_MARKER_TTL_S)
-        pipe.publish(self.keys.cancel_channel, request_id)
+        self._queue_cancel(pipe, request_id)
         if pipeline is None:
             pipe.execute()
 
@@ -306,12 +304,7 @@ class Client:
 
     def tokenizer(self, name: str) -> Tokenizer | None:
         """The model's tokenizer, built from its registered tokenizer.json, or None."""
-        raw = self.redis.hget(self.keys.model(name), "tokenizer_json")
-        if raw is None:
-            return None
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_str(raw.decode())
+        return tokenizer_from(self.redis.hget(self.keys.model(name), "tokenizer_json"))
 
     def close(self) -> None:
         """Close the connection, unless it was passed in by the caller."""

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from producer.async_client import AsyncClient
 from producer.cli_client import add_client_parsers, resolve_model, run_client_cmd
-from producer.client import CANCEL_MARKER_TTL_S, Client
+from producer.client import CANCEL_MARKER_TTL_S, FOLLOW_MANY_KEYS, Client
+from producer.clock import ManualClock
 from producer.stream_events import ChunkEvent, FinalEvent
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
@@ -65,6 +66,60 @@ def requests_on(r: redis.Redis, model: str = MODEL, lane: str = "interactive") -
     return [GenerationRequest.decode(f[FIELD]) for _, f in r.xrange(KEYS.requests(model, lane))]
 
 
+def xread_calls(r: redis.Redis) -> int:
+    """How many XREADs the server has run (its commandstats)."""
+    return r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+
+
+def reading_again(r: redis.Redis, since: int, reads: int) -> bool:
+    """Whether ``reads`` XREADs ran since the count was ``since`` and one is blocked now."""
+    blocked = any(c["cmd"] == "xread" and "b" in c["flags"] for c in r.client_list())
+    return blocked and xread_calls(r) >= since + reads
+
+
+# XREADs a reader runs while a ManualClock stands still before the test moves it: the first,
+# one whose BLOCK (the clock's time left) ran out, and the next. Timing out on wall time
+# instead, a reader would stop after the second.
+READS_ON_A_STILL_CLOCK = 3
+
+
+def wait_until_reading_again(r: redis.Redis, since: int) -> None:
+    """Return once :func:`reading_again`; fail if it does not come within 10 s."""
+    for _ in range(2000):
+        if reading_again(r, since, READS_ON_A_STILL_CLOCK):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the reader stopped reading")
+
+
+async def until_reading_again(r: redis.Redis, since: int) -> None:
+    """:func:`wait_until_reading_again` for a reader on this event loop."""
+    for _ in range(2000):
+        if reading_again(r, since, READS_ON_A_STILL_CLOCK):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the reader stopped reading")
+
+
+class InThread:
+    """Runs ``fn`` in a thread, keeping what it raised."""
+
+    def __init__(self, fn) -> None:
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # handed to the test, which asserts on it
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the reader did not stop"
+
+
 # --- submit ----------------------------------------------------------------------------------
 
 
@@ -79,17 +134,19 @@ def test_submit_text_prompt_writes_a_decodable_request(client, r):
     assert req.deadline_ms is None
 
 
-def test_submit_token_ids_on_the_batch_lane_with_id_priority_and_timeout(client, r):
-    before = now_ms()
-    rid = client.submit([1, 2, 3], model=MODEL, lane="batch", request_id="doc-7_a",
-                        priority=-5, timeout=30, stop=["\n"])
+def test_submit_token_ids_on_the_batch_lane_with_id_priority_and_timeout(redis_url, r):
+    clock = ManualClock()
+    with Client(redis_url, clock=clock) as client:
+        rid = client.submit([1, 2, 3], model=MODEL, lane="batch", request_id="doc-7_a",
+                            priority=-5, timeout=30, stop=["\n"])
 
     assert rid == "doc-7_a"
     assert requests_on(r, lane="interactive") == []
     [req] = requests_on(r, lane="batch")
     assert req.prompt is None and req.prompt_token_ids == [1, 2, 3]
     assert req.priority == -5 and req.params.stop == ("\n",)
-    assert before + 30_000 <= req.deadline_ms <= now_ms() + 30_000
+    # The deadline is the client's clock (unix ms) plus the timeout, exactly.
+    assert req.deadline_ms == int(clock.time() * 1000) + 30_000
 
 
 def test_submit_in_a_pipeline_writes_on_execute(client, r):
@@ -200,17 +257,62 @@ def test_stream_waits_for_entries_written_later(client, r):
     assert done.text == "x" and done.finish_reason is FinishReason.LENGTH
 
 
-def test_timeout_raises_when_no_final_arrives(client, r):
+def test_timeout_raises_when_no_final_arrives(redis_url, r):
+    clock = ManualClock()
     write(r, "slow", OutputChunk(0, [1, 2], "hi"))
-    start = time.monotonic()
-    seen = []
-    with pytest.raises(TimeoutError):
-        for event in client.stream("slow", timeout=0.3):
-            seen.append(event)
-    assert 0.3 <= time.monotonic() - start < 2
-    assert [e.token_ids for e in seen] == [[1, 2]]
-    with pytest.raises(TimeoutError):
-        client.result("nothing-here", timeout=0.1)
+    with Client(redis_url, clock=clock) as client:
+        seen: list = []
+
+        def read_slow() -> None:
+            for event in client.stream("slow", timeout=0.3):
+                seen.append(event)
+
+        since = xread_calls(r)
+        reader = InThread(read_slow)
+        # Precondition: with the clock standing still the reader got the chunk, then waited
+        # out a whole BLOCK and read again rather than time out.
+        wait_until_reading_again(r, since)
+        assert [e.token_ids for e in seen] == [[1, 2]]
+        assert reader.thread.is_alive() and reader.error is None
+        clock.advance(0.3)
+        reader.join()
+        assert isinstance(reader.error, TimeoutError)
+        assert [e.token_ids for e in seen] == [[1, 2]]
+
+        since = xread_calls(r)
+        waiter = InThread(lambda: client.result("nothing-here", timeout=0.1))
+        wait_until_reading_again(r, since)
+        assert waiter.thread.is_alive() and waiter.error is None
+        clock.advance(0.1)
+        waiter.join()
+        assert isinstance(waiter.error, TimeoutError)
+        assert "nothing-here" in str(waiter.error)
+
+
+def test_follow_many_follows_every_request_and_times_out_on_the_clock(redis_url, r):
+    write_hello(r, "a")
+    write(r, "b", OutputChunk(0, [7], "z"), FinalEntry("length", 1))
+    # More streams than one XREAD covers: the rest are read in the next rounds.
+    many = [f"m{i}" for i in range(FOLLOW_MANY_KEYS + 5)]
+    pipe = r.pipeline()
+    for rid in many:
+        pipe.xadd(KEYS.output(rid), {FIELD: FinalEntry("stop", 0).encode()}, id="0-1")
+    pipe.execute()
+    write(r, "pending", OutputChunk(0, [1], "x"))
+    clock = ManualClock()
+    with Client(redis_url, clock=clock) as client:
+        got = list(client.follow_many(["a", "b", *many], timeout=5))
+        events = client.follow_many(["a", "pending"], timeout=1)
+        first = [next(events) for _ in range(4)]
+        clock.advance(1)
+        with pytest.raises(TimeoutError, match="request pending:"):
+            next(events)
+
+    assert [(rid, e.entry_id) for rid, e in got[:5]] == [
+        ("a", "3-0"), ("a", "5-0"), ("a", "5-1"), ("b", "1-0"), ("b", "1-1")]
+    assert [rid for rid, _ in got[5:]] == many
+    assert [(rid, e.entry_id) for rid, e in first] == [
+        ("a", "3-0"), ("a", "5-0"), ("a", "5-1"), ("pending", "1-0")]
 
 
 def test_error_final_gives_finish_reason_error_with_the_message(client, r):
@@ -294,8 +396,10 @@ def test_async_client_core_behaviours(redis_url, r):  # noqa: F811
     pubsub.subscribe(KEYS.cancel_channel)
     pubsub.get_message(timeout=1)
 
+    clock = ManualClock()
+
     async def scenario() -> dict:
-        async with AsyncClient(redis_url) as ac:
+        async with AsyncClient(redis_url, clock=clock) as ac:
             out: dict = {}
             out["rid"] = await ac.submit([4, 5], model=MODEL, lane="batch", max_tokens=3)
             with pytest.raises(ValueError):
@@ -303,8 +407,14 @@ def test_async_client_core_behaviours(redis_url, r):  # noqa: F811
             out["events"] = [e async for e in ac.stream("req-1")]
             out["resumed"] = [e async for e in ac.stream("req-1", from_id="3-0")]
             out["result"] = await ac.result("req-1", timeout=5)
+            since = xread_calls(r)
+            waiting = asyncio.create_task(ac.result("slow", timeout=0.2))
+            await until_reading_again(r, since)
+            # Not timed out while the clock stood still; times out once it passes 0.2 s.
+            assert not waiting.done()
+            clock.advance(0.2)
             with pytest.raises(TimeoutError):
-                await ac.result("slow", timeout=0.2)
+                await asyncio.wait_for(waiting, timeout=10)
             await ac.cancel("req-1")
             out["info"] = await ac.model_info(MODEL)
             out["tok"] = await ac.tokenizer(MODEL)

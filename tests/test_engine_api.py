@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from producer.clock import ManualClock
 from worker import Engine, FinishReason, SamplingParams
 
 
@@ -163,20 +164,42 @@ def test_model_without_tokenizer_takes_token_ids(tmp_path):
         bare.add_request("text needs a tokenizer")
 
 
-def test_deadline_expires_a_waiting_and_a_running_request_keeping_their_tokens(engine):
-    import time
-
+def test_deadline_expires_a_waiting_and_a_running_request_keeping_their_tokens(tiny_llama):
+    clock = ManualClock()
+    engine = Engine(tiny_llama, clock=clock, dtype="float64", num_kv_blocks=512)
     running = engine.add_request(prompt(10), SamplingParams(max_tokens=500, temperature=0,
                                                             ignore_eos=True),
-                                 deadline=time.time() + 0.3)
+                                 deadline=clock.time() + 0.3)
     late = engine.add_request(prompt(10), SamplingParams(max_tokens=5, temperature=0),
-                              deadline=time.time() - 1)
+                              deadline=clock.time() - 1)
     finals = {}
+    produced = 0
+    for _ in range(5):  # before its deadline, the running request generates
+        for out in engine.step():
+            produced += len(out.new_token_ids) if out.request_id == running else 0
+            if out.finished:
+                finals[out.request_id] = out.completion
+    assert running not in finals and produced == 5
+    clock.advance(0.3)
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out.completion
     assert finals[late].finish_reason is FinishReason.EXPIRED and finals[late].token_ids == []
     assert finals[running].finish_reason is FinishReason.EXPIRED
-    assert 0 < len(finals[running].token_ids) < 500
+    assert len(finals[running].token_ids) == 5
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_a_stale_deadline_never_expires_a_later_request_that_reuses_the_id(tiny_llama):
+    clock = ManualClock()
+    engine = Engine(tiny_llama, clock=clock, dtype="float64", num_kv_blocks=512)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request(prompt(5), greedy, request_id="same", deadline=clock.time() + 10)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(prompt(5), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                       request_id="same")
+    clock.advance(20)  # past the first request's deadline; the second has none
+    finals = [o for _ in range(40) for o in engine.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in finals] == [("same", FinishReason.LENGTH)]

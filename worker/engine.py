@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from kvstore import BlockPool, KVCacheManager, blocks_for
 from kvstore.kv_tensors import PagedKVCache
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_request_id, validate_token_ids
@@ -31,11 +31,14 @@ Prompt = str | Sequence[int]
 class Engine:
     """Continuous batching over a paged KV cache for one model on one device.
 
-    ``Engine(model_dir, **settings)`` takes any field of ``EngineConfig``.
+    ``Engine(model_dir, **settings)`` takes any field of ``EngineConfig``; ``clock`` decides
+    when deadlines pass (the real clock unless a test brings its own).
     """
 
-    def __init__(self, model_dir: str | Path, **settings: Any) -> None:
+    def __init__(self, model_dir: str | Path, *, clock: Clock | None = None,
+                 **settings: Any) -> None:
         self.config = cfg = EngineConfig.from_kwargs(settings)
+        self.clock = clock or SYSTEM_CLOCK
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = engine_device(cfg)
@@ -75,7 +78,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
         self._outputs: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
-        self._deadlines: list[tuple[float, str]] = []
+        # (deadline, tie-break, request id, its output state): the state tells a live entry
+        # from one left by a finished request whose id was reused since.
+        self._deadlines: list[tuple[float, int, str, RequestOutputState]] = []
         self.num_steps = 0
 
     # ----- requests -----
@@ -125,7 +130,7 @@ class Engine:
         self.scheduler.add_request(req)
         self._outputs[request_id] = state
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, request_id))
+            heapq.heappush(self._deadlines, (deadline, next(self._ids), request_id, state))
         return request_id
 
     def abort(self, request_id: str,
@@ -225,10 +230,11 @@ class Engine:
     def _expire_overdue(self) -> list[StepOutput]:
         """Finish requests whose deadline has passed, before or during generation."""
         outs = []
-        now = time.time()
+        now = self.clock.time()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, rid = heapq.heappop(self._deadlines)
-            if (out := self.abort(rid, FinishReason.EXPIRED)) is not None:
+            _, _, rid, state = heapq.heappop(self._deadlines)
+            if self._outputs.get(rid) is state and (
+                    out := self.abort(rid, FinishReason.EXPIRED)) is not None:
                 outs.append(out)
         return outs
 

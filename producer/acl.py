@@ -25,6 +25,7 @@ PRODUCER_COMMANDS = (
 # Commands a worker (worker/fleet) sends, and why.
 WORKER_COMMANDS = (
     "ping",  # health checks, also on the subscribed connection
+    "client|setname",  # each thread names its connection ({worker_id}:{thread}) for CLIENT LIST
     "xgroup|create",  # the consumer group, recreated if a Redis restart lost it
     "xreadgroup", "xack",  # intake; acknowledged after the final entry
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts

@@ -40,15 +40,22 @@ def connect(
     *,
     decode_responses: bool = False,
     socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+    client_name: str | None = None,
+    retry_attempts: int = RETRY_ATTEMPTS,
 ) -> redis.Redis:
     """A Redis client for ``url`` (redis://, rediss:// or unix://, user:password allowed).
 
     ``url=None`` means the embedded server under the data folder, started if it is not
     running. ``socket_timeout`` must stay above the longest BLOCK a caller uses.
+    ``client_name`` names its connections in CLIENT LIST. ``retry_attempts=0`` hands every
+    connection error to the caller at once (worker threads retry in their own loop, and say so).
     """
-    url = _resolve(url)
-    retry = _TransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS)
-    return redis.Redis.from_url(url, **_options(url, decode_responses, socket_timeout, retry))
+    url = resolve_url(url)
+    retry = _TransientRetry(_backoff(), retry_attempts, supported_errors=TRANSIENT_ERRORS)
+    options = _options(url, decode_responses, socket_timeout, retry)
+    if client_name is not None:
+        options["client_name"] = client_name
+    return redis.Redis.from_url(url, **options)
 
 
 def connect_async(
@@ -61,7 +68,7 @@ def connect_async(
 
     With ``url=None`` it checks (and may start) the embedded server synchronously, once here.
     """
-    url = _resolve(url)
+    url = resolve_url(url)
     retry = _AsyncTransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS)
     return redis.asyncio.Redis.from_url(
         url, **_options(url, decode_responses, socket_timeout, retry)
@@ -94,7 +101,8 @@ def describe(url: str | None) -> str:
     return masked
 
 
-def _resolve(url: str | None) -> str:
+def resolve_url(url: str | None) -> str:
+    """``url`` checked, or for None the embedded server's (started if it is not running)."""
     if url is None:
         return redis_server.ensure_running()
     scheme = url.partition("://")[0].lower()

@@ -19,7 +19,7 @@ def start_worker(redis_url, tiny_llama):
     workers: list[Worker] = []
 
     def start(worker_id: str | None = None, prefetch: int = 8, metrics_port: int | None = None,
-              autostart: bool = True, url: str | None = None, **engine) -> Worker:
+              autostart: bool = True, url: str | None = None, clock=None, **engine) -> Worker:
         settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
         config = WorkerConfig(
             model_dir=tiny_llama, served_model_name=MODEL, redis_url=url or redis_url,
@@ -27,7 +27,7 @@ def start_worker(redis_url, tiny_llama):
             read_block_ms=100, heartbeat_interval_s=0.5, metrics_port=metrics_port,
             metrics_host="127.0.0.1", queue_poll_interval_s=0.2,
         )
-        worker = Worker(config)
+        worker = Worker(config, clock=clock)
         if autostart:
             worker.start()
         workers.append(worker)
@@ -35,5 +35,5 @@ def start_worker(redis_url, tiny_llama):
 
     yield start
     for w in workers:
-        if w.state not in ("stopped", "starting"):
+        if w.state not in ("stopped", "starting", "failed"):
             w.stop(drain_timeout_s=10)

@@ -10,6 +10,7 @@ import pytest
 from fleet_fixtures import MODEL
 
 from producer.client import Client
+from producer.clock import ManualClock
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD
 from worker import Engine, FinishReason, SamplingParams
@@ -199,7 +200,7 @@ def test_queued_before_any_worker_existed_is_served(redis_url, start_worker, lan
 
 def test_stop_strings_are_applied_on_the_publisher_like_the_offline_engine(redis_url, tiny_llama,
                                                                            start_worker):
-    start_worker()
+    worker = start_worker()
     client = Client(redis_url)
     offline = Engine(tiny_llama, dtype="float64", num_kv_blocks=512)
     sampling = dict(max_tokens=40, temperature=0, ignore_eos=True)
@@ -213,20 +214,33 @@ def test_stop_strings_are_applied_on_the_publisher_like_the_offline_engine(redis
     assert got.text == want.text and stop not in got.text
     assert got.token_ids == want.token_ids
     assert pending(client) == 0
+    # The engine ends it as `stop` too, so the worker's metrics say stop, not cancelled.
+    assert worker.inflight.wait_empty(30)
+    finished = {reason: worker.metrics.registry.get_sample_value(
+        "conveyor_requests_finished_total", {"model": MODEL, "finish_reason": reason})
+        for reason in ("stop", "cancelled")}
+    assert finished["stop"] == 1 and not finished["cancelled"]
 
 
 def test_deadlines_expire_requests_before_and_during_generation(redis_url, start_worker):
-    start_worker()
-    client = Client(redis_url)
+    clock = ManualClock()  # the producer's and the worker's: deadlines pass when it moves
+    worker = start_worker(clock=clock)
+    client = Client(redis_url, clock=clock)
     # Already past its deadline when a worker reads it: expired without a token.
     late = client.submit([5, 6, 7], model=MODEL, max_tokens=5, temperature=0,
-                         deadline_ms=int(time.time() * 1000) - 1000)
+                         deadline_ms=int(clock.time() * 1000) - 1000)
     # Expires while generating: keeps the tokens it produced.
     slow = client.submit([5, 6, 7], model=MODEL, max_tokens=1500, temperature=0,
                          ignore_eos=True, timeout=1.0)
-    late_result = client.result(late, timeout=30)
+    late_result = Client(redis_url).result(late, timeout=30)
     assert late_result.finish_reason is FinishReason.EXPIRED and late_result.token_ids == []
-    slow_result = client.result(slow, timeout=30)
+    events = Client(redis_url).stream(slow, timeout=30)
+    first = next(events)  # it is generating, before its deadline
+    worker.loop.pause()  # holds it mid-generation whatever the machine's speed
+    assert first.token_ids and slow in worker.inflight
+    clock.advance(1.0)
+    worker.loop.resume()
+    slow_result = Client(redis_url).result(slow, timeout=30)
     assert slow_result.finish_reason is FinishReason.EXPIRED
     assert 0 < len(slow_result.token_ids) < 1500
     assert pending(client) == 0

@@ -9,6 +9,7 @@ from fleet_fixtures import MODEL
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import Client
+from producer.clock import ManualClock
 from producer.queues import lane_stats
 from producer.wire.keys import GROUP, Keys
 
@@ -84,22 +85,29 @@ def test_two_workers_in_one_process_have_separate_registries(redis_url, start_wo
 
 
 def test_lane_gauges_follow_queued_and_pending_requests(redis_url, start_worker):
-    worker = start_worker(metrics_port=0, max_num_seqs=1, prefetch=1)
+    clock = ManualClock()
+    worker = start_worker(metrics_port=0, max_num_seqs=1, prefetch=1, clock=clock)
+    worker.loop.pause()  # nothing finishes: the worker holds 2 (1 admitted, 1 prefetched)
     client = Client(redis_url)
     ids = [client.submit([1, 2, 3], model=MODEL, max_tokens=500, ignore_eos=True)
            for _ in range(6)]
-    deadline = time.monotonic() + 10
-    while True:  # the poller reads every 0.2 s; the worker holds 2 (1 running, 1 prefetched)
-        s = scrape(worker.metrics_port)
-        depth = value(s, "conveyor_queue_depth", lane="interactive")
-        pending = value(s, "conveyor_queue_pending", lane="interactive")
-        if (depth, pending) == (4, 2) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    end = time.monotonic() + 30  # a bound on a wait for a state that is certain to come
+    while len(worker.inflight) < 2:
+        assert time.monotonic() < end, "the worker never read its two requests"
+        time.sleep(0.01)
+    polls = worker.queue_poller.ticks
+    clock.advance(worker.queue_poller.interval_s)  # one more poll, after the state settled
+    while worker.queue_poller.ticks == polls:
+        assert time.monotonic() < end, "the queue poller never polled"
+        time.sleep(0.01)
+    s = scrape(worker.metrics_port)
+    depth = value(s, "conveyor_queue_depth", lane="interactive")
+    pending = value(s, "conveyor_queue_pending", lane="interactive")
     assert (depth, pending) == (4, 2)
     assert value(s, "conveyor_queue_depth", lane="batch") == 0
     for rid in ids:
         client.cancel(rid)
+    worker.loop.resume()
     for rid in ids:
         assert client.result(rid, timeout=60).finish_reason == "cancelled"
 

@@ -61,7 +61,7 @@ def test_top_runs_as_a_cli_verb_without_torch(redis_url):
         import sys
         from worker.cli import main
         rc = main(["top", "--once", "--redis", {redis_url!r}])
-        assert "torch" not in sys.modules and "worker" not in sys.modules
+        assert "torch" not in sys.modules and "worker.engine" not in sys.modules
         sys.exit(rc)
     """)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

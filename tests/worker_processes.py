@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from producer.wire.keys import Keys
 
 def spawn_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
                  env: dict[str, str] | None = None,
-                 log_dir: Path | None = None) -> subprocess.Popen:
-    """Start `conveyor worker` serving the tiny model as "tiny", float64, one thread."""
-    cmd = [sys.executable, "-m", "worker.cli", "--log-level", "warning", "worker",
+                 log_dir: Path | None = None, log_level: str = "warning") -> subprocess.Popen:
+    """Start `conveyor worker` serving the tiny model as "tiny", float64, one thread; its JSON
+    log lines go to ``log_dir/NAME.log``."""
+    cmd = [sys.executable, "-m", "worker.cli", "--log-level", log_level, "worker",
            "--model", str(model_dir), "--served-model-name", "tiny", "--redis", redis_url,
            "--name", name, "--dtype", "float64", "--threads", "1", *extra]
     out = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
@@ -39,3 +41,16 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait(timeout=10)
+
+
+def log_events(log_dir: Path, name: str, event: str) -> list[dict]:
+    """The JSON log lines of worker ``name`` whose event is ``event``."""
+    found = []
+    for line in (log_dir / f"{name}.log").read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found

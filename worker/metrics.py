@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import redis
-import structlog
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -25,12 +25,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from producer.logging import bind_thread_context
 from producer.queues import LaneStats, lane_stats
 from producer.wire.completion import FinishReason
 from producer.wire.keys import LANES, Keys
-
-log = structlog.get_logger(__name__)
+from worker.fleet.supervised import SupervisedThread
 
 # No `*_created` series beside every counter and histogram: they double what is scraped.
 disable_created_metrics()
@@ -212,32 +210,20 @@ def _preemptions_by_mode(stats: Mapping[str, object]) -> dict[str, int]:
     return by_mode
 
 
-class QueuePoller(threading.Thread):
+class QueuePoller(SupervisedThread):
     """Every interval, reads the depth and pending count of the model's lanes into metrics.
 
     Its own thread and its own reads, so neither the engine loop nor a scrape waits on Redis.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
-                 metrics: WorkerMetrics, interval_s: float) -> None:
-        super().__init__(name="queue-poller", daemon=True)
+                 metrics: WorkerMetrics, interval_s: float, **supervision: Any) -> None:
+        super().__init__("queue-poller", worker_id=worker_id, interval_s=interval_s,
+                         **supervision)
         self.client = client
         self.keys = keys
         self.model = model
-        self.worker_id = worker_id
         self.metrics = metrics
-        self.interval_s = interval_s
-        self.stopping = threading.Event()
 
-    def poll(self) -> None:
+    def tick(self) -> None:
         self.metrics.set_lanes(lane_stats(self.client, self.keys, self.model))
-
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        while True:
-            try:
-                self.poll()
-            except redis.RedisError as exc:
-                log.warning("queue poll failed", error=str(exc))
-            if self.stopping.wait(self.interval_s):
-                return

@@ -3,52 +3,43 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.wire.keys import Keys
+from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
 
 
-class CancelListener(threading.Thread):
+class CancelListener(SupervisedThread):
     """Subscribes to the cancel channel and forwards each id to ``on_cancel``."""
 
     def __init__(self, client: redis.Redis, keys: Keys, on_cancel: Callable[[str], None],
-                 worker_id: str = "") -> None:
-        super().__init__(name="cancel-listener", daemon=True)
-        self.worker_id = worker_id
+                 worker_id: str, **supervision: Any) -> None:
+        super().__init__("cancel-listener", worker_id=worker_id, **supervision)
         self.client = client
         self.keys = keys
         self.on_cancel = on_cancel
-        self.stopping = threading.Event()
         self.subscribed = threading.Event()
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        while not self.stopping.is_set():
-            try:
-                self._listen()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("cancel listener lost redis, resubscribing", error=str(exc))
-                self.subscribed.clear()
-                time.sleep(0.5)
-
-    def _listen(self) -> None:
+    def tick(self) -> None:
+        """Subscribe and forward messages until stopped or the connection fails."""
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.subscribe(self.keys.cancel_channel)
             self.subscribed.set()
+            self.working()
             while not self.stopping.is_set():
                 msg = pubsub.get_message(timeout=0.5)
                 if msg and msg.get("type") == "message":
                     data = msg["data"]
                     self.on_cancel(data.decode() if isinstance(data, bytes) else str(data))
         finally:
+            self.subscribed.clear()
             pubsub.close()
 
 

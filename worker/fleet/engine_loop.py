@@ -7,10 +7,10 @@ import queue
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.wire.completion import FinishReason
 from producer.wire.protocol import FinalEntry, OutputChunk, now_ms
 from producer.wire.stopping import stop_reason
@@ -19,6 +19,7 @@ from worker.fleet.faults import maybe_die
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
+from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Track
 from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
@@ -31,47 +32,60 @@ def stable_seed(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest()) >> 1
 
 
-class EngineLoop(threading.Thread):
-    """Runs the engine continuously; never waits on Redis (the publisher does)."""
+class EngineLoop(SupervisedThread):
+    """Runs the engine continuously; never waits on Redis (the publisher does).
+
+    It meets no transient errors: any exception is a bug, and takes the worker down.
+    """
 
     def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
-                 publisher: Publisher, metrics: WorkerMetrics, worker_id: str) -> None:
-        super().__init__(name="engine-loop", daemon=True)
+                 publisher: Publisher, metrics: WorkerMetrics, worker_id: str,
+                 **supervision: Any) -> None:
+        super().__init__("engine-loop", worker_id=worker_id, **supervision)
         self.engine = engine
         self.inflight = inflight
         self.inbox = inbox
         self.publisher = publisher
         self.metrics = metrics
-        self.worker_id = worker_id
-        self.stopping = threading.Event()
         self._cancel_lock = threading.Lock()
-        self._cancels: set[str] = set()
+        # Requests to end at the next step, and why (cancelled, or a stop string's stop).
+        self._ends: dict[str, FinishReason] = {}
         self._drops: set[str] = set()
+        # Cleared while paused: requests stay admitted and leased, but no step runs.
+        self._stepping = threading.Event()
+        self._stepping.set()
         self.tokens_generated = 0
-        self.error: BaseException | None = None
 
     def cancel(self, request_id: str) -> None:
-        """Ask for a request to end at the next step (called from other threads)."""
+        """Ask for a request to end as cancelled at the next step (from other threads)."""
+        self.end(request_id, FinishReason.CANCELLED)
+
+    def end(self, request_id: str, reason: FinishReason) -> None:
+        """Ask for a request to end at the next step with ``reason`` (the first asked wins)."""
         with self._cancel_lock:
-            self._cancels.add(request_id)
+            self._ends.setdefault(request_id, reason)
 
     def drop(self, request_id: str) -> None:
         """Stop a request without publishing anything: another worker owns it now."""
         with self._cancel_lock:
             self._drops.add(request_id)
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        try:
-            while not self.stopping.is_set():
-                self._admit(block=not self.engine.has_unfinished())
-                self._apply_cancels()
-                if self.engine.has_unfinished():
-                    self._publish(self._step())
-        except BaseException as exc:  # a bug in the engine: let the process die loudly
-            self.error = exc
-            log.exception("engine loop crashed")
-            raise
+    def pause(self) -> None:
+        """Stop stepping after the current step (backpressure); admissions go on."""
+        self._stepping.clear()
+
+    def resume(self) -> None:
+        self._stepping.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._stepping.is_set()
+
+    def tick(self) -> None:
+        self._admit(block=not self.engine.has_unfinished() or self.paused)
+        self._apply_cancels()
+        if self.engine.has_unfinished() and not self.paused:
+            self._publish(self._step())
 
     def _admit(self, block: bool) -> None:
         try:
@@ -103,12 +117,14 @@ class EngineLoop(threading.Thread):
         # Queue wait is on the producer's clock: Redis stream, worker inbox, until now.
         wait_s = max(0.0, (now_ms() - req.created_ms) / 1000)
         with self._cancel_lock:
-            cancelled = req.request_id in self._cancels
-            self._cancels.discard(req.request_id)
-        if cancelled:
-            log.info("request cancelled before it started", request_id=req.request_id)
-            self.metrics.request_finished(str(FinishReason.CANCELLED), wait_s, 0)
-            self._finish_unstarted(adm, FinalEntry(str(FinishReason.CANCELLED), 0))
+            ended = self._ends.pop(req.request_id, None)
+        if ended is not None:
+            log.info("request ended before it started", request_id=req.request_id,
+                     finish_reason=str(ended))
+            self.metrics.request_finished(str(ended), wait_s, 0)
+            # After the tokens an earlier worker published, if it was resumed.
+            published = len(adm.published.token_ids) if adm.published else 0
+            self._finish_unstarted(adm, FinalEntry(str(ended), published))
             return
         entry = self.inflight.get(req.request_id)
         if entry is not None:
@@ -160,14 +176,16 @@ class EngineLoop(threading.Thread):
     def _apply_cancels(self) -> None:
         self._apply_drops()
         with self._cancel_lock:
-            if not self._cancels:
+            if not self._ends:
                 return
-            ids, self._cancels = self._cancels, set()
-        outs = [o for rid in ids if (o := self.engine.abort(rid)) is not None]
+            ends, self._ends = self._ends, {}
+        outs = [o for rid, why in ends.items() if (o := self.engine.abort(rid, why)) is not None]
         # Ids not known here may still be in the inbox, or belong to another worker.
         with self._cancel_lock:
             done = {o.request_id for o in outs}
-            self._cancels |= {rid for rid in ids if rid in self.inflight} - done
+            for rid, why in ends.items():
+                if rid in self.inflight and rid not in done:
+                    self._ends.setdefault(rid, why)
         self._publish(outs)
 
     def _apply_drops(self) -> None:

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.publisher import Publisher, Rejection
 from worker.fleet.resume import Published
+from worker.fleet.supervised import SupervisedThread
 from worker.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -46,7 +45,7 @@ def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
                 raise
 
 
-class Intake(threading.Thread):
+class Intake(SupervisedThread):
     """XREADGROUP up to the room left in the in-flight table; interactive lane first."""
 
     def __init__(
@@ -61,12 +60,12 @@ class Intake(threading.Thread):
         tokenizer: Tokenizer | None,
         read_block_ms: int,
         on_cancel: Callable[[str], None],
+        **supervision: Any,
     ) -> None:
-        super().__init__(name="intake", daemon=True)
+        super().__init__("intake", worker_id=worker_id, **supervision)
         self.client = client
         self.keys = keys
         self.model = model
-        self.worker_id = worker_id
         self.inflight = inflight
         self.inbox = inbox
         self.publisher = publisher
@@ -74,38 +73,36 @@ class Intake(threading.Thread):
         self.read_block_ms = read_block_ms
         self.on_cancel = on_cancel
         self.streams = [keys.requests(model, lane) for lane in LANES]
-        self.stopping = threading.Event()
         self.num_read = 0
+        self._groups_ready = False
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        ensure_groups(self.client, self.streams)
-        while not self.stopping.is_set():
-            room = self.inflight.room()
-            if room == 0:
-                self.inflight.wait_for_room(timeout=0.2)
-                continue
-            try:
-                entries = self._read(room)
-            except redis.ResponseError as exc:
-                # The stream or its group was deleted (a restart without persistence, a
-                # flush): Redis 6.2 says NOGROUP, 7 unblocks the read with UNBLOCKED.
-                if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
-                    ensure_groups(self.client, self.streams)
-                    continue
-                # Anything else (an ACL change, say) must not stop the worker reading for good.
-                log.error("intake read refused, retrying", error=str(exc))
-                time.sleep(1.0)
-                continue
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("intake read failed, retrying", error=str(exc))
-                time.sleep(0.5)
-                continue
-            admitted = [a for s, e, f in entries if (a := self.accept(s, e, f)) is not None]
-            # Cancelled before we read it: the engine loop answers it without running it.
+    def tick(self) -> None:
+        """Read what there is room for and hand it to the engine loop."""
+        if not self._groups_ready:
+            ensure_groups(self.client, self.streams)
+            self._groups_ready = True
+        room = self.inflight.room()
+        if room == 0:
+            self.inflight.wait_for_room(timeout=0.2)
+            return
+        try:
+            entries = self._read(room)
+        except redis.ResponseError as exc:
+            # The stream or its group was deleted (a restart without persistence, a
+            # flush): Redis 6.2 says NOGROUP, 7 unblocks the read with UNBLOCKED.
+            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
+                self._groups_ready = False
+                return
+            raise  # any other refusal (an ACL change, say): retried by the supervisor
+        admitted = [a for s, e, f in entries if (a := self.accept(s, e, f)) is not None]
+        # Cancelled before we read it: the engine loop answers it without running it. The
+        # admissions are in the in-flight table already: they reach the inbox even when the
+        # marker check loses its connection (the supervisor then retries the next read).
+        try:
             for rid in cancelled_ids(self.client, self.keys,
                                      [a.request.request_id for a in admitted]):
                 self.on_cancel(rid)
+        finally:
             for adm in admitted:
                 self.inbox.put(adm)
 

@@ -6,16 +6,16 @@ A pending entry's idle time is its lease: a live worker resets it well inside
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import redis
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.wire.keys import GROUP
 from worker.fleet.inflight import InflightTable
+from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
 
@@ -34,30 +34,24 @@ return renewed
 """
 
 
-class LeaseKeeper(threading.Thread):
+class LeaseKeeper(SupervisedThread):
     """Renews every in-flight entry's lease; reports entries another worker took over."""
 
     def __init__(self, client: redis.Redis, worker_id: str, inflight: InflightTable,
-                 lease_ms: int, on_lost: Callable[[str], None]) -> None:
-        super().__init__(name="lease-keeper", daemon=True)
+                 lease_ms: int, on_lost: Callable[[str], None], **supervision: Any) -> None:
+        # Three renewals per lease: one late renewal never lets an entry lapse.
+        super().__init__("lease-keeper", worker_id=worker_id, interval_s=lease_ms / 3000,
+                         **supervision)
         self.client = client
-        self.worker_id = worker_id
         self.inflight = inflight
         self.lease_ms = lease_ms
         self.on_lost = on_lost
         # A registered script reloads itself after NOSCRIPT (e.g. Redis restarted).
         self.renew = client.register_script(RENEW_SCRIPT)
-        self.stopping = threading.Event()
         self.renewals = 0
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        # Three renewals per lease: one late renewal never lets an entry lapse.
-        while not self.stopping.wait(self.lease_ms / 3000):
-            try:
-                self.renew_all()
-            except redis.RedisError as exc:
-                log.warning("lease renewal failed", error=str(exc))
+    def tick(self) -> None:
+        self.renew_all()
 
     def renew_all(self) -> None:
         by_stream: dict[str, dict[str, str]] = defaultdict(dict)

@@ -11,7 +11,9 @@ from typing import Any
 import redis
 import structlog
 
-from producer.connection import connect, describe
+from producer.clock import SYSTEM_CLOCK, Clock
+from producer.connection import connect, describe, resolve_url
+from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from worker.engine import Engine
 from worker.fleet.cancellation import CancelListener
@@ -24,57 +26,88 @@ from worker.fleet.leases import LeaseKeeper, hand_back
 from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
 from worker.fleet.registration import register_model
+from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
 from worker.metrics import QueuePoller, WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
+# At stop, how long the publisher may take to write what it still holds (Redis may be down).
+PUBLISHER_FLUSH_TIMEOUT_S = 10.0
+
 
 class Worker:
-    """Serves one model from Redis until stopped; ``stop()`` drains in-flight work first."""
+    """Serves one model from Redis until stopped; ``stop()`` drains in-flight work first.
 
-    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+    Every thread is a SupervisedThread with its own named Redis connection
+    (``{worker_id}:{thread}`` in CLIENT LIST); a thread that fails for good brings the
+    worker down (``serve`` returns 1) after its entries are handed back.
+    """
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None,
+                 clock: Clock | None = None) -> None:
         self.config = config
         self.keys = Keys(config.namespace)
         self.model = config.model_name
+        self.clock = clock or (engine.clock if engine is not None else SYSTEM_CLOCK)
         # Text is made on the publisher thread (TextStage), not in the engine loop.
-        self.engine = engine or Engine(config.model_dir, **{**config.engine, "detokenize": False})
-        self.client: redis.Redis = connect(config.redis_url)
+        self.engine = engine or Engine(config.model_dir, clock=self.clock,
+                                       **{**config.engine, "detokenize": False})
+        self.redis_url = resolve_url(config.redis_url)
+        self.client: redis.Redis = connect(self.redis_url)
         self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
         self.inbox: queue.Queue[Admission] = queue.Queue()
-        text = TextStage(self.engine.tokenizer, lambda rid: self.loop.cancel(rid))
-        self.publisher = Publisher(self.client, self.keys, config.worker_id, config.output_ttl_s,
-                                   text)
-        self.metrics = WorkerMetrics(self.model, config.worker_id, self.engine.stats)
+        self._failed = threading.Event()
+        wid = config.worker_id
+        sup = {"clock": self.clock, "on_fatal": self._thread_failed}
+        # A stop string ends the request as `stop` in the engine, its metrics and logs too.
+        text = TextStage(self.engine.tokenizer,
+                         lambda rid: self.loop.end(rid, FinishReason.STOP))
+        self.publisher = Publisher(self._client("publisher"), self.keys, wid,
+                                   config.output_ttl_s, text, **sup)
+        self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
-                               self.metrics, config.worker_id)
-        self.intake = Intake(self.client, self.keys, self.model, config.worker_id, self.inflight,
+                               self.metrics, wid, **sup)
+        self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
-                             config.read_block_ms, self.loop.cancel)
-        self.leases = LeaseKeeper(self.client, config.worker_id, self.inflight, config.lease_ms,
-                                  self.loop.drop)
-        self.reaper = Reaper(self.client, self.keys, config.worker_id, self.intake, self.inflight,
+                             config.read_block_ms, self.loop.cancel, **sup)
+        self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
+                                  config.lease_ms, self.loop.drop, **sup)
+        self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
                              config.lease_ms, config.max_deliveries,
                              # Often enough that a handed-back request moves at once.
-                             interval_s=min(1.0, max(0.2, config.lease_ms / 2000)))
-        self.cancels = CancelListener(self.client, self.keys, self.loop.cancel, config.worker_id)
-        self.queue_poller = QueuePoller(self.client, self.keys, self.model, config.worker_id,
-                                        self.metrics, config.queue_poll_interval_s)
+                             interval_s=min(1.0, max(0.2, config.lease_ms / 2000)), **sup)
+        self.cancels = CancelListener(self._client("cancel-listener"), self.keys,
+                                      self.loop.cancel, wid, **sup)
+        self.queue_poller = QueuePoller(self._client("queue-poller"), self.keys, self.model, wid,
+                                        self.metrics, config.queue_poll_interval_s, **sup)
+        self.heartbeat = Heartbeat(self._client("heartbeat"), self.keys, wid,
+                                   config.heartbeat_interval_s, self.status, **sup)
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None
-        self.heartbeat = Heartbeat(self.client, self.keys, config.worker_id,
-                                   config.heartbeat_interval_s, self.status)
         self.state = "starting"
+        # Threads started, in start order; the heartbeat reports the unhealthy ones.
+        self.threads: list[SupervisedThread] = []
         self._started = time.monotonic()
         # (time, tokens generated) where the current tokens-per-second window began.
         self._rate_mark = (self._started, 0)
-        self._stopped = threading.Event()
+
+    def _client(self, thread: str) -> redis.Redis:
+        # No retries inside redis-py: the thread's supervisor retries, and reports it meanwhile.
+        return connect(self.redis_url, client_name=f"{self.config.worker_id}:{thread}",
+                       retry_attempts=0)
 
     def status(self) -> dict[str, Any]:
-        """Load and progress, for the heartbeat and `conveyor top`."""
+        """Load, progress and health, for the heartbeat and `conveyor top`."""
         stats = self.engine.stats()
+        unhealthy = [t.name for t in self.threads if not t.healthy]
+        status = self.state
+        if status == "serving" and unhealthy:
+            status = "degraded"
         return {
-            "status": self.state,
+            "status": status,
+            # Threads retrying a lost Redis connection, or dead (the worker then goes down).
+            "unhealthy_threads": ",".join(unhealthy),
             "model": self.model,
             "running": stats["running"],
             "waiting": stats["waiting"],
@@ -101,48 +134,83 @@ class Worker:
     def start(self) -> None:
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id)
+        self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
+                        self.leases, self.reaper]
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_port,
                                                    self.config.metrics_host)
-            self.queue_poller.start()
+            self.threads.append(self.queue_poller)
         self.state = "serving"
         self.heartbeat.beat()
-        for thread in (self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
-                       self.leases, self.reaper):
+        for thread in self.threads:
             thread.start()
         self.cancels.subscribed.wait(timeout=5)
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
                  redis=describe(self.config.redis_url) if self.config.redis_url else "embedded",
                  metrics_port=self.metrics_port)
 
+    @property
+    def failed(self) -> SupervisedThread | None:
+        """The first thread that failed for good, if one did."""
+        return next((t for t in self.threads if t.failure is not None), None)
+
     def stop(self, drain_timeout_s: float | None = None) -> bool:
         """Stop reading, let in-flight requests finish (up to the drain timeout), then stop.
 
         Returns True when everything in flight finished. What is still unfinished has its
         published tokens flushed and is handed back (its lease made to look expired), so
-        another worker claims it at once and continues after those tokens.
+        another worker claims it at once and continues after those tokens. After a thread
+        failed the worker does not wait: everything in flight is handed back.
         """
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        self.state = "draining"
+        failed = self.failed is not None
+        self.state = "failed" if failed else "draining"
+        self._beat_once()
         for thread in (self.intake, self.reaper):
-            thread.stopping.set()
-            if thread.is_alive():
-                thread.join()
-        drained = self.inflight.wait_empty(timeout)
-        self.loop.stopping.set()
-        self.loop.join()
-        self.publisher.close()
+            thread.stop()
+        drained = not failed and self.inflight.wait_empty(timeout)
+        self.loop.stop()
+        if not self.publisher.close(PUBLISHER_FLUSH_TIMEOUT_S):
+            log.warning("output could not be flushed to redis; its requests are handed back "
+                        "and resume from what was published")
         self._hand_back_unfinished()
         for thread in (self.leases, self.cancels, self.heartbeat, self.queue_poller):
-            thread.stopping.set()
-            if thread.is_alive():
-                thread.join()
+            thread.stop()
         self.heartbeat.clear()
         self.metrics.close()
-        self.state = "stopped"
-        self._stopped.set()
-        log.info("worker stopped", worker_id=self.config.worker_id, drained=drained)
+        self.state = "failed" if failed else "stopped"
+        log.info("worker stopped", worker_id=self.config.worker_id, drained=drained,
+                 failed_thread=self.failed.name if failed else None)
         return drained
+
+    def serve(self, stop: threading.Event) -> int:
+        """Start, serve until ``stop`` is set or a thread fails, then stop; the exit status:
+        0 after a drain, 1 when a thread failed (its entries were handed back)."""
+        self.start()
+        while not stop.is_set() and not self._failed.is_set():
+            stop.wait(0.2)
+        self.stop(0 if self._failed.is_set() else None)
+        return 1 if self.failed is not None else 0
+
+    def run_until_signalled(self) -> int:
+        """Serve until SIGTERM or SIGINT, then drain; the exit status for the process."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        return self.serve(stop)
+
+    def _thread_failed(self, thread: SupervisedThread) -> None:
+        log.error("a worker thread failed: handing back in-flight requests and exiting",
+                  thread=thread.name, error=repr(thread.failure))
+        self._failed.set()
+
+    def _beat_once(self) -> None:
+        """Write the heartbeat now (from the caller's thread), so the state change shows."""
+        try:
+            mapping = {k: str(v) for k, v in self.status().items()}
+            self.client.hset(self.keys.worker(self.config.worker_id), mapping=mapping)
+        except redis.RedisError:
+            pass  # the hash expires with its TTL
 
     def _hand_back_unfinished(self) -> None:
         left = [e for rid in self.inflight.ids() if (e := self.inflight.get(rid)) is not None]
@@ -155,16 +223,3 @@ class Worker:
         except redis.RedisError as exc:  # they lapse with the lease instead
             log.warning("hand back failed; requests wait for their lease to lapse",
                         error=str(exc))
-
-    def run_until_signalled(self) -> int:
-        """Serve until SIGTERM or SIGINT, then drain; the exit status for the process."""
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        self.start()
-        while not stop.wait(0.5):
-            if not self.loop.is_alive():
-                log.error("engine loop died", error=repr(self.loop.error))
-                return 1
-        self.stop()
-        return 0

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import queue
-import threading
-import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage, Track
 
 log = structlog.get_logger(__name__)
@@ -49,47 +48,70 @@ class Rejection:
     num_tokens: int = 0
 
 
-class Publisher(threading.Thread):
-    """Writes what the engine loop produced; the engine loop never waits on Redis."""
+class Publisher(SupervisedThread):
+    """Writes what the engine loop produced; the engine loop never waits on Redis.
+
+    A batch that could not be written (Redis unreachable) is kept and written first once
+    the supervisor's retry succeeds: entry ids make a repeated write harmless.
+    """
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
-                 text: TextStage) -> None:
-        super().__init__(name="publisher", daemon=True)
+                 text: TextStage, **supervision: Any) -> None:
+        super().__init__("publisher", worker_id=worker_id, **supervision)
         self.text = text
         self.client = client
         self.keys = keys
-        self.worker_id = worker_id
         self.output_ttl_s = output_ttl_s
         self._queue: queue.Queue[list[Publication | Rejection | Track] | None] = queue.Queue()
+        # Prepared output not yet written, and whether close() asked for a last flush.
+        self._owed: list[Publication | Rejection] | None = None
+        self._closing = False
         self.published_entries = 0
 
     def publish(self, items: list[Publication | Rejection | Track]) -> None:
         if items:
             self._queue.put(items)
 
-    def close(self) -> None:
-        """Write everything queued so far, then stop."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Write everything queued so far, then stop; False when that did not finish within
+        ``timeout`` seconds (Redis unreachable): the thread is then told to stop as it is."""
         self._queue.put(None)
-        self.join()
+        if self.is_alive():
+            self.join(timeout)
+        if self.is_alive():
+            self.stopping.set()
+            return False
+        return True
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        done = False
-        while not done:
-            batch = self._queue.get()
-            if batch is None:
-                break
-            # Coalesce whatever else is queued: one round trip for several steps when behind.
-            while True:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    done = True
-                    break
-                batch.extend(more)
-            self._write(self._prepare(batch))
+    def tick(self) -> None:
+        if self._owed is None:
+            batch = self._take()
+            self._owed = self._prepare(batch) if batch else None
+        if self._owed:
+            self._write(self._owed)
+        self._owed = None
+        if self._closing:
+            self.stopping.set()
+
+    def _take(self) -> list[Publication | Rejection | Track] | None:
+        """The next queued items, coalesced: one round trip for several steps when behind."""
+        try:
+            first = self._queue.get(timeout=0.5)
+        except queue.Empty:
+            return None
+        if first is None:
+            self._closing = True
+            return None
+        batch = list(first)
+        while True:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                return batch
+            if more is None:
+                self._closing = True
+                return batch
+            batch.extend(more)
 
     def _prepare(
         self, batch: list[Publication | Rejection | Track]
@@ -104,22 +126,15 @@ class Publisher(threading.Thread):
         return ready
 
     def _write(self, batch: list[Publication | Rejection]) -> None:
-        while True:
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                for item in batch:
-                    if isinstance(item, Rejection):
-                        self._add_rejection(pipe, item)
-                    else:
-                        self._add_publication(pipe, item)
-                results = pipe.execute(raise_on_error=False)
-                self._log_failures(results)
-                self.published_entries += len(batch)
-                return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # Keep what we owe and write it once Redis is back; entry ids make retries safe.
-                log.warning("publish failed, retrying", error=str(exc))
-                time.sleep(0.5)
+        pipe = self.client.pipeline(transaction=False)
+        for item in batch:
+            if isinstance(item, Rejection):
+                self._add_rejection(pipe, item)
+            else:
+                self._add_publication(pipe, item)
+        results = pipe.execute(raise_on_error=False)
+        self._log_failures(results)
+        self.published_entries += len(batch)
 
     def _add_publication(self, pipe, item: Publication) -> None:
         key = self.keys.output(item.request_id)

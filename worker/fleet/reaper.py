@@ -6,13 +6,11 @@ Entries delivered more often than ``max_deliveries`` are poison: dead-lettered, 
 
 from __future__ import annotations
 
-import threading
-import time
+from typing import Any
 
 import redis
 import structlog
 
-from producer.logging import bind_thread_context
 from producer.queues import trim_request_stream
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
@@ -20,6 +18,7 @@ from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
 from worker.fleet.publisher import Rejection
 from worker.fleet.resume import read_published
+from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
 
@@ -28,7 +27,7 @@ log = structlog.get_logger(__name__)
 TRIM_INTERVAL_S = 30.0
 
 
-class Reaper(threading.Thread):
+class Reaper(SupervisedThread):
     """Every ``interval_s``, claims up to the room left of entries idle past the lease.
 
     It also trims the request streams now and then: only entries below the oldest
@@ -37,36 +36,26 @@ class Reaper(threading.Thread):
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, intake: Intake,
                  inflight: InflightTable, lease_ms: int, max_deliveries: int,
-                 interval_s: float) -> None:
-        super().__init__(name="reaper", daemon=True)
+                 interval_s: float, **supervision: Any) -> None:
+        super().__init__("reaper", worker_id=worker_id, interval_s=interval_s, **supervision)
         self.client = client
         self.keys = keys
-        self.worker_id = worker_id
         self.intake = intake
         self.inflight = inflight
         self.lease_ms = lease_ms
         self.max_deliveries = max_deliveries
-        self.interval_s = interval_s
-        self.stopping = threading.Event()
         self.claimed = 0
-        self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+        self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
 
-    def run(self) -> None:
-        bind_thread_context(worker_id=self.worker_id)
-        while not self.stopping.is_set():
-            try:
-                for stream in self.intake.streams:
-                    self.reap(stream)
-                if time.monotonic() >= self._next_trim:
-                    self._next_trim = time.monotonic() + TRIM_INTERVAL_S
-                    for stream in self.intake.streams:
-                        trim_request_stream(self.client, stream)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):  # the intake recreates lost groups
-                    log.warning("reaper failed", error=str(exc))
-            except redis.RedisError as exc:
-                log.warning("reaper failed", error=str(exc))
-            self.stopping.wait(self.interval_s)
+    def tick(self) -> None:
+        # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
+        # the supervisor retries it, like any other refusal.
+        for stream in self.intake.streams:
+            self.reap(stream)
+        if self.clock.monotonic() >= self._next_trim:
+            self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
+            for stream in self.intake.streams:
+                trim_request_stream(self.client, stream)
 
     def reap(self, stream: str) -> int:
         """Claim and resume lapsed entries of one stream; returns how many were claimed."""

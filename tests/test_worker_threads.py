@@ -1,0 +1,153 @@
+"""Every worker thread is supervised: it survives losing Redis, says so while it does, and a
+thread that fails for good brings the worker down after handing its work back.
+
+Workers here run on a ManualClock: backoffs and intervals pass only when the test advances
+it, so "the thread is retrying right now" is a state the test holds, not a race it hopes to win.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from fleet_fixtures import MODEL
+
+from producer.client import Client
+from producer.clock import ManualClock
+from producer.wire.completion import FinishReason
+from producer.wire.keys import GROUP, Keys
+from worker.fleet.supervised import BACKOFF_CAP_S
+
+KEYS = Keys()
+# Real seconds a test waits for a thread to reach a state it is certain to reach.
+PATIENCE_S = 30.0
+
+
+def eventually(condition: Callable[[], object], what: str) -> None:
+    """Poll until ``condition()`` holds; the bound only turns a hang into a failure."""
+    end = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def connections(r: redis.Redis, name: str) -> list[dict]:
+    return [c for c in r.client_list() if c.get("name") == name]
+
+
+def cut(thread_client: redis.Redis, admin: redis.Redis, name: str, gone: Path) -> str:
+    """Kill the thread's connections on the server and make its reconnects fail (its pool
+    now makes connections to a socket path that leads nowhere); returns the path to restore."""
+    pool = thread_client.connection_pool
+    path = pool.connection_kwargs["path"]
+    pool.connection_kwargs["path"] = str(gone)
+    pool.reset()  # connections made from now on use the dead path
+    for conn in connections(admin, name):
+        admin.client_kill_filter(_id=conn["id"])
+    return path
+
+
+def restore(thread_client: redis.Redis, path: str) -> None:
+    pool = thread_client.connection_pool
+    pool.connection_kwargs["path"] = path
+    pool.reset()
+
+
+THREADS = ["intake", "publisher", "lease-keeper", "reaper", "cancel-listener", "heartbeat",
+           "queue-poller"]
+
+
+@pytest.mark.parametrize("name", THREADS)
+def test_a_thread_that_loses_redis_retries_says_so_and_recovers(name, redis_url, redis_client,
+                                                                start_worker, tmp_path):
+    clock = ManualClock()
+    worker = start_worker("wt", clock=clock, metrics_port=0)
+    thread = {t.name: t for t in worker.threads}[name]
+    client = Client(redis_url)
+    # One request held in flight (the engine paused) gives every thread Redis work to do.
+    worker.loop.pause()
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=6, temperature=0, ignore_eos=True)
+    eventually(lambda: rid in worker.inflight, "the request was read")
+    if name not in ("lease-keeper", "publisher"):  # they connect on their first write
+        eventually(lambda: connections(redis_client, f"wt:{name}"), "the thread is connected")
+
+    saved = cut(thread.client, redis_client, f"wt:{name}", tmp_path / "gone.sock")
+    assert not connections(redis_client, f"wt:{name}")  # the fault took effect
+    if name == "publisher":
+        worker.loop.resume()  # output to write
+    else:
+        clock.advance(thread.interval_s)  # interval threads tick; blocked readers already failed
+    eventually(lambda: thread.retrying is not None, f"{name} met the lost connection")
+
+    # The truth, while it lasts (the clock holds the backoff): degraded, naming the thread.
+    status = worker.status()
+    assert status["status"] == "degraded" and status["unhealthy_threads"] == name
+    if name == "heartbeat":
+        # It cannot write; its hash expires (3 intervals) instead of claiming all is well.
+        with pytest.raises(redis.ConnectionError):
+            worker.heartbeat.beat()
+    else:
+        worker.heartbeat.beat()
+        beat = redis_client.hgetall(KEYS.worker("wt"))
+        assert beat[b"status"] == b"degraded" and beat[b"unhealthy_threads"] == name.encode()
+
+    restore(thread.client, saved)
+
+    def retried_and_recovered() -> bool:
+        clock.advance(BACKOFF_CAP_S)  # ends the backoff under way; the retry then succeeds
+        return thread.healthy
+
+    eventually(retried_and_recovered, f"{name} recovered")
+    assert thread.is_alive() and thread.transient_errors >= 1
+    assert worker.status()["status"] == "serving"
+    if name == "heartbeat":
+        clock.advance(thread.interval_s)
+        eventually(lambda: redis_client.hget(KEYS.worker("wt"), "unhealthy_threads") == b"",
+                   "the heartbeat wrote again")
+
+    worker.loop.resume()
+    done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 6
+
+
+@pytest.mark.parametrize("broken", ["engine-loop", "lease-keeper"])
+def test_a_thread_that_fails_for_good_hands_work_back_and_the_worker_exits_1(
+        broken, redis_url, redis_client, start_worker, monkeypatch):
+    clock = ManualClock()
+    worker = start_worker("doomed", clock=clock, autostart=False)
+    client = Client(redis_url)
+    stop = threading.Event()
+    exit_code: list[int] = []
+    server = threading.Thread(target=lambda: exit_code.append(worker.serve(stop)), daemon=True)
+    server.start()
+    eventually(lambda: worker.state == "serving", "the worker started")
+    worker.loop.pause()
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=6, temperature=0, ignore_eos=True)
+    eventually(lambda: rid in worker.inflight, "the request was read")
+    stream = KEYS.requests(MODEL, "interactive")
+    assert redis_client.xpending(stream, GROUP)["consumers"][0]["name"] == b"doomed"
+
+    def bug(*_args, **_kwargs):
+        raise RuntimeError("a bug, not a lost connection")
+
+    if broken == "engine-loop":
+        monkeypatch.setattr(worker.engine, "step", bug)
+        worker.loop.resume()
+    else:
+        monkeypatch.setattr(worker.leases, "renew_all", bug)
+        clock.advance(worker.leases.interval_s)
+    server.join(PATIENCE_S)
+    assert exit_code == [1] and worker.failed.name == broken
+    assert worker.state == "failed"
+    # Handed back (idle past the lease at once), and the heartbeat hash is gone, not "serving".
+    (entry,) = redis_client.xpending_range(stream, GROUP, "-", "+", 10)
+    assert entry["time_since_delivered"] >= worker.config.lease_ms
+    assert not redis_client.exists(KEYS.worker("doomed"))
+    # Another worker claims it and serves it in full.
+    start_worker("heir")
+    done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 6

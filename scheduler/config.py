@@ -22,8 +22,10 @@ class SchedulerConfig:
 
     # Tokens computed in one step across all requests (decodes count one each).
     max_num_batched_tokens: int = 1024
-    # Requests running at once (holding KV and scheduled every step).
-    max_num_seqs: int = 128
+    # Requests running at once (holding KV and scheduled every step). 64, not more: on this
+    # project's CPU reference a batch past 64 adds no throughput but doubles ITL p90, and a
+    # worker that takes fewer leaves more queued requests to idle workers (docs/benchmarks.md).
+    max_num_seqs: int = 64
     # Largest prefill chunk of one request in one step; None means the whole budget.
     max_prefill_chunk: int | None = None
     # Off: a prompt is prefilled in one step or waits; the budget must then hold max_model_len.

@@ -53,6 +53,12 @@ def top_level(loaded: set[str]) -> set[str]:
     return {name.split(".")[0] for name in loaded}
 
 
+def assert_none_of(forbidden: set[str], loaded: set[str], package: str) -> None:
+    """Fail naming what ``package`` loaded of ``forbidden``, and which module pulled it in."""
+    leaked = forbidden & top_level(loaded)
+    assert not leaked, f"importing {package} loads {sorted(leaked)}"
+
+
 def own_packages(loaded: set[str]) -> set[str]:
     """Project packages loaded, at the depth the contracts speak of (producer.wire apart)."""
     out = set()
@@ -66,15 +72,15 @@ def own_packages(loaded: set[str]) -> set[str]:
 def test_the_wire_types_load_neither_redis_nor_torch_nor_other_project_code():
     imported, loaded = probe("producer.wire")
     assert "producer.wire.protocol" in imported
-    assert not {"redis", "torch"} & top_level(loaded)
-    assert {n for n in loaded if n.split(".")[0] in OWN} <= {"producer"} | {
-        n for n in loaded if n.startswith("producer.wire")}
+    assert_none_of({"redis", "torch"}, loaded, "producer.wire")
+    own = {n for n in loaded if n.split(".")[0] in OWN}
+    assert own <= {"producer"} | {n for n in own if n.startswith("producer.wire")}, own
 
 
 def test_scheduler_loads_only_the_wire_types_and_kv_bookkeeping():
     imported, loaded = probe("scheduler")
     assert "scheduler.scheduler" in imported
-    assert not {"redis", "torch"} & top_level(loaded)
+    assert_none_of({"redis", "torch"}, loaded, "scheduler")
     assert own_packages(loaded) <= {"scheduler", "kvstore", "producer.wire", "producer"}
     assert not {n for n in loaded if n.startswith("producer.") and
                 not n.startswith("producer.wire")}
@@ -84,14 +90,14 @@ def test_kvstore_bookkeeping_loads_neither_redis_nor_torch():
     # kv_tensors owns the KV tensors (torch): the one module of kvstore allowed I/O.
     imported, loaded = probe("kvstore", skip=("kvstore.kv_tensors",))
     assert "kvstore.kv_manager" in imported
-    assert not {"redis", "torch"} & top_level(loaded)
+    assert_none_of({"redis", "torch"}, loaded, "kvstore (but kv_tensors)")
     assert own_packages(loaded) <= {"kvstore"}
 
 
 def test_producer_loads_no_torch_and_nothing_of_the_worker():
     imported, loaded = probe("producer")
     assert {"producer.client", "producer.async_client", "producer.bulk.analyze"} <= set(imported)
-    assert "torch" not in top_level(loaded)
+    assert_none_of({"torch"}, loaded, "producer")
     assert own_packages(loaded) <= {"producer", "producer.wire"}
 
 
@@ -101,7 +107,7 @@ def test_import_producer_alone_loads_the_wire_types_only():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert not {"redis", "torch", "rq"} & set(json.loads(result.stdout))
+    assert_none_of({"redis", "torch", "rq"}, set(json.loads(result.stdout)), "producer")
 
 
 def test_the_cli_builds_its_whole_parser_without_torch():
@@ -126,4 +132,4 @@ def test_scheduler_tests_pass_where_importing_torch_fails():
 @pytest.mark.parametrize("module", ["worker.config", "worker.fleet.config", "worker.commands"])
 def test_worker_settings_and_verbs_load_no_torch(module):
     _, loaded = probe(module)
-    assert "torch" not in top_level(loaded)
+    assert_none_of({"torch"}, loaded, module)

@@ -165,9 +165,8 @@ def worker_cmd(args: argparse.Namespace) -> int:
                           engine=engine, drain_timeout_s=args.drain_timeout,
                           lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
                           heartbeat_interval_s=args.heartbeat_interval,
-                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    if args.worker_id:
-        config.worker_id = args.worker_id
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          **({"worker_id": args.worker_id} if args.worker_id else {}))
     return Worker(config).run_until_signalled()
 
 

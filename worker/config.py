@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from scheduler.config import check_preemption_mode
+from scheduler.config import SchedulerConfig, check_preemption_mode
 
 # Precisions an engine computes in, as torch spells them (worker.device maps them to dtypes).
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
@@ -27,17 +27,18 @@ class EngineConfig:
     swap_blocks: int | None = None
     # Host memory for swapped-out KV when swap_blocks is None (pinned on CUDA).
     swap_space_gib: float = 0.5
+    # Settings the scheduler owns take its defaults (scheduler/config.py says why each).
     # "auto" (swap when the host has room and it beats recomputing), "swap", "recompute".
-    preemption_mode: str = "auto"
+    preemption_mode: str = SchedulerConfig.preemption_mode
     # Share the KV of identical full prompt blocks between requests.
     enable_prefix_caching: bool = True
     # Token budget of one step (prefill chunks plus one per decode).
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     # Requests running at once.
-    max_num_seqs: int = 128
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     # Cap on one request's prefill chunk in a step; None means the whole budget.
-    max_prefill_chunk: int | None = None
-    enable_chunked_prefill: bool = True
+    max_prefill_chunk: int | None = SchedulerConfig.max_prefill_chunk
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     # Longest prompt + output; None means the model's max_position_embeddings.
     max_model_len: int | None = None
     # "auto": float32 on CPU, bfloat16 on CUDA; or float32, float64, bfloat16, float16.

@@ -130,7 +130,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     load_after = os.getloadavg()
     results = {
         "conveyor_bench": 1,
-        "arguments": {k: v for k, v in vars(args).items() if k != "command"},
+        "arguments": {k: v for k, v in vars(args).items() if k not in ("command", "handler")},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "workload": {"name": args.workload, "arrivals": _arrivals(args), "seed": args.seed,
                      "quick": args.quick, **workloads.describe(items)},

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from producer.defaults import MAX_BLOCK_MS
+from producer.wire.keys import validate_name
+from worker.config import EngineConfig
+
 
 def default_worker_id() -> str:
     # Host and pid: unique per process, and readable in `conveyor top`.
@@ -52,3 +56,30 @@ class WorkerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).resolve().name
+
+    def __post_init__(self) -> None:
+        # Every setting is checked here, once, whoever built the config (CLI, tests, code).
+        validate_name("namespace", self.namespace)
+        validate_name("worker id", self.worker_id)
+        if self.served_model_name is not None:
+            validate_name("model", self.served_model_name)
+        EngineConfig.from_kwargs(self.engine)  # unknown or invalid engine settings
+        _at_least("prefetch", self.prefetch, 0)
+        _at_least("output_ttl_s", self.output_ttl_s, 1)
+        _at_least("lease_ms", self.lease_ms, 1)
+        _at_least("max_deliveries", self.max_deliveries, 1)
+        _at_least("drain_timeout_s", self.drain_timeout_s, 0)
+        for name in ("heartbeat_interval_s", "queue_poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        # A blocking read longer than this would outlast the socket timeout.
+        if not 1 <= self.read_block_ms <= MAX_BLOCK_MS:
+            raise ValueError(f"read_block_ms must be in [1, {MAX_BLOCK_MS}], "
+                             f"got {self.read_block_ms!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+
+
+def _at_least(name: str, value: Any, low: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+        raise ValueError(f"{name} must be a number >= {low}, got {value!r}")

@@ -1,0 +1,47 @@
+"""Worker settings are checked once, in WorkerConfig, whoever builds it; the CLI's defaults
+are the config dataclasses' own."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.cli import build_parser, main
+from worker.config import EngineConfig, field_default
+from worker.fleet.config import WorkerConfig
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"lease_ms": 0}, "lease_ms"),
+    ({"max_deliveries": 0}, "max_deliveries"),
+    ({"prefetch": -1}, "prefetch"),
+    ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
+    ({"read_block_ms": 60_000}, "read_block_ms"),
+    ({"metrics_port": 70_000}, "metrics_port"),
+    ({"namespace": "a b"}, "namespace"),
+    ({"worker_id": "w:1"}, "worker id"),
+    ({"engine": {"max_num_sqs": 4}}, "unknown engine setting"),
+    ({"engine": {"preemption_mode": "drop"}}, "preemption_mode"),
+    ({"engine": {"dtype": "int8"}}, "dtype"),
+])
+def test_bad_worker_settings_are_refused_naming_the_setting(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(model_dir=tmp_path, **bad)
+
+
+def test_worker_flags_default_to_the_config_dataclasses():
+    args = build_parser().parse_args(["worker", "--model", "m"])
+    assert args.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
+    assert args.max_num_batched_tokens == field_default(EngineConfig, "max_num_batched_tokens")
+    assert args.dtype == field_default(EngineConfig, "dtype")
+    for flag, name in [("lease_ms", "lease_ms"), ("max_deliveries", "max_deliveries"),
+                       ("drain_timeout", "drain_timeout_s"), ("namespace", "namespace"),
+                       ("heartbeat_interval", "heartbeat_interval_s"),
+                       ("metrics_host", "metrics_host")]:
+        assert getattr(args, flag) == field_default(WorkerConfig, name), flag
+    bench = build_parser().parse_args(["bench"])
+    assert bench.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
+
+
+def test_conveyor_worker_with_a_bad_setting_exits_2_with_the_reason(tiny_llama, capsys):
+    assert main(["worker", "--model", str(tiny_llama), "--lease-ms", "0"]) == 2
+    assert "lease_ms must be" in capsys.readouterr().err

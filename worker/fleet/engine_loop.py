@@ -82,9 +82,12 @@ class EngineLoop(SupervisedThread):
         return not self._stepping.is_set()
 
     def tick(self) -> None:
-        self._admit(block=not self.engine.has_unfinished() or self.paused)
+        # Backlogged: Redis refuses the publisher's writes; stepping on would only pile up
+        # output in memory. Admissions and cancellations go on meanwhile.
+        hold = self.paused or self.publisher.backlogged
+        self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
-        if self.engine.has_unfinished() and not self.paused:
+        if self.engine.has_unfinished() and not hold:
             self._publish(self._step())
 
     def _admit(self, block: bool) -> None:

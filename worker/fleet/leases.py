@@ -15,24 +15,10 @@ import structlog
 
 from producer.wire.keys import GROUP
 from worker.fleet.inflight import InflightTable
+from worker.fleet.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
-
-# Renew only entries this consumer still owns: XCLAIM alone would steal them back from a
-# worker that claimed them meanwhile. JUSTID keeps the delivery count unchanged.
-RENEW_SCRIPT = """
-local renewed = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    renewed[#renewed + 1] = ARGV[i]
-  end
-end
-return renewed
-"""
-
 
 class LeaseKeeper(SupervisedThread):
     """Renews every in-flight entry's lease; reports entries another worker took over."""
@@ -46,28 +32,25 @@ class LeaseKeeper(SupervisedThread):
         self.inflight = inflight
         self.lease_ms = lease_ms
         self.on_lost = on_lost
-        # A registered script reloads itself after NOSCRIPT (e.g. Redis restarted).
-        self.renew = client.register_script(RENEW_SCRIPT)
+        # Renews only entries still ours: XCLAIM alone would steal them back from a worker
+        # that claimed them meanwhile.
+        self.owned = OwnedEntries(client, worker_id)
         self.renewals = 0
 
     def tick(self) -> None:
         self.renew_all()
 
     def renew_all(self) -> None:
-        by_stream: dict[str, dict[str, str]] = defaultdict(dict)
-        for rid in self.inflight.ids():
-            entry = self.inflight.get(rid)
-            if entry is not None:
-                by_stream[entry.stream][entry.entry_id] = rid
-        for stream, entries in by_stream.items():
-            renewed = self.renew(keys=[stream], args=[GROUP, self.worker_id, *entries])
-            kept = {r.decode() if isinstance(r, bytes) else r for r in renewed}
-            self.renewals += len(kept)
-            for entry_id, rid in entries.items():
-                if entry_id not in kept and rid in self.inflight:
-                    log.warning("lease lost: another worker owns the request now",
-                                request_id=rid)
-                    self.on_lost(rid)
+        held = {(e.stream, e.entry_id): rid for rid in self.inflight.ids()
+                if (e := self.inflight.get(rid)) is not None}
+        if not held:
+            return
+        kept = self.owned.renew(list(held))
+        self.renewals += len(kept)
+        for entry, rid in held.items():
+            if entry not in kept and rid in self.inflight:
+                log.warning("lease lost: another worker owns the request now", request_id=rid)
+                self.on_lost(rid)
 
 
 def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]],

@@ -1,4 +1,13 @@
-"""The publisher thread: each step's output entries, finals and acks in one pipeline."""
+"""The publisher thread: writes each step's output entries, then acknowledges finished requests.
+
+A request entry is acknowledged only after every entry it needs is in Redis: the writes go
+in one MULTI/EXEC, then the acknowledgements, owner-checked, in a second round trip. A write
+Redis refuses (out of memory, read-only after a failover) aborts the whole transaction, so
+no output stream ever gets a later entry without an earlier one; nothing is acknowledged,
+and the supervisor retries the batch after a backoff. Entry ids derived from token indexes
+make a repeated XADD fail harmlessly; a final that was already there is checked to be a
+final before its request is acknowledged.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,9 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import GROUP, Keys
+from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from worker.fleet.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage, Track
 
@@ -18,6 +28,18 @@ log = structlog.get_logger(__name__)
 
 # The dead-letter stream is for inspection, not an archive: keep about this many entries.
 DEAD_LETTER_MAXLEN = 100_000
+# Engine steps whose output may wait for the publisher; past it the engine loop stops
+# stepping (Redis refusing writes must not make output pile up without limit).
+MAX_BACKLOG_STEPS = 256
+
+
+class WriteRefused(redis.ResponseError):
+    """Redis refused a write a batch needs: nothing of the batch was acknowledged."""
+
+
+def already_written(result: object) -> bool:
+    """An XADD refused for an id at or below the stream's top: that index is written."""
+    return isinstance(result, redis.ResponseError) and "equal or smaller" in str(result)
 
 
 @dataclass
@@ -31,6 +53,9 @@ class Publication:
     ack: tuple[str, str] | None = None
     # Prompt tokens served from the prefix cache so far (for a final made by a stop string).
     cached_tokens: int = 0
+    # Progress across retries: every entry is in Redis; the final was there before our XADD.
+    written: bool = False
+    final_existed: bool = False
 
 
 @dataclass
@@ -46,6 +71,9 @@ class Rejection:
     write_final: bool = True
     # Tokens already on the request's output stream (the error final goes after them).
     num_tokens: int = 0
+    # Progress across retries (a dead letter has no fixed id: it must not be added twice).
+    written: bool = False
+    dead_lettered: bool = False
 
 
 class Publisher(SupervisedThread):
@@ -66,11 +94,18 @@ class Publisher(SupervisedThread):
         # Prepared output not yet written, and whether close() asked for a last flush.
         self._owed: list[Publication | Rejection] | None = None
         self._closing = False
+        self.owned = OwnedEntries(client, worker_id)
         self.published_entries = 0
+        self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
 
     def publish(self, items: list[Publication | Rejection | Track]) -> None:
         if items:
             self._queue.put(items)
+
+    @property
+    def backlogged(self) -> bool:
+        """More steps wait for the publisher than MAX_BACKLOG_STEPS: stop producing."""
+        return self._queue.qsize() > MAX_BACKLOG_STEPS
 
     def close(self, timeout: float | None = None) -> bool:
         """Write everything queued so far, then stop; False when that did not finish within
@@ -126,26 +161,81 @@ class Publisher(SupervisedThread):
         return ready
 
     def _write(self, batch: list[Publication | Rejection]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        """Write what is not written yet, then acknowledge; WriteRefused leaves it all owed."""
+        todo = [item for item in batch if not item.written]
+        if todo:
+            pipe = self.client.pipeline(transaction=True)
+            # Each item's commands, by kind, in the order they were queued.
+            kinds = [self._add_rejection(pipe, item) if isinstance(item, Rejection)
+                     else self._add_publication(pipe, item) for item in todo]
+            try:
+                results = iter(pipe.execute(raise_on_error=False))
+            except redis.ResponseError as exc:  # EXECABORT: a command refused, none applied
+                self.refused_writes += 1
+                log.warning("redis refused the batch; it will be retried", error=str(exc))
+                raise WriteRefused(str(exc)) from exc
+            refused = [r for item, ks in zip(todo, kinds, strict=True)
+                       if (r := self._settle(item, ks, [next(results) for _ in ks]))]
+            if refused:
+                self.refused_writes += len(refused)
+                raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
+            self.published_entries += len(todo)
+        self._acknowledge(batch)
+
+    def _settle(self, item: Publication | Rejection, kinds: list[str],
+                results: list) -> object | None:
+        """Record what of ``item`` is now in Redis; the first refusal, if any."""
+        refusal = None
+        for kind, r in zip(kinds, results, strict=True):
+            if not isinstance(r, Exception):
+                if kind == "dead" and isinstance(item, Rejection):
+                    item.dead_lettered = True
+            elif kind in ("chunk", "final") and already_written(r):
+                if kind == "final" and isinstance(item, Publication):
+                    item.final_existed = True
+            elif refusal is None:
+                refusal = r
+        item.written = refusal is None
+        if refusal is not None:
+            log.warning("redis refused a write; the batch will be retried", error=str(refusal))
+        return refusal
+
+    def _acknowledge(self, batch: list[Publication | Rejection]) -> None:
+        """XACK each finished request entry this worker still owns, its final verified."""
+        wanted: list[tuple[str, str]] = []
         for item in batch:
             if isinstance(item, Rejection):
-                self._add_rejection(pipe, item)
-            else:
-                self._add_publication(pipe, item)
-        results = pipe.execute(raise_on_error=False)
-        self._log_failures(results)
-        self.published_entries += len(batch)
+                wanted.append((item.stream, item.entry_id))
+            elif item.ack is not None and (not item.final_existed or self._final_is_there(item)):
+                wanted.append(item.ack)
+        if not wanted:
+            return
+        acked = self.owned.ack(wanted)
+        for entry in set(wanted) - acked:
+            log.warning("not acknowledged: the entry is no longer this worker's",
+                        stream=entry[0], entry_id=entry[1])
 
-    def _add_publication(self, pipe, item: Publication) -> None:
+    def _final_is_there(self, item: Publication) -> bool:
+        """Our final's XADD met an equal or higher id: ack only if that id is our final."""
+        assert item.final is not None
+        eid = item.final.entry_id
+        found = self.client.xrange(self.keys.output(item.request_id), eid, eid)
+        if not found:
+            log.warning("another worker wrote past this request's end; not acknowledged",
+                        request_id=item.request_id)
+        return bool(found)
+
+    def _add_publication(self, pipe, item: Publication) -> list[str]:
         key = self.keys.output(item.request_id)
-        for entry in (item.chunk, item.final):
+        kinds = []
+        for kind, entry in (("chunk", item.chunk), ("final", item.final)):
             if entry is not None:
                 pipe.xadd(key, {FIELD: entry.encode()}, id=entry.entry_id)
+                kinds.append(kind)
         pipe.expire(key, self.output_ttl_s)
-        if item.ack is not None:
-            pipe.xack(item.ack[0], GROUP, item.ack[1])
+        return [*kinds, "expire"]
 
-    def _add_rejection(self, pipe, item: Rejection) -> None:
+    def _add_rejection(self, pipe, item: Rejection) -> list[str]:
         fields = {
             "reason": item.reason[:2000],
             "stream": item.stream,
@@ -156,20 +246,14 @@ class Publisher(SupervisedThread):
         }
         if item.raw is not None:
             fields["raw"] = item.raw[:65536]
-        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        kinds = []
+        if not item.dead_lettered:
+            pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            kinds.append("dead")
         if item.request_id and item.write_final:
             key = self.keys.output(item.request_id)
             final = error_final(item.reason, item.num_tokens)
             pipe.xadd(key, {FIELD: final.encode()}, id=final.entry_id)
             pipe.expire(key, self.output_ttl_s)
-        pipe.xack(item.stream, GROUP, item.entry_id)
-
-    @staticmethod
-    def _log_failures(results: list) -> None:
-        for r in results:
-            if isinstance(r, redis.ResponseError):
-                # An XADD refused for an id at or below the top: a token index already written
-                # (e.g. by the worker this request was claimed from). Refusing it is the point.
-                if "equal or smaller" in str(r):
-                    continue
-                log.warning("redis refused a write", error=str(r))
+            kinds += ["final", "expire"]
+        return kinds

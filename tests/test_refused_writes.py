@@ -1,0 +1,105 @@
+"""Redis refusing writes (maxmemory under noeviction, as a full production Redis does) loses
+nothing: no request is acknowledged before its final is written, refused output is retried,
+and the engine stops stepping rather than piling output up in memory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from fleet_fixtures import MODEL
+
+import worker.fleet.publisher as publisher_module
+from producer.client import Client
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, FinalEntry, decode_output
+from worker import Engine, SamplingParams
+
+KEYS = Keys()
+PATIENCE_S = 60.0  # bounds waits for states that are certain to come; never evidence
+
+
+def eventually(condition: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def oom_refusals(r: redis.Redis) -> int:
+    return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+
+
+@pytest.fixture
+def full_redis(redis_client: redis.Redis) -> Iterator[Callable[[bool], None]]:
+    """full(True) makes Redis refuse every write that needs memory; full(False) ends it."""
+    assert redis_client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+
+    def full(on: bool) -> None:
+        redis_client.config_set("maxmemory", "1" if on else "0")
+
+    yield full
+    full(False)
+
+
+def stream_entries(r: redis.Redis, rid: str) -> tuple[list[int], int]:
+    """(every token index on the output stream in order, how many final entries)."""
+    indexes, finals = [], 0
+    for _, fields in r.xrange(KEYS.output(rid)):
+        entry = decode_output(fields[FIELD])
+        if isinstance(entry, FinalEntry):
+            finals += 1
+        else:
+            indexes.extend(range(entry.index, entry.index + len(entry.token_ids)))
+    return indexes, finals
+
+
+def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_written(
+        redis_url, redis_client, tiny_llama, start_worker, full_redis):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    want = [c.token_ids for c in Engine(tiny_llama, dtype="float64",
+                                        num_kv_blocks=256).generate(prompts, params)]
+    worker = start_worker("oom")
+    client = Client(redis_url)
+    ids = [client.submit(p, model=MODEL, **params.to_dict()) for p in prompts]
+    for rid in ids:
+        next(client.stream(rid, timeout=60))  # all four are generating
+    refused_before = oom_refusals(redis_client)
+    full_redis(True)
+    # The engine finishes all four while Redis refuses their output and finals.
+    eventually(lambda: len(worker.inflight) == 0, "the engine finished the four requests")
+    assert worker.publisher.refused_writes > 0 and oom_refusals(redis_client) > refused_before
+    stream = KEYS.requests(MODEL, "interactive")
+    assert redis_client.xpending(stream, GROUP)["pending"] == 4  # none acknowledged unwritten
+    assert all(stream_entries(redis_client, rid)[1] == 0 for rid in ids)  # no final got in
+    full_redis(False)
+    for rid, tokens in zip(ids, want, strict=True):
+        done = client.result(rid, timeout=60)
+        assert done.token_ids == tokens
+        assert stream_entries(redis_client, rid) == (list(range(len(tokens))), 1)
+    eventually(lambda: redis_client.xpending(stream, GROUP)["pending"] == 0, "all acknowledged")
+
+
+def test_while_writes_are_refused_the_engine_stops_instead_of_buffering(
+        redis_url, redis_client, start_worker, full_redis, monkeypatch):
+    monkeypatch.setattr(publisher_module, "MAX_BACKLOG_STEPS", 8)
+    worker = start_worker("held")
+    client = Client(redis_url)
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=1500, temperature=0, ignore_eos=True)
+    next(client.stream(rid, timeout=60))
+    full_redis(True)
+    eventually(lambda: worker.publisher.backlogged, "output backed up behind refused writes")
+    ticks = worker.loop.ticks
+    eventually(lambda: worker.loop.ticks >= ticks + 2, "a step under way has ended")
+    steps = worker.engine.num_steps
+    ticks = worker.loop.ticks
+    eventually(lambda: worker.loop.ticks >= ticks + 20, "the engine loop went round 20 times")
+    assert worker.engine.num_steps == steps  # it held: no step, nothing more buffered
+    assert worker.publisher._queue.qsize() <= 8 + 1
+    full_redis(False)
+    done = client.result(rid, timeout=120)
+    assert stream_entries(redis_client, rid) == (list(range(len(done.token_ids))), 1)
+    assert len(done.token_ids) == 1500

@@ -155,8 +155,12 @@ def test_invalid_options_fail_the_job_before_anything_is_sent(redis_url, redis_c
     with pytest.raises(ValueError, match="overlap_tokens"):
         analyze_document("text", "Summarise.", MODEL, chunk_tokens=10, overlap_tokens=10,
                          redis_url=redis_url)
-    with pytest.raises(ValueError, match="not registered"):
-        analyze_document("text", "Summarise.", MODEL, redis_url=redis_url)
+    with pytest.raises(ValueError, match="model_wait_timeout"):
+        analyze_document("text", "Summarise.", MODEL, redis_url=redis_url,
+                         model_wait_timeout=-1)
+    with pytest.raises(ValueError, match="not registered"):  # ModelNotFound, after no wait
+        analyze_document("text", "Summarise.", MODEL, redis_url=redis_url,
+                         model_wait_timeout=0)
     assert redis_client.xlen(KEYS.requests(MODEL, "batch")) == 0
 
 
@@ -319,12 +323,13 @@ def test_a_chunk_whose_worker_is_killed_is_resubmitted_and_the_job_finishes(
              "--serializer", "rq.serializers.JSONSerializer", "conveyor-bulk"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-        def mid_generation() -> bool:
-            held = redis_client.xpending(KEYS.requests(MODEL, "batch"), GROUP)
-            streams = list(redis_client.scan_iter(match=f"{KEYS.ns}:out:*"))
-            return held["pending"] > 0 and any(redis_client.xlen(s) for s in streams)
+        def held_by_doomed() -> list:
+            return redis_client.xpending_range(KEYS.requests(MODEL, "batch"), GROUP, "-", "+",
+                                               10, consumername="doomed")
 
-        wait_for(mid_generation, 60, "the doomed worker to start generating", interval=0.005)
+        wait_for(held_by_doomed, 60, "the doomed worker to take a chunk", interval=0.005)
+        doomed.send_signal(signal.SIGSTOP)  # frozen at once, whatever the machine's speed
+        assert held_by_doomed()  # the fault takes effect: it dies holding unfinished work
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(10)
         start_worker(**FAST)

@@ -152,8 +152,9 @@ class EngineLoop(SupervisedThread):
             log.warning("request rejected", request_id=req.request_id, reason=str(exc))
             self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
             self.inflight.remove(req.request_id)
+            # After the tokens already published: Redis refuses a final at a lower index.
             self.publisher.publish([Rejection(adm.stream, adm.entry_id, str(exc),
-                                              req.request_id)])
+                                              req.request_id, num_tokens=len(generated))])
             return
         self.publisher.publish([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                                       (adm.stream, adm.entry_id), generated,

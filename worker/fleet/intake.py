@@ -141,7 +141,10 @@ class Intake(SupervisedThread):
             self._reject(stream, entry_id, exc.reason, exc.request_id, raw,
                          num_tokens=len(published.token_ids) if published else 0)
             return None
-        if req.request_id in self.inflight:
+        live = self.inflight.get(req.request_id)
+        if live is not None and (live.stream, live.entry_id) == (stream, entry_id):
+            return None  # the very entry this worker is serving (claimed back): nothing to do
+        if live is not None:
             # A second request with a live id: answering it would corrupt the first one's stream.
             self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)

@@ -21,7 +21,7 @@ from worker.fleet.config import WorkerConfig
 from worker.fleet.engine_loop import EngineLoop
 from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
-from worker.fleet.intake import Admission, Intake
+from worker.fleet.intake import Admission, Intake, ensure_groups
 from worker.fleet.leases import LeaseKeeper, hand_back
 from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
@@ -134,6 +134,8 @@ class Worker:
     def start(self) -> None:
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id)
+        # Before any thread runs: the reaper must not meet a group the intake has not made yet.
+        ensure_groups(self.client, self.intake.streams)
         self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
                         self.leases, self.reaper]
         if self.config.metrics_port is not None:

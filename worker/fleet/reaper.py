@@ -25,6 +25,14 @@ log = structlog.get_logger(__name__)
 
 # Served request entries are trimmed from the request streams about this often.
 TRIM_INTERVAL_S = 30.0
+# XAUTOCLAIM calls one tick may make while following the cursor through the pending list.
+MAX_SCANS_PER_TICK = 16
+# XAUTOCLAIM ... JUSTID, returning its raw reply: [cursor, ids] (6.2) or [cursor, ids, deleted]
+# (7). redis-py's own parsing of JUSTID replies drops the cursor.
+AUTOCLAIM_SCRIPT = """
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5],
+                  'JUSTID')
+"""
 
 
 class Reaper(SupervisedThread):
@@ -45,6 +53,8 @@ class Reaper(SupervisedThread):
         self.lease_ms = lease_ms
         self.max_deliveries = max_deliveries
         self.claimed = 0
+        self._cursors: dict[str, str] = {}  # per stream: where the next pending scan starts
+        self._autoclaim_script = client.register_script(AUTOCLAIM_SCRIPT)
         self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
 
     def tick(self) -> None:
@@ -58,14 +68,36 @@ class Reaper(SupervisedThread):
                 trim_request_stream(self.client, stream)
 
     def reap(self, stream: str) -> int:
-        """Claim and resume lapsed entries of one stream; returns how many were claimed."""
-        room = self.inflight.room()
-        if room == 0:
-            return 0
-        # JUSTID first (cheap, same reply on 6.2 and 7), then XCLAIM to fetch the entries,
-        # which also counts the delivery.
-        ids = self.client.xautoclaim(stream, GROUP, self.worker_id, self.lease_ms, "0-0",
-                                     count=room, justid=True)
+        """Claim and resume lapsed entries of one stream; returns how many were claimed.
+
+        The scan of the pending list goes on from where the last one stopped (XAUTOCLAIM's
+        cursor), so lapsed entries behind many live ones are reached too.
+        """
+        claimed = 0
+        for _ in range(MAX_SCANS_PER_TICK):
+            room = self.inflight.room()
+            if room == 0:
+                break
+            cursor, ids = self._autoclaim(stream, self._cursors.get(stream, "0-0"), room)
+            self._cursors[stream] = cursor
+            claimed += self._take(stream, ids)
+            if cursor == "0-0":  # the whole pending list was scanned
+                break
+        return claimed
+
+    def _autoclaim(self, stream: str, start: str, count: int) -> tuple[str, list[str]]:
+        """(next cursor, ids claimed): entries idle past the lease from ``start`` on."""
+        # JUSTID: cheap, and it leaves delivery counts alone (the XCLAIM below counts them).
+        reply = self._autoclaim_script(keys=[stream], args=[GROUP, self.worker_id,
+                                                            self.lease_ms, start, count])
+        return _str(reply[0]), [_str(e) for e in reply[1]]
+
+    def _take(self, stream: str, ids: list[str]) -> int:
+        # An entry this worker is serving lapsed while it could not reach Redis (an outage
+        # longer than the lease): the claim renewed it; nothing else to do.
+        ours = {e.entry_id for rid in self.inflight.ids()
+                if (e := self.inflight.get(rid)) is not None and e.stream == stream}
+        ids = [eid for eid in ids if eid not in ours]
         if not ids:
             return 0
         claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, ids)

@@ -1,0 +1,113 @@
+"""Claiming lapsed entries: the reaper reaches them wherever they are in the pending list,
+never takes what its own worker is serving, and a claimed request it cannot serve gets its
+error after the tokens already published."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis
+from fleet_fixtures import MODEL
+
+from producer.client import Client
+from producer.clock import ManualClock
+from producer.wire.completion import FinishReason
+from producer.wire.keys import GROUP, Keys
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import FIELD, GenerationRequest, OutputChunk
+
+KEYS = Keys()
+STREAM = KEYS.requests(MODEL, "interactive")
+LEASE_MS = 30_000  # WorkerConfig's default, which start_worker keeps
+PATIENCE_S = 60.0  # bounds waits for states that are certain to come; never evidence
+
+
+def eventually(condition: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def add_request(r: redis.Redis, rid: str, prompt: list[int], max_tokens: int) -> str:
+    req = GenerationRequest(rid, MODEL, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True),
+                            prompt_token_ids=prompt)
+    return r.xadd(STREAM, {FIELD: req.encode()}).decode()
+
+
+def held_by(r: redis.Redis, consumer: str, count: int, lapsed: bool = False) -> list[str]:
+    """Entries ``consumer`` reads now; with ``lapsed`` their idle time is set past the lease,
+    as when their worker died."""
+    got = r.xreadgroup(GROUP, consumer, {STREAM: ">"}, count=count)
+    ids = [eid.decode() for eid, _ in got[0][1]]
+    if lapsed:
+        r.xclaim(STREAM, GROUP, consumer, 0, ids, idle=10 * LEASE_MS, justid=True)
+    return ids
+
+
+def test_lapsed_entries_behind_hundreds_of_live_ones_are_claimed(redis_url, redis_client,
+                                                                   start_worker):
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for i in range(400):
+        add_request(redis_client, f"live-{i}", [5, 6], 2)
+    held_by(redis_client, "alive", 400)
+    lapsed = [f"lapsed-{i}" for i in range(5)]
+    for rid in lapsed:
+        add_request(redis_client, rid, [7, 8, 9], 4)
+    held_by(redis_client, "gone", 5, lapsed=True)
+    pending = redis_client.xpending_range(STREAM, GROUP, "-", "+", 500)
+    assert [p["consumer"] for p in pending[-5:]] == [b"gone"] * 5  # behind 400 live ones
+    start_worker("reaper")
+    client = Client(redis_url)
+    for rid in lapsed:
+        assert client.result(rid, timeout=60).finish_reason is FinishReason.LENGTH
+    # The live entries stay with their (live) owner.
+    owners = {p["consumer"] for p in redis_client.xpending_range(STREAM, GROUP, "-", "+", 500)}
+    assert owners == {b"alive"}
+
+
+def test_a_worker_never_claims_away_or_dead_letters_what_it_serves_itself(
+        redis_url, redis_client, start_worker):
+    clock = ManualClock()
+    worker = start_worker("self", clock=clock)
+    worker.loop.pause()
+    client = Client(redis_url)
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
+    eventually(lambda: rid in worker.inflight, "the request was read")
+    entry = worker.inflight.get(rid)
+    # As after an outage longer than the lease: its own entry idle past the lease.
+    redis_client.xclaim(STREAM, GROUP, "self", 0, [entry.entry_id], idle=10 * LEASE_MS,
+                        justid=True)
+    (before,) = redis_client.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert before["time_since_delivered"] >= LEASE_MS
+    ticks = worker.reaper.ticks
+    clock.advance(worker.reaper.interval_s)
+    eventually(lambda: worker.reaper.ticks > ticks, "the reaper ran")
+    (after,) = redis_client.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert after["consumer"] == b"self" and after["times_delivered"] == 1
+    assert after["time_since_delivered"] < LEASE_MS  # renewed, not handed anywhere
+    assert rid in worker.inflight and redis_client.xlen(KEYS.dead) == 0
+    worker.loop.resume()
+    done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 8
+
+
+def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
+        redis_url, redis_client, start_worker):
+    rid = "resumed-too-big"
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    add_request(redis_client, rid, list(range(5, 45)), 100)
+    held_by(redis_client, "gone", 1, lapsed=True)
+    # The worker that died had published three tokens.
+    chunk = OutputChunk(0, [11, 12, 13], "")
+    redis_client.xadd(KEYS.output(rid), {FIELD: chunk.encode()}, id=chunk.entry_id)
+    # This worker's KV pool (4 blocks of 16) cannot hold 40 + 100 tokens: it must refuse.
+    start_worker("small-pool", num_kv_blocks=4)
+    done = Client(redis_url).result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.ERROR and "KV pool" in done.error
+    assert done.token_ids == [11, 12, 13]
+    final_id = redis_client.xrevrange(KEYS.output(rid), count=1)[0][0]
+    assert final_id == b"3-1"
+    eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")

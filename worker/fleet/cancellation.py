@@ -19,11 +19,14 @@ class CancelListener(SupervisedThread):
     """Subscribes to the cancel channel and forwards each id to ``on_cancel``."""
 
     def __init__(self, client: redis.Redis, keys: Keys, on_cancel: Callable[[str], None],
-                 worker_id: str, **supervision: Any) -> None:
+                 worker_id: str, inflight_ids: Callable[[], list[str]] = list,
+                 **supervision: Any) -> None:
         super().__init__("cancel-listener", worker_id=worker_id, **supervision)
         self.client = client
         self.keys = keys
         self.on_cancel = on_cancel
+        # The requests this worker serves: their markers are checked after each subscribe.
+        self.inflight_ids = inflight_ids
         self.subscribed = threading.Event()
 
     def tick(self) -> None:
@@ -31,6 +34,9 @@ class CancelListener(SupervisedThread):
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.subscribe(self.keys.cancel_channel)
+            # Announcements sent while no subscription was up are lost: their markers are not.
+            for rid in cancelled_ids(self.client, self.keys, self.inflight_ids()):
+                self.on_cancel(rid)
             self.subscribed.set()
             self.working()
             while not self.stopping.is_set():

@@ -94,13 +94,19 @@ class Intake(SupervisedThread):
                 self._groups_ready = False
                 return
             raise  # any other refusal (an ACL change, say): retried by the supervisor
-        admitted = [a for s, e, f in entries if (a := self.accept(s, e, f)) is not None]
-        # Cancelled before we read it: the engine loop answers it without running it. The
-        # admissions are in the in-flight table already: they reach the inbox even when the
-        # marker check loses its connection (the supervisor then retries the next read).
+        self.hand_over([a for s, e, f in entries if (a := self.accept(s, e, f)) is not None],
+                       self.client)
+
+    def hand_over(self, admitted: list[Admission], client: redis.Redis) -> None:
+        """Send accepted requests to the engine loop, those cancelled already marked so.
+
+        Read fresh or claimed from a dead worker alike: a request cancelled while nobody
+        served it (its marker ``{ns}:cancelled:{id}`` is set) ends ``cancelled`` without
+        running. The admissions are in the in-flight table already: they reach the inbox even
+        when the marker check loses its connection (the caller's supervisor then retries).
+        """
         try:
-            for rid in cancelled_ids(self.client, self.keys,
-                                     [a.request.request_id for a in admitted]):
+            for rid in cancelled_ids(client, self.keys, [a.request.request_id for a in admitted]):
                 self.on_cancel(rid)
         finally:
             for adm in admitted:

@@ -78,7 +78,7 @@ class Worker:
                              # Often enough that a handed-back request moves at once.
                              interval_s=min(1.0, max(0.2, config.lease_ms / 2000)), **sup)
         self.cancels = CancelListener(self._client("cancel-listener"), self.keys,
-                                      self.loop.cancel, wid, **sup)
+                                      self.loop.cancel, wid, self.inflight.ids, **sup)
         self.queue_poller = QueuePoller(self._client("queue-poller"), self.keys, self.model, wid,
                                         self.metrics, config.queue_poll_interval_s, **sup)
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.keys, wid,

@@ -134,7 +134,7 @@ class Reaper(SupervisedThread):
                  deliveries=deliveries)
         adm = self.intake.accept(stream, entry_id, fields, published)
         if adm is not None:
-            self.intake.inbox.put(adm)
+            self.intake.hand_over([adm], self.client)
 
 
 def _str(value: bytes | str) -> str:

@@ -58,7 +58,12 @@ class Scheduler:
         elif req in self.swapped:
             self.swapped.remove(req)
         else:
-            self._num_waiting -= 1  # its heap entry is dropped when it surfaces
+            self._num_waiting -= 1  # its heap entry is dropped when it surfaces, or below
+            if len(self._waiting) > 2 * self._num_waiting:
+                # Mostly entries of finished requests: rebuild, so the heap never keeps them.
+                self._waiting = [e for e in self._waiting if e[2] is not req
+                                 and e[2].status is not RequestStatus.FINISHED]
+                heapq.heapify(self._waiting)
         self._finish(req, reason)
         return req
 

@@ -37,3 +37,30 @@ def start_worker(redis_url, tiny_llama):
     for w in workers:
         if w.state not in ("stopped", "starting", "failed"):
             w.stop(drain_timeout_s=10)
+
+
+def settled_pending(r, model: str = MODEL, patience_s: float = 30.0) -> int:
+    """Pending entries of ``model``'s lanes once acknowledgements have landed.
+
+    A worker acknowledges a request one round trip after writing its final, so a client may
+    see the final first: wait (bounded) for the count to reach 0, and return what it is then.
+    """
+    import time
+
+    from producer.wire.keys import GROUP, LANES, Keys
+
+    keys = Keys()
+
+    def count() -> int:
+        total = 0
+        for lane in LANES:
+            try:
+                total += r.xpending(keys.requests(model, lane), GROUP)["pending"]
+            except Exception:  # no stream or group: nothing pending there
+                continue
+        return total
+
+    end = time.monotonic() + patience_s
+    while (n := count()) and time.monotonic() < end:
+        time.sleep(0.01)
+    return n

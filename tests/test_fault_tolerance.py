@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, settled_pending
 from worker_processes import log_events, spawn_worker, stop_all, wait_ready
 
 from producer.client import Client
@@ -66,8 +66,7 @@ def assert_exact(client: Client, ids: list[str], expected: list[list[int]]) -> N
 
 
 def pending(client: Client) -> int:
-    return sum(client.redis.xpending(KEYS.requests(MODEL, lane), GROUP)["pending"]
-               for lane in ("interactive", "batch"))
+    return settled_pending(client.redis)
 
 
 def owned_with_tokens(client: Client, worker: str, ids: list[str]) -> int:
@@ -177,7 +176,8 @@ def test_redis_restart_mid_run_loses_nothing(redis_server, redis_url, tiny_llama
 def test_a_request_that_kills_every_worker_ends_in_the_dead_letter_stream(redis_url, tiny_llama,
                                                                           tmp_path):
     client = Client(redis_url)
-    poison = client.submit([5, 999, 6], model=MODEL, max_tokens=4, temperature=0)
+    poison = client.submit([5, 999, 6], model=MODEL, max_tokens=4, temperature=0,
+                           allow_unregistered=True)  # queued before any worker registered
     env = {"CONVEYOR_FAULT_KILL_ON_TOKEN": "999"}
     procs = []
     try:

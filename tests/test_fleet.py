@@ -7,11 +7,11 @@ import time
 
 import msgpack
 import pytest
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, settled_pending
 
 from producer.client import Client
 from producer.clock import ManualClock
-from producer.wire.keys import GROUP, Keys
+from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD
 from worker import Engine, FinishReason, SamplingParams
 from worker.fleet.config import WorkerConfig
@@ -26,11 +26,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def pending(client: Client) -> int:
-    total = 0
-    for lane in ("interactive", "batch"):
-        info = client.redis.xpending(KEYS.requests(MODEL, lane), GROUP)
-        total += info["pending"]
-    return total
+    return settled_pending(client.redis)
 
 
 def test_results_equal_the_offline_engine_and_requests_are_acked(redis_url, tiny_llama,
@@ -77,8 +73,9 @@ def test_model_is_registered_for_producers(redis_url, start_worker):
 
 def test_two_workers_share_64_queued_requests(redis_url, start_worker):
     client = Client(redis_url)
+    # Queued before any worker registered the model: allowed explicitly.
     ids = [client.submit(prompt(10, seed=i), model=MODEL, max_tokens=16, temperature=0,
-                         ignore_eos=True) for i in range(64)]
+                         ignore_eos=True, allow_unregistered=True) for i in range(64)]
     # Both load their model first, then start together, as long-running workers would be.
     a = start_worker("a", max_num_seqs=16, autostart=False)
     b = start_worker("b", max_num_seqs=16, autostart=False)
@@ -94,9 +91,9 @@ def test_two_workers_share_64_queued_requests(redis_url, start_worker):
 def test_interactive_lane_is_served_before_batch(redis_url, tiny_llama):
     client = Client(redis_url)
     batch = [client.submit(prompt(5, seed=i), model=MODEL, lane="batch", max_tokens=2,
-                           temperature=0) for i in range(4)]
-    interactive = [client.submit(prompt(5, seed=i), model=MODEL, max_tokens=2, temperature=0)
-                   for i in range(4)]
+                           temperature=0, allow_unregistered=True) for i in range(4)]
+    interactive = [client.submit(prompt(5, seed=i), model=MODEL, max_tokens=2, temperature=0,
+                                 allow_unregistered=True) for i in range(4)]
     # One request in flight at a time, so the admission order is the reading order.
     worker = Worker(WorkerConfig(model_dir=tiny_llama, served_model_name=MODEL,
                                  redis_url=redis_url, engine={"max_num_seqs": 1}, prefetch=0,
@@ -193,7 +190,8 @@ def test_stop_drains_in_flight_requests(redis_url, start_worker):
 @pytest.mark.parametrize("lane", ["interactive", "batch"])
 def test_queued_before_any_worker_existed_is_served(redis_url, start_worker, lane):
     client = Client(redis_url)
-    rid = client.submit([5, 6], model=MODEL, lane=lane, max_tokens=2, temperature=0)
+    rid = client.submit([5, 6], model=MODEL, lane=lane, max_tokens=2, temperature=0,
+                        allow_unregistered=True)
     start_worker()
     assert client.result(rid, timeout=30).finish_reason is FinishReason.LENGTH
 

@@ -15,12 +15,12 @@ import time
 
 import msgpack
 import pytest
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, settled_pending
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from producer.client import Client
-from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.keys import LANES, Keys
 from producer.wire.params import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
 from producer.wire.protocol import (
     FIELD,
@@ -259,7 +259,7 @@ def test_thousands_of_malformed_entries_are_dead_lettered_and_the_worker_keeps_s
     by_entry = {f[b"entry_id"].decode(): f for _id, f in dead}
     assert len(dead) == len(ids) and set(by_entry) == set(ids)
     assert all(f[b"reason"] and f[b"stream"].decode() == STREAM for f in by_entry.values())
-    assert redis_client.xpending(STREAM, GROUP)["pending"] == 0
+    assert settled_pending(redis_client, MODEL) == 0
     assert all(t.is_alive() for t in threads), [t.name for t in threads if not t.is_alive()]
 
     with Client(redis_url) as client:

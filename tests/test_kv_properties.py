@@ -93,7 +93,8 @@ def test_the_property_cases_exercised_swaps_recomputes_and_prefix_hits():
     # Its own run of the same search (no reliance on another test having run first).
     seen: set[str] = set()
 
-    @PROPERTY
+    # The same cases every run (a fixed seed): the check must not depend on luck either.
+    @settings(PROPERTY, derandomize=True, database=None)
     @given(**CASES)
     def cases(specs, num_blocks, host_blocks, mode, budget, seed):
         seen.update(simulate(specs, num_blocks, host_blocks, mode, budget, seed))

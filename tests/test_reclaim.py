@@ -63,9 +63,14 @@ def test_lapsed_entries_behind_hundreds_of_live_ones_are_claimed(redis_url, redi
     client = Client(redis_url)
     for rid in lapsed:
         assert client.result(rid, timeout=60).finish_reason is FinishReason.LENGTH
-    # The live entries stay with their (live) owner.
-    owners = {p["consumer"] for p in redis_client.xpending_range(STREAM, GROUP, "-", "+", 500)}
-    assert owners == {b"alive"}
+    # Once the claimed five are acknowledged, the live entries stay with their (live) owner.
+
+    def owners() -> set[bytes]:
+        return {p["consumer"] for p in redis_client.xpending_range(STREAM, GROUP, "-", "+", 500)}
+
+    eventually(lambda: b"reaper" not in owners(), "the claimed entries acknowledged")
+    assert owners() == {b"alive"}
+    assert len(redis_client.xpending_range(STREAM, GROUP, "-", "+", 500)) == 400
 
 
 def test_a_worker_never_claims_away_or_dead_letters_what_it_serves_itself(
@@ -111,3 +116,29 @@ def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
     final_id = redis_client.xrevrange(KEYS.output(rid), count=1)[0][0]
     assert final_id == b"3-1"
     eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
+
+
+def test_a_dead_workers_consumer_leaves_the_group_only_once_it_holds_nothing(
+        redis_url, redis_client, start_worker, monkeypatch):
+    import worker.fleet.reaper as reaper_module
+
+    # Idle for 1 s counts as dead here (10 leases in production), the lease staying 30 s.
+    monkeypatch.setattr(reaper_module, "DEAD_CONSUMER_LEASES", 1000 / LEASE_MS)
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    redis_client.execute_command("XGROUP", "CREATECONSUMER", STREAM, GROUP, "ghost")  # holds none
+    add_request(redis_client, "held-by-holder", [5, 6], 2)
+    held_by(redis_client, "holder", 1)  # idle too, but holds an entry (not yet lapsed)
+    clock = ManualClock()
+    worker = start_worker("sweeper", clock=clock)
+
+    def idle_ms() -> dict[bytes, int]:
+        return {c["name"]: int(c["idle"]) for c in redis_client.xinfo_consumers(STREAM, GROUP)}
+
+    eventually(lambda: min(idle_ms()[n] for n in (b"ghost", b"holder")) >= 1000,
+               "both consumers idle past the limit (Redis's own idle time)")
+    ticks = worker.reaper.ticks
+    clock.advance(reaper_module.TRIM_INTERVAL_S)
+    eventually(lambda: worker.reaper.ticks > ticks, "the reaper swept")
+    names = set(idle_ms())
+    assert b"ghost" not in names and b"holder" in names  # gone, and kept: it holds an entry
+    assert worker.reaper.sweeper.removed == 1

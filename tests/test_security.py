@@ -19,7 +19,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import tls_redis_binary
 
 from producer.acl import ROLES, acl_rules, setuser_args
@@ -97,6 +97,7 @@ def test_a_request_round_trips_with_producer_worker_and_observer_users(acl_serve
         renewed = worker.leases.renewals
         client.cancel(long)
         cancelled = client.result(long, timeout=60)
+        settled_pending(admin, MODEL)  # both acknowledged (a round trip after their finals)
         assert client.models() == [MODEL]
         assert client.model_info(MODEL)["vocab_size"] > 0
         assert client.tokenizer(MODEL) is not None

@@ -81,6 +81,9 @@ class Engine:
         # (deadline, tie-break, request id, its output state): the state tells a live entry
         # from one left by a finished request whose id was reused since.
         self._deadlines: list[tuple[float, int, str, RequestOutputState]] = []
+        # Live requests that have a deadline: past twice as many heap entries, the entries
+        # of finished requests are dropped (the heap must not grow with every request).
+        self._with_deadline: set[str] = set()
         self.num_steps = 0
 
     # ----- requests -----
@@ -131,6 +134,7 @@ class Engine:
         self._outputs[request_id] = state
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._ids), request_id, state))
+            self._with_deadline.add(request_id)
         return request_id
 
     def abort(self, request_id: str,
@@ -241,6 +245,10 @@ class Engine:
     def _final_output(self, request_id: str, new_ids: list[int], reason: FinishReason,
                       logprob: Any = None) -> StepOutput:
         state = self._outputs.pop(request_id)
+        self._with_deadline.discard(request_id)
+        if len(self._deadlines) > 2 * len(self._with_deadline):
+            self._deadlines = [d for d in self._deadlines if self._outputs.get(d[2]) is d[3]]
+            heapq.heapify(self._deadlines)
         state.finish_text()
         return StepOutput(request_id, new_ids, state.take_delta(final=True), True, reason,
                           [logprob] if logprob else None,

@@ -20,7 +20,7 @@ from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
 from worker.fleet.supervised import SupervisedThread
-from worker.fleet.text_stage import Track
+from worker.fleet.text_stage import Forget, Track
 from worker.metrics import WorkerMetrics
 from worker.output_processor import StepOutput
 
@@ -200,6 +200,7 @@ class EngineLoop(SupervisedThread):
         for rid in ids:
             self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
+        self.publisher.publish([Forget(rid) for rid in ids])
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         items = []

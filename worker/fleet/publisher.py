@@ -22,12 +22,16 @@ from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 from worker.fleet.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread
-from worker.fleet.text_stage import TextStage, Track
+from worker.fleet.text_stage import Forget, TextStage, Track
 
 log = structlog.get_logger(__name__)
 
-# The dead-letter stream is for inspection, not an archive: keep about this many entries.
-DEAD_LETTER_MAXLEN = 100_000
+# The dead-letter stream is for inspection, not an archive: about this many entries, each
+# with at most this much of the reason and of the raw entry. Its worst case (entries x
+# their largest size, see dead_letter_fields) stays under 64 MiB.
+DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_REASON_BYTES = 1000
+DEAD_LETTER_RAW_BYTES = 4096
 # Engine steps whose output may wait for the publisher; past it the engine loop stops
 # stepping (Redis refusing writes must not make output pile up without limit).
 MAX_BACKLOG_STEPS = 256
@@ -76,6 +80,28 @@ class Rejection:
     dead_lettered: bool = False
 
 
+def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str, str | bytes]:
+    """The dead-letter entry of a rejection, every field bounded (ids are validated already:
+    a stream key, an entry id, a request id and a worker id are short)."""
+    reason = item.reason.encode()[:DEAD_LETTER_REASON_BYTES].decode(errors="ignore")
+    fields: dict[str, str | bytes] = {
+        "reason": reason,
+        "stream": item.stream,
+        "entry_id": item.entry_id,
+        "request_id": item.request_id or "",
+        "worker": worker_id,
+        "ts_ms": str(ts_ms),
+    }
+    if item.raw is not None:
+        fields["raw"] = item.raw[:DEAD_LETTER_RAW_BYTES]
+        fields["raw_bytes"] = str(len(item.raw))  # how long the entry really was
+    return fields
+
+
+# What the engine loop hands the publisher: output to write, or text state to start or end.
+Item = Publication | Rejection | Track | Forget
+
+
 class Publisher(SupervisedThread):
     """Writes what the engine loop produced; the engine loop never waits on Redis.
 
@@ -90,7 +116,7 @@ class Publisher(SupervisedThread):
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
-        self._queue: queue.Queue[list[Publication | Rejection | Track] | None] = queue.Queue()
+        self._queue: queue.Queue[list[Item] | None] = queue.Queue()
         # Prepared output not yet written, and whether close() asked for a last flush.
         self._owed: list[Publication | Rejection] | None = None
         self._closing = False
@@ -98,7 +124,7 @@ class Publisher(SupervisedThread):
         self.published_entries = 0
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
 
-    def publish(self, items: list[Publication | Rejection | Track]) -> None:
+    def publish(self, items: list[Item]) -> None:
         if items:
             self._queue.put(items)
 
@@ -128,7 +154,7 @@ class Publisher(SupervisedThread):
         if self._closing:
             self.stopping.set()
 
-    def _take(self) -> list[Publication | Rejection | Track] | None:
+    def _take(self) -> list[Item] | None:
         """The next queued items, coalesced: one round trip for several steps when behind."""
         try:
             first = self._queue.get(timeout=0.5)
@@ -149,13 +175,15 @@ class Publisher(SupervisedThread):
             batch.extend(more)
 
     def _prepare(
-        self, batch: list[Publication | Rejection | Track]
+        self, batch: list[Item]
     ) -> list[Publication | Rejection]:
         """Detokenize, apply stop strings, and drop output of requests already ended here."""
         ready: list[Publication | Rejection] = []
         for item in batch:
             if isinstance(item, Track):
                 self.text.track(item)
+            elif isinstance(item, Forget):
+                self.text.forget(item)
             elif isinstance(item, Rejection) or self.text.apply(item):
                 ready.append(item)
         return ready
@@ -236,19 +264,10 @@ class Publisher(SupervisedThread):
         return [*kinds, "expire"]
 
     def _add_rejection(self, pipe, item: Rejection) -> list[str]:
-        fields = {
-            "reason": item.reason[:2000],
-            "stream": item.stream,
-            "entry_id": item.entry_id,
-            "request_id": item.request_id or "",
-            "worker": self.worker_id,
-            "ts_ms": str(now_ms()),
-        }
-        if item.raw is not None:
-            fields["raw"] = item.raw[:65536]
         kinds = []
         if not item.dead_lettered:
-            pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.xadd(self.keys.dead, dead_letter_fields(item, self.worker_id, now_ms()),
+                      maxlen=DEAD_LETTER_MAXLEN, approximate=True)
             kinds.append("dead")
         if item.request_id and item.write_final:
             key = self.keys.output(item.request_id)

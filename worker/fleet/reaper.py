@@ -14,6 +14,7 @@ import structlog
 from producer.queues import trim_request_stream
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from worker.fleet.consumers import ConsumerSweeper
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
 from worker.fleet.publisher import Rejection
@@ -25,6 +26,8 @@ log = structlog.get_logger(__name__)
 
 # Served request entries are trimmed from the request streams about this often.
 TRIM_INTERVAL_S = 30.0
+# A consumer idle this many leases with nothing pending is a dead worker's: removed.
+DEAD_CONSUMER_LEASES = 10
 # XAUTOCLAIM calls one tick may make while following the cursor through the pending list.
 MAX_SCANS_PER_TICK = 16
 # XAUTOCLAIM ... JUSTID, returning its raw reply: [cursor, ids] (6.2) or [cursor, ids, deleted]
@@ -55,6 +58,8 @@ class Reaper(SupervisedThread):
         self.claimed = 0
         self._cursors: dict[str, str] = {}  # per stream: where the next pending scan starts
         self._autoclaim_script = client.register_script(AUTOCLAIM_SCRIPT)
+        # Consumers of workers gone for ten leases, holding nothing, leave the group.
+        self.sweeper = ConsumerSweeper(client, worker_id, DEAD_CONSUMER_LEASES * lease_ms)
         self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
 
     def tick(self) -> None:
@@ -66,6 +71,7 @@ class Reaper(SupervisedThread):
             self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
             for stream in self.intake.streams:
                 trim_request_stream(self.client, stream)
+                self.sweeper.sweep(stream)
 
     def reap(self, stream: str) -> int:
         """Claim and resume lapsed entries of one stream; returns how many were claimed.

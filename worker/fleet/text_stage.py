@@ -18,6 +18,13 @@ from worker.tokenizer import Tokenizer
 
 
 @dataclass
+class Forget:
+    """Stop following a request without a final (another worker owns it now)."""
+
+    request_id: str
+
+
+@dataclass
 class Track:
     """Start following a request: its parameters and where its entry came from."""
 
@@ -49,6 +56,15 @@ class TextStage:
             # was never published: emit from where its stream's text ends.
             state.emitted = min(len(item.published_text), len(state.text))
         self._states[item.request_id] = (state, item)
+
+    def forget(self, item: Forget) -> None:
+        self._states.pop(item.request_id, None)
+        self._stopped.discard(item.request_id)
+
+    @property
+    def num_followed(self) -> int:
+        """Requests with text state here (0 when the worker is idle)."""
+        return len(self._states) + len(self._stopped)
 
     def apply(self, pub) -> bool:
         """Fill in the publication's text (and a stop-string final); False means drop it."""

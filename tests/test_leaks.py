@@ -79,3 +79,18 @@ def test_500_requests_with_expiries_lease_losses_and_reused_ids_leave_nothing(
     assert served == 500
     eventually(lambda: not any(idle_sizes(worker).values()), "the worker at its idle size")
     assert idle_sizes(worker) == dict.fromkeys(idle_sizes(worker), 0)
+
+
+def test_the_dead_letter_streams_worst_case_stays_under_64_mib():
+    from worker.fleet.publisher import DEAD_LETTER_MAXLEN, Rejection, dead_letter_fields
+
+    longest_stream = KEYS.requests("m" * 128, "interactive")
+    worst = Rejection(longest_stream, f"{2**64 - 1}-{2**64 - 1}", "é" * 2**20, "r" * 64,
+                      raw=b"x" * 4 * 2**20)
+    fields = dead_letter_fields(worst, "w" * 128, 253_402_300_799_999)
+    size = sum(len(k) + len(v.encode() if isinstance(v, str) else v)
+               for k, v in fields.items())
+    # XADD with an approximate MAXLEN keeps up to one more stream node (100 entries); allow
+    # 64 bytes an entry for the entry id and the stream's own bookkeeping.
+    assert (DEAD_LETTER_MAXLEN + 100) * (size + 64) <= 64 * 2**20
+    assert fields["raw_bytes"] == str(4 * 2**20)

@@ -72,6 +72,9 @@ def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_writt
     # The engine finishes all four while Redis refuses their output and finals.
     eventually(lambda: len(worker.inflight) == 0, "the engine finished the four requests")
     assert worker.publisher.refused_writes > 0 and oom_refusals(redis_client) > refused_before
+    sample = worker.metrics.registry.get_sample_value
+    assert sample("conveyor_redis_refused_writes_total", {"model": MODEL}) > 0
+    assert sample("conveyor_redis_retries_total", {"model": MODEL, "thread": "publisher"}) > 0
     stream = KEYS.requests(MODEL, "interactive")
     assert redis_client.xpending(stream, GROUP)["pending"] == 4  # none acknowledged unwritten
     assert all(stream_entries(redis_client, rid)[1] == 0 for rid in ids)  # no final got in

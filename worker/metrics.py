@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -124,6 +125,8 @@ class WorkerMetrics:
         for reason in FinishReason:
             self.finished.labels(model, str(reason))
         r.register(_EngineStatsCollector(model, engine_stats))
+        self._faults = _FaultsCollector(model)
+        r.register(self._faults)
         self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
 
@@ -154,6 +157,10 @@ class WorkerMetrics:
         self.step_time.observe(seconds)
         self.step_tokens.observe(tokens)
 
+    def watch_faults(self, faults: Callable[[], FaultCounts]) -> None:
+        """Read the worker's fault counters (``faults()``) at each scrape."""
+        self._faults.read = faults
+
     # ----- fed by the queue poller -----
 
     def set_lanes(self, lanes: Iterable[LaneStats]) -> None:
@@ -174,6 +181,56 @@ class WorkerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+@dataclass
+class FaultCounts:
+    """How a worker met Redis faults, since it started (read at scrape time)."""
+
+    # Per thread: Redis errors retried (connection, timeout, refusals); whether it is healthy.
+    retries: dict[str, int] = field(default_factory=dict)
+    healthy: dict[str, bool] = field(default_factory=dict)
+    refused_writes: int = 0  # output batches Redis refused (each written later)
+    reclaimed: int = 0  # lapsed entries of other workers claimed and resumed
+    dead_letters: int = 0  # entries written to the dead-letter stream
+    consumers_removed: int = 0  # dead workers' consumers removed from the group
+
+
+class _FaultsCollector(Collector):
+    """Redis faults met and recovered from; nothing until the worker starts watching."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.read: Callable[[], FaultCounts] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        if self.read is None:
+            return
+        f = self.read()
+        retries = CounterMetricFamily("conveyor_redis_retries",
+                                      "Redis errors a worker thread met and retried.",
+                                      labels=["model", "thread"])
+        healthy = GaugeMetricFamily("conveyor_thread_healthy",
+                                    "1 while a worker thread reaches Redis, 0 while it retries.",
+                                    labels=["model", "thread"])
+        for thread, n in f.retries.items():
+            retries.add_metric([self.model, thread], float(n))
+            healthy.add_metric([self.model, thread], float(f.healthy.get(thread, True)))
+        yield retries
+        yield healthy
+        for name, doc, value in (
+            ("conveyor_redis_refused_writes", "Output batches Redis refused; each is retried.",
+             f.refused_writes),
+            ("conveyor_reclaimed_requests", "Lapsed entries of dead workers claimed here.",
+             f.reclaimed),
+            ("conveyor_dead_letters", "Entries written to the dead-letter stream.",
+             f.dead_letters),
+            ("conveyor_consumers_removed", "Dead workers' consumers removed from the group.",
+             f.consumers_removed),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric([self.model], float(value))
+            yield c
 
 
 class _EngineStatsCollector(Collector):

@@ -28,7 +28,7 @@ from worker.fleet.reaper import Reaper
 from worker.fleet.registration import register_model
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
-from worker.metrics import QueuePoller, WorkerMetrics
+from worker.metrics import FaultCounts, QueuePoller, WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,7 @@ class Worker:
                                         self.metrics, config.queue_poll_interval_s, **sup)
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.keys, wid,
                                    config.heartbeat_interval_s, self.status, **sup)
+        self.metrics.watch_faults(self.fault_counts)
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None
         self.state = "starting"
@@ -121,6 +122,17 @@ class Worker:
             "preemptions": stats.get("preemptions", 0),
             "metrics_port": self.metrics_port or "",
         }
+
+    def fault_counts(self) -> FaultCounts:
+        """The Redis faults this worker met and recovered from, for its metrics."""
+        return FaultCounts(
+            retries={t.name: t.transient_errors for t in self.threads},
+            healthy={t.name: t.healthy for t in self.threads},
+            refused_writes=self.publisher.refused_writes,
+            reclaimed=self.reaper.claimed,
+            dead_letters=self.publisher.dead_letters,
+            consumers_removed=self.reaper.sweeper.removed,
+        )
 
     def _tokens_per_s(self) -> float:
         """Generation rate since the previous call at least a second ago (a heartbeat)."""

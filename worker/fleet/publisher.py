@@ -123,6 +123,7 @@ class Publisher(SupervisedThread):
         self.owned = OwnedEntries(client, worker_id)
         self.published_entries = 0
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
+        self.dead_letters = 0
 
     def publish(self, items: list[Item]) -> None:
         if items:
@@ -218,6 +219,7 @@ class Publisher(SupervisedThread):
             if not isinstance(r, Exception):
                 if kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
+                    self.dead_letters += 1
             elif kind in ("chunk", "final") and already_written(r):
                 if kind == "final" and isinstance(item, Publication):
                     item.final_existed = True

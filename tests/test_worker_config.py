@@ -42,6 +42,6 @@ def test_worker_flags_default_to_the_config_dataclasses():
     assert bench.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
 
 
-def test_conveyor_worker_with_a_bad_setting_exits_2_with_the_reason(tiny_llama, capsys):
+def test_conveyor_worker_with_a_bad_setting_exits_2_with_the_reason(tiny_llama, capfd):
     assert main(["worker", "--model", str(tiny_llama), "--lease-ms", "0"]) == 2
-    assert "lease_ms must be" in capsys.readouterr().err
+    assert "lease_ms must be" in capfd.readouterr().err

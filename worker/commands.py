@@ -100,6 +100,9 @@ def _add_serve_parser(subparsers: Any) -> None:
                    "default: not served)")
     p.add_argument("--metrics-host", default=worker("metrics_host"), metavar="ADDR",
                    help="address the metrics server binds (default: all interfaces)")
+    p.add_argument("--allow-eviction", action="store_true",
+                   help="serve even if Redis's maxmemory-policy may evict keys (an evicted "
+                   "request stream loses its requests; default: refuse to start)")
     p.set_defaults(handler=worker_cmd)
 
 
@@ -166,6 +169,7 @@ def worker_cmd(args: argparse.Namespace) -> int:
                           lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
                           heartbeat_interval_s=args.heartbeat_interval,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          allow_eviction=args.allow_eviction,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
     return Worker(config).run_until_signalled()
 

@@ -52,6 +52,9 @@ class WorkerConfig:
     metrics_host: str = "0.0.0.0"
     # How often the lane depth and pending gauges are read from Redis while metrics are served.
     queue_poll_interval_s: float = 2.0
+    # Serve even when Redis may evict keys (maxmemory-policy other than noeviction): an
+    # evicted request stream takes its consumer group and every request in it along.
+    allow_eviction: bool = False
 
     @property
     def model_name(self) -> str:

@@ -25,7 +25,7 @@ from worker.fleet.intake import Admission, Intake, ensure_groups
 from worker.fleet.leases import LeaseKeeper, hand_back
 from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
-from worker.fleet.registration import register_model
+from worker.fleet.registration import check_eviction_policy, register_model
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
 from worker.metrics import FaultCounts, QueuePoller, WorkerMetrics
@@ -144,6 +144,7 @@ class Worker:
         return round(rate, 1)
 
     def start(self) -> None:
+        check_eviction_policy(self.client, self.config.allow_eviction)
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.

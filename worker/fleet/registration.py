@@ -27,3 +27,27 @@ def register_model(client: redis.Redis, keys: Keys, name: str, engine: Engine,
     if tokenizer_file.is_file():
         mapping["tokenizer_json"] = tokenizer_file.read_text(encoding="utf-8")
     client.hset(keys.model(name), mapping=mapping)
+
+
+def check_eviction_policy(client: redis.Redis, allowed: bool) -> str:
+    """Refuse (ValueError) to serve from a Redis that may evict keys, unless ``allowed``.
+
+    Streams hold the requests and their consumer group: under any policy but noeviction a
+    full Redis may drop a whole request stream, and every request in it with no trace.
+    Returns the policy found.
+    """
+    try:
+        policy = str(client.info("memory").get("maxmemory_policy", "noeviction"))
+    except redis.ResponseError as exc:
+        if allowed:
+            return "unknown"
+        raise ValueError(f"cannot read Redis's maxmemory-policy ({exc}): grant the worker "
+                         "INFO, or pass --allow-eviction if its keys may be evicted") from exc
+    if policy != "noeviction" and not allowed:
+        raise ValueError(
+            f"Redis's maxmemory-policy is {policy!r}: it may evict a request stream with its "
+            "consumer group and every request in it. Set `maxmemory-policy noeviction` (a full "
+            "Redis then refuses writes, which workers retry), or pass --allow-eviction to "
+            "accept the loss")
+    return policy
+

@@ -18,15 +18,18 @@ PRODUCER_COMMANDS = (
     "evalsha", "eval", "script|load",  # submit(max_queue=...): reloaded after a Redis restart
     "exists", "xinfo", "xlen", "xrange",  # run by that script; lane depths (producer.queues)
     "xread",  # stream, result, follow_many
+    "xrevrange",  # a stream's last entry: resuming after its end, `conveyor tail`
     "set", "publish", "multi", "exec", "discard",  # cancel: marker and announcement at once
-    "hget", "hgetall", "scan",  # models, model_info, tokenizer
+    "hget", "hgetall", "scan",  # models, model_info, tokenizer; live workers (heartbeats)
 )
 
 # Commands a worker (worker/fleet) sends, and why.
 WORKER_COMMANDS = (
     "ping",  # health checks, also on the subscribed connection
+    "info",  # at start: refuse a Redis whose maxmemory-policy may evict request streams
     "client|setname",  # each thread names its connection ({worker_id}:{thread}) for CLIENT LIST
     "xgroup|create",  # the consumer group, recreated if a Redis restart lost it
+    "xgroup|delconsumer",  # dead workers' consumers, once they hold no pending entry
     "xreadgroup", "xack",  # intake; acknowledged after the final entry
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts
     "xadd", "expire", "xrange", "xrevrange",  # output streams, dead letters, resumption
@@ -52,7 +55,9 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
     ns = Keys(namespace).ns
     shared = [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:model:*", f"{ns}:cancelled:*"]
     if role == "producer":
-        return shared
+        # Heartbeats are read (HGETALL) to tell which models have a live worker; the
+        # producer has no command that writes a hash or deletes a key.
+        return [*shared, f"{ns}:worker:*"]
     if role == "worker":
         return [*shared, f"{ns}:dead", f"{ns}:worker:*"]
     if role == "observer":

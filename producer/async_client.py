@@ -22,8 +22,9 @@ from producer.client import (
 )
 from producer.clock import Clock
 from producer.connection import connect_async
-from producer.stream_events import StreamEvent, completion_from
-from producer.stream_follow import OutputFollower
+from producer.models import ModelState, decode_hash, model_states, state_of
+from producer.stream_events import StreamEvent, completion_from, event_from
+from producer.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
 from producer.wire.completion import Completion
 from producer.wire.protocol import FIELD
 
@@ -58,17 +59,21 @@ class AsyncClient(ClientBase):
         self, prompt: str | list[int], *, model: str, lane: str = "interactive",
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.asyncio.client.Pipeline | None = None,
-        max_queue: int | None = None, **sampling: Any,
+        max_queue: int | None = None, allow_unregistered: bool = False, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
         See :meth:`producer.client.Client.submit`; with ``pipeline`` the XADD is only queued,
         and ``max_queue`` raises QueueFull when the stream is full (never checked in a pipeline).
+        A model nobody registered raises ModelNotFound unless ``allow_unregistered``; one
+        without a live worker is queued with a warning logged.
         """
         sub = self._submission(
             prompt, max_queue, pipeline is not None, model=model, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
+        if not allow_unregistered:
+            await self._check_model(sub.model, sub.request_id)
         if sub.limit is not None:
             await add_if_room_async(self.redis, sub.key, FIELD, sub.payload, sub.limit)
         elif pipeline is not None:
@@ -77,14 +82,28 @@ class AsyncClient(ClientBase):
             await self.redis.xadd(sub.key, {FIELD: sub.payload})
         return sub.request_id
 
+    async def _check_model(self, model: str, request_id: str) -> None:
+        state = self._recent_state(model)
+        fresh = state is None
+        if state is None:
+            state = await self.model_state(model)
+        self._judge(state, fresh, request_id, None if state.known else await self.models())
+
     def stream(
         self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
     ) -> AsyncIterator[StreamEvent]:
         """Async-iterate a request's ChunkEvents in token order, then its FinalEvent.
 
-        Same resume, each-index-once and timeout rules as :meth:`producer.client.Client.stream`.
+        Same resume, each-index-once, gap and timeout rules as
+        :meth:`producer.client.Client.stream`.
         """
-        return self._follow(self._follower(request_id, from_id, timeout))
+        return self._follow_one(self._follower(request_id, from_id, timeout))
+
+    async def _follow_one(self, follower: StreamFollower) -> AsyncIterator[StreamEvent]:
+        if follower.needs_probe:
+            follower.probe(await self.redis.xrevrange(follower.key, count=1))
+        async for event in self._follow(follower):
+            yield event
 
     async def _follow(self, follower: OutputFollower[T]) -> AsyncIterator[T]:
         # The only I/O of following: the follower decides what to read and what it means.
@@ -100,6 +119,21 @@ class AsyncClient(ClientBase):
         events = [e async for e in self.stream(request_id, timeout=timeout)]
         return completion_from(request_id, events)
 
+    async def last_event(self, request_id: str) -> StreamEvent | None:
+        """The last entry of a request's output stream, decoded; None when it has none."""
+        last = await self.redis.xrevrange(self.keys.output(request_id), count=1)
+        return event_from(*last[0]) if last else None
+
+    async def wait_for_output(self, request_id: str, timeout: float | None) -> bool:
+        """Whether the request's output stream exists, waiting up to ``timeout`` seconds."""
+        key = self.keys.output(request_id)
+        deadline = deadline_after(timeout, self.clock)
+        while not await self.redis.exists(key):
+            if deadline is not None and self.clock.monotonic() >= deadline:
+                return False
+            await self.redis.xread({key: "0-0"}, count=1, block=block_ms(deadline, self.clock))
+        return True
+
     async def cancel(
         self, request_id: str, *, pipeline: redis.asyncio.client.Pipeline | None = None
     ) -> None:
@@ -109,10 +143,36 @@ class AsyncClient(ClientBase):
         if pipeline is None:
             await pipe.execute()
 
-    async def models(self) -> list[str]:
-        """Names of the models workers have registered, sorted."""
+    async def models(self, *, live_only: bool = False) -> list[str]:
+        """Names of the models workers have registered, sorted; with ``live_only``, the
+        models a live worker serves. See :meth:`producer.client.Client.models`."""
+        if live_only:
+            return [s.name for s in await self.model_states() if s.live]
         found = [k async for k in self.redis.scan_iter(match=model_pattern(self.keys), count=100)]
         return model_names(self.keys, found)
+
+    async def model_states(self) -> list[ModelState]:
+        """Every known model with its live workers; see :meth:`Client.model_states`."""
+        states = model_states(await self.models(), await self._heartbeats())
+        for state in states:
+            self._remember(state)
+        return states
+
+    async def model_state(self, name: str) -> ModelState:
+        """One model's state: registered or not, and its live workers."""
+        registered = bool(await self.redis.exists(self.keys.model(name)))
+        return self._remember(state_of(name, registered, await self._heartbeats()))
+
+    async def _heartbeats(self) -> list[dict[str, str]] | None:
+        try:
+            found = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern,
+                                                             count=1000)]
+            pipe = self.redis.pipeline(transaction=False)
+            for key in found:
+                pipe.hgetall(key)
+            return [decode_hash(raw) for raw in await pipe.execute() if raw]
+        except redis.exceptions.NoPermissionError:
+            return None
 
     async def model_info(self, name: str) -> dict[str, Any] | None:
         """A registered model's description, or None; see :meth:`Client.model_info`."""

@@ -22,6 +22,7 @@ from producer.bulk.requests import RetryPolicy
 from producer.cli_client import resolve_model
 from producer.cli_redis import add_connection_args
 from producer.client import Client
+from producer.models import pick_default_model
 
 # Seconds between two looks at a followed job.
 FOLLOW_POLL_S = 0.5
@@ -46,7 +47,7 @@ def add_bulk_parser(subparsers: Any) -> None:
                    help="results JSONL; lines already in it are skipped")
     p.add_argument("--model", metavar="NAME",
                    help="model for every line (default: each body's model, else the only "
-                   "registered model)")
+                   "model with a live worker, else the only registered model)")
     _add_request_args(p)
     p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY, metavar="N",
                    help="requests in flight at once")
@@ -56,7 +57,8 @@ def add_bulk_parser(subparsers: Any) -> None:
     p = sub.add_parser("analyze", help="enqueue analyze_document for a file and follow it")
     p.add_argument("file", help="text file to analyse ('-' reads stdin)")
     p.add_argument("--instruction", required=True, help="what to ask about the document")
-    p.add_argument("--model", metavar="NAME", help="default: the only registered model")
+    p.add_argument("--model", metavar="NAME", help="default: the only model with a live "
+                   "worker, else the only registered model")
     p.add_argument("--chunk-tokens", type=int, default=defaults.CHUNK_TOKENS, metavar="N")
     p.add_argument("--overlap-tokens", type=int, default=defaults.OVERLAP_TOKENS, metavar="N")
     p.add_argument("--reduce-instruction", default=None, help="how to combine chunk answers")
@@ -65,6 +67,9 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--reduce-max-tokens", type=int, default=None, metavar="N",
                    help="longest reduce answer (default: --max-tokens)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument("--model-wait", type=float, default=defaults.MODEL_WAIT_S, metavar="S",
+                   help="seconds the job waits for the model to be registered and served "
+                   f"by a live worker before it fails (default: {defaults.MODEL_WAIT_S:g})")
     _add_request_args(p)
     p.add_argument("--queue", default=defaults.DEFAULT_QUEUE, help="RQ queue name")
     p.add_argument("--no-follow", action="store_true", help="print the job id and return")
@@ -124,8 +129,8 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
 
 
 def _only_model(client: Client) -> str | None:
-    names = client.models()
-    return names[0] if len(names) == 1 else None
+    """The only model with a live worker, else the only registered one, else None."""
+    return pick_default_model(client.model_states())
 
 
 class ProgressBar:
@@ -169,6 +174,7 @@ def _analyze(client: Client, args: argparse.Namespace) -> int:
         "sampling": {"temperature": args.temperature},
         "request_timeout": args.request_timeout, "max_attempts": args.max_attempts,
         "priority": args.priority, "namespace": args.namespace,
+        "model_wait_timeout": args.model_wait,
     }
     job = enqueue_analyze(queue, text, args.instruction, model=model, **options)
     print(job.id, flush=True)
@@ -231,6 +237,10 @@ def describe_progress(info: dict[str, Any]) -> str:
     """One line: a job's status and, for analysis jobs, chunks and reduce levels done."""
     meta = info["meta"]
     parts = [f"job {info['id']}: {info['status']}"]
+    if meta.get("stage") == "waiting_for_model":
+        state = str(meta.get("model_state", "")).replace("_", " ")
+        parts.append(f"waiting for the model ({state}, {meta.get('model_waited_s', 0):g} s "
+                     f"of {meta.get('model_wait_limit_s', 0):g} s)")
     if meta.get("chunks_total") is not None:
         parts.append(f"chunks {meta.get('chunks_done', 0)}/{meta['chunks_total']}")
     if meta.get("reduce_level"):
@@ -249,7 +259,8 @@ def describe_progress(info: dict[str, Any]) -> str:
 
 _ANALYZE_META = frozenset({"stage", "chunks_total", "chunks_done", "reduce_level", "reduce_total",
                            "reduce_done", "retries", "usage", "error", "updated_at",
-                           "num_tokens"})
+                           "num_tokens", "model_state", "model_waited_s",
+                           "model_wait_limit_s"})
 
 
 def _result_of(job: Any) -> Any:

@@ -15,11 +15,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
+import structlog
 
 from producer.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.connection import connect
-from producer.stream_events import StreamEvent, completion_from
+from producer.models import (
+    ModelState,
+    decode_hash,
+    model_states,
+    state_of,
+)
+from producer.models import model_names as _model_names
+from producer.stream_events import (  # noqa: F401 (StreamGapError: re-export)
+    StreamEvent,
+    StreamGapError,
+    completion_from,
+    event_from,
+)
 from producer.stream_follow import (  # noqa: F401 (block_ms, deadline_after, timed_out: re-export)
     ManyFollower,
     OutputFollower,
@@ -29,6 +42,7 @@ from producer.stream_follow import (  # noqa: F401 (block_ms, deadline_after, ti
     timed_out,
 )
 from producer.wire.completion import Completion
+from producer.wire.errors import ModelNotFound
 from producer.wire.keys import Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FIELD, GenerationRequest
@@ -44,6 +58,11 @@ CANCEL_MARKER_TTL_S = 3600
 READ_COUNT = 512
 # Streams one XREAD of follow_many covers; the rest wait for the next round.
 FOLLOW_MANY_KEYS = 256
+# How long (seconds on the client's clock) submit trusts what it last learnt of a registered
+# model's state: a burst of submits costs one look at Redis, and logs "no live worker" once.
+MODEL_CHECK_TTL_S = 5.0
+
+log = structlog.get_logger(__name__)
 
 # Model hash fields (written by workers) that hold integers, and the one holding a JSON list.
 _INT_FIELDS = ("max_model_len", "vocab_size", "updated_ms")
@@ -125,8 +144,7 @@ def parse_model_info(raw: dict[bytes, bytes]) -> dict[str, Any] | None:
 
 def model_names(keys: Keys, found: list[bytes]) -> list[str]:
     """Sorted model names from the keys a SCAN over ``{ns}:model:*`` returned."""
-    prefix = len(model_pattern(keys)) - 1
-    return sorted({k.decode()[prefix:] for k in found})
+    return _model_names(keys, found)
 
 
 def model_pattern(keys: Keys) -> str:
@@ -158,6 +176,7 @@ class Submission:
     payload: bytes
     # None: XADD without counting the queue (no limit, or a pipelined submit).
     limit: int | None
+    model: str = ""
 
 
 class ClientBase:
@@ -175,6 +194,8 @@ class ClientBase:
         if connection is not None:
             check_bytes_replies(connection)
         self._owns_connection = connection is None
+        # Model name -> (clock.monotonic() when read, its state): see MODEL_CHECK_TTL_S.
+        self._model_checks: dict[str, tuple[float, ModelState]] = {}
 
     def _submission(
         self, prompt: str | Sequence[int], max_queue: int | None, pipelined: bool, **request: Any
@@ -183,7 +204,31 @@ class ClientBase:
         limit = queue_limit(max_queue, self.max_queue, pipelined)
         built = build_request(prompt, clock=self.clock, **request)
         key = self.keys.requests(built.model, built.lane)
-        return Submission(built.request_id, key, built.encode(), limit)
+        return Submission(built.request_id, key, built.encode(), limit, built.model)
+
+    def _remember(self, state: ModelState) -> ModelState:
+        self._model_checks[state.name] = (self.clock.monotonic(), state)
+        return state
+
+    def _recent_state(self, model: str) -> ModelState | None:
+        """What submit last learnt of ``model``, if it is recent and the model was known
+        (an unknown model is looked up again every time: a registration shows at once)."""
+        checked = self._model_checks.get(model)
+        if checked is None or not checked[1].known:
+            return None
+        at, state = checked
+        return state if self.clock.monotonic() - at < MODEL_CHECK_TTL_S else None
+
+    def _judge(self, state: ModelState, fresh: bool, request_id: str,
+               served: list[str] | None) -> None:
+        """Refuse a model nobody registered (``served``: the registered names); warn once
+        per look at Redis about a model no live worker serves."""
+        if not state.known:
+            raise ModelNotFound(state.name, served or [], self.keys.ns)
+        if fresh and not state.live:
+            log.warning("no live worker serves this model: the request waits in its queue "
+                        "until a worker starts (or its deadline passes)",
+                        model=state.name, request_id=request_id)
 
     def _follower(
         self, request_id: str, from_id: str | None, timeout: float | None
@@ -223,13 +268,21 @@ class Client(ClientBase):
         self, prompt: str | list[int], *, model: str, lane: str = "interactive",
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.client.Pipeline | None = None,
-        max_queue: int | None = None, **sampling: Any,
+        max_queue: int | None = None, allow_unregistered: bool = False, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
         ``prompt`` is text or token ids; ``timeout`` (seconds from now on the client's clock)
-        sets ``deadline_ms``; other keywords are SamplingParams fields. With ``pipeline`` the
-        XADD is only queued.
+        sets ``deadline_ms``, the server-side deadline; other keywords are SamplingParams
+        fields. With ``pipeline`` the XADD is only queued (the model check below still reads
+        Redis at once).
+
+        The model must be known: a model no worker ever registered (and no live worker
+        serves) raises :class:`~producer.wire.errors.ModelNotFound`, naming the registered
+        ones, unless ``allow_unregistered`` (then the request waits for a worker of that
+        name, and nothing is looked up). A registered model without a live worker is
+        queued and a warning is logged. What submit learnt is trusted for
+        ``MODEL_CHECK_TTL_S`` seconds of the client's clock, so a burst costs one look.
 
         ``max_queue`` (default: the client's) refuses the request with
         :class:`~producer.backpressure.QueueFull` when its stream already holds that many
@@ -241,11 +294,20 @@ class Client(ClientBase):
             prompt, max_queue, pipeline is not None, model=model, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
+        if not allow_unregistered:
+            self._check_model(sub.model, sub.request_id)
         if sub.limit is not None:
             add_if_room(self.redis, sub.key, FIELD, sub.payload, sub.limit)
         else:
             (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
         return sub.request_id
+
+    def _check_model(self, model: str, request_id: str) -> None:
+        state = self._recent_state(model)
+        fresh = state is None
+        if state is None:
+            state = self.model_state(model)
+        self._judge(state, fresh, request_id, None if state.known else self.models())
 
     def stream(
         self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
@@ -255,9 +317,17 @@ class Client(ClientBase):
         Starts after entry ``from_id`` (default: the beginning), so a reader resumes from
         the last entry id it saw. Each token index is yielded once. ``timeout`` (seconds on
         the client's clock, None = forever) raises TimeoutError when no final entry arrived
-        in time.
+        in time. A stream that skips token indexes, or whose final entry disagrees with the
+        tokens delivered, raises :class:`~producer.stream_events.StreamGapError` after the
+        events before the gap. Resuming at or after the final entry yields nothing and
+        returns at once.
         """
-        return self._follow(self._follower(request_id, from_id, timeout))
+        return self._follow_one(self._follower(request_id, from_id, timeout))
+
+    def _follow_one(self, follower: StreamFollower) -> Iterator[StreamEvent]:
+        if follower.needs_probe:
+            follower.probe(self.redis.xrevrange(follower.key, count=1))
+        yield from self._follow(follower)
 
     def follow_many(
         self, request_ids: list[str], *, timeout: float | None = None
@@ -265,7 +335,8 @@ class Client(ClientBase):
         """Yield (request id, event) for many requests at once, until every one has finished.
 
         One XREAD covers up to FOLLOW_MANY_KEYS streams, so a dashboard or a benchmark
-        follows hundreds of requests without a thread each.
+        follows hundreds of requests without a thread each. A gap in any stream raises
+        :class:`~producer.stream_events.StreamGapError`.
         """
         keys = {self.keys.output(rid): rid for rid in request_ids}
         yield from self._follow(ManyFollower(keys, timeout, self.clock, FOLLOW_MANY_KEYS))
@@ -281,9 +352,28 @@ class Client(ClientBase):
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a request to finish and return its whole Completion.
 
-        A failed request returns finish_reason ``error`` with the message in ``error``.
+        A failed request returns finish_reason ``error`` with the message in ``error``;
+        lost tokens raise :class:`~producer.stream_events.StreamGapError`.
         """
         return completion_from(request_id, list(self.stream(request_id, timeout=timeout)))
+
+    def last_event(self, request_id: str) -> StreamEvent | None:
+        """The last entry of a request's output stream, decoded; None when it has no stream
+        (an unknown id, output expired, or a request not started yet)."""
+        last = self.redis.xrevrange(self.keys.output(request_id), count=1)
+        return event_from(*last[0]) if last else None
+
+    def wait_for_output(self, request_id: str, timeout: float | None) -> bool:
+        """Whether the request's output stream exists, waiting up to ``timeout`` seconds of
+        the client's clock (None: forever, 0: just look) for its first entry."""
+        key = self.keys.output(request_id)
+        deadline = deadline_after(timeout, self.clock)
+        while not self.redis.exists(key):
+            if deadline is not None and self.clock.monotonic() >= deadline:
+                return False
+            # XREAD on a missing key blocks until its first entry is written.
+            self.redis.xread({key: "0-0"}, count=1, block=block_ms(deadline, self.clock))
+        return True
 
     def cancel(self, request_id: str, *, pipeline: redis.client.Pipeline | None = None) -> None:
         """Ask workers to stop a request: a marker key plus an announcement, in one go."""
@@ -292,10 +382,38 @@ class Client(ClientBase):
         if pipeline is None:
             pipe.execute()
 
-    def models(self) -> list[str]:
-        """Names of the models workers have registered, sorted."""
+    def models(self, *, live_only: bool = False) -> list[str]:
+        """Names of the models workers have registered, sorted; with ``live_only``, the
+        models a live worker serves (see :meth:`model_states`)."""
+        if live_only:
+            return [s.name for s in self.model_states() if s.live]
         found = list(self.redis.scan_iter(match=model_pattern(self.keys), count=100))
         return model_names(self.keys, found)
+
+    def model_states(self) -> list[ModelState]:
+        """Every registered model and every model a live worker serves, with its live
+        workers (from their heartbeats), sorted by name. A registration left by a worker
+        long gone shows as ``no_live_worker``."""
+        states = model_states(self.models(), self._heartbeats())
+        for state in states:
+            self._remember(state)
+        return states
+
+    def model_state(self, name: str) -> ModelState:
+        """One model's state: registered or not, and its live workers."""
+        registered = bool(self.redis.exists(self.keys.model(name)))
+        return self._remember(state_of(name, registered, self._heartbeats()))
+
+    def _heartbeats(self) -> list[dict[str, str]] | None:
+        """Every worker's heartbeat hash, decoded; None when the ACL does not allow it."""
+        try:
+            found = list(self.redis.scan_iter(match=self.keys.worker_pattern, count=1000))
+            pipe = self.redis.pipeline(transaction=False)
+            for key in found:
+                pipe.hgetall(key)
+            return [decode_hash(raw) for raw in pipe.execute() if raw]
+        except redis.exceptions.NoPermissionError:
+            return None
 
     def model_info(self, name: str) -> dict[str, Any] | None:
         """A registered model's description (max_model_len, eos_token_ids, vocab_size,

@@ -1,7 +1,8 @@
 """What streaming a request yields, and the pure logic turning output entries into it.
 
 Both clients feed raw stream entries to an ``OutputTracker``; it decodes them, drops
-token indexes already seen and says when the final entry has arrived. No I/O here.
+token indexes already seen, refuses a stream that skips indexes (:class:`StreamGapError`)
+and says when the final entry has arrived. No I/O here.
 """
 
 from __future__ import annotations
@@ -42,11 +43,65 @@ class FinalEvent:
 StreamEvent = ChunkEvent | FinalEvent
 
 
+class StreamGapError(ValueError):
+    """A request's output stream skips token indexes, or its final entry disagrees with the
+    tokens delivered: tokens were lost on the way, and the output cannot be trusted.
+
+    ``expected`` is the next token index the reader needed; ``found`` the index the entry
+    starts at (a chunk) or the token count it claims (a final). Never glued over: a reader
+    that meets one stops and raises it.
+    """
+
+    def __init__(self, request_id: str | None, entry_id: str, expected: int, found: int,
+                 final: bool = False) -> None:
+        who = f"request {request_id}" if request_id else "output stream"
+        if final:
+            detail = (f"final entry {entry_id} says {found} tokens but {expected} were "
+                      f"delivered")
+            if found > expected:
+                detail += f" (token indexes {expected}..{found - 1} are missing)"
+        else:
+            detail = (f"expected token index {expected}, entry {entry_id} starts at {found} "
+                      f"(token indexes {expected}..{found - 1} are missing)")
+        super().__init__(f"{who}: gap in the output stream: {detail}")
+        self.request_id = request_id
+        self.entry_id = entry_id
+        self.expected = expected
+        self.found = found
+        self.final = final
+
+
 def validate_entry_id(entry_id: object) -> str:
     """A stream entry id to resume after, or a ValueError."""
     if not isinstance(entry_id, str) or not _ENTRY_ID.fullmatch(entry_id):
         raise ValueError(f"entry id must look like 12-0, got {str(entry_id)[:40]!r}")
     return entry_id
+
+
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a tuple that orders like Redis orders ids ("5" is "5-0")."""
+    first, _, second = validate_entry_id(entry_id).partition("-")
+    return int(first), int(second or 0)
+
+
+def event_from(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
+    """One output entry as an event, on its own (no tracking); ProtocolError when malformed."""
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    entry = decode_output(fields.get(FIELD))
+    if isinstance(entry, FinalEntry):
+        return _final_event(eid, entry)
+    return ChunkEvent(eid, entry.index, list(entry.token_ids), entry.text)
+
+
+def _final_event(eid: str, entry: FinalEntry) -> FinalEvent:
+    return FinalEvent(
+        eid,
+        entry.finish_reason,
+        entry.num_tokens,
+        {str(k): int(v) for k, v in entry.usage.items()},
+        entry.error,
+        entry.text,
+    )
 
 
 def next_index_after(entry_id: str) -> int:
@@ -59,9 +114,15 @@ def next_index_after(entry_id: str) -> int:
 
 
 class OutputTracker:
-    """Turns one request's output entries into events, each token index once."""
+    """Turns one request's output entries into events, each token index once.
 
-    def __init__(self, from_id: str = "0-0") -> None:
+    A chunk that starts after the next expected index, or a final entry whose token count
+    is not the number of tokens delivered, raises :class:`StreamGapError` (naming
+    ``request_id`` when given).
+    """
+
+    def __init__(self, from_id: str = "0-0", request_id: str | None = None) -> None:
+        self.request_id = request_id
         self.last_id = validate_entry_id(from_id)
         self.next_index = next_index_after(from_id)
         self.final: FinalEvent | None = None
@@ -75,28 +136,33 @@ class OutputTracker:
         return self.final is not None
 
     def feed(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent | None:
-        """Decode one entry; None when it holds no token index not yet yielded."""
+        """Decode one entry; None when it holds no token index not yet yielded.
+
+        StreamGapError when the entry shows that tokens were lost; the tracker then stays
+        where it was (``last_id`` is not moved past the bad entry).
+        """
         eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        self.last_id = eid
         if self.final is not None:
+            self.last_id = eid
             return None
         entry = decode_output(fields.get(FIELD))
         if isinstance(entry, FinalEntry):
-            self.final = FinalEvent(
-                eid,
-                entry.finish_reason,
-                entry.num_tokens,
-                {str(k): int(v) for k, v in entry.usage.items()},
-                entry.error,
-                entry.text,
-            )
+            if entry.num_tokens != self.next_index:
+                raise StreamGapError(self.request_id, eid, self.next_index, entry.num_tokens,
+                                     final=True)
+            self.last_id = eid
+            self.final = _final_event(eid, entry)
             return self.final
-        return self._chunk(eid, entry)
+        event = self._chunk(eid, entry)
+        self.last_id = eid
+        return event
 
     def _chunk(self, eid: str, chunk: OutputChunk) -> ChunkEvent | None:
         end = chunk.index + len(chunk.token_ids)
         if end <= self.next_index:
             return None
+        if chunk.index > self.next_index:
+            raise StreamGapError(self.request_id, eid, self.next_index, chunk.index)
         skip = max(0, self.next_index - chunk.index)
         text = chunk.text if skip == 0 else self._strip_seen(chunk)
         event = ChunkEvent(eid, chunk.index + skip, list(chunk.token_ids[skip:]), text)

@@ -4,7 +4,8 @@
 only in how they call XREAD (plainly or awaited). A follower holds everything else: each
 stream's last id, the deadline on an injected clock, the BLOCK of the next read, the
 events a reply yields (through :class:`~producer.stream_events.OutputTracker`), and
-whether the streams are done or the time is up.
+whether the streams are done, broken (a gap: :class:`~producer.stream_events.StreamGapError`)
+or the time is up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from typing import Any, Generic, TypeVar
 
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.defaults import MAX_BLOCK_MS
-from producer.stream_events import OutputTracker, StreamEvent, validate_entry_id
+from producer.stream_events import (
+    FinalEvent,
+    OutputTracker,
+    StreamEvent,
+    StreamGapError,
+    entry_id_key,
+    event_from,
+    validate_entry_id,
+)
 
 T = TypeVar("T")
 
@@ -51,6 +60,8 @@ class OutputFollower(ABC, Generic[T]):
 
     A reader loops: XREAD :meth:`streams` with BLOCK :meth:`block_ms`, hand the reply to
     :meth:`feed` and pass on what it returns, then :meth:`check_deadline`; until :attr:`done`.
+    A gap met in a reply is raised by the next :meth:`check_deadline`, after the reader has
+    passed on the events that came before it.
     """
 
     def __init__(
@@ -66,6 +77,8 @@ class OutputFollower(ABC, Generic[T]):
         self._clock = clock
         self._deadline = deadline_after(timeout, clock)
         self._max_keys = max_keys
+        # A gap met while feeding: raised once the events before it were handed out.
+        self._gap: StreamGapError | None = None
 
     @property
     def done(self) -> bool:
@@ -90,7 +103,10 @@ class OutputFollower(ABC, Generic[T]):
         return items
 
     def check_deadline(self) -> None:
-        """TimeoutError, naming the first unfinished request, once the clock passed the deadline."""
+        """StreamGapError when the last reply showed lost tokens; else TimeoutError, naming
+        the first unfinished request, once the clock passed the deadline."""
+        if self._gap is not None:
+            raise self._gap
         if self._open and self._deadline is not None and self._clock.monotonic() >= self._deadline:
             request_id, _tracker = next(iter(self._open.values()))
             raise timed_out(request_id, self._timeout)
@@ -101,7 +117,13 @@ class OutputFollower(ABC, Generic[T]):
         request_id, tracker = self._open[key]
         items: list[T] = []
         for entry_id, fields in entries:
-            event = tracker.feed(entry_id, fields)
+            try:
+                event = tracker.feed(entry_id, fields)
+            except StreamGapError as gap:
+                # Nothing more is read: the events before the gap are still handed out.
+                self._gap = gap
+                self._open.clear()
+                break
             if event is not None:
                 items.append(self._item(request_id, event))
             if tracker.done:
@@ -121,8 +143,34 @@ class StreamFollower(OutputFollower[StreamEvent]):
     def __init__(
         self, request_id: str, key: str, from_id: str, timeout: float | None, clock: Clock
     ) -> None:
-        tracker = OutputTracker(validate_entry_id(from_id))
+        self.key = key
+        self.from_id = validate_entry_id(from_id)
+        # The final entry the reader had already passed when it resumed (see probe).
+        self.finished_before: FinalEvent | None = None
+        tracker = OutputTracker(self.from_id, request_id)
         super().__init__({key: (request_id, tracker)}, timeout, clock, max_keys=1)
+
+    @property
+    def needs_probe(self) -> bool:
+        """Whether the reader resumes after some entry: it must first look at the stream's
+        last entry (XREVRANGE key + - COUNT 1) and hand it to :meth:`probe`."""
+        return entry_id_key(self.from_id) > (0, 0)
+
+    def probe(self, last: list[tuple[Any, dict[bytes, bytes]]]) -> None:
+        """Take the stream's last entry (as XREVRANGE returns it). When it is a final entry
+        at or before ``from_id`` the reader has seen the end already: the follower is done
+        at once (nothing is yielded; the final is kept in :attr:`finished_before`), instead
+        of waiting for entries that will never come."""
+        if not last:
+            return
+        entry_id, fields = last[0]
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        if entry_id_key(eid) > entry_id_key(self.from_id):
+            return
+        event = event_from(eid, fields)
+        if isinstance(event, FinalEvent):
+            self.finished_before = event
+            self._open.clear()
 
     def _item(self, request_id: str, event: StreamEvent) -> StreamEvent:
         return event
@@ -137,7 +185,7 @@ class ManyFollower(OutputFollower[tuple[str, StreamEvent]]):
     def __init__(
         self, keys: dict[str, str], timeout: float | None, clock: Clock, max_keys: int
     ) -> None:
-        streams = {key: (rid, OutputTracker()) for key, rid in keys.items()}
+        streams = {key: (rid, OutputTracker(request_id=rid)) for key, rid in keys.items()}
         super().__init__(streams, timeout, clock, max_keys)
 
     def _item(self, request_id: str, event: StreamEvent) -> tuple[str, StreamEvent]:

@@ -1,7 +1,8 @@
 """`conveyor top`: a live terminal view of the fleet, read from Redis (no torch, no worker).
 
-Workers come from their heartbeat hashes (``{ns}:worker:*``), lanes from each model's
-request streams and consumer group; one frame is one snapshot of both.
+Workers come from their heartbeat hashes (``{ns}:worker:*``), models from their
+registrations and those heartbeats (which have a live worker), lanes from each model's
+request streams and consumer group; one frame is one snapshot of all three.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import redis
 from producer.cli_redis import add_redis_url_option
 from producer.client import Client
 from producer.connection import describe
+from producer.models import ModelState, model_states
 from producer.queues import LaneStats, lane_stats
 from producer.wire.protocol import now_ms
 
@@ -33,14 +35,17 @@ class FleetSnapshot:
     # One dict per live worker: its heartbeat hash, decoded to str values.
     workers: list[dict[str, str]] = field(default_factory=list)
     lanes: list[LaneStats] = field(default_factory=list)
+    # Every model registered, served or queued for, with its live workers.
+    models: list[ModelState] = field(default_factory=list)
 
 
 def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``top`` verb to the ``conveyor`` command."""
     p = subparsers.add_parser(
         "top", help="live view of the fleet: workers, lanes, load",
-        description="Workers (from their heartbeats) with running / waiting / KV use / tokens "
-        "per second, and each model's lanes with the requests waiting and pending.")
+        description="Models (registered or not, and how many live workers serve each), "
+        "workers (from their heartbeats) with running / waiting / KV use / tokens per second, "
+        "and each model's lanes with the requests waiting and pending.")
     add_redis_url_option(p)
     p.add_argument("--namespace", metavar="NS", default="conveyor")
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
@@ -79,20 +84,20 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     """Every live worker's heartbeat, and the lanes of every model that is registered, served
     or has a request stream (requests may wait for a model no worker serves)."""
     conn, keys = client.redis, client.keys
-    worker_keys, models = [], set()
+    worker_keys, registered, models = [], set(), set()
     # One SCAN for all three kinds of key: SCAN walks the whole keyspace whatever it matches.
     for key in conn.scan_iter(match=f"{keys.ns}:*", count=1000):
         kind, _, rest = _text(key)[len(keys.ns) + 1:].partition(":")
         if kind == "worker":
             worker_keys.append(key)
         elif kind == "model":
-            models.add(rest)
+            registered.add(rest)
         elif kind == "req":  # {ns}:req:{model}:{lane}
             models.add(rest.rpartition(":")[0])
     workers = read_workers(conn, worker_keys)
-    models |= {w["model"] for w in workers if w.get("model")}
+    models |= registered | {w["model"] for w in workers if w.get("model")}
     lanes = [s for model in sorted(models) for s in lane_stats(conn, keys, model)]
-    return FleetSnapshot(now_ms(), workers, lanes)
+    return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))
 
 
 def read_workers(conn: redis.Redis, worker_keys: list[bytes]) -> list[dict[str, str]]:
@@ -115,6 +120,12 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
                f"running {_sum(ws, 'running')}  waiting {_sum(ws, 'waiting')}  "
                f"queued {sum(s.depth for s in snap.lanes)}  "
                f"tokens/s {sum(_float(w, 'tokens_per_s') for w in ws):.1f}")
+    states = {"live": "live", "no_live_worker": "NO-LIVE-WORKER",
+              "not_registered": "NOT-REGISTERED"}
+    models = _table(["model", "state", "live_workers", "registered"],
+                    [[m.name, states[m.state], len(m.live_workers),
+                      "yes" if m.registered else "no"] for m in snap.models]
+                    ) if snap.models else ["(no models)"]
     lanes = _table(["model", "lane", "queued", "pending", "consumers", "length"],
                    [[s.model, s.lane, s.depth, s.pending, s.consumers, s.length]
                     for s in snap.lanes]) if snap.lanes else ["(no models registered)"]
@@ -125,7 +136,8 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
     workers = _table(["worker", "model", "status", "running", "waiting", "swapped", "inflight",
                       "kv used", "tokens/s", "tokens", "seen"], rows) if ws else [
         "(no live workers)"]
-    return "\n".join([summary, "", "LANES", *lanes, "", "WORKERS", *workers])
+    return "\n".join([summary, "", "MODELS", *models, "", "LANES", *lanes, "", "WORKERS",
+                      *workers])
 
 
 def _table(headers: Sequence[str], rows: list[list[object]]) -> list[str]:

@@ -49,7 +49,9 @@ def client(server, r):
 
 
 def submit(client: Client, n: int = 1, **kwargs) -> list[str]:
-    return [client.submit([1, 2, 3], model=MODEL, max_tokens=2, **kwargs) for _ in range(n)]
+    # No worker registers MODEL here: the queue alone is under test.
+    return [client.submit([1, 2, 3], model=MODEL, max_tokens=2, allow_unregistered=True,
+                          **kwargs) for _ in range(n)]
 
 
 def deliver(r: redis.Redis, count: int) -> list[str]:
@@ -144,9 +146,9 @@ def test_async_client_refuses_a_full_queue_too(server, r):
     async def run() -> None:
         async with AsyncClient(server.url, max_queue=2) as ac:
             for _ in range(2):
-                await ac.submit([1, 2], model=MODEL)
+                await ac.submit([1, 2], model=MODEL, allow_unregistered=True)
             with pytest.raises(QueueFull):
-                await ac.submit([1, 2], model=MODEL)
+                await ac.submit([1, 2], model=MODEL, allow_unregistered=True)
 
     asyncio.run(run())
     assert r.xlen(STREAM) == 2

@@ -124,6 +124,7 @@ class InThread:
 
 
 def test_submit_text_prompt_writes_a_decodable_request(client, r):
+    register(r)
     rid = client.submit("Hello there", model=MODEL, max_tokens=8, temperature=0.0, seed=3)
 
     assert len(rid) == 32 and rid.isalnum()
@@ -136,6 +137,7 @@ def test_submit_text_prompt_writes_a_decodable_request(client, r):
 
 def test_submit_token_ids_on_the_batch_lane_with_id_priority_and_timeout(redis_url, r):
     clock = ManualClock()
+    register(r)
     with Client(redis_url, clock=clock) as client:
         rid = client.submit([1, 2, 3], model=MODEL, lane="batch", request_id="doc-7_a",
                             priority=-5, timeout=30, stop=["\n"])
@@ -150,6 +152,7 @@ def test_submit_token_ids_on_the_batch_lane_with_id_priority_and_timeout(redis_u
 
 
 def test_submit_in_a_pipeline_writes_on_execute(client, r):
+    register(r)
     pipe = client.redis.pipeline()
     ids = [client.submit(f"q{i}", model=MODEL, pipeline=pipe) for i in range(3)]
     assert requests_on(r) == []
@@ -484,7 +487,8 @@ def test_cli_submit_prints_the_id_then_the_text(redis_url, r, capsys):  # noqa: 
 
 def test_cli_submit_stream_prints_text_and_a_summary(redis_url, r, capsys):  # noqa: F811
     worker = serve_one(redis_url, "m2")
-    argv = ("submit", "hello", "--model", "m2", "--stream", "--seed", "4", "--redis", redis_url)
+    argv = ("submit", "hello", "--model", "m2", "--stream", "--seed", "4", "--redis", redis_url,
+            "--allow-unregistered")  # the stand-in worker registers nothing
     rc = run_client_cmd(parse(*argv))
     worker.join()
 

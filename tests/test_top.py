@@ -30,9 +30,11 @@ def row(text: str, *first: str) -> list[str]:
 def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url, start_worker,
                                                                       capsys):
     client = Client(redis_url)
-    ids = [client.submit([1, 2, 3], model=MODEL, max_tokens=4, ignore_eos=True)
-           for _ in range(3)]
-    client.submit([1, 2, 3], model="nobody-serves-me", lane="batch", max_tokens=4)
+    # Queued before any worker registered the model: allowed explicitly.
+    ids = [client.submit([1, 2, 3], model=MODEL, max_tokens=4, ignore_eos=True,
+                         allow_unregistered=True) for _ in range(3)]
+    client.submit([1, 2, 3], model="nobody-serves-me", lane="batch", max_tokens=4,
+                  allow_unregistered=True)
 
     before = frame(redis_url, capsys)
     assert "(no live workers)" in before and "workers 0" in " ".join(row(before, "conveyor", "top"))

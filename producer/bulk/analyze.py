@@ -4,6 +4,8 @@ do not fit one context. Enqueue it by path: ``producer.bulk.analyze_document``."
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,6 +21,9 @@ from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
 from producer.client import Client
+from producer.clock import SYSTEM_CLOCK, Clock
+from producer.models import ModelState
+from producer.wire.errors import ModelNotFound
 from producer.wire.params import SamplingParams
 
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -97,6 +102,8 @@ def analyze_document(
     priority: int = 0,
     namespace: str = "conveyor",
     redis_url: str | None = None,
+    model_wait_timeout: float = defaults.MODEL_WAIT_S,
+    clock: Clock | None = None,
 ) -> dict[str, Any]:
     """Answer ``instruction`` about ``text`` with ``model`` and return a JSON-ready dict.
 
@@ -109,6 +116,13 @@ def analyze_document(
     (greedy unless it sets ``temperature``). A request is retried, under a new id, when it
     gets no final entry within ``request_timeout`` seconds (up to ``max_attempts`` tries with
     backoff from ``backoff_base``); a request the fleet refuses fails the job at once.
+
+    Before anything is sent the job waits, up to ``model_wait_timeout`` seconds (of
+    ``clock``, default the system's), for ``model`` to be registered and served by a live
+    worker; meanwhile its meta says ``stage: waiting_for_model`` with ``model_state``
+    (``not_registered`` or ``no_live_worker``) and ``model_waited_s``. Past that the job
+    fails: ModelNotFound for a model nobody registered, AnalysisFailed for one no live
+    worker serves.
 
     The result: ``answer``, ``chunks`` (per chunk: span, text, usage, tries), ``reduce``
     (levels and per-request results), ``usage`` totals and ``timings``. Progress (chunks
@@ -125,6 +139,7 @@ def analyze_document(
                     {**base, "max_tokens": max_tokens}, {**base, "max_tokens": reduce_max})
     policy = RetryPolicy(request_timeout, max_attempts, backoff_base,
                          max(backoff_base, defaults.BACKOFF_CAP_S))
+    check_wait(model_wait_timeout)
     job = get_current_job()
     progress = Progress(job)
     with (fleet_connection(redis_url, job) as connection,
@@ -132,6 +147,9 @@ def analyze_document(
         runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
                                concurrency=concurrency, on_retry=progress.retried)
         try:
+            wait_for_model(client, model, model_wait_timeout, progress,
+                           clock=clock or SYSTEM_CLOCK)
+            marks["model_ready"] = time.monotonic()
             tokenizer, info = _model_tokenizer(client, model)
             doc_ids = tokenizer.encode(text, add_special_tokens=False).ids
             if not doc_ids:
@@ -163,6 +181,42 @@ def analyze_document(
         "usage": progress.meta["usage"], "retries": runner.retries,
         "timings": _timings(marks, started_at),
     }
+
+
+def check_wait(seconds: object) -> float:
+    """A model wait in seconds: a finite number >= 0, else ValueError."""
+    if (not isinstance(seconds, int | float) or isinstance(seconds, bool)
+            or not math.isfinite(seconds) or seconds < 0):
+        raise ValueError(f"model_wait_timeout must be a number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def wait_for_model(client: Client, model: str, timeout: float, progress: Progress, *,
+                   clock: Clock = SYSTEM_CLOCK,
+                   poll_s: float = defaults.MODEL_POLL_S) -> ModelState:
+    """Return once ``model`` is registered and a live worker serves it; look every
+    ``poll_s`` seconds of ``clock``, at most ``timeout`` seconds, and keep the wait in the
+    job's meta. Past the timeout: ModelNotFound (never registered) or AnalysisFailed
+    (registered, no live worker)."""
+    started = clock.monotonic()
+    never = threading.Event()  # nothing sets it: each wait lasts its whole timeout
+    while True:
+        state = client.model_state(model)
+        waited = clock.monotonic() - started
+        if state.registered and state.live:
+            if waited > 0:
+                progress.update(model_state=state.state, model_waited_s=round(waited, 1))
+            return state
+        if waited >= timeout:
+            break
+        progress.update(stage="waiting_for_model", model_state=state.state,
+                        model_waited_s=round(waited, 1), model_wait_limit_s=timeout)
+        clock.wait(never, min(poll_s, timeout - waited))
+    if not state.registered:
+        raise ModelNotFound(model, client.models(), client.keys.ns,
+                            detail=f"after waiting {timeout:g} s")
+    raise AnalysisFailed(f"model {model!r} is registered but no live worker served it "
+                         f"within {timeout:g} s: start a worker for it")
 
 
 def _model_tokenizer(client: Client, model: str) -> tuple[Tokenizer, dict[str, Any]]:
@@ -233,7 +287,8 @@ def _timings(marks: dict[str, float], started_at: str) -> dict[str, Any]:
     return {
         "started_at": started_at,
         "ended_at": datetime.now(UTC).isoformat(),
-        "tokenize_s": round(marks["tokenized"] - marks["started"], 4),
+        "model_wait_s": round(marks["model_ready"] - marks["started"], 4),
+        "tokenize_s": round(marks["tokenized"] - marks["model_ready"], 4),
         "map_s": round(marks["mapped"] - marks["tokenized"], 4),
         "reduce_s": round(marks["ended"] - marks["mapped"], 4),
         "total_s": round(marks["ended"] - marks["started"], 4),

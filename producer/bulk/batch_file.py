@@ -21,6 +21,7 @@ from producer.bulk import defaults
 from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
 from producer.client import Client
 from producer.wire.completion import Completion
+from producer.wire.errors import ModelNotFound
 from producer.wire.params import SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
@@ -193,8 +194,12 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
 
 
 def plan(input_path: Path, output_path: Path, model: str | None, default_model: str | None,
-         served: set[str]) -> tuple[list[BatchItem], list[BadLine], int, int]:
-    """What a run has to do: items to submit, bad lines to answer, total lines, skipped."""
+         served: set[str], namespace: str = "conveyor",
+         ) -> tuple[list[BatchItem], list[BadLine], int, int]:
+    """What a run has to do: items to submit, bad lines to answer, total lines, skipped.
+
+    ``served``: the models a line may name (registered, or served by a live worker); a line
+    naming another gets a ``model_not_found`` error line."""
     done_ids, done_lines = read_done(output_path)
     items: list[BatchItem] = []
     bad: list[BadLine] = []
@@ -214,7 +219,7 @@ def plan(input_path: Path, output_path: Path, model: str | None, default_model: 
                                    f"custom_id {cid!r} appears on an earlier line"))
             elif isinstance(parsed, BatchItem) and parsed.model not in served:
                 bad.append(BadLine(n, cid, "model_not_found",
-                                   f"model {parsed.model!r} is not served by any worker"))
+                                   str(ModelNotFound(parsed.model, sorted(served), namespace))))
             elif isinstance(parsed, BatchItem):
                 items.append(parsed)
             else:
@@ -240,14 +245,18 @@ def run_batch_file(
     lane and append one line per request to ``output_path`` as each finishes.
 
     ``model`` replaces every body's model; ``default_model`` serves bodies without one.
-    Invalid lines, requests the fleet refuses and
-    requests out of tries get error lines; lines already in the output are skipped, so
-    after a crash running it again finishes the rest (delete an error line to retry it).
+    A line whose model nobody registered gets a ``model_not_found`` error line; one whose
+    model is registered but has no live worker is queued like any other (it waits for a
+    worker, retried and then reported as its request timeout says). Invalid lines,
+    requests the fleet refuses and requests out of tries get error lines; lines already in
+    the output are skipped, so after a crash running it again finishes the rest (delete an
+    error line to retry it).
     """
     started = time.monotonic()
     input_path, output_path = Path(input_path), Path(output_path)
-    items, bad, total, skipped = plan(input_path, output_path, model, default_model,
-                                      set(client.models()))
+    served = {s.name for s in client.model_states() if s.known}
+    items, bad, total, skipped = plan(input_path, output_path, model, default_model, served,
+                                      client.keys.ns)
     summary = BatchSummary(total=total, skipped=skipped)
     by_line = {item.line: item for item in items}
     runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
@@ -277,6 +286,7 @@ def run_batch_file(
 def _outcome_line(item: BatchItem, outcome: Outcome) -> dict[str, Any]:
     if outcome.ok:
         return result_line(item, outcome.completion, int(time.time()))
-    code = "invalid_request" if outcome.failure == "invalid" else "request_failed"
+    code = outcome.code or (
+        "invalid_request" if outcome.failure == "invalid" else "request_failed")
     rid = outcome.request_ids[-1] if outcome.request_ids else None
     return error_line(item.custom_id, code, outcome.error or "failed", request_id=rid)

@@ -29,6 +29,14 @@ REDUCE_INSTRUCTION = (
     "Combine them into one answer for the whole document."
 )
 
+# --- Waiting for the model ---------------------------------------------------------------------
+
+# Seconds an analyze job waits for its model to be registered and served by a live worker
+# before it fails (a fleet that is still starting, or scaled to zero); job timeouts add it.
+MODEL_WAIT_S = 300.0
+# Seconds between two looks at the model's registration and heartbeats while waiting.
+MODEL_POLL_S = 1.0
+
 # --- Requests to the fleet ---------------------------------------------------------------------
 
 # Seconds one request may take, queue wait included, before it is presumed lost (its worker

@@ -29,9 +29,10 @@ def bulk_queue(url: str | None = None, name: str = defaults.DEFAULT_QUEUE, *,
     return Queue(name, connection=connection or connect(url), serializer=JSONSerializer)
 
 
-def job_timeout_for(text: str) -> int:
-    """Seconds an analysis of ``text`` may run: a base plus a share per 1,000 characters."""
-    return int(defaults.JOB_TIMEOUT_BASE_S
+def job_timeout_for(text: str, model_wait_s: float = defaults.MODEL_WAIT_S) -> int:
+    """Seconds an analysis of ``text`` may run: a base plus a share per 1,000 characters,
+    plus the longest it may wait for its model (``model_wait_timeout``)."""
+    return int(defaults.JOB_TIMEOUT_BASE_S + model_wait_s
                + defaults.JOB_TIMEOUT_PER_1K_CHARS_S * len(text) / 1000)
 
 
@@ -42,7 +43,8 @@ def enqueue_analyze(queue: Queue, text: str, instruction: str, *, model: str,
     return queue.enqueue(
         ANALYZE_FUNC,
         kwargs={"text": text, "instruction": instruction, "model": model, **options},
-        job_timeout=job_timeout_for(text),
+        job_timeout=job_timeout_for(
+            text, options.get("model_wait_timeout", defaults.MODEL_WAIT_S)),
         result_ttl=defaults.RESULT_TTL_S,
         failure_ttl=defaults.FAILURE_TTL_S,
         job_id=job_id,

@@ -2,9 +2,10 @@
 
 A request the fleet answers with ``error`` (malformed, prompt over the model's length, a
 poison request) or that someone cancelled is *invalid*: trying again cannot help. A request
-that expired, or that got no final entry within the request timeout (its worker died: no
-worker will finish it), is *transient*: it is cancelled and submitted again under a new id
-after a backoff, up to a number of tries.
+that expired, that got no final entry within the request timeout (its worker died: no
+worker will finish it), or whose output stream lost tokens (a gap: StreamGapError), is
+*transient*: it is cancelled and submitted again under a new id after a backoff, up to a
+number of tries. A model nobody registered is invalid (``code`` ``model_not_found``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import redis
 from producer.bulk import defaults
 from producer.client import READ_COUNT, Client
 from producer.defaults import MAX_BLOCK_MS
-from producer.stream_events import OutputTracker, StreamEvent, completion_from
+from producer.stream_events import OutputTracker, StreamEvent, StreamGapError, completion_from
 from producer.wire.completion import Completion, FinishReason
+from producer.wire.errors import ModelNotFound
 
 # Redis errors that outlived the connection's own retries: worth another try a bit later.
 _REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
@@ -92,6 +94,8 @@ class Outcome:
     request_ids: list[str] = field(default_factory=list)
     attempts: int = 0
     elapsed_s: float = 0.0
+    # A specific error code for the caller (``model_not_found``), when there is one.
+    code: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -186,6 +190,11 @@ class RequestRunner:
                 break
             try:
                 self._submit(task, pipe)
+            except ModelNotFound as exc:  # nobody registered the model: nothing was queued
+                outcome = self._outcome(task, None, str(exc), FailureKind.INVALID)
+                outcome.code = "model_not_found"
+                ended.append(outcome)
+                continue
             except ValueError as exc:  # invalid parameters: nothing was queued for it
                 ended.append(self._outcome(task, None, str(exc), FailureKind.INVALID))
                 continue
@@ -210,7 +219,7 @@ class RequestRunner:
         task.attempts += 1
         task.request_ids.append(rid)
         task.first_submit = task.first_submit or now
-        task.request_id, task.tracker, task.events = rid, OutputTracker(), []
+        task.request_id, task.tracker, task.events = rid, OutputTracker(request_id=rid), []
         task.deadline = now + self.policy.request_timeout
 
     # --- waiting ---------------------------------------------------------------------------
@@ -229,7 +238,15 @@ class RequestRunner:
             for entry_id, fields in entries:
                 if task is None:
                     break
-                event = task.tracker.feed(entry_id, fields)
+                try:
+                    event = task.tracker.feed(entry_id, fields)
+                except StreamGapError as gap:
+                    # Tokens were lost: never glue over them. Drop this try and run the
+                    # work again under a new id, like a try that got no final entry.
+                    del self._active[key]
+                    self._cancel([task.request_id])
+                    ended += self._retry_or_fail(task, str(gap))
+                    break
                 if event is not None:
                     task.events.append(event)
                 if task.tracker.done:

@@ -14,3 +14,23 @@ class QueueFull(RuntimeError):
         self.stream = stream
         self.count = count
         self.limit = limit
+
+
+class ModelNotFound(LookupError, ValueError):
+    """No worker has registered ``model`` (no ``{ns}:model:{name}`` hash) and none serves it.
+
+    A ``LookupError`` and a ``ValueError``: code that already treats a bad ``model`` argument
+    as a ValueError keeps working. ``served`` lists the models that are registered.
+    """
+
+    def __init__(self, model: str, served: list[str], namespace: str = "conveyor",
+                 detail: str = "") -> None:
+        names = ", ".join(served) if served else "none"
+        super().__init__(
+            f"model {model!r} is not registered in namespace {namespace!r}"
+            f"{' ' + detail if detail else ''}: no worker serves it "
+            f"(registered models: {names})"
+        )
+        self.model = model
+        self.served = list(served)
+        self.namespace = namespace

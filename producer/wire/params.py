@@ -19,15 +19,23 @@ MAX_SEED = 2**63 - 1
 MAX_NEW_TOKENS = 2**31 - 1
 # Any top_k at or above the vocabulary size keeps every token.
 MAX_TOP_K = 2**31 - 1
+# Below this a positive temperature is greedy decoding. The sampler divides float32 logits
+# by the temperature: 1e-320 is 0 in float32 (logits / 0 is NaN), and anything under about
+# 1e-35 overflows the scaled logits to inf. At 1e-5 the distribution is already one-hot for
+# any logits that differ by more than 1e-3, so greedy is what such a request means.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy decoding. ``top_k == 0``, ``top_p == 1`` and
-    ``min_p == 0`` each switch their filter off. A request with a ``seed`` gets
-    the same tokens whatever batch it runs in and after any restart.
+    ``temperature == 0`` is greedy decoding. A temperature below ``MIN_TEMPERATURE``
+    (1e-5; e.g. 1e-320, which would underflow to NaN in the sampler) is treated as greedy:
+    it is stored as 0.0, so the request, its wire form and the worker all see greedy.
+    ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` each switch their filter off. A
+    request with a ``seed`` gets the same tokens whatever batch it runs in and after any
+    restart.
     """
 
     max_tokens: int = 16
@@ -52,6 +60,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {brief(value)}")
             object.__setattr__(self, name, tuple(value))
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -65,3 +65,18 @@ def settled_pending(r, model: str = MODEL, patience_s: float = 30.0) -> int:
     while (n := count()) and time.monotonic() < end:
         time.sleep(0.01)
     return n
+
+
+def output_entries(r, request_id: str) -> tuple[list[int], int]:
+    """(every token index on the request's output stream, in order; its final entries)."""
+    from producer.wire.keys import Keys
+    from producer.wire.protocol import FIELD, FinalEntry, decode_output
+
+    indexes, finals = [], 0
+    for _, fields in r.xrange(Keys().output(request_id)):
+        entry = decode_output(fields[FIELD])
+        if isinstance(entry, FinalEntry):
+            finals += 1
+        else:
+            indexes.extend(range(entry.index, entry.index + len(entry.token_ids)))
+    return indexes, finals

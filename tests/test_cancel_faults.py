@@ -3,12 +3,10 @@ cancelled: while its worker was dead, or while the worker's subscription was dow
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from fleet_fixtures import MODEL
 from test_reclaim import STREAM, add_request, held_by
 from test_worker_threads import cut, restore
+from waiting import eventually
 
 from producer.client import Client
 from producer.clock import ManualClock
@@ -18,14 +16,7 @@ from producer.wire.protocol import FIELD, OutputChunk
 from worker.fleet.supervised import BACKOFF_CAP_S
 
 KEYS = Keys()
-PATIENCE_S = 60.0  # bounds waits for states that are certain to come; never evidence
 
-
-def eventually(condition: Callable[[], object], what: str) -> None:
-    end = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def test_a_request_cancelled_while_its_worker_was_dead_ends_cancelled_on_the_next(

@@ -164,11 +164,13 @@ def test_redis_restart_mid_run_loses_nothing(redis_server, redis_url, tiny_llama
                                              start_worker):
     client = Client(redis_url)
     prompts, max_tokens = workload(16, 300, seed=3)
-    start_worker("steady", max_num_seqs=32)
+    worker = start_worker("steady", max_num_seqs=32)
     ids = submit_all(client, prompts, max_tokens)
     next(client.stream(ids[-1], timeout=30))
-    assert pending(client) > 0  # requests are mid-generation when Redis goes away
+    worker.loop.pause()  # holds all sixteen mid-generation while Redis restarts
+    assert len(worker.inflight) == len(ids)
     redis_server.restart()
+    worker.loop.resume()
     assert_exact(client, ids, reference(prompts, max_tokens))
     assert pending(client) == 0
 

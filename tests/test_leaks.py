@@ -3,10 +3,8 @@ lease losses and reused ids leave every per-request structure at its idle size."
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from fleet_fixtures import MODEL
+from waiting import eventually
 
 from producer.client import Client
 from producer.clock import ManualClock
@@ -15,15 +13,8 @@ from producer.wire.keys import GROUP, Keys
 
 KEYS = Keys()
 STREAM = KEYS.requests(MODEL, "interactive")
-PATIENCE_S = 120.0  # bounds waits for states that are certain to come; never evidence
 ROUND = 50
 
-
-def eventually(condition: Callable[[], object], what: str) -> None:
-    end = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def idle_sizes(worker) -> dict[str, int]:
@@ -77,7 +68,7 @@ def test_500_requests_with_expiries_lease_losses_and_reused_ids_leave_nothing(
         served += 2 * ROUND
 
     assert served == 500
-    eventually(lambda: not any(idle_sizes(worker).values()), "the worker at its idle size")
+    eventually(lambda: not any(idle_sizes(worker).values()), "the worker at its idle size", 120)
     assert idle_sizes(worker) == dict.fromkeys(idle_sizes(worker), 0)
 
 

@@ -4,11 +4,9 @@ error after the tokens already published."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import redis
 from fleet_fixtures import MODEL
+from waiting import eventually
 
 from producer.client import Client
 from producer.clock import ManualClock
@@ -20,14 +18,7 @@ from producer.wire.protocol import FIELD, GenerationRequest, OutputChunk
 KEYS = Keys()
 STREAM = KEYS.requests(MODEL, "interactive")
 LEASE_MS = 30_000  # WorkerConfig's default, which start_worker keeps
-PATIENCE_S = 60.0  # bounds waits for states that are certain to come; never evidence
 
-
-def eventually(condition: Callable[[], object], what: str) -> None:
-    end = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def add_request(r: redis.Redis, rid: str, prompt: list[int], max_tokens: int) -> str:

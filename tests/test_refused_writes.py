@@ -4,28 +4,20 @@ and the engine stops stepping rather than piling output up in memory."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, output_entries
+from waiting import eventually
 
 import worker.fleet.publisher as publisher_module
 from producer.client import Client
 from producer.wire.keys import GROUP, Keys
-from producer.wire.protocol import FIELD, FinalEntry, decode_output
 from worker import Engine, SamplingParams
 
 KEYS = Keys()
-PATIENCE_S = 60.0  # bounds waits for states that are certain to come; never evidence
 
-
-def eventually(condition: Callable[[], object], what: str) -> None:
-    end = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def oom_refusals(r: redis.Redis) -> int:
@@ -42,18 +34,6 @@ def full_redis(redis_client: redis.Redis) -> Iterator[Callable[[bool], None]]:
 
     yield full
     full(False)
-
-
-def stream_entries(r: redis.Redis, rid: str) -> tuple[list[int], int]:
-    """(every token index on the output stream in order, how many final entries)."""
-    indexes, finals = [], 0
-    for _, fields in r.xrange(KEYS.output(rid)):
-        entry = decode_output(fields[FIELD])
-        if isinstance(entry, FinalEntry):
-            finals += 1
-        else:
-            indexes.extend(range(entry.index, entry.index + len(entry.token_ids)))
-    return indexes, finals
 
 
 def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_written(
@@ -77,12 +57,12 @@ def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_writt
     assert sample("conveyor_redis_retries_total", {"model": MODEL, "thread": "publisher"}) > 0
     stream = KEYS.requests(MODEL, "interactive")
     assert redis_client.xpending(stream, GROUP)["pending"] == 4  # none acknowledged unwritten
-    assert all(stream_entries(redis_client, rid)[1] == 0 for rid in ids)  # no final got in
+    assert all(output_entries(redis_client, rid)[1] == 0 for rid in ids)  # no final got in
     full_redis(False)
     for rid, tokens in zip(ids, want, strict=True):
         done = client.result(rid, timeout=60)
         assert done.token_ids == tokens
-        assert stream_entries(redis_client, rid) == (list(range(len(tokens))), 1)
+        assert output_entries(redis_client, rid) == (list(range(len(tokens))), 1)
     eventually(lambda: redis_client.xpending(stream, GROUP)["pending"] == 0, "all acknowledged")
 
 
@@ -104,5 +84,5 @@ def test_while_writes_are_refused_the_engine_stops_instead_of_buffering(
     assert worker.publisher._queue.qsize() <= 8 + 1
     full_redis(False)
     done = client.result(rid, timeout=120)
-    assert stream_entries(redis_client, rid) == (list(range(len(done.token_ids))), 1)
+    assert output_entries(redis_client, rid) == (list(range(len(done.token_ids))), 1)
     assert len(done.token_ids) == 1500

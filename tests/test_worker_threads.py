@@ -8,13 +8,12 @@ it, so "the thread is retrying right now" is a state the test holds, not a race 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 from fleet_fixtures import MODEL
+from waiting import PATIENCE_S, eventually
 
 from producer.client import Client
 from producer.clock import ManualClock
@@ -23,16 +22,7 @@ from producer.wire.keys import GROUP, Keys
 from worker.fleet.supervised import BACKOFF_CAP_S
 
 KEYS = Keys()
-# Real seconds a test waits for a thread to reach a state it is certain to reach.
-PATIENCE_S = 30.0
 
-
-def eventually(condition: Callable[[], object], what: str) -> None:
-    """Poll until ``condition()`` holds; the bound only turns a hang into a failure."""
-    end = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < end, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def connections(r: redis.Redis, name: str) -> list[dict]:

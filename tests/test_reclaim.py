@@ -133,3 +133,23 @@ def test_a_dead_workers_consumer_leaves_the_group_only_once_it_holds_nothing(
     names = set(idle_ms())
     assert b"ghost" not in names and b"holder" in names  # gone, and kept: it holds an entry
     assert worker.reaper.sweeper.removed == 1
+
+
+def test_hand_backs_do_not_count_as_deliveries(redis_url, redis_client, start_worker):
+    # With a delivery limit of 1, a second counted delivery would dead-letter the request.
+    strict = {"max_deliveries": 1}
+    client = Client(redis_url)
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=40, temperature=0, ignore_eos=True,
+                        allow_unregistered=True)
+    for name in ("first", "second"):  # two graceful drains in a row, each holding it
+        worker = start_worker(name, autostart=False, config=strict)
+        worker.loop.pause()  # it holds the request without finishing it
+        worker.start()
+        eventually(lambda w=worker: rid in w.inflight, f"{name} took the request")
+        worker.stop(drain_timeout_s=0)  # hands it back
+        (entry,) = redis_client.xpending_range(STREAM, GROUP, "-", "+", 10)
+        assert entry["consumer"] == name.encode() and entry["times_delivered"] == 0
+    start_worker("last", config=strict)
+    done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 40
+    assert redis_client.xlen(KEYS.dead) == 0

@@ -58,10 +58,22 @@ def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]
     """Make our pending entries look expired so another worker claims them at once.
 
     Deleting the consumer would drop its pending entries from the group (lost requests);
-    instead each entry's idle time is set past the lease.
+    instead each entry's idle time is set past the lease. A hand-back is not a failure: the
+    delivery count is set one lower, so the claim that follows (which counts one) leaves it
+    where it was, and a request drained through many restarts never looks like poison.
     """
     by_stream: dict[str, list[str]] = defaultdict(list)
     for stream, entry_id in entries:
         by_stream[stream].append(entry_id)
     for stream, ids in by_stream.items():
-        client.xclaim(stream, GROUP, worker_id, 0, ids, idle=10 * lease_ms, justid=True)
+        counts = {_text(p["message_id"]): int(p["times_delivered"])
+                  for p in client.xpending_range(stream, GROUP, "-", "+", 10_000,
+                                                 consumername=worker_id)}
+        for eid in ids:
+            if eid in counts:  # still ours (nobody claimed it meanwhile)
+                client.xclaim(stream, GROUP, worker_id, 0, [eid], idle=10 * lease_ms,
+                              retrycount=max(0, counts[eid] - 1), justid=True)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -34,6 +34,7 @@ WORKER_COMMANDS = (
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts
     "xadd", "expire", "xrange", "xrevrange",  # output streams, dead letters, resumption
     "exists",  # cancellation markers
+    "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "del",  # heartbeat hash (removed at exit) and the model hash
     "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart
@@ -59,7 +60,7 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
         # producer has no command that writes a hash or deletes a key.
         return [*shared, f"{ns}:worker:*"]
     if role == "worker":
-        return [*shared, f"{ns}:dead", f"{ns}:worker:*"]
+        return [*shared, f"{ns}:dead", f"{ns}:worker:*", f"{ns}:isolated:*"]
     if role == "observer":
         return [f"{ns}:req:*", f"{ns}:model:*", f"{ns}:worker:*"]
     raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")

@@ -206,3 +206,35 @@ def test_a_request_that_kills_every_worker_ends_in_the_dead_letter_stream(redis_
         assert pending(client) == 0
     finally:
         stop_all(procs)
+
+
+def test_healthy_requests_batched_with_a_poison_one_all_finish(redis_url, tiny_llama, reference,
+                                                                tmp_path):
+    client = Client(redis_url)
+    prompts, max_tokens = workload(4, 120, seed=5)
+    # Queued before any worker: the first one reads all five and runs them together.
+    healthy = [client.submit(p, model=MODEL, max_tokens=max_tokens, temperature=0,
+                             ignore_eos=True, allow_unregistered=True) for p in prompts]
+    poison = client.submit([5, 999, 6], model=MODEL, max_tokens=4, temperature=0,
+                           allow_unregistered=True)
+    env = {"CONVEYOR_FAULT_KILL_ON_TOKEN": "999"}
+    procs: list = []
+    try:
+        deaths = 0
+        deadline = time.monotonic() + 240  # a bound on the whole run, never evidence
+        while client.redis.xlen(KEYS.dead) == 0 or not all(
+                client.redis.exists(KEYS.output(rid)) for rid in healthy):
+            assert time.monotonic() < deadline, "the fleet never settled"
+            if not procs or procs[-1].poll() is not None:
+                deaths += bool(procs)
+                procs.append(spawn_worker(tiny_llama, redis_url, f"w{len(procs)}",
+                                          "--lease-ms", "800", "--max-deliveries", "2",
+                                          env=env, log_dir=tmp_path))
+            time.sleep(0.2)
+        assert deaths >= 2  # the poison really killed workers, innocents beside it at first
+        assert_exact(client, healthy, reference(prompts, max_tokens))
+        result = client.result(poison, timeout=60)
+        assert result.finish_reason is FinishReason.ERROR and "alone" in result.error
+        assert [f[b"request_id"] for _, f in client.redis.xrange(KEYS.dead)] == [poison.encode()]
+    finally:
+        stop_all(procs)

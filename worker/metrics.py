@@ -192,6 +192,7 @@ class FaultCounts:
     healthy: dict[str, bool] = field(default_factory=dict)
     refused_writes: int = 0  # output batches Redis refused (each written later)
     reclaimed: int = 0  # lapsed entries of other workers claimed and resumed
+    isolated: int = 0  # suspect requests (their workers kept dying) served alone
     dead_letters: int = 0  # entries written to the dead-letter stream
     consumers_removed: int = 0  # dead workers' consumers removed from the group
 
@@ -223,6 +224,8 @@ class _FaultsCollector(Collector):
              f.refused_writes),
             ("conveyor_reclaimed_requests", "Lapsed entries of dead workers claimed here.",
              f.reclaimed),
+            ("conveyor_isolated_requests", "Suspect requests served alone (poison isolation).",
+             f.isolated),
             ("conveyor_dead_letters", "Entries written to the dead-letter stream.",
              f.dead_letters),
             ("conveyor_consumers_removed", "Dead workers' consumers removed from the group.",

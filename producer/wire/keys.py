@@ -63,6 +63,10 @@ class Keys:
         """Pub/sub channel on which cancellations are announced."""
         return f"{self.ns}:cancel"
 
+    def isolated(self, request_id: str) -> str:
+        """Counter of the times a suspect request was served alone (poison isolation)."""
+        return f"{self.ns}:isolated:{validate_request_id(request_id)}"
+
     def cancelled(self, request_id: str) -> str:
         """Marker key of a cancelled request, for workers that missed the announcement."""
         return f"{self.ns}:cancelled:{validate_request_id(request_id)}"

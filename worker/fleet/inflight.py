@@ -31,6 +31,10 @@ class InflightTable:
         self.capacity = capacity
         self._items: dict[str, InflightRequest] = {}
         self._cond = threading.Condition()
+        # A suspect request served by itself (nothing else is taken meanwhile), and whether
+        # the worker is draining so that one can be (the intake reads nothing new).
+        self._alone: str | None = None
+        self._held = False
 
     def __len__(self) -> int:
         with self._cond:
@@ -42,11 +46,35 @@ class InflightTable:
 
     def room(self) -> int:
         with self._cond:
-            return max(0, self.capacity - len(self._items))
+            return self._room()
 
-    def add(self, item: InflightRequest) -> None:
+    def _room(self) -> int:
+        if self._alone is not None or self._held:
+            return 0
+        return max(0, self.capacity - len(self._items))
+
+    def add(self, item: InflightRequest, alone: bool = False) -> bool:
+        """Take a request in; ``alone`` only into an empty table, and then nothing else
+        until it leaves. False (nothing added) when that cannot be."""
         with self._cond:
+            if self._alone is not None or (alone and self._items):
+                return False
             self._items[item.request_id] = item
+            if alone:
+                self._alone = item.request_id
+            return True
+
+    @property
+    def alone(self) -> str | None:
+        """The request served by itself right now, if any."""
+        with self._cond:
+            return self._alone
+
+    def hold(self, held: bool) -> None:
+        """Stop (or let) the intake take new requests: a suspect waits for an empty worker."""
+        with self._cond:
+            self._held = held
+            self._cond.notify_all()
 
     def get(self, request_id: str) -> InflightRequest | None:
         with self._cond:
@@ -55,6 +83,8 @@ class InflightTable:
     def remove(self, request_id: str) -> InflightRequest | None:
         with self._cond:
             item = self._items.pop(request_id, None)
+            if request_id == self._alone:
+                self._alone = None
             self._cond.notify_all()
             return item
 
@@ -64,7 +94,7 @@ class InflightTable:
 
     def wait_for_room(self, timeout: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: len(self._items) < self.capacity, timeout)
+            return self._cond.wait_for(lambda: self._room() > 0, timeout)
 
     def wait_empty(self, timeout: float) -> bool:
         with self._cond:

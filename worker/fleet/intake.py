@@ -14,6 +14,7 @@ from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.inflight import InflightRequest, InflightTable
+from worker.fleet.leases import hand_back
 from worker.fleet.publisher import Publisher, Rejection
 from worker.fleet.resume import Published
 from worker.fleet.supervised import SupervisedThread
@@ -60,6 +61,7 @@ class Intake(SupervisedThread):
         tokenizer: Tokenizer | None,
         read_block_ms: int,
         on_cancel: Callable[[str], None],
+        lease_ms: int,
         **supervision: Any,
     ) -> None:
         super().__init__("intake", worker_id=worker_id, **supervision)
@@ -72,6 +74,7 @@ class Intake(SupervisedThread):
         self.tokenizer = tokenizer
         self.read_block_ms = read_block_ms
         self.on_cancel = on_cancel
+        self.lease_ms = lease_ms
         self.streams = [keys.requests(model, lane) for lane in LANES]
         self.num_read = 0
         self._groups_ready = False
@@ -133,8 +136,9 @@ class Intake(SupervisedThread):
         return out
 
     def accept(self, stream: str, entry_id: str, fields: dict,
-               published: Published | None = None) -> Admission | None:
-        """Decode, validate and tokenize an entry; rejects it (None) when it is malformed."""
+               published: Published | None = None, alone: bool = False) -> Admission | None:
+        """Decode, validate and tokenize an entry; None when it is rejected (malformed) or
+        handed back (``alone`` asked for an empty worker, or a suspect runs alone here)."""
         self.num_read += 1
         raw = fields.get(FIELD)
         try:
@@ -155,8 +159,13 @@ class Intake(SupervisedThread):
             self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)
             return None
-        self.inflight.add(InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
-                                          len(published.token_ids) if published else 0))
+        item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
+                               len(published.token_ids) if published else 0)
+        if not self.inflight.add(item, alone):
+            # A suspect is served alone here now (or this one needs an empty worker): give
+            # the entry back as if never delivered here.
+            hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
+            return None
         return Admission(req, prompt_ids, stream, entry_id, published)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:

@@ -69,10 +69,18 @@ def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]
         counts = {_text(p["message_id"]): int(p["times_delivered"])
                   for p in client.xpending_range(stream, GROUP, "-", "+", 10_000,
                                                  consumername=worker_id)}
-        for eid in ids:
-            if eid in counts:  # still ours (nobody claimed it meanwhile)
-                client.xclaim(stream, GROUP, worker_id, 0, [eid], idle=10 * lease_ms,
-                              retrycount=max(0, counts[eid] - 1), justid=True)
+        # Only entries still ours (nobody claimed them meanwhile).
+        release(client, worker_id, stream,
+                {eid: max(0, counts[eid] - 1) for eid in ids if eid in counts}, lease_ms)
+
+
+def release(client: redis.Redis, worker_id: str, stream: str, counts: dict[str, int],
+            lease_ms: int) -> None:
+    """Make entries claimable at once (idle past the lease), their delivery counts set to
+    ``counts`` (entry id -> count)."""
+    for eid, count in counts.items():
+        client.xclaim(stream, GROUP, worker_id, 0, [eid], idle=10 * lease_ms,
+                      retrycount=count, justid=True)
 
 
 def _text(value: bytes | str) -> str:

@@ -70,7 +70,7 @@ class Worker:
                                self.metrics, wid, **sup)
         self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
-                             config.read_block_ms, self.loop.cancel, **sup)
+                             config.read_block_ms, self.loop.cancel, config.lease_ms, **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
@@ -130,6 +130,7 @@ class Worker:
             healthy={t.name: t.healthy for t in self.threads},
             refused_writes=self.publisher.refused_writes,
             reclaimed=self.reaper.claimed,
+            isolated=self.reaper.isolated,
             dead_letters=self.publisher.dead_letters,
             consumers_removed=self.reaper.sweeper.removed,
         )

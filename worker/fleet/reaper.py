@@ -17,6 +17,7 @@ from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.consumers import ConsumerSweeper
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
+from worker.fleet.leases import release
 from worker.fleet.publisher import Rejection
 from worker.fleet.resume import read_published
 from worker.fleet.supervised import SupervisedThread
@@ -26,6 +27,13 @@ log = structlog.get_logger(__name__)
 
 # Served request entries are trimmed from the request streams about this often.
 TRIM_INTERVAL_S = 30.0
+# A request delivered this often already (its workers died holding it) is a suspect: the
+# next worker serves it alone. It is dead-lettered once over the delivery limit and after
+# CONVICTING_KILLS runs alone that each ended with a dead worker. The count of runs alone
+# is kept this long.
+SUSPECT_DELIVERIES = 2
+CONVICTING_KILLS = 2
+ISOLATION_MEMORY_S = 24 * 3600
 # A consumer idle this many leases with nothing pending is a dead worker's: removed.
 DEAD_CONSUMER_LEASES = 10
 # XAUTOCLAIM calls one tick may make while following the cursor through the pending list.
@@ -56,6 +64,8 @@ class Reaper(SupervisedThread):
         self.lease_ms = lease_ms
         self.max_deliveries = max_deliveries
         self.claimed = 0
+        self.isolated = 0  # suspects served alone
+        self._saw_suspect = False
         self._cursors: dict[str, str] = {}  # per stream: where the next pending scan starts
         self._autoclaim_script = client.register_script(AUTOCLAIM_SCRIPT)
         # Consumers of workers gone for ten leases, holding nothing, leave the group.
@@ -65,8 +75,11 @@ class Reaper(SupervisedThread):
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
         # the supervisor retries it, like any other refusal.
+        self._saw_suspect = False
         for stream in self.intake.streams:
             self.reap(stream)
+        # A suspect waits for an empty worker: stop reading new work until one is taken.
+        self.inflight.hold(self._saw_suspect and self.inflight.alone is None)
         if self.clock.monotonic() >= self._next_trim:
             self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
             for stream in self.intake.streams:
@@ -106,40 +119,70 @@ class Reaper(SupervisedThread):
         ids = [eid for eid in ids if eid not in ours]
         if not ids:
             return 0
-        claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, ids)
+        # Delivery counts before this claim (JUSTID did not count it).
+        counts = {eid: self._deliveries(stream, eid) for eid in ids}
+        suspects = [eid for eid in ids if counts[eid] >= SUSPECT_DELIVERIES]
+        alone = None
+        if suspects:
+            # Died with workers twice or more: served alone, so that it dies alone if it is
+            # what kills them, and innocent requests batched with it stop dying too.
+            self._saw_suspect = True
+            if len(self.inflight) == 0 and self.inflight.alone is None:
+                alone = suspects[0]
+            take = [alone] if alone else []
+        else:
+            take = ids
+        left = {eid: counts[eid] for eid in ids if eid not in take}
+        if left:  # claimable again at once, their counts as they were
+            release(self.client, self.worker_id, stream, left, self.lease_ms)
+        if not take:
+            return 0
+        claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, take)  # counts one
         found = {_str(eid): fields for eid, fields in claimed if eid is not None}
-        for eid in map(_str, ids):
+        for eid in take:
             fields = found.get(eid)
             if fields is None:  # trimmed away: nothing left to serve
                 self.client.xack(stream, GROUP, eid)
                 continue
-            self._resume(stream, eid, fields, self._deliveries(stream, eid))
-        self.claimed += len(ids)
-        return len(ids)
+            self._resume(stream, eid, fields, counts[eid] + 1, alone=eid == alone)
+        self.claimed += len(take)
+        return len(take)
 
     def _deliveries(self, stream: str, entry_id: str) -> int:
         info = self.client.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
         return int(info[0]["times_delivered"]) if info else 0
 
-    def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> None:
+    def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int,
+                alone: bool) -> None:
         request_id = _request_id(fields)
         published = read_published(self.client, self.keys, request_id) if request_id else None
         if published is not None and published.finished:
             self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
             return
-        if deliveries > self.max_deliveries:
-            reason = (f"delivered {deliveries} times (limit {self.max_deliveries}): "
-                      "it keeps failing the workers that take it")
-            log.error("poison request dead-lettered", request_id=request_id, entry_id=entry_id)
-            num = len(published.token_ids) if published else 0
-            self.intake.publisher.publish([Rejection(stream, entry_id, reason, request_id,
-                                                     fields.get(FIELD), num_tokens=num)])
-            return
+        num = len(published.token_ids) if published else 0
+        if request_id is None:  # unreadable: the intake dead-letters it
+            alone = False
+        if alone:
+            # Its earlier runs alone each ended with a dead worker (else it was acknowledged).
+            key = self.keys.isolated(request_id)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incr(key)
+            pipe.expire(key, ISOLATION_MEMORY_S)
+            runs_alone = int(pipe.execute()[0]) - 1
+            if runs_alone >= CONVICTING_KILLS and deliveries > self.max_deliveries:
+                reason = (f"delivered {deliveries} times (limit {self.max_deliveries}), "
+                          f"{runs_alone} of them alone, each ending with its worker dead: "
+                          "it is what kills the workers that take it")
+                log.error("poison request dead-lettered", request_id=request_id,
+                          entry_id=entry_id, deliveries=deliveries, runs_alone=runs_alone)
+                self.intake.publisher.publish([Rejection(stream, entry_id, reason, request_id,
+                                                         fields.get(FIELD), num_tokens=num)])
+                return
         log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
-                 published_tokens=len(published.token_ids) if published else 0,
-                 deliveries=deliveries)
-        adm = self.intake.accept(stream, entry_id, fields, published)
+                 published_tokens=num, deliveries=deliveries, alone=alone)
+        adm = self.intake.accept(stream, entry_id, fields, published, alone=alone)
         if adm is not None:
+            self.isolated += alone
             self.intake.hand_over([adm], self.client)
 
 

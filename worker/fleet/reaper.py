@@ -100,6 +100,10 @@ class Reaper(SupervisedThread):
             cursor, ids = self._autoclaim(stream, self._cursors.get(stream, "0-0"), room)
             self._cursors[stream] = cursor
             claimed += self._take(stream, ids)
+            if self._saw_suspect:
+                # Released for now: the next scan starts over, so it is found again soon.
+                self._cursors[stream] = "0-0"
+                break
             if cursor == "0-0":  # the whole pending list was scanned
                 break
         return claimed

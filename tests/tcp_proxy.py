@@ -8,14 +8,16 @@ import threading
 
 
 class TcpProxy:
-    """Listens on 127.0.0.1 and forwards each connection to a unix socket.
+    """Listens on 127.0.0.1 and forwards each connection to ``upstream``: a unix socket
+    path, or a (host, port) pair. ``accepted`` counts the connections clients made.
 
     ``cut()`` closes every forwarded connection and refuses new ones (accepted, then
     closed at once) until ``restore()``.
     """
 
-    def __init__(self, upstream_path: str) -> None:
-        self.upstream_path = upstream_path
+    def __init__(self, upstream: str | tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.accepted = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -59,12 +61,14 @@ class TcpProxy:
             except OSError:
                 return  # closed
             with self._lock:
+                self.accepted += 1
                 if self._down or self._closed:
                     client.close()
                     continue
-                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                family = socket.AF_UNIX if isinstance(self.upstream, str) else socket.AF_INET
+                upstream = socket.socket(family, socket.SOCK_STREAM)
                 try:
-                    upstream.connect(self.upstream_path)
+                    upstream.connect(self.upstream)
                 except OSError:
                     client.close()
                     continue

@@ -258,14 +258,14 @@ def test_a_chunk_the_fleet_refuses_fails_the_job_at_once_with_the_reason(
     job = enqueue_analyze(bulk_queue(redis_url), text, "Summarise.", model=MODEL,
                           chunk_tokens=2100, overlap_tokens=0, max_tokens=4)
 
-    started = time.monotonic()
     run_burst(redis_url)
 
     job.refresh()
     assert job.get_status() == "failed"
-    assert time.monotonic() - started < 30  # no backoff, no waiting for a timeout
     meta = job.get_meta()
+    # Failed on the fleet's refusal itself: not after a timeout, and never retried.
     assert "max length" in meta["error"] and "2048" in meta["error"]
+    assert "timed out" not in meta["error"] and "no final" not in meta["error"]
     assert meta["retries"] == 0 and meta["error"] in job.latest_result().exc_string
     assert len(batch_requests(redis_client)) == 2  # the two chunks, each tried once
 

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
+from waiting import eventually
 
 from producer.bulk import analyze_document, bulk_queue, enqueue_analyze, job_timeout_for
 from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
@@ -94,15 +94,6 @@ def bulk(*argv: str) -> int:
     """`conveyor bulk ARGV...` in this process (without main's logging set-up)."""
     return run_bulk_cmd(build_parser().parse_args(["bulk", *argv]))
 
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # --- pure parts ------------------------------------------------------------------------------
@@ -312,7 +303,7 @@ def test_a_chunk_whose_worker_is_killed_is_resubmitted_and_the_job_finishes(
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rq_worker = None
     try:
-        wait_for(lambda: redis_client.exists(KEYS.model(MODEL)), 60, "the worker to register")
+        eventually(lambda: redis_client.exists(KEYS.model(MODEL)), "the worker to register")
         text = document(tokenizer_of(tiny_llama), 900, seed=3)
         job = enqueue_analyze(bulk_queue(redis_url), text, "Summarise.", model=MODEL,
                               chunk_tokens=400, overlap_tokens=0, max_tokens=150,
@@ -327,7 +318,7 @@ def test_a_chunk_whose_worker_is_killed_is_resubmitted_and_the_job_finishes(
             return redis_client.xpending_range(KEYS.requests(MODEL, "batch"), GROUP, "-", "+",
                                                10, consumername="doomed")
 
-        wait_for(held_by_doomed, 60, "the doomed worker to take a chunk", interval=0.005)
+        eventually(held_by_doomed, "the doomed worker to take a chunk", poll_s=0.005)
         doomed.send_signal(signal.SIGSTOP)  # frozen at once, whatever the machine's speed
         assert held_by_doomed()  # the fault takes effect: it dies holding unfinished work
         doomed.send_signal(signal.SIGKILL)

@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from fleet_fixtures import MODEL
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from structlog.testing import capture_logs
+from waiting import eventually
 
 from producer.async_client import AsyncClient
 from producer.bulk import AnalysisFailed, bulk_queue, enqueue_analyze, run_batch_file
@@ -87,16 +87,6 @@ def parse(*argv: str) -> argparse.Namespace:
 def warnings_of(logs: list[dict]) -> list[dict]:
     return [e for e in logs if e["log_level"] == "warning" and "no live worker" in e["event"]]
 
-
-def eventually(predicate, what: str, timeout: float = 60.0, interval: float = 0.02):
-    """Poll until ``predicate()`` is truthy; its value. Only bounds how long a test may hang."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # --- never registered ------------------------------------------------------------------------

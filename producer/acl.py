@@ -34,7 +34,7 @@ WORKER_COMMANDS = (
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts
     "xadd", "expire", "xrange", "xrevrange",  # output streams, dead letters, resumption
     "exists",  # cancellation markers
-    "incr",  # runs alone of a suspect request (poison isolation)
+    "get", "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "del",  # heartbeat hash (removed at exit) and the model hash
     "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart

@@ -168,11 +168,7 @@ class Reaper(SupervisedThread):
             alone = False
         if alone:
             # Its earlier runs alone each ended with a dead worker (else it was acknowledged).
-            key = self.keys.isolated(request_id)
-            pipe = self.client.pipeline(transaction=True)
-            pipe.incr(key)
-            pipe.expire(key, ISOLATION_MEMORY_S)
-            runs_alone = int(pipe.execute()[0]) - 1
+            runs_alone = int(self.client.get(self.keys.isolated(request_id)) or 0)
             if runs_alone >= CONVICTING_KILLS and deliveries > self.max_deliveries:
                 reason = (f"delivered {deliveries} times (limit {self.max_deliveries}), "
                           f"{runs_alone} of them alone, each ending with its worker dead: "
@@ -185,9 +181,15 @@ class Reaper(SupervisedThread):
         log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
                  published_tokens=num, deliveries=deliveries, alone=alone)
         adm = self.intake.accept(stream, entry_id, fields, published, alone=alone)
-        if adm is not None:
-            self.isolated += alone
-            self.intake.hand_over([adm], self.client)
+        if adm is None:
+            return
+        if alone:  # counted once it really runs alone
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incr(self.keys.isolated(request_id))
+            pipe.expire(self.keys.isolated(request_id), ISOLATION_MEMORY_S)
+            pipe.execute()
+            self.isolated += 1
+        self.intake.hand_over([adm], self.client)
 
 
 def _str(value: bytes | str) -> str:

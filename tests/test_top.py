@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from fleet_fixtures import MODEL
+from fleet_fixtures import MODEL, settled_pending
 
 from producer.client import Client
 from producer.top import run_top_cmd
@@ -42,9 +42,13 @@ def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url
     assert row(before, MODEL, "interactive") == [MODEL, "interactive", "3", "0", "0", "3"]
     assert row(before, "nobody-serves-me", "batch")[2] == "1"
 
-    start_worker("w-top")
+    worker = start_worker("w-top")
     for rid in ids:
         client.result(rid, timeout=60)
+    # Settled: all acknowledged, nothing in flight, and a heartbeat written since (the
+    # periodic one may lag on a loaded machine).
+    assert settled_pending(client.redis) == 0 and worker.inflight.wait_empty(30)
+    worker.heartbeat.beat()
     after = frame(redis_url, capsys)
     assert row(after, MODEL, "interactive") == [MODEL, "interactive", "0", "0", "1", "3"]
     assert row(after, MODEL, "batch")[2:4] == ["0", "0"]

@@ -36,11 +36,14 @@ def cut(thread_client: redis.Redis, admin: redis.Redis, name: str,
     and the ids of the connections killed."""
     pool = thread_client.connection_pool
     path = pool.connection_kwargs["path"]
+    killed = {conn["id"] for conn in connections(admin, name)}  # listed before anything moves
     pool.connection_kwargs["path"] = str(gone)
-    pool.reset()  # connections made from now on use the dead path
-    killed = {conn["id"] for conn in connections(admin, name)}
+    pool.reset()  # connections made from now on use the dead path (dropped ones may close)
     for conn_id in killed:
-        admin.client_kill_filter(_id=conn_id)
+        try:
+            admin.client_kill_filter(_id=conn_id)
+        except redis.ResponseError:  # already closed by the client as the pool let it go
+            pass
     return path, killed
 
 

@@ -16,6 +16,7 @@ import redis.asyncio
 
 from producer.wire.errors import QueueFull
 from producer.wire.keys import GROUP
+from producer.wire.replies import as_text
 
 # KEYS[1]: the request stream. ARGV: group, limit, field, message.
 # Returns {"ok", entry id} after the XADD, or {"full", count} (count is at least the limit)
@@ -83,10 +84,7 @@ async def add_if_room_async(client: redis.asyncio.Redis, stream: str, field: byt
 
 def _entry_id(reply: Any, stream: str, limit: int) -> str:
     status, value = reply
-    if _text(status) == "full":
+    if as_text(status) == "full":
         raise QueueFull(stream, int(value), limit)
-    return _text(value)
+    return as_text(value)
 
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from producer.wire.keys import Keys
+from producer.wire.replies import as_text
 
 # Heartbeat statuses of a worker that takes requests; `starting`, `draining`, `failed` and
 # `stopped` workers read no new ones.
@@ -68,7 +69,7 @@ def is_live(heartbeat: Mapping[str, str]) -> bool:
 
 
 def decode_hash(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 def model_states(
@@ -99,7 +100,7 @@ def state_of(name: str, registered: bool,
 def model_names(keys: Keys, found: Iterable[bytes | str]) -> list[str]:
     """Sorted model names from keys a SCAN over ``{ns}:model:*`` returned."""
     prefix = len(f"{keys.ns}:model:")
-    return sorted({_text(k)[prefix:] for k in found})
+    return sorted({as_text(k)[prefix:] for k in found})
 
 
 def pick_default_model(states: list[ModelState]) -> str | None:
@@ -127,6 +128,3 @@ def describe_choice(states: list[ModelState], namespace: str) -> str:
     return (f"several models are registered ({', '.join(registered)}) and none has a live "
             "worker: pass --model")
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import redis
 
 from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.replies import as_text
 
 # Redis < 7 reports no consumer-group lag: we count undelivered entries instead, up to this many
 # (XLEN counts served requests too, until trim_request_stream removes them).
@@ -44,12 +45,12 @@ def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneSt
     length, groups = pipe.execute(raise_on_error=False)
     if isinstance(length, Exception) or isinstance(groups, Exception):  # no such stream yet
         return LaneStats(model, lane, 0, 0, 0, 0 if isinstance(length, Exception) else length)
-    group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
+    group = next((g for g in groups if as_text(g.get("name")) == GROUP), None)
     if group is None:  # no worker has read this lane yet: everything in it waits
         return LaneStats(model, lane, min(length, DEPTH_SCAN_CAP), 0, 0, length)
     lag = group.get("lag")
     depth = lag if isinstance(lag, int) else _count_after(client, stream,
-                                                          _text(group["last-delivered-id"]))
+                                                          as_text(group["last-delivered-id"]))
     return LaneStats(model, lane, depth, int(group.get("pending") or 0),
                      int(group.get("consumers") or 0), length)
 
@@ -58,9 +59,6 @@ def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
     """Entries after the group's last delivered id (Redis < 7, or lag unknown after deletions)."""
     return len(client.xrange(stream, min=f"({last_delivered}", count=DEPTH_SCAN_CAP))
 
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def trim_request_stream(client: redis.Redis, stream: str) -> int:
@@ -79,13 +77,13 @@ def trim_request_stream(client: redis.Redis, stream: str) -> int:
     groups, pending = pipe.execute(raise_on_error=False)
     if isinstance(groups, Exception) or isinstance(pending, Exception):
         return 0  # no such stream, or no group yet
-    group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
+    group = next((g for g in groups if as_text(g.get("name")) == GROUP), None)
     if group is None:
         return 0
     if pending["pending"]:
-        min_id = _text(pending["min"])
+        min_id = as_text(pending["min"])
     else:
-        min_id = _next_id(_text(group["last-delivered-id"]))
+        min_id = _next_id(as_text(group["last-delivered-id"]))
     return int(client.xtrim(stream, minid=min_id, approximate=False))
 
 

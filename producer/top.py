@@ -21,6 +21,7 @@ from producer.connection import describe
 from producer.models import ModelState, model_states
 from producer.queues import LaneStats, lane_stats
 from producer.wire.protocol import now_ms
+from producer.wire.replies import as_text
 
 DEFAULT_INTERVAL_S = 1.0
 # Home the cursor and clear the screen: each frame redraws in place on a terminal.
@@ -87,7 +88,7 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     worker_keys, registered, models = [], set(), set()
     # One SCAN for all three kinds of key: SCAN walks the whole keyspace whatever it matches.
     for key in conn.scan_iter(match=f"{keys.ns}:*", count=1000):
-        kind, _, rest = _text(key)[len(keys.ns) + 1:].partition(":")
+        kind, _, rest = as_text(key)[len(keys.ns) + 1:].partition(":")
         if kind == "worker":
             worker_keys.append(key)
         elif kind == "model":
@@ -108,7 +109,7 @@ def read_workers(conn: redis.Redis, worker_keys: list[bytes]) -> list[dict[str, 
     workers = []
     for raw in pipe.execute():
         if raw:  # expired between SCAN and HGETALL
-            workers.append({_text(k): _text(v) for k, v in raw.items()})
+            workers.append({as_text(k): as_text(v) for k, v in raw.items()})
     return sorted(workers, key=lambda w: w.get("worker_id", ""))
 
 
@@ -178,6 +179,3 @@ def _is_number(text: str) -> bool:
         return False
     return True
 
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

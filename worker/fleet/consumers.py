@@ -12,6 +12,7 @@ from __future__ import annotations
 import redis
 
 from producer.wire.keys import GROUP
+from producer.wire.replies import as_text
 
 # ARGV: group, consumer names. Removes each that has no pending entry; returns those.
 REMOVE_IF_EMPTY_SCRIPT = """
@@ -43,14 +44,11 @@ class ConsumerSweeper:
         except redis.ResponseError:  # no stream or no group yet: nothing to sweep
             return []
         idle = [name for c in consumers
-                if (name := _text(c["name"])) != self.worker_id
+                if (name := as_text(c["name"])) != self.worker_id
                 and int(c["pending"]) == 0 and int(c["idle"]) >= self.idle_ms]
         if not idle:
             return []
-        removed = [_text(n) for n in self._script(keys=[stream], args=[GROUP, *idle])]
+        removed = [as_text(n) for n in self._script(keys=[stream], args=[GROUP, *idle])]
         self.removed += len(removed)
         return removed
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

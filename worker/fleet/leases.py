@@ -14,6 +14,7 @@ import redis
 import structlog
 
 from producer.wire.keys import GROUP
+from producer.wire.replies import as_text
 from worker.fleet.inflight import InflightTable
 from worker.fleet.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread
@@ -66,7 +67,7 @@ def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]
     for stream, entry_id in entries:
         by_stream[stream].append(entry_id)
     for stream, ids in by_stream.items():
-        counts = {_text(p["message_id"]): int(p["times_delivered"])
+        counts = {as_text(p["message_id"]): int(p["times_delivered"])
                   for p in client.xpending_range(stream, GROUP, "-", "+", 10_000,
                                                  consumername=worker_id)}
         # Only entries still ours (nobody claimed them meanwhile).
@@ -82,6 +83,3 @@ def release(client: redis.Redis, worker_id: str, stream: str, counts: dict[str, 
         client.xclaim(stream, GROUP, worker_id, 0, [eid], idle=10 * lease_ms,
                       retrycount=count, justid=True)
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -14,6 +14,7 @@ import structlog
 from producer.queues import trim_request_stream
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.wire.replies import as_text
 from worker.fleet.consumers import ConsumerSweeper
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
@@ -113,7 +114,7 @@ class Reaper(SupervisedThread):
         # JUSTID: cheap, and it leaves delivery counts alone (the XCLAIM below counts them).
         reply = self._autoclaim_script(keys=[stream], args=[GROUP, self.worker_id,
                                                             self.lease_ms, start, count])
-        return _str(reply[0]), [_str(e) for e in reply[1]]
+        return as_text(reply[0]), [as_text(e) for e in reply[1]]
 
     def _take(self, stream: str, ids: list[str]) -> int:
         # An entry this worker is serving lapsed while it could not reach Redis (an outage
@@ -142,7 +143,7 @@ class Reaper(SupervisedThread):
         if not take:
             return 0
         claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, take)  # counts one
-        found = {_str(eid): fields for eid, fields in claimed if eid is not None}
+        found = {as_text(eid): fields for eid, fields in claimed if eid is not None}
         for eid in take:
             fields = found.get(eid)
             if fields is None:  # trimmed away: nothing left to serve
@@ -191,9 +192,6 @@ class Reaper(SupervisedThread):
             self.isolated += 1
         self.intake.hand_over([adm], self.client)
 
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _request_id(fields: dict) -> str | None:

@@ -223,8 +223,7 @@ class Worker:
     def _beat_once(self) -> None:
         """Write the heartbeat now (from the caller's thread), so the state change shows."""
         try:
-            mapping = {k: str(v) for k, v in self.status().items()}
-            self.client.hset(self.keys.worker(self.config.worker_id), mapping=mapping)
+            self.heartbeat.beat()
         except redis.RedisError:
             pass  # the hash expires with its TTL
 

@@ -15,17 +15,23 @@ from producer.backpressure import add_if_room_async
 from producer.client import (
     READ_COUNT,
     ClientBase,
-    model_names,
-    model_pattern,
     parse_model_info,
     tokenizer_from,
 )
 from producer.clock import Clock
 from producer.connection import connect_async
-from producer.models import ModelState, decode_hash, model_states, state_of
+from producer.models import (
+    ModelState,
+    decode_hash,
+    heartbeat_keys,
+    member_names,
+    model_states,
+    state_of,
+)
 from producer.stream_events import StreamEvent, completion_from, event_from
 from producer.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
 from producer.wire.completion import Completion
+from producer.wire.errors import LaneBlocked
 from producer.wire.protocol import FIELD
 
 if TYPE_CHECKING:
@@ -72,14 +78,23 @@ class AsyncClient(ClientBase):
             prompt, max_queue, pipeline is not None, model=model, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
-        if not allow_unregistered:
-            await self._check_model(sub.model, sub.request_id)
-        if sub.limit is not None:
-            await add_if_room_async(self.redis, sub.key, FIELD, sub.payload, sub.limit)
-        elif pipeline is not None:
-            pipeline.xadd(sub.key, {FIELD: sub.payload})
+        if allow_unregistered:
+            if sub.model not in self._requested:  # so that `conveyor top` shows its lane
+                await self.redis.sadd(self.keys.requested, sub.model)
+                self._requested.add(sub.model)
         else:
-            await self.redis.xadd(sub.key, {FIELD: sub.payload})
+            await self._check_model(sub.model, sub.request_id)
+        try:
+            if sub.limit is not None:
+                await add_if_room_async(self.redis, sub.key, FIELD, sub.payload, sub.limit)
+            elif pipeline is not None:
+                pipeline.xadd(sub.key, {FIELD: sub.payload})
+            else:
+                await self.redis.xadd(sub.key, {FIELD: sub.payload})
+        except redis.ResponseError as exc:
+            if LaneBlocked.matches(exc):
+                raise LaneBlocked(sub.key) from exc
+            raise
         return sub.request_id
 
     async def _check_model(self, model: str, request_id: str) -> None:
@@ -148,8 +163,7 @@ class AsyncClient(ClientBase):
         models a live worker serves. See :meth:`producer.client.Client.models`."""
         if live_only:
             return [s.name for s in await self.model_states() if s.live]
-        found = [k async for k in self.redis.scan_iter(match=model_pattern(self.keys), count=100)]
-        return model_names(self.keys, found)
+        return member_names(await self.redis.smembers(self.keys.models))
 
     async def model_states(self) -> list[ModelState]:
         """Every known model with its live workers; see :meth:`Client.model_states`."""
@@ -165,10 +179,9 @@ class AsyncClient(ClientBase):
 
     async def _heartbeats(self) -> list[dict[str, str]] | None:
         try:
-            found = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern,
-                                                             count=1000)]
+            members = await self.redis.smembers(self.keys.workers)
             pipe = self.redis.pipeline(transaction=False)
-            for key in found:
+            for key in heartbeat_keys(self.keys, members):
                 pipe.hgetall(key)
             return [decode_hash(raw) for raw in await pipe.execute() if raw]
         except redis.exceptions.NoPermissionError:

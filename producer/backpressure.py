@@ -1,19 +1,24 @@
 """Backpressure: add a request only while its stream holds fewer than ``max_queue`` waiting.
 
 "Waiting" is undelivered (after the consumer group's last-delivered id) plus pending (read
-by a worker, not yet acknowledged). The count and the XADD run in one Lua script, so
-producers racing each other never overshoot the limit. The script works on Redis 6.2,
-which has no consumer-group ``lag``: it counts undelivered entries with an exclusive
+by a worker, not yet acknowledged). The count and the XADD run in one server-side step, so
+producers racing each other never overshoot the limit. On Redis 7 that step is the
+``conveyor_add_if_room`` function (producer.functions), which needs no Lua of the
+producer's own; on Redis 6.2, which has neither functions nor the consumer group's
+``lag``, it is the script below, which counts undelivered entries with an exclusive
 XRANGE, stopping as soon as the limit is reached.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import redis
 import redis.asyncio
 
+from producer.functions import ADD_IF_ROOM as ADD_IF_ROOM_FUNCTION
+from producer.functions import FunctionsMissing, is_function_missing, is_unknown_command
 from producer.wire.errors import QueueFull
 from producer.wire.keys import GROUP
 from producer.wire.replies import as_text
@@ -62,24 +67,67 @@ def check_max_queue(max_queue: object) -> int | None:
     return max_queue
 
 
+# Clients whose server has no functions (Redis < 7), or whose user may not FCALL (the
+# 6.2 rules used on Redis 7): they go straight to the script.
+_SCRIPT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def add_if_room(client: redis.Redis, stream: str, field: bytes, message: bytes,
                 limit: int) -> str:
     """XADD ``{field: message}`` to ``stream`` unless it is full; the new entry id, or QueueFull.
 
-    EVALSHA first; after NOSCRIPT (a restarted Redis lost its scripts) the script is
-    loaded again and the call repeated, by redis-py's registered Script.
+    FCALL of conveyor's function first; where Redis has no functions, or the function is
+    not loaded, the same logic as a script (EVALSHA, reloaded after NOSCRIPT by redis-py's
+    registered Script). A user allowed neither gets :class:`FunctionsMissing`.
     """
-    script = client.register_script(ADD_IF_ROOM)
-    reply = script(keys=[stream], args=[GROUP, limit, field, message])
+    args = [GROUP, limit, field, message]
+    if client not in _SCRIPT_ONLY:
+        try:
+            reply = client.execute_command("FCALL", ADD_IF_ROOM_FUNCTION, 1, stream, *args)
+            return _entry_id(reply, stream, limit)
+        except redis.ResponseError as exc:
+            missing = _script_instead(client, exc)
+    else:
+        missing = None
+    try:
+        reply = client.register_script(ADD_IF_ROOM)(keys=[stream], args=args)
+    except redis.exceptions.NoPermissionError as exc:
+        if missing:
+            raise FunctionsMissing(missing) from exc
+        raise
     return _entry_id(reply, stream, limit)
 
 
 async def add_if_room_async(client: redis.asyncio.Redis, stream: str, field: bytes,
                             message: bytes, limit: int) -> str:
     """The asyncio twin of :func:`add_if_room`."""
-    script = client.register_script(ADD_IF_ROOM)
-    reply = await script(keys=[stream], args=[GROUP, limit, field, message])
+    args = [GROUP, limit, field, message]
+    if client not in _SCRIPT_ONLY:
+        try:
+            reply = await client.execute_command("FCALL", ADD_IF_ROOM_FUNCTION, 1, stream, *args)
+            return _entry_id(reply, stream, limit)
+        except redis.ResponseError as exc:
+            missing = _script_instead(client, exc)
+    else:
+        missing = None
+    try:
+        reply = await client.register_script(ADD_IF_ROOM)(keys=[stream], args=args)
+    except redis.exceptions.NoPermissionError as exc:
+        if missing:
+            raise FunctionsMissing(missing) from exc
+        raise
     return _entry_id(reply, stream, limit)
+
+
+def _script_instead(client: Any, exc: redis.ResponseError) -> str | None:
+    """Whether FCALL's refusal means "use the script": re-raises any other error. Returns
+    why the function was not used when it should have been (it is not loaded), else None."""
+    if is_function_missing(exc):
+        return str(exc)  # Redis 7 without the library: try the script, once per call
+    if is_unknown_command(exc) or "'fcall' command" in str(exc):
+        _SCRIPT_ONLY.add(client)
+        return None
+    raise exc
 
 
 def _entry_id(reply: Any, stream: str, limit: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from producer import redis_server
 from producer.connection import describe
 
-ACTIONS = ("run", "stop", "status")
+ACTIONS = ("run", "stop", "status", "setup")
 REDIS_URL_ENV = "CONVEYOR_REDIS_URL"
 
 # `conveyor redis status` exit codes, as init scripts use them: 0 running, 3 not running.
@@ -49,7 +49,9 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         nargs="?",
         choices=ACTIONS,
         default="run",
-        help="run in the foreground (default), stop the running server, or show its status",
+        help="run in the foreground (default), stop the running server, show its status, "
+        "or set up a Redis for conveyor (`setup`: load conveyor's functions, as an "
+        "administrator; --acl prints the ACL users for its version)",
     )
     p.add_argument(
         "--data-dir",
@@ -64,6 +66,17 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address (default: loopback)"
     )
     p.add_argument("--json", action="store_true", help="status: print one JSON object")
+    p.add_argument("--redis", metavar="URL", default=os.environ.get(REDIS_URL_ENV),
+                   help=f"setup: the Redis to set up (default: ${REDIS_URL_ENV}, else the "
+                   "embedded server)")
+    p.add_argument("--acl", action="store_true",
+                   help="setup: also print ACL SETUSER lines for a producer, a worker and an "
+                   "observer of --namespace, for this server's version (docs/security.md)")
+    p.add_argument("--reopen-lanes", action="store_true",
+                   help="setup: reopen the request lanes of --namespace that an entry at the "
+                   "largest stream id closed to new requests")
+    p.add_argument("--namespace", metavar="NS", default="conveyor",
+                   help="setup --acl / --reopen-lanes: the namespace")
     p.set_defaults(handler=run_redis_cmd)
     return p
 
@@ -77,12 +90,60 @@ def run_redis_cmd(args: argparse.Namespace) -> int:
             return 0
         if args.action == "status":
             return _print_status(redis_server.status(args.data_dir), as_json=args.json)
+        if args.action == "setup":
+            return _setup(args.redis, args.acl, args.reopen_lanes, args.namespace)
         return redis_server.run_foreground(
             args.data_dir, port=args.port, bind=args.bind, on_ready=_announce
         )
     except redis_server.RedisServerError as exc:
         print(f"conveyor redis: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> int:
+    """Load conveyor's functions (Redis >= 7) and report what this server supports."""
+    import redis
+
+    from producer.acl import ROLES, setuser_args
+    from producer.connection import connect
+    from producer.functions import ensure_functions
+
+    try:
+        with connect(url) as client:
+            version = str(client.info("server").get("redis_version", "?"))
+            outcome = ensure_functions(client)
+            if reopen:
+                _reopen_lanes(client, namespace)
+    except (redis.RedisError, ValueError) as exc:
+        print(f"conveyor redis setup: error: {exc}", file=sys.stderr)
+        return 1
+    major = 7 if version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 7 else 6
+    if outcome == "unsupported":
+        print(f"Redis {version}: no functions (Redis < 7); producers that submit with "
+              "max_queue run a script instead, so their ACL must allow EVAL (docs/security.md)")
+    else:
+        print(f"Redis {version}: conveyor's functions "
+              f"{'loaded' if outcome == 'loaded' else 'already loaded'}")
+    if print_acl:
+        for role in ROLES:
+            line = setuser_args(role, f"conveyor-{role}", f"{role.upper()}-PASSWORD",
+                                namespace, version=major)
+            print("ACL SETUSER " + " ".join(line))
+    return 0
+
+
+def _reopen_lanes(client: object, namespace: str) -> None:
+    from producer.models import member_names
+    from producer.queues import reopen_lane
+    from producer.wire.keys import LANES, Keys
+
+    keys = Keys(namespace)
+    models = set(member_names(client.smembers(keys.models)))
+    models |= set(member_names(client.smembers(keys.requested)))
+    for model in sorted(models):
+        for lane in LANES:
+            if reopen_lane(client, keys.requests(model, lane)):
+                print(f"reopened {keys.requests(model, lane)}")
 
 
 def _announce(urls: list[str]) -> None:

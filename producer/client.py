@@ -23,10 +23,11 @@ from producer.connection import connect
 from producer.models import (
     ModelState,
     decode_hash,
+    heartbeat_keys,
+    member_names,
     model_states,
     state_of,
 )
-from producer.models import model_names as _model_names
 from producer.stream_events import (  # noqa: F401 (StreamGapError: re-export)
     StreamEvent,
     StreamGapError,
@@ -42,7 +43,7 @@ from producer.stream_follow import (  # noqa: F401 (block_ms, deadline_after, ti
     timed_out,
 )
 from producer.wire.completion import Completion
-from producer.wire.errors import ModelNotFound
+from producer.wire.errors import LaneBlocked, ModelNotFound
 from producer.wire.keys import Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FIELD, GenerationRequest
@@ -142,15 +143,6 @@ def parse_model_info(raw: dict[bytes, bytes]) -> dict[str, Any] | None:
     return info
 
 
-def model_names(keys: Keys, found: list[bytes]) -> list[str]:
-    """Sorted model names from the keys a SCAN over ``{ns}:model:*`` returned."""
-    return _model_names(keys, found)
-
-
-def model_pattern(keys: Keys) -> str:
-    return f"{keys.ns}:model:*"
-
-
 def check_bytes_replies(conn: Any) -> None:
     """Stream entries hold msgpack bytes: a connection that decodes replies would break them."""
     if conn.get_connection_kwargs().get("decode_responses"):
@@ -196,6 +188,8 @@ class ClientBase:
         self._owns_connection = connection is None
         # Model name -> (clock.monotonic() when read, its state): see MODEL_CHECK_TTL_S.
         self._model_checks: dict[str, tuple[float, ModelState]] = {}
+        # Models this client put into the ``requested`` set (allow_unregistered submits).
+        self._requested: set[str] = set()
 
     def _submission(
         self, prompt: str | Sequence[int], max_queue: int | None, pipelined: bool, **request: Any
@@ -294,12 +288,21 @@ class Client(ClientBase):
             prompt, max_queue, pipeline is not None, model=model, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
-        if not allow_unregistered:
-            self._check_model(sub.model, sub.request_id)
-        if sub.limit is not None:
-            add_if_room(self.redis, sub.key, FIELD, sub.payload, sub.limit)
+        if allow_unregistered:
+            if sub.model not in self._requested:  # so that `conveyor top` shows its lane
+                self.redis.sadd(self.keys.requested, sub.model)
+                self._requested.add(sub.model)
         else:
-            (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
+            self._check_model(sub.model, sub.request_id)
+        try:
+            if sub.limit is not None:
+                add_if_room(self.redis, sub.key, FIELD, sub.payload, sub.limit)
+            else:
+                (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
+        except redis.ResponseError as exc:
+            if LaneBlocked.matches(exc):
+                raise LaneBlocked(sub.key) from exc
+            raise
         return sub.request_id
 
     def _check_model(self, model: str, request_id: str) -> None:
@@ -387,8 +390,7 @@ class Client(ClientBase):
         models a live worker serves (see :meth:`model_states`)."""
         if live_only:
             return [s.name for s in self.model_states() if s.live]
-        found = list(self.redis.scan_iter(match=model_pattern(self.keys), count=100))
-        return model_names(self.keys, found)
+        return member_names(self.redis.smembers(self.keys.models))
 
     def model_states(self) -> list[ModelState]:
         """Every registered model and every model a live worker serves, with its live
@@ -407,9 +409,8 @@ class Client(ClientBase):
     def _heartbeats(self) -> list[dict[str, str]] | None:
         """Every worker's heartbeat hash, decoded; None when the ACL does not allow it."""
         try:
-            found = list(self.redis.scan_iter(match=self.keys.worker_pattern, count=1000))
             pipe = self.redis.pipeline(transaction=False)
-            for key in found:
+            for key in heartbeat_keys(self.keys, self.redis.smembers(self.keys.workers)):
                 pipe.hgetall(key)
             return [decode_hash(raw) for raw in pipe.execute() if raw]
         except redis.exceptions.NoPermissionError:

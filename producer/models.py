@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from producer.wire.keys import Keys
+from producer.wire.keys import Keys, validate_name
 from producer.wire.replies import as_text
 
 # Heartbeat statuses of a worker that takes requests; `starting`, `draining`, `failed` and
@@ -97,10 +97,21 @@ def state_of(name: str, registered: bool,
     return state
 
 
-def model_names(keys: Keys, found: Iterable[bytes | str]) -> list[str]:
-    """Sorted model names from keys a SCAN over ``{ns}:model:*`` returned."""
-    prefix = len(f"{keys.ns}:model:")
-    return sorted({as_text(k)[prefix:] for k in found})
+def member_names(members: Iterable[bytes | str]) -> list[str]:
+    """Sorted names from a set (``{ns}:models``, ``{ns}:workers``), skipping any that is not
+    a valid name (the set's writers are trusted, its readers check anyway)."""
+    names = set()
+    for member in members:
+        try:
+            names.add(validate_name("name", as_text(member)))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return sorted(names)
+
+
+def heartbeat_keys(keys: Keys, members: Iterable[bytes | str]) -> list[str]:
+    """The heartbeat hash of each worker id in the ``{ns}:workers`` set."""
+    return [keys.worker(wid) for wid in member_names(members)]
 
 
 def pick_default_model(states: list[ModelState]) -> str | None:

@@ -56,9 +56,56 @@ def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneSt
 
 
 def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
-    """Entries after the group's last delivered id (Redis < 7, or lag unknown after deletions)."""
-    return len(client.xrange(stream, min=f"({last_delivered}", count=DEPTH_SCAN_CAP))
+    """Entries after the group's last delivered id (Redis < 7, or lag unknown after deletions).
 
+    A user who may not read entries (the Redis 7 observer) gets an upper bound instead:
+    every entry in the stream, capped.
+    """
+    try:
+        return len(client.xrange(stream, min=f"({last_delivered}", count=DEPTH_SCAN_CAP))
+    except redis.exceptions.NoPermissionError:
+        return min(int(client.xlen(stream)), DEPTH_SCAN_CAP)
+
+
+
+# Every XADD to a stream needs an id above its last one: after an entry at this id (which
+# any user allowed XADD can write) the stream takes no new entry at all.
+MAX_ENTRY_ID = f"{MAX_ID_SEQUENCE}-{MAX_ID_SEQUENCE}"
+BLOCKED_HINT = "an administrator reopens it with `conveyor redis setup --reopen-lanes`"
+
+
+def lane_blocked(client: redis.Redis, stream: str) -> bool:
+    """Whether ``stream`` can take no new request: its last id is the largest possible.
+
+    Reads XINFO STREAM (a worker's command; it returns the first and last entries too, so
+    the observer is not granted it): a lane blocked this way shows on the worker's
+    heartbeat, and from there in `conveyor top`.
+    """
+    try:
+        info = client.xinfo_stream(stream)
+    except redis.ResponseError:  # no such stream yet
+        return False
+    return as_text(info.get("last-generated-id", "")) == MAX_ENTRY_ID
+
+
+def reopen_lane(client: redis.Redis, stream: str) -> bool:
+    """Reopen a blocked lane (an administrator's step); whether it was blocked.
+
+    Deletes the entry at the largest id, moves the stream's last id back to its last
+    remaining entry, and the consumer group's last-delivered id with it when the group had
+    read that far (it reads in id order, so everything up to there was delivered). Entries
+    waiting before the blocking one stay undelivered; pending ones stay pending.
+    """
+    if not lane_blocked(client, stream):
+        return False
+    client.xdel(stream, MAX_ENTRY_ID)
+    last = client.xrevrange(stream, count=1)
+    last_id = as_text(last[0][0]) if last else "0-1"
+    client.execute_command("XSETID", stream, last_id)
+    for group in client.xinfo_groups(stream):
+        if as_text(group["last-delivered-id"]) == MAX_ENTRY_ID:
+            client.xgroup_setid(stream, as_text(group["name"]), last_id)
+    return True
 
 
 def trim_request_stream(client: redis.Redis, stream: str) -> int:
@@ -88,7 +135,9 @@ def trim_request_stream(client: redis.Redis, stream: str) -> int:
 
 
 def _next_id(entry_id: str) -> str:
-    """The smallest stream id above ``entry_id``."""
+    """The smallest stream id above ``entry_id`` (the largest id itself: there is none above)."""
+    if entry_id == MAX_ENTRY_ID:
+        return entry_id
     ms, _, seq = entry_id.partition("-")
     if int(seq) == MAX_ID_SEQUENCE:
         return f"{int(ms) + 1}-0"

@@ -18,8 +18,8 @@ import redis
 from producer.cli_redis import add_redis_url_option
 from producer.client import Client
 from producer.connection import describe
-from producer.models import ModelState, model_states
-from producer.queues import LaneStats, lane_stats
+from producer.models import ModelState, heartbeat_keys, member_names, model_states
+from producer.queues import BLOCKED_HINT, LaneStats, lane_stats
 from producer.wire.protocol import now_ms
 from producer.wire.replies import as_text
 
@@ -83,32 +83,32 @@ def run_top_cmd(args: argparse.Namespace) -> int:
 
 def take_snapshot(client: Client) -> FleetSnapshot:
     """Every live worker's heartbeat, and the lanes of every model that is registered, served
-    or has a request stream (requests may wait for a model no worker serves)."""
+    or was requested without a registration (requests may wait for a model no worker serves).
+
+    Reads sets and hashes only (no SCAN, no stream entries): the observer ACL allows no more.
+    """
     conn, keys = client.redis, client.keys
-    worker_keys, registered, models = [], set(), set()
-    # One SCAN for all three kinds of key: SCAN walks the whole keyspace whatever it matches.
-    for key in conn.scan_iter(match=f"{keys.ns}:*", count=1000):
-        kind, _, rest = as_text(key)[len(keys.ns) + 1:].partition(":")
-        if kind == "worker":
-            worker_keys.append(key)
-        elif kind == "model":
-            registered.add(rest)
-        elif kind == "req":  # {ns}:req:{model}:{lane}
-            models.add(rest.rpartition(":")[0])
-    workers = read_workers(conn, worker_keys)
-    models |= registered | {w["model"] for w in workers if w.get("model")}
+    pipe = conn.pipeline(transaction=False)
+    pipe.smembers(keys.workers)
+    pipe.smembers(keys.models)
+    pipe.smembers(keys.requested)
+    worker_ids, registered, requested = pipe.execute()
+    workers = read_workers(conn, heartbeat_keys(keys, worker_ids))
+    registered = set(member_names(registered))
+    models = registered | set(member_names(requested)) | {
+        w["model"] for w in workers if w.get("model")}
     lanes = [s for model in sorted(models) for s in lane_stats(conn, keys, model)]
     return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))
 
 
-def read_workers(conn: redis.Redis, worker_keys: list[bytes]) -> list[dict[str, str]]:
+def read_workers(conn: redis.Redis, worker_keys: list[str]) -> list[dict[str, str]]:
     """The heartbeat hashes behind these keys, sorted by worker id."""
     pipe = conn.pipeline(transaction=False)
     for key in worker_keys:
         pipe.hgetall(key)
     workers = []
     for raw in pipe.execute():
-        if raw:  # expired between SCAN and HGETALL
+        if raw:  # expired: a worker that died (its reaper-side cleanup removes the member)
             workers.append({as_text(k): as_text(v) for k, v in raw.items()})
     return sorted(workers, key=lambda w: w.get("worker_id", ""))
 
@@ -137,8 +137,19 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
     workers = _table(["worker", "model", "status", "running", "waiting", "swapped", "inflight",
                       "kv used", "tokens/s", "tokens", "seen"], rows) if ws else [
         "(no live workers)"]
-    return "\n".join([summary, "", "MODELS", *models, "", "LANES", *lanes, "", "WORKERS",
-                      *workers])
+    return "\n".join([summary, "", "MODELS", *models, "", "LANES", *lanes, *_blocked(ws), "",
+                      "WORKERS", *workers])
+
+
+def _blocked(workers: list[dict[str, str]]) -> list[str]:
+    """A warning line for each request stream a worker found closed to new requests."""
+    seen: dict[str, list[str]] = {}
+    for w in workers:
+        for stream in filter(None, w.get("blocked_lanes", "").split(",")):
+            seen.setdefault(stream, []).append(w.get("worker_id", "?"))
+    return [f"BLOCKED {stream}: its last entry id is the largest possible, so every submit "
+            f"fails (seen by {', '.join(by)}); {BLOCKED_HINT}"
+            for stream, by in sorted(seen.items())]
 
 
 def _table(headers: Sequence[str], rows: list[list[object]]) -> list[str]:

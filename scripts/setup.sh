@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Tests that need a Redis 7 built with TLS skip without one. In CI (or with
+# Tests that need a Redis 7 built with TLS skip without one (and fail under CI=true). In CI (or with
 # CONVEYOR_INSTALL_TEST_DEPS=1), as root with apt, install Debian's redis-server for them;
 # a machine that already has one is left alone, and nothing here runs elsewhere.
 has_redis7_tls() {
@@ -25,7 +25,8 @@ if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
     service redis-server stop >/dev/null 2>&1 || true
     update-rc.d redis-server disable >/dev/null 2>&1 || true
   else
-    echo "setup: could not install redis-server; the tests that need it will be skipped" >&2
+    echo "setup: could not install redis-server; the tests that need it will be skipped" \
+      "(or fail, under CI=true)" >&2
   fi
 fi
 

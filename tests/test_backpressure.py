@@ -17,6 +17,7 @@ from producer.async_client import AsyncClient
 from producer.backpressure import QueueFull
 from producer.client import Client
 from producer.connection import connect
+from producer.functions import ensure_functions
 from producer.queues import lane_stats, trim_request_stream
 from producer.redis_server import start_ephemeral
 from producer.wire.keys import GROUP, Keys
@@ -36,8 +37,12 @@ def server(request, tmp_path_factory):
 
 @pytest.fixture
 def r(server):
+    """The administrator; on Redis 7 with conveyor's functions loaded, so that producers
+    count through FCALL there (as after `conveyor redis setup`), and through the script on 6.2."""
     client = connect(server.url)
     client.flushall()
+    ensure_functions(client)
+    client.config_resetstat()
     yield client
     client.close()
 
@@ -140,6 +145,17 @@ def test_the_script_is_loaded_again_after_redis_lost_it(client, r, server):
     server.restart()  # and a real restart (the append-only file keeps the stream)
     submit(client, max_queue=5)
     assert r.xlen(STREAM) == 3
+
+
+def test_redis7_counts_through_the_function_and_62_through_the_script(client, r, server):
+    submit(client, n=2, max_queue=5)
+    calls = {name: int(stats["calls"]) for name, stats in r.info("commandstats").items()
+             if name in ("cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval")}
+    if server.binary == redis_binary("7"):
+        assert calls == {"cmdstat_fcall": 2}
+    else:
+        assert calls.get("cmdstat_evalsha", 0) + calls.get("cmdstat_eval", 0) >= 2
+        assert "cmdstat_fcall" not in calls
 
 
 def test_async_client_refuses_a_full_queue_too(server, r):

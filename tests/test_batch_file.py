@@ -136,6 +136,7 @@ def test_bad_lines_get_error_lines_and_the_good_ones_still_run(client, start_wor
 def test_a_request_that_never_finishes_is_retried_then_reported(client, tmp_path):
     # A registered model with no live worker: requests are never answered.
     client.redis.hset(KEYS.model("ghost"), mapping={"name": "ghost", "max_model_len": 64})
+    client.redis.sadd(KEYS.models, "ghost")
     inp = write_lines(tmp_path / "in.jsonl", [request_line("lost", "x", model="ghost")])
     out = tmp_path / "out.jsonl"
 

@@ -373,6 +373,7 @@ def register(r: redis.Redis, name: str = MODEL) -> None:
         "vocab_size": 3, "tokenizer_json": tiny_tokenizer().to_str(),
         "served_by": "w-1", "updated_ms": 1700000000000,
     })
+    r.sadd(KEYS.models, name)
 
 
 def test_model_info_and_tokenizer_round_trip(client, r):

@@ -62,9 +62,11 @@ def register(r: redis.Redis, name: str, stale_worker: str | None = None) -> None
     (status ``stopped``: it reads nothing any more)."""
     r.hset(KEYS.model(name), mapping={"name": name, "max_model_len": 64,
                                       "served_by": stale_worker or "w-gone"})
+    r.sadd(KEYS.models, name)
     if stale_worker:
         r.hset(KEYS.worker(stale_worker), mapping={"worker_id": stale_worker, "model": name,
                                                    "status": "stopped"})
+        r.sadd(KEYS.workers, stale_worker)
 
 
 def beat(r: redis.Redis, worker_id: str, model: str, status: str = "serving") -> None:
@@ -72,6 +74,7 @@ def beat(r: redis.Redis, worker_id: str, model: str, status: str = "serving") ->
     r.hset(KEYS.worker(worker_id), mapping={"worker_id": worker_id, "model": model,
                                             "status": status})
     r.expire(KEYS.worker(worker_id), 60)
+    r.sadd(KEYS.workers, worker_id)
 
 
 def queued(r: redis.Redis, model: str, lane: str = "interactive") -> list[GenerationRequest]:

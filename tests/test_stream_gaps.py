@@ -222,6 +222,7 @@ def test_a_batch_line_whose_stream_has_a_gap_is_run_again_under_a_new_id(
         client, redis_client, redis_url, tmp_path):
     # A registered model served by a stand-in worker: its first answer loses tokens 1..2.
     redis_client.hset(KEYS.model("ghost"), mapping={"name": "ghost", "max_model_len": 64})
+    redis_client.sadd(KEYS.models, "ghost")
     answered: list[str] = []
 
     def stand_in_worker() -> None:

@@ -9,7 +9,7 @@ import textwrap
 from fleet_fixtures import MODEL, settled_pending
 
 from producer.client import Client
-from producer.top import run_top_cmd
+from producer.top import run_top_cmd, take_snapshot
 from worker.cli import build_parser
 
 
@@ -72,3 +72,16 @@ def test_top_runs_as_a_cli_verb_without_torch(redis_url):
     """)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("conveyor top") and "(no live workers)" in done.stdout
+
+
+def test_dead_workers_leave_the_workers_set_and_live_ones_stay(redis_url, redis_client):
+    from producer.wire.keys import Keys
+    from worker.fleet.consumers import prune_worker_set
+
+    keys = Keys()
+    redis_client.hset(keys.worker("alive"), mapping={"worker_id": "alive", "status": "serving"})
+    redis_client.sadd(keys.workers, "alive", "gone")  # "gone": its hash expired
+    with Client(redis_url) as client:
+        assert [w["worker_id"] for w in take_snapshot(client).workers] == ["alive"]
+    assert prune_worker_set(redis_client, keys) == ["gone"]
+    assert redis_client.smembers(keys.workers) == {b"alive"}

@@ -5,7 +5,7 @@ KV bookkeeping, producers and workers all build on it.
 """
 
 from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
-from producer.wire.errors import ModelNotFound, QueueFull
+from producer.wire.errors import LaneBlocked, ModelNotFound, QueueFull
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FinalEntry, GenerationRequest, OutputChunk, ProtocolError
@@ -18,6 +18,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "Keys",
+    "LaneBlocked",
     "ModelNotFound",
     "OutputChunk",
     "ProtocolError",

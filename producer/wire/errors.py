@@ -16,6 +16,26 @@ class QueueFull(RuntimeError):
         self.limit = limit
 
 
+class LaneBlocked(RuntimeError):
+    """A request stream takes no new entry: its last id is the largest possible (someone
+    allowed to XADD wrote an entry there). Only an operator can reopen it."""
+
+    MESSAGE = "exhausted the last possible id"
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(
+            f"request lane {stream} is blocked: an entry at the largest possible id closes it "
+            "to new requests, and nothing was added. An administrator reopens it with "
+            "`conveyor redis setup --reopen-lanes`"
+        )
+        self.stream = stream
+
+    @classmethod
+    def matches(cls, error: Exception) -> bool:
+        """Whether Redis refused an XADD because the stream's ids are used up."""
+        return cls.MESSAGE in str(error).lower()
+
+
 class ModelNotFound(LookupError, ValueError):
     """No worker has registered ``model`` (no ``{ns}:model:{name}`` hash) and none serves it.
 

@@ -54,6 +54,23 @@ class Keys:
     def worker_pattern(self) -> str:
         return f"{self.ns}:worker:*"
 
+    @property
+    def workers(self) -> str:
+        """Set of worker ids that wrote a heartbeat: readers list workers without SCAN
+        (members whose hash expired are skipped, and removed by workers' reapers)."""
+        return f"{self.ns}:workers"
+
+    @property
+    def models(self) -> str:
+        """Set of registered model names (each has a ``model`` hash)."""
+        return f"{self.ns}:models"
+
+    @property
+    def requested(self) -> str:
+        """Set of model names requests were submitted for without a registration check
+        (``allow_unregistered``): `conveyor top` shows their lanes too."""
+        return f"{self.ns}:requested"
+
     def model(self, name: str) -> str:
         """Hash describing a served model (max length, eos, tokenizer.json)."""
         return f"{self.ns}:model:{validate_name('model', name)}"

@@ -1,4 +1,5 @@
-"""Removing the consumers dead workers leave in a group, once they hold nothing.
+"""Removing what dead workers leave behind: consumers in a group, once they hold nothing,
+and their ids in the ``{ns}:workers`` set.
 
 Every worker name ever used stays in the group until removed, and `conveyor top`, XINFO
 and the lane metrics count them. A consumer is removed only when it has been idle (no
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import redis
 
-from producer.wire.keys import GROUP
+from producer.models import member_names
+from producer.wire.keys import GROUP, Keys
 from producer.wire.replies import as_text
 
 # ARGV: group, consumer names. Removes each that has no pending entry; returns those.
@@ -52,3 +54,18 @@ class ConsumerSweeper:
         self.removed += len(removed)
         return removed
 
+
+
+def prune_worker_set(client: redis.Redis, keys: Keys) -> list[str]:
+    """Remove from ``{ns}:workers`` the ids whose heartbeat hash expired (dead workers); a
+    live worker that was removed during an outage adds itself again at its next beat."""
+    members = member_names(client.smembers(keys.workers))
+    if not members:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for wid in members:
+        pipe.exists(keys.worker(wid))
+    gone = [wid for wid, alive in zip(members, pipe.execute(), strict=True) if not alive]
+    if gone:
+        client.srem(keys.workers, *gone)
+    return gone

@@ -1,4 +1,9 @@
-"""The heartbeat thread: a worker's status and load in a hash that expires if it dies."""
+"""The heartbeat thread: a worker's status and load in a hash that expires if it dies.
+
+Each beat also adds the worker to the ``{ns}:workers`` set (readers list workers without
+SCAN) and checks that conveyor's Redis functions are loaded: a Redis restarted without
+persistence forgets them, and producers need them to submit with ``max_queue``.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+import structlog
 
+from producer.functions import ensure_functions
 from producer.wire.keys import Keys
 from producer.wire.protocol import now_ms
 from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
 
 
 class Heartbeat(SupervisedThread):
@@ -22,23 +31,49 @@ class Heartbeat(SupervisedThread):
         super().__init__("heartbeat", worker_id=worker_id, interval_s=interval_s, **supervision)
         self.client = client
         self.key = keys.worker(worker_id)
+        self.keys = keys
+        self.worker_id = worker_id
+        # False once Redis has no functions (6.2) or this user may not load them.
+        self.keeps_functions = True
         self.status = status
         self.static = {"worker_id": worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_ms": now_ms()}
 
     def tick(self) -> None:
         self.beat()
+        self.keep_functions()
+
+    def keep_functions(self) -> str:
+        """Load conveyor's functions if they are missing; what :func:`ensure_functions` said,
+        or ``"skipped"`` once it is known that this worker cannot or need not."""
+        if not self.keeps_functions:
+            return "skipped"
+        try:
+            outcome = ensure_functions(self.client)
+        except redis.exceptions.NoPermissionError as exc:
+            log.warning("this worker may not load conveyor's Redis functions (grant "
+                        "function|load and fcall_ro, or run `conveyor redis setup`)",
+                        error=str(exc))
+            self.keeps_functions = False
+            return "skipped"
+        if outcome == "unsupported":
+            self.keeps_functions = False
+        return outcome
 
     def beat(self) -> None:
         mapping = {**self.static, **self.status(), "updated_ms": now_ms()}
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.key, mapping={k: str(v) for k, v in mapping.items()})
         pipe.expire(self.key, max(1, int(3 * self.interval_s + 0.999)))
+        pipe.sadd(self.keys.workers, self.worker_id)
         pipe.execute()
 
     def clear(self) -> None:
-        """Remove the worker's hash at exit."""
+        """Remove the worker's hash, and its id from the workers set, at exit."""
         try:
-            self.client.delete(self.key)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(self.key)
+            pipe.srem(self.keys.workers, self.worker_id)
+            pipe.execute()
         except redis.RedisError:
             pass

@@ -121,6 +121,8 @@ class Worker:
             "steps": stats["steps"],
             "preemptions": stats.get("preemptions", 0),
             "metrics_port": self.metrics_port or "",
+            # Request streams no producer can add to (an entry at the largest id).
+            "blocked_lanes": ",".join(self.reaper.blocked_lanes),
         }
 
     def fault_counts(self) -> FaultCounts:
@@ -150,6 +152,8 @@ class Worker:
                        self.config.worker_id)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
         ensure_groups(self.client, self.intake.streams)
+        self.reaper.check_lanes()
+        self.heartbeat.keep_functions()
         self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
                         self.leases, self.reaper]
         if self.config.metrics_port is not None:

@@ -11,11 +11,11 @@ from typing import Any
 import redis
 import structlog
 
-from producer.queues import trim_request_stream
+from producer.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from producer.wire.replies import as_text
-from worker.fleet.consumers import ConsumerSweeper
+from worker.fleet.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Intake
 from worker.fleet.leases import release
@@ -72,6 +72,8 @@ class Reaper(SupervisedThread):
         # Consumers of workers gone for ten leases, holding nothing, leave the group.
         self.sweeper = ConsumerSweeper(client, worker_id, DEAD_CONSUMER_LEASES * lease_ms)
         self._next_trim = self.clock.monotonic() + TRIM_INTERVAL_S
+        # Request streams an entry at the largest id closed to new requests (check_lanes).
+        self.blocked_lanes: list[str] = []
 
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
@@ -86,6 +88,19 @@ class Reaper(SupervisedThread):
             for stream in self.intake.streams:
                 trim_request_stream(self.client, stream)
                 self.sweeper.sweep(stream)
+            prune_worker_set(self.client, self.keys)
+            self.check_lanes()
+
+    def check_lanes(self) -> list[str]:
+        """Note (and log, when it changes) the lanes that take no new request."""
+        blocked = [s for s in self.intake.streams if lane_blocked(self.client, s)]
+        if blocked != self.blocked_lanes:
+            for stream in blocked:
+                log.error("request lane blocked: its last entry id is the largest possible, so "
+                          "no producer can add a request to it", stream=stream,
+                          remedy=BLOCKED_HINT)
+            self.blocked_lanes = blocked
+        return blocked
 
     def reap(self, stream: str) -> int:
         """Claim and resume lapsed entries of one stream; returns how many were claimed.

@@ -26,7 +26,11 @@ def register_model(client: redis.Redis, keys: Keys, name: str, engine: Engine,
     }
     if tokenizer_file.is_file():
         mapping["tokenizer_json"] = tokenizer_file.read_text(encoding="utf-8")
-    client.hset(keys.model(name), mapping=mapping)
+    pipe = client.pipeline(transaction=False)  # two keys: no MULTI (Redis Cluster)
+    pipe.hset(keys.model(name), mapping=mapping)
+    # The set lists models without SCAN; a reader that finds a name sees its hash.
+    pipe.sadd(keys.models, name)
+    pipe.execute()
 
 
 def check_eviction_policy(client: redis.Redis, allowed: bool) -> str:

@@ -66,7 +66,8 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address (default: loopback)"
     )
     p.add_argument("--json", action="store_true", help="status: print one JSON object")
-    p.add_argument("--redis", metavar="URL", default=os.environ.get(REDIS_URL_ENV),
+    # SUPPRESS: given before the verb (`conveyor --redis URL redis setup`) it still counts.
+    p.add_argument("--redis", metavar="URL", default=argparse.SUPPRESS,
                    help=f"setup: the Redis to set up (default: ${REDIS_URL_ENV}, else the "
                    "embedded server)")
     p.add_argument("--acl", action="store_true",

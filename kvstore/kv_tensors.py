@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 
@@ -54,7 +52,7 @@ class PagedKVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers, K and V together."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
@@ -62,18 +60,48 @@ def copy_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: list[tuple[int, int
                 stream: torch.cuda.Stream | None = None) -> None:
     """Copy whole blocks ``src_id -> dst_id`` in every layer: one gather and one scatter each.
 
-    Swaps decided in one step are batched into a single call. On CUDA the copies run on
-    ``stream`` (a side stream); the caller makes the compute stream wait for it.
+    Swaps decided in one step are batched into a single call. On CUDA (``stream``: a side
+    stream) the copies go through pinned staging buffers: device to host, the host waits
+    for the copies to finish before it reads the buffers; host to device, the copies are
+    queued on ``stream`` and the caller makes the compute stream wait for it.
     """
     if not pairs:
         return
     src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src.k[0].device)
     dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst.k[0].device)
-    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-    with ctx:
-        for s, d in ((src.k, dst.k), (src.v, dst.v)):
-            for layer in range(len(s)):
-                blocks = s[layer].index_select(0, src_ids)
-                d[layer].index_copy_(0, dst_ids, blocks.to(d[layer].device, non_blocking=True))
+    layers = [*zip(src.k, dst.k, strict=True), *zip(src.v, dst.v, strict=True)]
+    if stream is None:  # one device (the CPU): plain gathers and scatters
+        for s, d in layers:
+            d.index_copy_(0, dst_ids, s.index_select(0, src_ids))
+        return
+    gpu = src.k[0].device if src.k[0].device.type == "cuda" else dst.k[0].device
+    # The source blocks may still be being written by the compute stream's last forward.
+    stream.wait_stream(torch.cuda.current_stream(gpu))
+    with torch.cuda.stream(stream):
+        if dst.k[0].device.type == "cpu":
+            _device_to_host(layers, src_ids, dst_ids, stream)
+        else:
+            for s, d in layers:
+                staged = _pinned_like(s, len(pairs))
+                torch.index_select(s, 0, src_ids, out=staged)
+                # The pinned allocator keeps ``staged`` alive until this copy has run.
+                d.index_copy_(0, dst_ids, staged.to(d.device, non_blocking=True))
 
 
+def _device_to_host(layers: list[tuple[torch.Tensor, torch.Tensor]], src_ids: torch.Tensor,
+                    dst_ids: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    staged = []
+    for s, d in layers:
+        buffer = _pinned_like(s, src_ids.numel())
+        buffer.copy_(s.index_select(0, src_ids), non_blocking=True)
+        staged.append((d, buffer))
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()  # the host reads the buffers only once every copy has landed
+    for d, buffer in staged:
+        d.index_copy_(0, dst_ids, buffer)
+
+
+def _pinned_like(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cpu",
+                       pin_memory=True)

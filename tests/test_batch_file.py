@@ -182,3 +182,12 @@ def test_bulk_submit_shows_progress_and_reports_failures_in_its_status(
     assert "11/11 done, 1 errors" in err and "10 succeeded, 1 failed, 0 skipped" in err
     assert run_bulk_cmd(build_parser().parse_args(argv)) == 0
     assert "0 succeeded, 0 failed, 11 skipped" in capsys.readouterr().err
+
+
+def test_penalties_and_logit_bias_lines_are_accepted_and_bad_ones_are_error_lines():
+    body = {"model": "m", "prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "logit_bias": {"50": -100}}
+    good = parse_line(json.dumps({"custom_id": "a", "body": body}), 1)
+    assert good.sampling["logit_bias"] == {"50": -100} and good.sampling["presence_penalty"] == 0.5
+    bad = parse_line(json.dumps({"custom_id": "b", "body": {**body, "presence_penalty": 3}}), 2)
+    assert bad.code == "invalid_request" and "presence_penalty" in bad.message

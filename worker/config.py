@@ -49,6 +49,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # torch intra-op threads for this process; None leaves torch's default.
     num_threads: int | None = None
+    # On a CPU, keep large allocations in glibc's heap instead of fresh mmaps (which cost a
+    # page fault per 4 KiB every step): worker/host_allocator.py. Process-wide.
+    tune_host_allocator: bool = True
     # Detokenize and apply stop strings in the engine. The fleet worker turns this off and
     # does both on its publisher thread, off the engine loop.
     detokenize: bool = True

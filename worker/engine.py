@@ -19,6 +19,7 @@ from producer.wire.validation import validate_request_id, validate_token_ids
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.config import EngineConfig
 from worker.device import engine_device, engine_dtype
+from worker.host_allocator import keep_large_allocations_in_heap
 from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
@@ -42,6 +43,8 @@ class Engine:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = engine_device(cfg)
+        if self.device.type == "cpu" and cfg.tune_host_allocator:
+            keep_large_allocations_in_heap()
         self.dtype = engine_dtype(cfg, self.device)
         self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
         self.model_config = mc = self.model.config
@@ -110,6 +113,9 @@ class Engine:
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab})")
         generated = (validate_token_ids(list(generated_token_ids), self.model_config.vocab_size,
                                         "generated_token_ids") if generated_token_ids else [])
         self._check_lengths(prompt_ids, generated, params)
@@ -155,11 +161,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return expired
-        rows = {
-            c.request_id: SampleRequest(self._outputs[c.request_id].params,
-                                        self._outputs[c.request_id].seed, c.output_index)
-            for c in sched.chunks if c.sample
-        }
+        rows = {c.request_id: self._sample_request(c.request_id, c.output_index)
+                for c in sched.chunks if c.sample}
         tokens, logprobs = self.runner.execute(sched, rows)
         self.num_steps += 1
         results = []
@@ -263,6 +266,12 @@ class Engine:
         if isinstance(params, Mapping):
             return SamplingParams.from_dict(params)
         raise ValueError(f"params must be SamplingParams or a mapping, got {type(params).__name__}")
+
+    def _sample_request(self, request_id: str, output_index: int) -> SampleRequest:
+        state, req = self._outputs[request_id], self.scheduler.requests[request_id]
+        # The request's own token lists (read by penalties only), not copies.
+        return SampleRequest(state.params, state.seed, output_index,
+                             req.prompt_token_ids, req.output_token_ids)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

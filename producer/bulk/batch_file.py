@@ -27,10 +27,10 @@ from producer.wire.params import SamplingParams
 COMPLETIONS_URL = "/v1/completions"
 # Body fields that map onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                             "stop", "stop_token_ids", "ignore_eos"})
+                             "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty", "logit_bias"})
 # OpenAI fields accepted only at the value that means "nothing special".
-NEUTRAL_FIELDS = {"n": 1, "best_of": 1, "echo": False, "stream": False,
-                  "presence_penalty": 0, "frequency_penalty": 0}
+NEUTRAL_FIELDS = {"n": 1, "best_of": 1, "echo": False, "stream": False}
 # OpenAI fields accepted and ignored.
 IGNORED_FIELDS = frozenset({"user"})
 # OpenAI's default for completions when a body leaves max_tokens out.

@@ -24,6 +24,12 @@ MAX_TOP_K = 2**31 - 1
 # 1e-35 overflows the scaled logits to inf. At 1e-5 the distribution is already one-hot for
 # any logits that differ by more than 1e-3, so greedy is what such a request means.
 MIN_TEMPERATURE = 1e-5
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] (-100 bans a token).
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# A repetition penalty divides positive logits (multiplies negative ones): 1 is off.
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,13 @@ class SamplingParams:
     ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` each switch their filter off. A
     request with a ``seed`` gets the same tokens whatever batch it runs in and after any
     restart.
+
+    Penalties change the logits before any of that (greedy requests too), counting the
+    request's own output tokens: ``presence_penalty`` is subtracted once from every token
+    already generated, ``frequency_penalty`` once per time it was (OpenAI's meaning);
+    ``repetition_penalty`` (1 = off) divides the positive logits, and multiplies the
+    negative ones, of every token in the prompt or the output (transformers' meaning).
+    ``logit_bias`` maps token ids to a number added to their logits (-100 bans one).
     """
 
     max_tokens: int = 16
@@ -49,6 +62,11 @@ class SamplingParams:
     ignore_eos: bool = False
     # Return this many most likely alternatives (plus the chosen token's) per token.
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, sorted by id; given as a mapping (JSON keys may be strings).
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -59,6 +77,7 @@ class SamplingParams:
             if not isinstance(value, list | tuple):
                 raise ValueError(f"{name} must be a list, got {brief(value)}")
             object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
@@ -66,6 +85,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
@@ -81,6 +106,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = dict(self.logit_bias)
         return d
 
     def _validate(self) -> None:
@@ -109,6 +135,43 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, low=0, high=MAX_TOKEN_ID)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), low=-MAX_ABS_PENALTY, high=MAX_ABS_PENALTY)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0,
+                     high=MAX_REPETITION_PENALTY)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0 (1 is off), got 0")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries, "
+                             f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias token id", token, low=0, high=MAX_TOKEN_ID)
+            _check_float("logit_bias value", bias, low=-MAX_ABS_LOGIT_BIAS,
+                         high=MAX_ABS_LOGIT_BIAS)
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, from a mapping or from pairs.
+
+    Token ids may come as decimal strings (JSON object keys); nothing else is converted.
+    """
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(
+            isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {brief(value)}")
+    pairs: dict[int, Any] = {}
+    for key, bias in items:
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool):
+            raise ValueError(f"logit_bias keys must be token ids, got {brief(key)}")
+        if key in pairs:
+            raise ValueError(f"logit_bias names token {key} twice")
+        pairs[key] = float(bias) if isinstance(bias, int) and not isinstance(bias, bool) else bias
+    return tuple(sorted(pairs.items()))
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:

@@ -12,6 +12,7 @@ import pytest
 from kvstore import BlockPool, KVCacheManager
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker import Engine, SamplingParams
+from worker.bench.sampling_steps import MODES, decoding_engine
 
 
 def _busy_scheduler(num_running: int, num_waiting: int) -> Scheduler:
@@ -66,3 +67,25 @@ def test_bench_decode_small(benchmark, small_model, batch):
     outputs = benchmark(engine.step)
     assert len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs)
     benchmark.extra_info["tokens_per_step"] = batch
+
+
+@pytest.fixture(scope="module")
+def vocab_32000_model(tmp_path_factory):
+    from worker.bench.sampling_steps import model_with_vocab
+
+    return model_with_vocab(32000, tmp_path_factory.mktemp("vocab"))
+
+
+@pytest.mark.parametrize("vocab", [8192, 32000])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bench_sampled_decode_step(benchmark, request, small_model, vocab, mode):
+    """A decode step at batch 64 per sampling mode; compare each with its greedy case
+    (`python -m worker.bench.sampling_steps` interleaves them and prints the ratios)."""
+    model = small_model if vocab == 8192 else request.getfixturevalue("vocab_32000_model")
+    # The smoke run (CI) only shows the path works: a small batch, short prompts.
+    smoke = benchmark.disabled
+    engine = decoding_engine(model, mode, batch=4 if smoke else 64,
+                             threads=1 if smoke else 2, prompt_tokens=16 if smoke else 128)
+    outputs = benchmark(engine.step)
+    assert all(len(o.new_token_ids) == 1 for o in outputs)
+    benchmark.extra_info.update(vocab=vocab, mode=mode)

@@ -72,7 +72,7 @@ class AttentionMetadata:
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
 
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+            return torch.tensor(values, dtype=torch.int64, device=device)
 
         return cls(
             query_start_loc=tensor(starts),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,7 @@ def make_model(
     rope_scaling: Mapping[str, Any] | None = None,
     num_shards: int = 1,
     with_tokenizer: bool = True,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random-weight float32 checkpoint that transformers can load; return its folder.
 
@@ -54,12 +56,19 @@ def make_model(
         rope_scaling: an old-style rope scaling dict such as ``presets.LLAMA3_ROPE_SCALING``.
         num_shards: 1 writes model.safetensors; more writes HF-style shards and an index.
         with_tokenizer: also write the shipped byte-level BPE tokenizer.
+        vocab_size: override the preset's vocabulary (benchmarks of a 32,000-token head);
+            no tokenizer ships for other sizes, so it needs ``with_tokenizer=False``.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
     shape, spec = PRESETS[preset], ARCHS[arch]
+    if vocab_size is not None and vocab_size != shape.vocab_size:
+        if with_tokenizer:
+            raise ValueError(f"no tokenizer ships for a vocabulary of {vocab_size}: "
+                             "pass with_tokenizer=False")
+        shape = dataclasses.replace(shape, vocab_size=vocab_size)
     kv_heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     if kv_heads < 1 or shape.num_heads % kv_heads:
         raise ValueError(f"num_kv_heads={kv_heads} must divide num_heads={shape.num_heads}")

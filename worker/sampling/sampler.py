@@ -1,68 +1,112 @@
-"""Turn one row of logits per request into the next token: greedy or filtered sampling."""
+"""Turn one row of logits per request into the next token: greedy or filtered sampling.
+
+Vectorised over the batch, with every tensor made on the logits' device. Work a row does
+not ask for is skipped: no penalty pass without penalties, no filter pass without its
+filter, and no sort of the vocabulary at all (worker/sampling/filters.py). A sampled
+token is drawn by inverse CDF, in token-id order, at one uniform number per row that is a
+pure function of (seed, output index): a seeded request gets the same tokens alone, in any
+batch, and after resuming at any token.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from producer.wire.completion import TokenLogprob
 from producer.wire.params import SamplingParams
+from worker.sampling.filters import floors, top_p_keep
+from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.randomness import uniform
 
 
 @dataclass
 class SampleRequest:
-    """One row to sample: its parameters, seed and the output index being drawn."""
+    """One row to sample: its parameters, seed and the output index being drawn.
+
+    ``prompt_token_ids`` and ``output_token_ids`` (the request's own lists, not copies) are
+    read only by penalties.
+    """
 
     params: SamplingParams
     seed: int
     output_index: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 class Sampler:
-    """Picks tokens row by row, so a row's result never depends on its neighbours."""
+    """Picks one token per row; a row's result never depends on its neighbours."""
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRequest]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Returns the chosen token per row and, where asked for, its logprobs."""
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        raw = logits
+        params = [r.params for r in rows]
+        if any(p.penalized or p.logit_bias for p in params):
+            logits = logits.clone()  # logprobs stay those of the model's own distribution
+            apply_penalties(logits, params, [r.prompt_token_ids for r in rows],
+                            [r.output_token_ids for r in rows])
+            apply_logit_bias(logits, params)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
         tokens = [0] * len(rows)
-        if greedy:
+        if len(greedy) == len(rows):
             # argmax breaks ties by the lowest id, as the reference implementation does.
-            picks = logits[greedy].argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).tolist()
+        elif greedy:
+            picks = logits[_index(greedy, logits.device)].argmax(dim=-1).tolist()
             for i, t in zip(greedy, picks, strict=True):
                 tokens[i] = t
         if sampled:
-            picks = self._sample(logits[sampled].float(), [rows[i] for i in sampled])
+            chosen = logits if len(sampled) == len(rows) else logits[_index(sampled,
+                                                                            logits.device)]
+            picks = self._sample(chosen.float(), [rows[i] for i in sampled])
             for i, t in zip(sampled, picks, strict=True):
                 tokens[i] = t
-        return tokens, self._logprobs(logits, rows, tokens)
+        return tokens, self._logprobs(raw, rows, tokens)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[int]:
-        vocab = logits.shape[-1]
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-        sorted_logits, sorted_ids = torch.sort(logits / temps[:, None], dim=-1, descending=True,
-                                               stable=True)
-        ranks = torch.arange(vocab)
-        top_k = torch.tensor([r.params.top_k or vocab for r in rows])
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # top_p keeps the smallest prefix whose mass reaches p (the top token always stays).
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=probs.dtype)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        probs = probs.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), 0.0)
-        # min_p drops tokens less likely than min_p times the most likely one.
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
-        probs = probs.masked_fill(probs < (min_p * probs[:, 0])[:, None], 0.0)
-        cdf = torch.cumsum(probs, dim=-1)
-        draws = torch.tensor(
-            [uniform(r.seed, r.output_index) for r in rows], dtype=cdf.dtype
-        ) * cdf[:, -1]
-        picks = torch.searchsorted(cdf, draws[:, None], right=True).clamp_(max=vocab - 1)
-        return sorted_ids.gather(1, picks).squeeze(1).tolist()
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SampleRequest]) -> list[int]:
+        device, vocab = logits.device, logits.shape[-1]
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype,
+                             device=device)
+        x = logits / temps[:, None]
+        probs = torch.softmax(x, dim=-1)
+        params = [r.params for r in rows]
+        floor = floors(x, [p.top_k for p in params], [p.top_p for p in params],
+                       [p.min_p for p in params])
+        keep = None if floor is None else x >= floor
+        # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
+        nucleus = [i for i, p in enumerate(params)
+                   if p.top_p < 1.0 and not 0 < p.top_k < vocab]
+        if nucleus:
+            index = _subset(nucleus, x)
+            top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype,
+                                 device=device)
+            cut = top_p_keep(_rows(x, index), _rows(probs, index), top_p)
+            if keep is None and index is None:
+                keep = cut
+            else:
+                keep = torch.ones_like(probs, dtype=torch.bool) if keep is None else keep
+                if index is None:
+                    keep &= cut
+                else:
+                    keep.index_copy_(0, index, keep.index_select(0, index) & cut)
+        if keep is not None:
+            probs.mul_(keep)
+        cdf = probs.cumsum_(dim=-1)
+        draws = torch.tensor([uniform(r.seed, r.output_index) for r in rows],
+                             dtype=cdf.dtype, device=device)
+        # Kept strictly below the row's total, and right=True: a draw lands on a token with
+        # positive probability, never a dropped one.
+        total = cdf[:, -1]
+        target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+        picks = torch.searchsorted(cdf, target[:, None], right=True)
+        return picks.clamp_(max=vocab - 1).squeeze(1).tolist()
 
     @staticmethod
     def _logprobs(
@@ -72,8 +116,8 @@ class Sampler:
         result: list[TokenLogprob | None] = [None] * len(rows)
         if not wanted:
             return result
-        # Logprobs of the model's own distribution, before temperature and filters.
-        logp = torch.log_softmax(logits[wanted].float(), dim=-1)
+        # Logprobs of the model's own distribution, before penalties, temperature, filters.
+        logp = torch.log_softmax(logits[_index(wanted, logits.device)].float(), dim=-1)
         for row, i in enumerate(wanted):
             n = rows[i].params.logprobs or 0
             top = torch.topk(logp[row], n) if n else None
@@ -84,3 +128,17 @@ class Sampler:
                      if top else []),
             )
         return result
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``t``'s rows at ``index`` (None: all of them, without a copy)."""
+    return t if index is None else t.index_select(0, index)
+
+
+def _subset(rows: list[int], t: torch.Tensor) -> torch.Tensor | None:
+    """The index of ``rows`` in ``t``; None when they are all of its rows."""
+    return None if len(rows) == t.shape[0] else _index(rows, t.device)

@@ -1,0 +1,204 @@
+"""The sampler against plain references: each filter keeps what its definition says, draws
+follow the kept distribution, penalties and logit bias change exactly the logits they
+name, and a seeded row is the same alone and in any batch."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from producer.wire.params import SamplingParams
+from worker.sampling import Sampler, SampleRequest
+from worker.sampling.filters import BINS_PER_NAT, top_p_keep
+from worker.sampling.penalties import apply_penalties
+
+DRAWS = 4000
+
+
+def row(seed: int = 0, index: int = 0, prompt=(), output=(), **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), seed, index, prompt, output)
+
+
+def reference_distribution(logits: list[float], temperature: float = 1.0, top_k: int = 0,
+                           top_p: float = 1.0, min_p: float = 0.0) -> list[float]:
+    """The filtered distribution, the textbook way: sort, cut, renormalise."""
+    x = [v / temperature for v in logits]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    if top_k:
+        for i in order[top_k:]:
+            x[i] = -math.inf
+    top = max(x)
+    p = [math.exp(v - top) for v in x]
+    total = sum(p)
+    p = [v / total for v in p]
+    keep, mass = set(), 0.0
+    for i in order:
+        if mass >= top_p and keep:
+            break
+        keep.add(i)
+        mass += p[i]
+    p = [v if i in keep and v >= min_p * max(p) else 0.0 for i, v in enumerate(p)]
+    total = sum(p)
+    return [v / total for v in p]
+
+
+def empirical(logits: list[float], **params) -> list[float]:
+    """Frequencies of DRAWS draws, one per seed (the draws are a function of the seed)."""
+    sampler = Sampler()
+    batch = torch.tensor([logits] * DRAWS, dtype=torch.float32)
+    tokens, _ = sampler(batch, [row(seed=s, **params) for s in range(DRAWS)])
+    counts = Counter(tokens)
+    return [counts[i] / DRAWS for i in range(len(logits))]
+
+
+LOGITS = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1.0},
+    {"temperature": 0.5},
+    {"temperature": 1.0, "top_k": 3},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 1.3, "top_p": 0.5},
+    {"temperature": 1.0, "min_p": 0.2},
+    {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+], ids=str)
+def test_draws_follow_the_filtered_distribution(params):
+    want = reference_distribution(LOGITS, **params)
+    got = empirical(LOGITS, **params)
+    for token, (p, f) in enumerate(zip(want, got, strict=True)):
+        if p == 0.0:
+            assert f == 0.0, f"token {token} is filtered out but was drawn"
+        else:  # 5 standard deviations of a frequency over DRAWS draws
+            assert abs(f - p) <= 5 * math.sqrt(p * (1 - p) / DRAWS) + 1e-9, (token, p, f)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.9, 0.99, 0.999])
+def test_top_p_keeps_the_smallest_set_reaching_p_and_its_near_ties(top_p):
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 32000, generator=generator, dtype=torch.float64) * 3
+    probs = torch.softmax(x, dim=-1)
+    keep = top_p_keep(x, probs, torch.full((16,), top_p))
+    for r in range(16):
+        order = probs[r].argsort(descending=True)
+        mass = probs[r][order].cumsum(0)
+        exact = order[:int(torch.searchsorted(mass, torch.tensor(top_p, dtype=mass.dtype))) + 1]
+        assert bool(keep[r][exact].all())  # the exact set is kept...
+        extra = keep[r].clone()
+        extra[exact] = False
+        # ...and beyond it only tokens within one bin (1/512 nat) of its least likely one.
+        if extra.any():
+            assert float(x[r][exact].min() - x[r][extra].min()) < 1 / BINS_PER_NAT
+        assert int(extra.sum()) <= 0.001 * 32000
+
+
+def test_penalties_match_a_plain_reference():
+    vocab = 12
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, vocab, generator=generator, dtype=torch.float64)
+    rows = [
+        row(prompt=[1, 2], output=[3, 3, 4], temperature=0, presence_penalty=0.5,
+            frequency_penalty=0.25),
+        row(prompt=[5, 6, 6], output=[7], temperature=0, repetition_penalty=1.7),
+        row(prompt=[1], output=[1, 2], temperature=0),  # no penalty: untouched
+    ]
+    want = logits.clone()
+    for r, req in enumerate(rows):
+        p = req.params
+        counts = Counter(req.output_token_ids)
+        seen = set(req.prompt_token_ids) | set(req.output_token_ids)
+        for t in range(vocab):
+            v = float(want[r, t])
+            if t in seen and p.repetition_penalty != 1.0:
+                v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+            v -= p.frequency_penalty * counts[t] + p.presence_penalty * (counts[t] > 0)
+            want[r, t] = v
+    penalized = logits.clone()
+    apply_penalties(penalized, [r.params for r in rows], [r.prompt_token_ids for r in rows],
+                    [r.output_token_ids for r in rows])
+    assert torch.allclose(penalized, want, rtol=0, atol=1e-12)
+    assert not torch.equal(penalized[:2], logits[:2]) and torch.equal(penalized[2], logits[2])
+
+
+def test_penalties_change_the_greedy_pick_as_defined():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])
+    plain, _ = Sampler()(logits, [row(output=[1, 1], temperature=0)])
+    presence, _ = Sampler()(logits, [row(output=[1, 1], temperature=0, presence_penalty=0.2)])
+    # 3.0 - 0.05 x 1 stays ahead of 2.9; 3.0 - 0.05 x 3 does not.
+    once, _ = Sampler()(logits, [row(output=[1], temperature=0, frequency_penalty=0.05)])
+    frequency, _ = Sampler()(logits, [row(output=[1, 1, 1], temperature=0,
+                                          frequency_penalty=0.05)])
+    repetition, _ = Sampler()(logits, [row(prompt=[1], temperature=0, repetition_penalty=1.1)])
+    assert (plain, presence, once, frequency, repetition) == ([1], [2], [1], [2], [2])
+
+
+def test_logit_bias_bans_and_forces_tokens_and_logprobs_stay_the_models():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]] * 2)
+    tokens, logprobs = Sampler()(logits, [
+        row(temperature=0, logit_bias={1: -100}, logprobs=1),
+        row(temperature=1.0, seed=5, logit_bias={"0": 100}),
+    ])
+    assert tokens == [2, 0]
+    assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 500, generator=generator)
+    mine = row(seed=42, index=9, temperature=0.9, top_p=0.8, top_k=40,
+               presence_penalty=0.3, output=[5, 6])
+    others = [row(seed=s, temperature=t, top_p=p, min_p=m, logit_bias=b, output=[1])
+              for s, t, p, m, b in [(1, 0, 1.0, 0.0, {}), (2, 1.5, 0.3, 0.0, {3: 5}),
+                                    (3, 0.7, 1.0, 0.1, {}), (4, 1.0, 0.95, 0.0, {}),
+                                    (5, 0.2, 1.0, 0.0, {9: -100})]]
+    alone, _ = Sampler()(logits[:1], [mine])
+    for position in range(6):
+        batch = others[:position] + [mine] + others[position:]
+        rows_logits = torch.cat([logits[1:position + 1], logits[:1], logits[position + 1:]])
+        tokens, _ = Sampler()(rows_logits, batch)
+        assert tokens[position] == alone[0]
+
+
+def test_params_carry_penalties_and_logit_bias_on_the_wire():
+    params = SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0,
+                            repetition_penalty=1.2, logit_bias={"17": -100, 3: 0.5})
+    assert params.logit_bias == ((3, 0.5), (17, -100.0))
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+@pytest.mark.parametrize("bad", [
+    {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+    {"repetition_penalty": 11}, {"logit_bias": {"1": 101}}, {"logit_bias": {"x": 1}},
+    {"logit_bias": {True: 1}}, {"logit_bias": [1, 2]}, {"logit_bias": {"1": "a"}},
+    {"logit_bias": {str(i): 1 for i in range(1025)}},
+], ids=str)
+def test_bad_penalties_and_biases_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.9, "seed": 5, "presence_penalty": 1.0, "frequency_penalty": 0.5},
+    {"temperature": 0.0, "repetition_penalty": 1.5, "logit_bias": {3: 2.0}},
+    {"temperature": 1.1, "seed": 9, "top_p": 0.8, "repetition_penalty": 1.3},
+], ids=["presence+frequency", "repetition+bias", "top_p+repetition"])
+def test_penalised_requests_resume_exactly_and_ignore_their_batch(tiny_llama, params):
+    from worker import Engine
+
+    prompt = [5, 6, 7, 5, 6, 7, 9]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, **params)
+    engine = Engine(tiny_llama, dtype="float64")
+    [alone] = engine.generate([prompt], [sp])
+    others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True,
+                             frequency_penalty=0.2 * s) for s in range(5)]
+    batch = engine.generate([prompt] + [[8, 9, 10 + s] for s in range(5)], [sp] + others)
+    assert batch[0].token_ids == alone.token_ids
+    for k in (1, 7, 23):
+        rid = engine.add_request(prompt, sp, generated_token_ids=alone.token_ids[:k])
+        tail = []
+        while engine.has_unfinished():
+            tail += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert alone.token_ids[:k] + tail == alone.token_ids

@@ -94,7 +94,7 @@ def test_bad_lines_get_error_lines_and_the_good_ones_still_run(client, start_wor
         json.dumps({"custom_id": "no-body"}),
         request_line("no-prompt", ""),
         request_line("bad-max", "x", max_tokens=-1),
-        request_line("unsupported", "x", logit_bias={"5": 1}),
+        request_line("unsupported", "x", best_of=3),
         json.dumps({"custom_id": "chat", "url": "/v1/chat/completions", "body": {}}),
         request_line("elsewhere", "x", model="not-served"),
         request_line("too-long", [5] * 3000),  # refused by the worker: over 2,048 tokens
@@ -121,7 +121,7 @@ def test_bad_lines_get_error_lines_and_the_good_ones_still_run(client, start_wor
                      "chat": "invalid_request", "elsewhere": "model_not_found",
                      "too-long": "invalid_request"}
     assert "max length" in by_id["too-long"][0]["error"]["message"]
-    assert "logit_bias" in by_id["unsupported"][0]["error"]["message"]
+    assert "best_of" in by_id["unsupported"][0]["error"]["message"]
     anonymous = sorted(r["line"] for r in by_id[None])
     assert anonymous == [2, 3, 4]
     assert all(r["response"] is None for r in by_id[None])

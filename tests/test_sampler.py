@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from producer.wire.params import SamplingParams
+from producer.wire.protocol import GenerationRequest
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, top_p_keep
 from worker.sampling.penalties import apply_penalties
@@ -167,6 +168,10 @@ def test_params_carry_penalties_and_logit_bias_on_the_wire():
                             repetition_penalty=1.2, logit_bias={"17": -100, 3: 0.5})
     assert params.logit_bias == ((3, 0.5), (17, -100.0))
     assert SamplingParams.from_dict(params.to_dict()) == params
+    # Through the request entry a worker decodes (msgpack maps with string keys only).
+    entry = GenerationRequest(request_id="r1", model="m", prompt_token_ids=[1, 2],
+                              params=params)
+    assert GenerationRequest.decode(entry.encode()).params == params
 
 
 @pytest.mark.parametrize("bad", [

@@ -106,7 +106,8 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
-        d["logit_bias"] = dict(self.logit_bias)
+        # String keys, as in OpenAI's JSON: msgpack readers refuse integer map keys by default.
+        d["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         return d
 
     def _validate(self) -> None:

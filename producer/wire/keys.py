@@ -34,8 +34,12 @@ class Keys:
         self.ns = validate_name("namespace", namespace)
 
     def requests(self, model: str, lane: str) -> str:
-        """Stream of requests for one model and lane (consumer group ``workers``)."""
-        return f"{self.ns}:req:{validate_name('model', model)}:{validate_lane(lane)}"
+        """Stream of requests for one model and lane (consumer group ``workers``).
+
+        The model name is a hash tag (``conveyor:req:{tiny}:interactive``): a model's lanes
+        share one Redis Cluster slot, so a worker reads both in one XREADGROUP.
+        """
+        return f"{self.ns}:req:{{{validate_name('model', model)}}}:{validate_lane(lane)}"
 
     def output(self, request_id: str) -> str:
         """Stream of one request's output chunks, then its final entry."""

@@ -1,10 +1,12 @@
 """The publisher thread: writes each step's output entries, then acknowledges finished requests.
 
 A request entry is acknowledged only after every entry it needs is in Redis: the writes go
-in one MULTI/EXEC, then the acknowledgements, owner-checked, in a second round trip. A write
-Redis refuses (out of memory, read-only after a failover) aborts the whole transaction, so
-no output stream ever gets a later entry without an earlier one; nothing is acknowledged,
-and the supervisor retries the batch after a backoff. Entry ids derived from token indexes
+in one round trip as one MULTI/EXEC per key (each transaction touches one key, as Redis
+Cluster requires), then the acknowledgements, owner-checked, in a second round trip. A
+write Redis refuses (out of memory, read-only after a failover) aborts its key's whole
+transaction, so no output stream ever gets a later entry without an earlier one; nothing
+of a batch with a refusal is acknowledged, and the supervisor retries what was not
+written after a backoff. Entry ids derived from token indexes
 make a repeated XADD fail harmlessly; a final that was already there is checked to be a
 final before its request is acknowledged.
 """
@@ -102,6 +104,16 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
 Item = Publication | Rejection | Track | Forget
 
 
+@dataclass
+class Command:
+    """One write of a batch: whose it is, what it is for, the key it touches, its words."""
+
+    item: Publication | Rejection
+    kind: str  # "chunk", "final", "expire" or "dead"
+    key: str
+    args: tuple[Any, ...]
+
+
 class Publisher(SupervisedThread):
     """Writes what the engine loop produced; the engine loop never waits on Redis.
 
@@ -193,29 +205,59 @@ class Publisher(SupervisedThread):
         """Write what is not written yet, then acknowledge; WriteRefused leaves it all owed."""
         todo = [item for item in batch if not item.written]
         if todo:
-            pipe = self.client.pipeline(transaction=True)
-            # Each item's commands, by kind, in the order they were queued.
-            kinds = [self._add_rejection(pipe, item) if isinstance(item, Rejection)
-                     else self._add_publication(pipe, item) for item in todo]
-            try:
-                results = iter(pipe.execute(raise_on_error=False))
-            except redis.ResponseError as exc:  # EXECABORT: a command refused, none applied
-                self.refused_writes += 1
-                log.warning("redis refused the batch; it will be retried", error=str(exc))
-                raise WriteRefused(str(exc)) from exc
-            refused = [r for item, ks in zip(todo, kinds, strict=True)
-                       if (r := self._settle(item, ks, [next(results) for _ in ks]))]
+            commands: list[Command] = []
+            for item in todo:
+                if isinstance(item, Rejection):
+                    self._add_rejection(commands, item)
+                else:
+                    self._add_publication(commands, item)
+            outcomes: dict[int, list[tuple[str, object]]] = {id(item): [] for item in todo}
+            for command, result in zip(commands, self._transact(commands), strict=True):
+                outcomes[id(command.item)].append((command.kind, result))
+            refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
             if refused:
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
         self._acknowledge(batch)
 
-    def _settle(self, item: Publication | Rejection, kinds: list[str],
-                results: list) -> object | None:
+    def _transact(self, commands: list[Command]) -> list[object]:
+        """Run ``commands`` as one MULTI/EXEC per key, all in one round trip; each command's
+        result (an exception where Redis refused it, or refused its whole transaction).
+
+        One key per transaction: a stream never gets a later entry without an earlier one
+        (a refusal aborts everything written to that key in this batch), and every atomic
+        step touches a single key, as Redis Cluster requires.
+        """
+        by_key: dict[str, list[int]] = {}
+        for i, command in enumerate(commands):
+            by_key.setdefault(command.key, []).append(i)
+        pipe = self.client.pipeline(transaction=False)
+        for indexes in by_key.values():
+            pipe.execute_command("MULTI")
+            for i in indexes:
+                pipe.execute_command(*commands[i].args)
+            pipe.execute_command("EXEC")
+        replies = iter(pipe.execute(raise_on_error=False))
+        results: list[object] = [None] * len(commands)
+        for indexes in by_key.values():
+            queued = [next(replies) for _ in range(len(indexes) + 1)]  # MULTI, then each
+            done = next(replies)
+            if isinstance(done, Exception) or not isinstance(done, list):
+                # EXECABORT (a command refused when queued: OOM, READONLY): none applied.
+                refusal = next((r for r in queued if isinstance(r, Exception)), done)
+                for i in indexes:
+                    results[i] = refusal
+            else:
+                for i, result in zip(indexes, done, strict=True):
+                    results[i] = result
+        return results
+
+    def _settle(self, item: Publication | Rejection,
+                results: list[tuple[str, object]]) -> object | None:
         """Record what of ``item`` is now in Redis; the first refusal, if any."""
         refusal = None
-        for kind, r in zip(kinds, results, strict=True):
+        for kind, r in results:
             if not isinstance(r, Exception):
                 if kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
@@ -255,26 +297,23 @@ class Publisher(SupervisedThread):
                         request_id=item.request_id)
         return bool(found)
 
-    def _add_publication(self, pipe, item: Publication) -> list[str]:
+    def _add_publication(self, commands: list[Command], item: Publication) -> None:
         key = self.keys.output(item.request_id)
-        kinds = []
         for kind, entry in (("chunk", item.chunk), ("final", item.final)):
             if entry is not None:
-                pipe.xadd(key, {FIELD: entry.encode()}, id=entry.entry_id)
-                kinds.append(kind)
-        pipe.expire(key, self.output_ttl_s)
-        return [*kinds, "expire"]
+                commands.append(Command(item, kind, key, (
+                    "XADD", key, entry.entry_id, FIELD, entry.encode())))
+        commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
 
-    def _add_rejection(self, pipe, item: Rejection) -> list[str]:
-        kinds = []
+    def _add_rejection(self, commands: list[Command], item: Rejection) -> None:
         if not item.dead_lettered:
-            pipe.xadd(self.keys.dead, dead_letter_fields(item, self.worker_id, now_ms()),
-                      maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-            kinds.append("dead")
+            fields = dead_letter_fields(item, self.worker_id, now_ms())
+            commands.append(Command(item, "dead", self.keys.dead, (
+                "XADD", self.keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*",
+                *(part for pair in fields.items() for part in pair))))
         if item.request_id and item.write_final:
             key = self.keys.output(item.request_id)
             final = error_final(item.reason, item.num_tokens)
-            pipe.xadd(key, {FIELD: final.encode()}, id=final.entry_id)
-            pipe.expire(key, self.output_ttl_s)
-            kinds += ["final", "expire"]
-        return kinds
+            commands.append(Command(item, "final", key, (
+                "XADD", key, final.entry_id, FIELD, final.encode())))
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))

@@ -1,0 +1,19 @@
+"""The GPU suite: every test here needs CUDA and is skipped, with the reason, without it.
+
+Run it with `bash scripts/gpu-check.sh` on a machine with a GPU (it also runs the decode
+benchmark on the device).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    here = str(config.rootpath / "tests" / "gpu")
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(pytest.mark.cuda)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

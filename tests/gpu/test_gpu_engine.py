@@ -1,0 +1,87 @@
+"""The engine on a CUDA device: greedy against transformers, sampling, seeds, swaps and
+prefix hits, in bfloat16 and float32 (skipped without CUDA; see conftest.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker import Engine, SamplingParams
+
+DTYPES = ["float32", "bfloat16"]
+# A reference near-tie (top-two logit gap below this) may flip between two correct
+# implementations in reduced precision: nothing after it is compared.
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def prompts(vocab: int, n: int = 12, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 300))] for _ in range(n)]
+
+
+@torch.inference_mode()
+def hf_greedy_on_cuda(model_dir, dtype: str, prompt: list[int], max_tokens: int):
+    """transformers' greedy tokens and top-two gaps, on the same device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to("cuda").eval()
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                   device="cuda"),
+                         pad_token_id=model.generation_config.eos_token_id)
+    gaps = [float(torch.topk(step[0].float(), 2).values.diff().abs()) for step in out.logits]
+    return out.sequences[0, len(prompt):].tolist(), gaps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_matches_transformers_on_cuda(tiny_llama, dtype):
+    engine = Engine(tiny_llama, device="cuda", dtype=dtype, max_num_batched_tokens=64)
+    work = prompts(engine.model_config.vocab_size)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    got = [c.token_ids for c in engine.generate(work, [params] * len(work))]
+    compared = total = 0
+    for prompt, tokens in zip(work, got, strict=True):
+        ref, gaps = hf_greedy_on_cuda(tiny_llama, dtype, prompt, 32)
+        total += len(ref)
+        for k, (a, b) in enumerate(zip(ref, tokens, strict=False)):
+            if a != b:
+                assert gaps[k] <= NEAR_TIE[dtype], f"diverged at token {k} with a decisive gap"
+                break
+            compared += 1
+    assert compared > 0.8 * total
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_and_seeded_requests_run_and_repeat_in_any_batch(tiny_llama, dtype):
+    engine = Engine(tiny_llama, device="cuda", dtype=dtype)
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
+             dict(temperature=1.0, top_k=20, min_p=0.05),
+             dict(temperature=0.7, presence_penalty=0.5, logit_bias={5: 3.0}, logprobs=2)]
+    seeded = SamplingParams(max_tokens=24, seed=1234, ignore_eos=True, **kinds[1])
+    prompt = [5, 6, 7, 8, 9]
+    [alone] = engine.generate([prompt], [seeded])
+    others = [SamplingParams(max_tokens=24, ignore_eos=True, **k) for k in kinds]
+    batch = engine.generate([prompt] + [[9, 10 + i] for i in range(4)], [seeded] + others)
+    assert batch[0].token_ids == alone.token_ids
+    assert all(len(c.token_ids) == 24 for c in batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype):
+    shared = list(range(2, 50))
+    work = [shared + [100 + i] * (i + 1) for i in range(24)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             seed=i) for i in range(24)]
+    free = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=400)
+    tight = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=60, swap_blocks=400,
+                   preemption_mode="swap", max_num_batched_tokens=256)
+    want = [c.token_ids for c in free.generate(work, params)]
+    got = [c.token_ids for c in tight.generate(work, params)]
+    stats = tight.stats()
+    assert stats["preemptions_swap"] > 0 and stats["swapped_in_blocks"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert got == want

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockPool
-from kvstore.prefix_hash import BlockHash, chain
+from kvstore.prefix_hash import BlockHash, extend_chain
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -68,12 +68,18 @@ class KVCacheManager:
 
     # ----- admission and growth -----
 
-    def prefix_lookup(self, tokens: list[int]) -> PrefixHit:
-        """Cached blocks covering the longest prefix of ``tokens``, leaving one token to compute."""
+    def prefix_lookup(self, tokens: list[int],
+                      chain_so_far: list[BlockHash] | None = None) -> PrefixHit:
+        """Cached blocks covering the longest prefix of ``tokens``, leaving one token to compute.
+
+        ``chain_so_far`` is the sequence's own hash chain, kept by its owner and extended
+        here (each block is hashed once in the sequence's life); None hashes afresh.
+        """
         hit = PrefixHit(block_size=self.block_size)
         if not self.enable_prefix_caching:
             return hit
-        hit.hashes = chain(tokens[: len(tokens) - 1], self.block_size)
+        hit.hashes = extend_chain([] if chain_so_far is None else chain_so_far, tokens,
+                                  self.block_size, (len(tokens) - 1) // self.block_size)
         for h in hit.hashes:
             b = self.pool.lookup(h)
             if b is None:
@@ -114,8 +120,10 @@ class KVCacheManager:
         return new
 
     def cache_computed(self, request_id: str, num_computed: int,
-                       tokens: Callable[[], list[int]]) -> None:
-        """Register the request's blocks that became full and computed (``tokens`` is lazy)."""
+                       tokens: Callable[[], list[int]],
+                       chain_so_far: list[BlockHash] | None = None) -> None:
+        """Register the request's blocks that became full and computed (``tokens`` is lazy;
+        ``chain_so_far``: the sequence's own hash chain, as in :meth:`prefix_lookup`)."""
         if not self.enable_prefix_caching:
             return
         known = self._hashes.setdefault(request_id, [])
@@ -123,9 +131,11 @@ class KVCacheManager:
         if full <= len(known):
             return
         table = self._tables[request_id]
-        parent = known[-1] if known else None
-        for i, h in enumerate(chain(tokens()[: full * self.block_size], self.block_size,
-                                    start=len(known), parent=parent), start=len(known)):
+        # Without the owner's chain, continue from the hashes registered so far.
+        hashes = extend_chain(known[:] if chain_so_far is None else chain_so_far, tokens,
+                              self.block_size, full)
+        for i in range(len(known), full):
+            h = hashes[i]
             self.pool.register(table[i], h)
             if self._computing.get(h) == request_id:
                 del self._computing[h]

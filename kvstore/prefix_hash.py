@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 
 BlockHash = bytes
 
@@ -30,3 +31,19 @@ def chain(tokens: list[int], block_size: int, start: int = 0,
         parent = block_hash(parent, tokens[b * block_size : (b + 1) * block_size])
         out.append(parent)
     return out
+
+
+def extend_chain(hashes: list[BlockHash], tokens: list[int] | Callable[[], list[int]],
+                 block_size: int, num_blocks: int) -> list[BlockHash]:
+    """Grow ``hashes`` (a sequence's chain so far, kept by its owner) in place to its first
+    ``num_blocks`` full blocks, hashing only the blocks not hashed yet; returns those
+    ``num_blocks`` hashes. ``tokens`` may be a callable, called only when hashing is due.
+
+    A sequence only ever grows, so a block, once hashed, keeps its hash: a request waiting
+    for room, or swapped out and back, never hashes its prompt again.
+    """
+    if len(hashes) < num_blocks:
+        seq = tokens() if callable(tokens) else tokens
+        hashes.extend(chain(seq[: num_blocks * block_size], block_size, start=len(hashes),
+                            parent=hashes[-1] if hashes else None))
+    return hashes[:num_blocks]

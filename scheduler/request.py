@@ -53,6 +53,9 @@ class Request:
     # Prompt tokens whose KV came from the prefix cache at its first admission.
     num_cached_tokens: int = 0
     admitted_once: bool = False
+    # Prefix-cache hashes of its full blocks so far (prompt, then output), each computed
+    # once in the request's life: kept across waiting, swaps and recomputation.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

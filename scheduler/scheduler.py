@@ -107,7 +107,8 @@ class Scheduler:
             if req is None or not req.status.running:
                 continue  # finished (e.g. cancelled) while the step ran
             req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.all_token_ids,
+                                   req.block_hashes)
             if not chunk.sample:
                 continue
             token = sampled[chunk.request_id]
@@ -170,7 +171,7 @@ class Scheduler:
             if req.status is RequestStatus.FINISHED:
                 heapq.heappop(self._waiting)
                 continue
-            hit = self.kv.prefix_lookup(req.all_token_ids())
+            hit = self.kv.prefix_lookup(req.all_token_ids(), req.block_hashes)
             if hit.pending:
                 # Another running request is computing this prefix now: wait and share it.
                 deferred.append(heapq.heappop(self._waiting))

@@ -189,3 +189,50 @@ def test_duplicate_request_id_is_rejected():
     s.add_request(request("x", 3))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(request("x", 3))
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> list[bytes]:
+    """Every block hash computed, in order."""
+    import kvstore.prefix_hash as prefix_hash
+
+    seen: list[bytes] = []
+    real = prefix_hash.block_hash
+
+    def counting(parent, tokens):
+        seen.append(real(parent, tokens))
+        return seen[-1]
+
+    monkeypatch.setattr(prefix_hash, "block_hash", counting)
+    return seen
+
+
+def distinct(rid: str, first: int, n: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(first, first + n)), max_tokens=max_tokens)
+
+
+def test_a_waiting_request_hashes_its_prompt_once(hashed):
+    kv = KVCacheManager(BlockPool(16), 4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=64), kv)
+    s.add_request(distinct("big", 100, 36, max_tokens=8))  # up to 11 of the 16 blocks
+    run_step(s)
+    s.add_request(distinct("blocked", 500, 30, max_tokens=4))  # needs 8: waits
+    for _ in range(5):
+        run_step(s)
+        assert s.requests["blocked"].status is RequestStatus.WAITING
+    assert len(hashed) == len(set(hashed))  # 7 prompt blocks hashed once, not 5 times
+    while s.has_unfinished():
+        run_step(s)
+    assert len(hashed) == len(set(hashed))
+
+
+def test_a_swapped_request_does_not_hash_its_blocks_again(hashed):
+    kv = KVCacheManager(BlockPool(10), 4, host_pool=BlockPool(64), enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=64,
+                                  preemption_mode="swap"), kv)
+    s.add_request(distinct("a", 100, 12, max_tokens=20))
+    s.add_request(distinct("b", 500, 12, max_tokens=20))  # together they outgrow the pool
+    while s.has_unfinished():
+        run_step(s)
+    assert s.counters["preemptions_swap"] > 0
+    assert len(hashed) == len(set(hashed))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvstore.kv_tensors import PagedKVCache, copy_blocks
@@ -37,11 +39,7 @@ class ModelRunner:
         chunks = out.chunks
         if not chunks:
             return {}, {}
-        ids: list[int] = []
-        positions: list[int] = []
-        for c in chunks:
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start_position, c.start_position + c.num_tokens))
+        ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         meta = AttentionMetadata.build(
             query_lens=[c.num_tokens for c in chunks],
             seq_lens=[c.start_position + c.num_tokens for c in chunks],
@@ -51,7 +49,7 @@ class ModelRunner:
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta.positions,
             self.kv_cache,
             meta,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class AttentionMetadata:
     # The same lengths as plain ints, so backends can loop without syncing a device.
     query_lens: list[int]
     seq_lens_list: list[int]
+    # [T] int64: the absolute position of each new token (what rope needs).
+    positions: torch.Tensor | None = None
     # Scratch space where a backend keeps work it derives once per step and reuses in
     # every layer (gather indices, masks), keyed by backend name.
     backend_plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -55,33 +58,43 @@ class AttentionMetadata:
             raise ValueError(
                 "query_lens, seq_lens and block_tables must have one entry per sequence"
             )
-        slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if not 0 < q_len <= s_len:
                 raise ValueError(f"need 0 < query_len <= seq_len, got {q_len} and {s_len}")
             if len(table) * block_size < s_len:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {s_len} tokens")
-            slots.extend(
-                table[p // block_size] * block_size + p % block_size
-                for p in range(s_len - q_len, s_len)
-            )
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
-        width = max((len(t) for t in block_tables), default=0)
-        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
+        # no Python loop over tokens or block-table entries.
+        num_seqs = len(query_lens)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64, device="cpu")
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device="cpu")
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        widths = [len(t) for t in block_tables]
+        width = max(widths, default=0)
+        flat = torch.tensor(list(itertools.chain.from_iterable(block_tables)),
+                            dtype=torch.int64, device="cpu")
+        padded = torch.zeros(num_seqs, width, dtype=torch.int64, device="cpu")
+        lens = torch.tensor(widths, dtype=torch.int64, device="cpu")
+        padded[torch.arange(width, device="cpu")[None, :] < lens[:, None]] = flat
+        # Token t of sequence i sits at position seq_len - query_len + (t - start of i).
+        owner = torch.repeat_interleave(torch.arange(num_seqs, device="cpu"), q_lens)
+        positions = (s_lens - q_lens)[owner] + torch.arange(int(starts[-1]), device="cpu") \
+            - starts[:-1][owner]
+        slots = padded[owner, positions // block_size] * block_size + positions % block_size
 
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
         return cls(
-            query_start_loc=tensor(starts),
-            seq_lens=tensor(list(seq_lens)),
-            block_tables=tensor(padded).reshape(len(block_tables), width),
-            slot_mapping=tensor(slots),
+            query_start_loc=to_device(starts),
+            seq_lens=to_device(s_lens),
+            block_tables=to_device(padded),
+            slot_mapping=to_device(slots),
             block_size=block_size,
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
+            positions=to_device(positions),
         )
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from worker.attention.metadata import AttentionMetadata
 
@@ -79,7 +80,7 @@ class _StepPlan:
 
 
 class TorchAttention:
-    """Paged attention with torch gathers and batched matmuls; the numerical reference."""
+    """Paged attention with torch gathers and fused scaled-dot-product attention."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:
@@ -161,28 +162,18 @@ class TorchAttention:
         v: torch.Tensor,  # [B, Lk, Hkv, D]
         allowed: torch.Tensor,  # [B, Lq, Lk] bool
     ) -> torch.Tensor:  # [B, Lq, H, D]
-        """Grouped-query attention, one batched matmul pair per K/V head.
+        """Grouped-query attention in one fused call for every head of every sequence.
 
-        A head's keys ``k[:, :, h]`` are a strided view that matmul reads in place;
-        batching over heads too would first copy all of K and V into head-major order.
+        ``scaled_dot_product_attention`` reads K and V as head-major strided views of the
+        gathered rows (no copy) and maps query head h to KV head h // groups, transformers'
+        repeat_kv order. Masked keys hold real (repeated) context rows, never NaN.
         """
-        batch, q_len = q.shape[:2]
-        kv_heads, dim = self.num_kv_heads, self.head_dim
-        groups = self.num_heads // kv_heads
-        # Query head h reads kv head h // groups (transformers' repeat_kv order).
-        q = q.view(batch, q_len, kv_heads, groups, dim)
-        out = torch.empty_like(q)
-        blocked = ~allowed[:, :, None, :]  # [B, Lq, 1, Lk], broadcast over the group
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-        for h in range(kv_heads):
-            q_h = q[:, :, h].reshape(batch, q_len * groups, dim)
-            scores = torch.matmul(q_h, k[:, :, h].to(q.dtype).transpose(1, 2)) * self.scale
-            scores = scores.view(batch, q_len, groups, -1).masked_fill(blocked, float("-inf"))
-            # Softmax in at least float32, as transformers' eager attention does for half types.
-            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-            attended = torch.matmul(probs.view(batch, q_len * groups, -1), v[:, :, h].to(q.dtype))
-            out[:, :, h] = attended.view(batch, q_len, groups, dim)
-        return out.view(batch, q_len, self.num_heads, dim)
+        dtype = q.dtype
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2),
+            attn_mask=allowed[:, None], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return attended.transpose(1, 2)
 
 
 def _make_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:

@@ -80,9 +80,10 @@ WORKER_COMMANDS = (
     "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
 )
-# Redis 7 only (6.2 refuses a rule naming a command it lacks): conveyor's functions, loaded
-# at start and again when a restarted Redis lost them.
-WORKER_COMMANDS_7 = ("fcall_ro", "function|load")
+# Redis 7 only (6.2 refuses a rule naming a command it lacks): compare the server's
+# conveyor library with the worker's own. Not FUNCTION LOAD: functions are server-wide, and
+# a tenant that could load them could replace the code every other tenant's producers run.
+WORKER_COMMANDS_7 = ("function|list",)
 
 # Commands `conveyor top` (producer.top) sends on Redis 6.2: read-only.
 OBSERVER_COMMANDS_6 = (

@@ -81,7 +81,8 @@ def add_if_room(client: redis.Redis, stream: str, field: bytes, message: bytes,
     registered Script). A user allowed neither gets :class:`FunctionsMissing`.
     """
     args = [GROUP, limit, field, message]
-    if client not in _SCRIPT_ONLY:
+    scripts_chosen_before = client in _SCRIPT_ONLY
+    if not scripts_chosen_before:
         try:
             reply = client.execute_command("FCALL", ADD_IF_ROOM_FUNCTION, 1, stream, *args)
             return _entry_id(reply, stream, limit)
@@ -94,6 +95,12 @@ def add_if_room(client: redis.Redis, stream: str, field: bytes, message: bytes,
     except redis.exceptions.NoPermissionError as exc:
         if missing:
             raise FunctionsMissing(missing) from exc
+        if scripts_chosen_before:
+            # Scripts were chosen earlier and are refused now: the rules changed (say,
+            # from 6.2's to Redis 7's). Forget the choice and try the function again, once:
+            # a second refusal puts the client back here with the choice already made.
+            _SCRIPT_ONLY.discard(client)
+            return add_if_room(client, stream, field, message, limit)
         raise
     return _entry_id(reply, stream, limit)
 
@@ -102,7 +109,8 @@ async def add_if_room_async(client: redis.asyncio.Redis, stream: str, field: byt
                             message: bytes, limit: int) -> str:
     """The asyncio twin of :func:`add_if_room`."""
     args = [GROUP, limit, field, message]
-    if client not in _SCRIPT_ONLY:
+    scripts_chosen_before = client in _SCRIPT_ONLY
+    if not scripts_chosen_before:
         try:
             reply = await client.execute_command("FCALL", ADD_IF_ROOM_FUNCTION, 1, stream, *args)
             return _entry_id(reply, stream, limit)
@@ -115,6 +123,12 @@ async def add_if_room_async(client: redis.asyncio.Redis, stream: str, field: byt
     except redis.exceptions.NoPermissionError as exc:
         if missing:
             raise FunctionsMissing(missing) from exc
+        if scripts_chosen_before:
+            # Scripts were chosen earlier and are refused now: the rules changed (say,
+            # from 6.2's to Redis 7's). Forget the choice and try the function again, once:
+            # a second refusal puts the client back here with the choice already made.
+            _SCRIPT_ONLY.discard(client)
+            return await add_if_room_async(client, stream, field, message, limit)
         raise
     return _entry_id(reply, stream, limit)
 

@@ -107,24 +107,28 @@ def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> in
 
     from producer.acl import ROLES, setuser_args
     from producer.connection import connect
-    from producer.functions import ensure_functions
+    from producer.functions import MISSING, MODIFIED, UNSUPPORTED, install_functions
 
     try:
         with connect(url) as client:
             version = str(client.info("server").get("redis_version", "?"))
-            outcome = ensure_functions(client)
+            before = install_functions(client)
             if reopen:
                 _reopen_lanes(client, namespace)
     except (redis.RedisError, ValueError) as exc:
         print(f"conveyor redis setup: error: {exc}", file=sys.stderr)
         return 1
     major = 7 if version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 7 else 6
-    if outcome == "unsupported":
+    if before == UNSUPPORTED:
         print(f"Redis {version}: no functions (Redis < 7); producers that submit with "
               "max_queue run a script instead, so their ACL must allow EVAL (docs/security.md)")
+    elif before == MISSING:
+        print(f"Redis {version}: conveyor's functions loaded")
+    elif before == MODIFIED:
+        print(f"Redis {version}: conveyor's functions replaced (the server held other code "
+              "under their name: another version, or someone else's)")
     else:
-        print(f"Redis {version}: conveyor's functions "
-              f"{'loaded' if outcome == 'loaded' else 'already loaded'}")
+        print(f"Redis {version}: conveyor's functions already loaded")
     if print_acl:
         for role in ROLES:
             line = setuser_args(role, f"conveyor-{role}", f"{role.upper()}-PASSWORD",

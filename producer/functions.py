@@ -2,10 +2,14 @@
 
 A producer that may EVAL can block the whole server (``while true do end``), so on Redis 7
 the producer ACL grants ``FCALL`` and no ``EVAL``: the code it calls is this library,
-loaded by ``conveyor redis setup`` and by every worker at start and after a Redis restart
-(a restart without persistence forgets functions). Redis 6.2 has no functions; there the
-producer runs the same logic as an EVAL script (producer.backpressure) and its ACL must
-grant EVAL (docs/security.md, "Redis 6.2").
+loaded by an administrator (``conveyor redis setup``). Functions are server-wide, so the
+strict ACL gives no tenant ``FUNCTION LOAD``: a worker of one namespace could otherwise
+replace the code every producer runs and read other tenants' prompts. Workers check the
+library at start and at every heartbeat, load it when it is missing and their user may
+(single-tenant servers, or no ACL), never replace it, and report what they found.
+
+Redis 6.2 has no functions; there the producer runs the same logic as an EVAL script
+(producer.backpressure) and its ACL must grant EVAL (docs/security.md, "Redis 6.2").
 
 Redis checks every command a function runs against the calling user's ACL, so the
 function reads a stream with XLEN and XINFO GROUPS only: a producer never needs XRANGE on
@@ -17,11 +21,13 @@ from __future__ import annotations
 import redis
 import structlog
 
+from producer.wire.replies import as_text
+
 log = structlog.get_logger(__name__)
 
 LIBRARY = "conveyor"
-# Raised whenever the library's functions change: a worker replaces an older library
-# (never a newer one, so a rolling upgrade does not flip it back and forth).
+# Raised whenever the library's functions change (it is part of the code, so a library of
+# another version reads as MODIFIED).
 VERSION = 1
 
 ADD_IF_ROOM = "conveyor_add_if_room"
@@ -67,8 +73,8 @@ class FunctionsMissing(RuntimeError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(
-            f"conveyor's Redis functions are not loaded ({detail}): run `conveyor redis "
-            "setup --redis URL` as an administrator, or start a worker (workers load them)")
+            f"conveyor's Redis functions are not loaded ({detail}): an administrator runs "
+            "`conveyor redis setup --redis URL`")
 
 
 def is_unknown_command(exc: redis.ResponseError) -> bool:
@@ -80,29 +86,58 @@ def is_function_missing(exc: redis.ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
 
-def loaded_version(client: redis.Redis) -> int | None:
-    """The library version on the server; None when not loaded; -1 on Redis < 7."""
+# What library_state finds on the server.
+OURS = "ours"  # this exact library
+MISSING = "missing"  # no library of that name (a fresh or restarted Redis)
+MODIFIED = "modified"  # a library of that name with other code: another version, or planted
+UNSUPPORTED = "unsupported"  # Redis < 7: no functions at all
+
+
+def library_state(client: redis.Redis) -> str:
+    """Whether the server holds this library, byte for byte (FUNCTION LIST ... WITHCODE).
+
+    Functions are server-wide: whoever may FUNCTION LOAD can replace the library every
+    producer calls, so readers compare its code, not a version it claims.
+    """
     try:
-        return int(client.execute_command("FCALL_RO", VERSION_FUNCTION, 0))
+        libraries = client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY,
+                                           "WITHCODE")
     except redis.ResponseError as exc:
         if is_unknown_command(exc):
-            return -1
-        if is_function_missing(exc):
-            return None
+            return UNSUPPORTED
         raise
+    for entry in libraries or []:
+        # redis-py parses each library into a dict; a raw reply is a flat list of pairs.
+        pairs = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2],
+                                                               strict=True))
+        fields = {as_text(k): v for k, v in pairs.items()}
+        if as_text(fields.get("library_name", "")) == LIBRARY:
+            return OURS if as_text(fields.get("library_code", "")) == SOURCE else MODIFIED
+    return MISSING
+
+
+def install_functions(client: redis.Redis) -> str:
+    """The administrator's step (`conveyor redis setup`): load the library, replacing any
+    other code under its name. Returns what was there before (see library_state)."""
+    before = library_state(client)
+    if before in (MISSING, MODIFIED):
+        client.execute_command("FUNCTION", "LOAD", "REPLACE", SOURCE)
+        log.info("redis functions loaded", library=LIBRARY, version=VERSION, before=before)
+    return before
 
 
 def ensure_functions(client: redis.Redis) -> str:
-    """Load the library unless this version (or a newer one) is there.
-
-    Returns ``"loaded"``, ``"present"`` or ``"unsupported"`` (Redis < 7). Other refusals
-    (NOPERM for a user without FUNCTION LOAD) propagate.
-    """
-    found = loaded_version(client)
-    if found == -1:
-        return "unsupported"
-    if found is not None and found >= VERSION:
-        return "present"
-    client.execute_command("FUNCTION", "LOAD", "REPLACE", SOURCE)
-    log.info("redis functions loaded", library=LIBRARY, version=VERSION, replaced=found)
-    return "loaded"
+    """A worker's check: load the library when it is missing and this user may (never
+    replacing one: only an administrator replaces code every producer runs). Returns the
+    state afterwards: OURS, MISSING (and not allowed to load), MODIFIED or UNSUPPORTED."""
+    state = library_state(client)
+    if state != MISSING:
+        return state
+    try:
+        client.execute_command("FUNCTION", "LOAD", SOURCE)
+    except redis.exceptions.NoPermissionError:
+        return MISSING
+    except redis.ResponseError as exc:
+        if "already exists" not in str(exc):  # another worker loaded it just now
+            raise
+    return library_state(client)

@@ -71,11 +71,21 @@ def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
 # Every XADD to a stream needs an id above its last one: after an entry at this id (which
 # any user allowed XADD can write) the stream takes no new entry at all.
 MAX_ENTRY_ID = f"{MAX_ID_SEQUENCE}-{MAX_ID_SEQUENCE}"
+# Ids from this millisecond on (the year 33658) are never Redis's own: an entry there was
+# written with an explicit id, and every later XADD lands after it, so a lane whose last id
+# is this far is blocked or one step from it (an entry at MAX_ENTRY_ID minus one still
+# leaves room for exactly one more request). No clock is needed to tell.
+FAR_FUTURE_MS = 10**15
 BLOCKED_HINT = "an administrator reopens it with `conveyor redis setup --reopen-lanes`"
 
 
+def _entry_ms(entry_id: str) -> int:
+    return int(entry_id.partition("-")[0] or 0)
+
+
 def lane_blocked(client: redis.Redis, stream: str) -> bool:
-    """Whether ``stream`` can take no new request: its last id is the largest possible.
+    """Whether ``stream``'s last id is far in the future (FAR_FUTURE_MS): the lane takes no
+    new request, or will not for long.
 
     Reads XINFO STREAM (a worker's command; it returns the first and last entries too, so
     the observer is not granted it): a lane blocked this way shows on the worker's
@@ -85,27 +95,43 @@ def lane_blocked(client: redis.Redis, stream: str) -> bool:
         info = client.xinfo_stream(stream)
     except redis.ResponseError:  # no such stream yet
         return False
-    return as_text(info.get("last-generated-id", "")) == MAX_ENTRY_ID
+    return _entry_ms(as_text(info.get("last-generated-id", "0-0"))) >= FAR_FUTURE_MS
 
 
 def reopen_lane(client: redis.Redis, stream: str) -> bool:
     """Reopen a blocked lane (an administrator's step); whether it was blocked.
 
-    Deletes the entry at the largest id, moves the stream's last id back to its last
+    Deletes every entry at a far-future id, moves the stream's last id back to its last
     remaining entry, and the consumer group's last-delivered id with it when the group had
-    read that far (it reads in id order, so everything up to there was delivered). Entries
-    waiting before the blocking one stay undelivered; pending ones stay pending.
+    read past there (it reads in id order, so everything up to there was delivered). A
+    far-future entry no worker had read yet (a request some producer's ``*`` id put after
+    the blocking entry, or the blocking entry itself) is added again under a new id, so no
+    queued request is lost; one a worker was serving is deleted (its acknowledgement still
+    lands; were that worker to die, no other could reclaim it). Entries before the far
+    future are untouched: undelivered ones stay undelivered, pending ones pending.
     """
     if not lane_blocked(client, stream):
         return False
-    client.xdel(stream, MAX_ENTRY_ID)
+    group = next((g for g in client.xinfo_groups(stream) if as_text(g["name"]) == GROUP), None)
+    delivered = as_text(group["last-delivered-id"]) if group else "0-0"
+    future = client.xrange(stream, min=f"{FAR_FUTURE_MS}-0", max="+")
+    requeue = [fields for entry_id, fields in future
+               if _id_key(as_text(entry_id)) > _id_key(delivered)]
+    if future:
+        client.xdel(stream, *[entry_id for entry_id, _ in future])
     last = client.xrevrange(stream, count=1)
     last_id = as_text(last[0][0]) if last else "0-1"
     client.execute_command("XSETID", stream, last_id)
-    for group in client.xinfo_groups(stream):
-        if as_text(group["last-delivered-id"]) == MAX_ENTRY_ID:
-            client.xgroup_setid(stream, as_text(group["name"]), last_id)
+    if group is not None and _id_key(delivered) > _id_key(last_id):
+        client.xgroup_setid(stream, GROUP, last_id)
+    for fields in requeue:
+        client.xadd(stream, fields)
     return True
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def trim_request_stream(client: redis.Redis, stream: str) -> int:
@@ -127,10 +153,15 @@ def trim_request_stream(client: redis.Redis, stream: str) -> int:
     group = next((g for g in groups if as_text(g.get("name")) == GROUP), None)
     if group is None:
         return 0
+    delivered = as_text(group["last-delivered-id"])
+    if _entry_ms(delivered) >= FAR_FUTURE_MS:
+        # A blocked lane, maybe being reopened this moment: reopen_lane moves the group back
+        # and re-adds entries below this id, which a trim from here would remove unread.
+        return 0
     if pending["pending"]:
         min_id = as_text(pending["min"])
     else:
-        min_id = _next_id(as_text(group["last-delivered-id"]))
+        min_id = _next_id(delivered)
     return int(client.xtrim(stream, minid=min_id, approximate=False))
 
 

@@ -81,6 +81,10 @@ def run_top_cmd(args: argparse.Namespace) -> int:
         return 0
 
 
+# Model names submitted for without a registration that `top` shows lanes for, at most.
+MAX_REQUESTED_SHOWN = 100
+
+
 def take_snapshot(client: Client) -> FleetSnapshot:
     """Every live worker's heartbeat, and the lanes of every model that is registered, served
     or was requested without a registration (requests may wait for a model no worker serves).
@@ -95,7 +99,9 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     worker_ids, registered, requested = pipe.execute()
     workers = read_workers(conn, heartbeat_keys(keys, worker_ids))
     registered = set(member_names(registered))
-    models = registered | set(member_names(requested)) | {
+    # Any producer may add a name to ``requested``: only the first few get a lane row.
+    requested = sorted(member_names(requested))[:MAX_REQUESTED_SHOWN]
+    models = registered | set(requested) | {
         w["model"] for w in workers if w.get("model")}
     lanes = [s for model in sorted(models) for s in lane_stats(conn, keys, model)]
     return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))

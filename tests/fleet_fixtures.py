@@ -22,11 +22,11 @@ def start_worker(redis_url, tiny_llama):
               autostart: bool = True, url: str | None = None, clock=None,
               config: dict | None = None, **engine) -> Worker:
         settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
+        fast = {"read_block_ms": 100, "heartbeat_interval_s": 0.5, "queue_poll_interval_s": 0.2}
         config = WorkerConfig(
             model_dir=tiny_llama, served_model_name=MODEL, redis_url=url or redis_url,
             worker_id=worker_id or f"w{len(workers)}", engine=settings, prefetch=prefetch,
-            read_block_ms=100, heartbeat_interval_s=0.5, metrics_port=metrics_port,
-            metrics_host="127.0.0.1", queue_poll_interval_s=0.2, **(config or {}),
+            metrics_port=metrics_port, metrics_host="127.0.0.1", **{**fast, **(config or {})},
         )
         worker = Worker(config, clock=clock)
         if autostart:

@@ -17,7 +17,7 @@ from producer.async_client import AsyncClient
 from producer.backpressure import QueueFull
 from producer.client import Client
 from producer.connection import connect
-from producer.functions import ensure_functions
+from producer.functions import install_functions
 from producer.queues import lane_stats, trim_request_stream
 from producer.redis_server import start_ephemeral
 from producer.wire.keys import GROUP, Keys
@@ -41,7 +41,7 @@ def r(server):
     count through FCALL there (as after `conveyor redis setup`), and through the script on 6.2."""
     client = connect(server.url)
     client.flushall()
-    ensure_functions(client)
+    install_functions(client)
     client.config_resetstat()
     yield client
     client.close()

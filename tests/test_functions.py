@@ -1,17 +1,24 @@
-"""conveyor's Redis functions (Redis 7): loaded by `conveyor redis setup` and by workers at
-start and after a restart that lost them; never replaced by an older version."""
+"""conveyor's Redis functions (Redis 7): installed by `conveyor redis setup`, loaded by
+workers when missing (where their user may), never replaced by a worker."""
 
 from __future__ import annotations
 
 import pytest
 from fleet_fixtures import MODEL
 from redis_fixtures import redis_binary
-from waiting import eventually
 
 from producer.cli_redis import run_redis_cmd
 from producer.client import Client
 from producer.connection import connect
-from producer.functions import SOURCE, VERSION, ensure_functions, loaded_version
+from producer.functions import (
+    MISSING,
+    MODIFIED,
+    OURS,
+    SOURCE,
+    ensure_functions,
+    install_functions,
+    library_state,
+)
 from producer.redis_server import bundled_binary, start_ephemeral
 from worker.cli import build_parser
 
@@ -23,17 +30,19 @@ def redis7(tmp_path):
         yield server
 
 
-def test_ensure_functions_loads_once_and_never_downgrades(redis7):
+PLANTED = SOURCE.replace("redis.call('XADD', stream, '*', args[3], args[4])",
+                         "'0-1'")  # a library that would drop every request
+
+
+def test_ensure_loads_a_missing_library_and_never_replaces_other_code(redis7):
+    assert PLANTED != SOURCE
     with connect(redis7.url) as r:
-        assert loaded_version(r) is None
-        assert ensure_functions(r) == "loaded" and loaded_version(r) == VERSION
-        assert ensure_functions(r) == "present"
-        newer = SOURCE.replace(f"return {VERSION} end", f"return {VERSION + 1} end")
-        r.execute_command("FUNCTION", "LOAD", "REPLACE", newer)
-        assert ensure_functions(r) == "present" and loaded_version(r) == VERSION + 1
-        older = SOURCE.replace(f"return {VERSION} end", f"return {VERSION - 1} end")
-        r.execute_command("FUNCTION", "LOAD", "REPLACE", older)
-        assert ensure_functions(r) == "loaded" and loaded_version(r) == VERSION
+        assert library_state(r) == MISSING
+        assert ensure_functions(r) == OURS and ensure_functions(r) == OURS
+        r.execute_command("FUNCTION", "LOAD", "REPLACE", PLANTED)
+        assert library_state(r) == MODIFIED
+        assert ensure_functions(r) == MODIFIED  # reported, not replaced
+        assert install_functions(r) == MODIFIED and library_state(r) == OURS
 
 
 def test_setup_loads_them_and_says_so(redis7, capsys):
@@ -43,7 +52,9 @@ def test_setup_loads_them_and_says_so(redis7, capsys):
     assert run_redis_cmd(args) == 0
     assert "already loaded" in capsys.readouterr().out
     with connect(redis7.url) as r:
-        assert loaded_version(r) == VERSION
+        r.execute_command("FUNCTION", "LOAD", "REPLACE", PLANTED)
+        assert run_redis_cmd(args) == 0
+        assert "replaced" in capsys.readouterr().out and library_state(r) == OURS
 
 
 def test_setup_on_redis62_explains_the_fallback(tmp_path, capsys):
@@ -58,14 +69,23 @@ def test_setup_on_redis62_explains_the_fallback(tmp_path, capsys):
 
 def test_a_worker_loads_them_at_start_and_after_a_restart_lost_them(redis7, start_worker):
     with connect(redis7.url) as r:
-        assert loaded_version(r) is None  # precondition: a fresh server has none
-        start_worker(url=redis7.url)
-        assert loaded_version(r) == VERSION
+        assert library_state(r) == MISSING  # precondition: a fresh server has none
+        # Heartbeats far apart: the test runs the one after the restart itself.
+        worker = start_worker(url=redis7.url, config={"heartbeat_interval_s": 600})
+        assert library_state(r) == OURS and worker.status()["functions"] == OURS
         redis7.restart()  # no persistence: functions, streams and groups are gone
-        assert loaded_version(r) is None
-        # Within heartbeats of the reconnected worker.
-        eventually(lambda: loaded_version(r) == VERSION, "the worker reloads the functions")
+        assert library_state(r) == MISSING
+        worker.heartbeat.tick()
+        assert library_state(r) == OURS
     with Client(redis7.url, max_queue=5) as client:
         done = client.result(client.submit([5, 6, 7], model=MODEL, max_tokens=3,
                                            ignore_eos=True), timeout=60)
     assert done.finish_reason == "length" and len(done.token_ids) == 3
+
+
+def test_a_worker_reports_a_planted_library_and_leaves_it(redis7, start_worker):
+    with connect(redis7.url) as r:
+        r.execute_command("FUNCTION", "LOAD", PLANTED)
+        worker = start_worker(url=redis7.url)
+        assert worker.status()["functions"] == MODIFIED
+        assert library_state(r) == MODIFIED

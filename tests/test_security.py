@@ -29,13 +29,22 @@ from producer.async_client import AsyncClient
 from producer.cli_redis import run_redis_cmd
 from producer.client import Client
 from producer.connection import connect
-from producer.functions import ADD_IF_ROOM, FunctionsMissing, ensure_functions
-from producer.queues import MAX_ENTRY_ID, lane_stats, trim_request_stream
+from producer.functions import (
+    ADD_IF_ROOM,
+    OURS,
+    SOURCE,
+    FunctionsMissing,
+    install_functions,
+    library_state,
+)
+from producer.queues import (MAX_ENTRY_ID, MAX_ID_SEQUENCE, lane_blocked, lane_stats,
+                             trim_request_stream)
 from producer.redis_server import start_ephemeral
 from producer.top import render, take_snapshot
 from producer.wire.errors import LaneBlocked
 from producer.wire.keys import GROUP, Keys
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
+from producer.wire.replies import as_text
 from producer.wire.protocol import (
     MAX_ENTRY_BYTES,
     MAX_PROMPT_CHARS,
@@ -91,7 +100,7 @@ def _admin(server) -> redis.Redis:
     client = connect(server.url)
     client.flushall()
     if server.rules == 7:
-        ensure_functions(client)
+        install_functions(client)
     client.acl_log_reset()
     return client
 
@@ -215,6 +224,19 @@ def test_each_producer_attack_is_refused_on_redis7_then_a_request_is_served(
     assert done.finish_reason == "length" and len(done.token_ids) == 3
 
 
+def test_no_worker_may_replace_the_server_wide_functions_on_redis7(redis7_acl_server, admin7):
+    """Functions are server-wide: a worker (of this or any namespace) that could load them
+    could plant code every producer runs, and read every tenant's prompts."""
+    planted = SOURCE.replace("#!lua name=conveyor", "#!lua name=conveyor\n-- planted")
+    with connect(user_url(redis7_acl_server, "worker")) as worker:
+        for attempt in (("FUNCTION", "LOAD", "REPLACE", planted), ("FUNCTION", "FLUSH"),
+                        ("FUNCTION", "DELETE", "conveyor")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                worker.execute_command(*attempt)
+        assert library_state(worker) == OURS  # it may still check what is loaded
+    assert library_state(admin7) == OURS
+
+
 OBSERVER_ATTACKS = {
     "xrange-prompts": lambda r, lane: r.xrange(lane),
     "xinfo-stream-prompts": lambda r, lane: r.xinfo_stream(lane),
@@ -263,6 +285,26 @@ def test_a_blocked_lane_is_reported_by_submit_worker_and_top(redis7_acl_server, 
                                            ignore_eos=True), timeout=60)
     assert done.finish_reason == "length"
     assert worker.reaper.check_lanes() == []
+
+
+def test_reopening_a_lane_requeues_requests_written_after_the_blocking_entry(
+        redis7_acl_server, admin7, start_worker):
+    lane = KEYS.requests(MODEL, "interactive")
+    with Client(user_url(redis7_acl_server, "producer")) as client:
+        # One id short of the largest: the next honest submit takes the last id there is.
+        client.redis.xadd(lane, {"m": b"x"}, id=f"{MAX_ID_SEQUENCE}-{MAX_ID_SEQUENCE - 1}")
+        honest = client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True,
+                               allow_unregistered=True)
+        assert as_text(admin7.xrevrange(lane, count=1)[0][0]) == MAX_ENTRY_ID  # queued there
+        with pytest.raises(LaneBlocked):
+            client.submit([1, 2], model=MODEL, max_tokens=1, allow_unregistered=True)
+        assert run_redis_cmd(build_parser().parse_args(
+            ["redis", "setup", "--redis", redis7_acl_server.url, "--reopen-lanes"])) == 0
+        assert not lane_blocked(admin7, lane)
+        start_worker(url=user_url(redis7_acl_server, "worker"))
+        assert client.result(honest, timeout=60).finish_reason == "length"
+        assert client.result(client.submit([1, 2], model=MODEL, max_tokens=1),
+                             timeout=60).finish_reason == "length"
 
 
 @pytest.mark.parametrize("attempt", [

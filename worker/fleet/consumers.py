@@ -66,6 +66,15 @@ def prune_worker_set(client: redis.Redis, keys: Keys) -> list[str]:
     for wid in members:
         pipe.exists(keys.worker(wid))
     gone = [wid for wid, alive in zip(members, pipe.execute(), strict=True) if not alive]
-    if gone:
-        client.srem(keys.workers, *gone)
-    return gone
+    if not gone:
+        return []
+    client.srem(keys.workers, *gone)
+    # A worker that came back between the EXISTS and the SREM (its beat writes the hash,
+    # then adds itself) would stay unlisted until its next beat: put it back now.
+    pipe = client.pipeline(transaction=False)
+    for wid in gone:
+        pipe.exists(keys.worker(wid))
+    back = [wid for wid, alive in zip(gone, pipe.execute(), strict=True) if alive]
+    if back:
+        client.sadd(keys.workers, *back)
+    return [wid for wid in gone if wid not in back]

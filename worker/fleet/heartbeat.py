@@ -1,8 +1,8 @@
 """The heartbeat thread: a worker's status and load in a hash that expires if it dies.
 
 Each beat also adds the worker to the ``{ns}:workers`` set (readers list workers without
-SCAN) and checks that conveyor's Redis functions are loaded: a Redis restarted without
-persistence forgets them, and producers need them to submit with ``max_queue``.
+SCAN) and checks conveyor's Redis functions: a Redis restarted without persistence forgets
+them, and producers need them to submit with ``max_queue`` (producer/functions.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer.functions import ensure_functions
+from producer.functions import MISSING, MODIFIED, UNSUPPORTED, ensure_functions
 from producer.wire.keys import Keys
 from producer.wire.protocol import now_ms
 from worker.fleet.supervised import SupervisedThread
@@ -33,8 +33,8 @@ class Heartbeat(SupervisedThread):
         self.key = keys.worker(worker_id)
         self.keys = keys
         self.worker_id = worker_id
-        # False once Redis has no functions (6.2) or this user may not load them.
-        self.keeps_functions = True
+        # What keep_functions last found ("" before its first check).
+        self.functions = ""
         self.status = status
         self.static = {"worker_id": worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_ms": now_ms()}
@@ -44,21 +44,23 @@ class Heartbeat(SupervisedThread):
         self.keep_functions()
 
     def keep_functions(self) -> str:
-        """Load conveyor's functions if they are missing; what :func:`ensure_functions` said,
-        or ``"skipped"`` once it is known that this worker cannot or need not."""
-        if not self.keeps_functions:
-            return "skipped"
+        """Check conveyor's functions (loading them when missing, if this user may); the
+        state found, also kept in ``functions`` for the heartbeat. Logged when it changes."""
+        if self.functions == UNSUPPORTED:
+            return UNSUPPORTED
         try:
-            outcome = ensure_functions(self.client)
-        except redis.exceptions.NoPermissionError as exc:
-            log.warning("this worker may not load conveyor's Redis functions (grant "
-                        "function|load and fcall_ro, or run `conveyor redis setup`)",
-                        error=str(exc))
-            self.keeps_functions = False
-            return "skipped"
-        if outcome == "unsupported":
-            self.keeps_functions = False
-        return outcome
+            state = ensure_functions(self.client)
+        except redis.exceptions.NoPermissionError:
+            state = "unknown"  # this user may not even list functions
+        if state != self.functions:
+            if state in (MISSING, MODIFIED):
+                log.warning("conveyor's Redis functions are " + state + ": producers that "
+                            "submit with max_queue fail until an administrator runs "
+                            "`conveyor redis setup`", functions=state)
+            else:
+                log.info("conveyor's Redis functions checked", functions=state)
+        self.functions = state
+        return state
 
     def beat(self) -> None:
         mapping = {**self.static, **self.status(), "updated_ms": now_ms()}

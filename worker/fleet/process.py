@@ -123,6 +123,8 @@ class Worker:
             "metrics_port": self.metrics_port or "",
             # Request streams no producer can add to (an entry at the largest id).
             "blocked_lanes": ",".join(self.reaper.blocked_lanes),
+            # conveyor's Redis functions: ours, missing, modified, unsupported (Redis 6.2).
+            "functions": self.heartbeat.functions,
         }
 
     def fault_counts(self) -> FaultCounts:

@@ -37,14 +37,18 @@ from producer.functions import (
     install_functions,
     library_state,
 )
-from producer.queues import (MAX_ENTRY_ID, MAX_ID_SEQUENCE, lane_blocked, lane_stats,
-                             trim_request_stream)
+from producer.queues import (
+    MAX_ENTRY_ID,
+    MAX_ID_SEQUENCE,
+    lane_blocked,
+    lane_stats,
+    trim_request_stream,
+)
 from producer.redis_server import start_ephemeral
 from producer.top import render, take_snapshot
 from producer.wire.errors import LaneBlocked
 from producer.wire.keys import GROUP, Keys
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
-from producer.wire.replies import as_text
 from producer.wire.protocol import (
     MAX_ENTRY_BYTES,
     MAX_PROMPT_CHARS,
@@ -53,6 +57,7 @@ from producer.wire.protocol import (
     GenerationRequest,
     ProtocolError,
 )
+from producer.wire.replies import as_text
 from producer.wire.validation import MAX_TOKEN_ID, brief
 from worker.cli import build_parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """The tokens of one request computed in this step."""
 
@@ -14,8 +14,12 @@ class ScheduledChunk:
     token_ids: list[int]
     # Position of token_ids[0]: the tokens before it are already in the KV cache.
     start_position: int
-    # The request's whole block table, in order (covers start_position + len(token_ids)).
-    block_ids: list[int]
+    # Blocks the request gained since the runner last heard of it, in order. The runner
+    # keeps each request's table across steps: it appends these after its first
+    # ``num_known_blocks`` entries (0: a table of its own from here on, after admission,
+    # swap-in or recomputation). Together they cover start_position + len(token_ids).
+    new_block_ids: list[int]
+    num_known_blocks: int
     # True when the chunk reaches the request's last known token, so a token is sampled.
     sample: bool
     # Index in the output of the token sampled from this chunk (seeds sampling randomness).
@@ -38,6 +42,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests preempted during this step's scheduling (swapped out or dropped).
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous step (the runner forgets their tables).
+    finished_ids: list[str] = field(default_factory=list)
     # KV copies the runner makes before the forward pass, swap-outs first:
     # (device block, host block) pairs to save, then (host block, device block) to restore.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -53,7 +59,7 @@ class SchedulerOutput:
         return not (self.chunks or self.swap_out or self.swap_in)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What a step did to one request: the tokens it gained and whether it ended."""
 

@@ -56,6 +56,9 @@ class Request:
     # Prefix-cache hashes of its full blocks so far (prompt, then output), each computed
     # once in the request's life: kept across waiting, swaps and recomputation.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Entries of its block table already handed to the runner (0 after a preemption: the
+    # next chunk carries the whole table).
+    num_blocks_sent: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

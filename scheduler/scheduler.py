@@ -36,6 +36,8 @@ class Scheduler:
         self._num_waiting = 0
         self._arrivals = itertools.count()
         self.counters: Counter[str] = Counter()
+        # Requests finished since the last schedule(): the next output tells the runner.
+        self._finished_ids: list[str] = []
 
     # ----- queue -----
 
@@ -90,7 +92,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks within the token budget."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         scheduled: dict[str, ScheduledChunk] = {}
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
         if not out.preempted_ids:
@@ -102,13 +105,20 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append sampled tokens, finish requests."""
         updates = []
+        caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
-            if req is None or not req.status.running:
+            if req is None or (req.status is not RequestStatus.RUNNING_GEN
+                               and req.status is not RequestStatus.RUNNING_CTX):
                 continue  # finished (e.g. cancelled) while the step ran
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.all_token_ids,
-                                   req.block_hashes)
+            before = req.num_computed_tokens
+            req.num_computed_tokens = before + len(chunk.token_ids)
+            # Blocks become full only when a chunk crosses a block boundary; a fresh table
+            # (admission, swap-in) may also have full blocks not yet registered.
+            if caching and (chunk.num_known_blocks == 0
+                            or req.num_computed_tokens // block_size > before // block_size):
+                self.kv.cache_computed(req.request_id, req.num_computed_tokens,
+                                       req.all_token_ids, req.block_hashes)
             if not chunk.sample:
                 continue
             token = sampled[chunk.request_id]
@@ -128,10 +138,20 @@ class Scheduler:
                           out: SchedulerOutput) -> int:
         decodes = [r for r in self.running if r.status is RequestStatus.RUNNING_GEN]
         prefills = [r for r in self.running if r.status is RequestStatus.RUNNING_CTX]
+        block_capacity = self.kv.block_size
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if not req.status.running:
+            status = req.status
+            if status is RequestStatus.RUNNING_GEN:
+                table = self.kv.block_table(req.request_id)
+                if len(table) * block_capacity > req.num_computed_tokens:
+                    # The common decode: its next token fits in a block it holds, so
+                    # nothing to allocate and nobody to preempt (the checks below pass).
+                    scheduled[req.request_id] = self._decode_chunk(req, table)
+                    budget -= 1
+                    continue
+            if not status.running:
                 continue  # preempted earlier in this loop
             n = self._tokens_to_schedule(req, budget)
             if n == 0:
@@ -219,6 +239,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        req.num_blocks_sent = 0
         out.preempted_ids.append(req.request_id)
         if self._should_swap(req):
             pairs = self.kv.swap_out(req.request_id)
@@ -259,14 +280,27 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
+        table = self.kv.block_table(req.request_id)
+        known, req.num_blocks_sent = req.num_blocks_sent, len(table)
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.token_slice(start, start + n),
             start_position=start,
-            block_ids=list(self.kv.block_table(req.request_id)),
+            new_block_ids=table[known:],
+            num_known_blocks=known,
             sample=start + n == req.num_tokens,
             output_index=req.num_output_tokens,
         )
+
+    def _decode_chunk(self, req: Request, table: list[int]) -> ScheduledChunk:
+        """``_chunk(req, 1)`` for a decoding request, without the general case's work: its
+        one token is the newest, and a token is sampled from it."""
+        known, req.num_blocks_sent = req.num_blocks_sent, len(table)
+        outputs = req.output_token_ids
+        return ScheduledChunk(req.request_id,
+                              [outputs[-1] if outputs else req.prompt_token_ids[-1]],
+                              req.num_computed_tokens, table[known:], known, True,
+                              len(outputs))
 
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self._waiting, (req.priority, req.arrival, req))
@@ -283,3 +317,4 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

@@ -245,6 +245,18 @@ def test_metadata_build_maps_new_tokens_through_block_tables() -> None:
         AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
 
 
+def test_metadata_of_decodes_only_equals_the_general_layout() -> None:
+    tables = [[4, 1], [7, 0, 2], [3]]
+    decodes = AttentionMetadata.build([1, 1, 1], [5, 9, 1], tables, block_size=4)
+    assert decodes.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert decodes.positions.tolist() == [4, 8, 0]
+    assert decodes.slot_mapping.tolist() == [4, 8, 12]
+    # The same tokens with a prefill beside them take the general path: same slots.
+    mixed = AttentionMetadata.build([1, 1, 1, 2], [5, 9, 1, 2], tables + [[6]], block_size=4)
+    assert mixed.slot_mapping.tolist()[:3] == decodes.slot_mapping.tolist()
+    assert mixed.positions.tolist() == [4, 8, 0, 0, 1]
+
+
 def test_attention_backends_are_found_by_name_and_imported_lazily() -> None:
     assert get_attention_backend("torch") is TorchAttention
     with pytest.raises(ValueError, match="known: torch"):

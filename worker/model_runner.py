@@ -10,6 +10,7 @@ from kvstore.kv_tensors import PagedKVCache, copy_blocks
 from producer.wire.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
+from worker.block_table_rows import BlockTableRows
 from worker.sampling import Sampler, SampleRequest
 
 
@@ -26,6 +27,8 @@ class ModelRunner:
         # before the forward reads the restored blocks.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.sampler = Sampler()
+        # Each running request's block table, kept across steps (pinned on CUDA).
+        self.block_tables = BlockTableRows(pin=device.type == "cuda")
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0
@@ -36,23 +39,23 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
         """Compute every chunk of the step; sample a token for each chunk that asks for one."""
         self._swap(out)
+        rows_of_chunks = self.block_tables.apply(out)
         chunks = out.chunks
         if not chunks:
             return {}, {}
         ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-        meta = AttentionMetadata.build(
+        seq_lens = [c.start_position + c.num_tokens for c in chunks]
+        block_size = self.kv_cache.block_size
+        width = -(-max(seq_lens) // block_size)
+        meta = AttentionMetadata.from_block_tables(
             query_lens=[c.num_tokens for c in chunks],
-            seq_lens=[c.start_position + c.num_tokens for c in chunks],
-            block_tables=[c.block_ids for c in chunks],
-            block_size=self.kv_cache.block_size,
+            seq_lens=seq_lens,
+            block_tables=self.block_tables.gather(rows_of_chunks, width),
+            block_size=block_size,
             device=self.device,
+            input_ids=ids,
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            meta.positions,
-            self.kv_cache,
-            meta,
-        )
+        hidden = self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
         self.num_forwards += 1
         self.num_computed_tokens += len(ids)
 

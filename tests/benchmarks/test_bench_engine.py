@@ -9,30 +9,18 @@ import random
 
 import pytest
 
-from kvstore import BlockPool, KVCacheManager
-from scheduler import Request, Scheduler, SchedulerConfig
 from worker import Engine, SamplingParams
 from worker.bench.sampling_steps import MODES, decoding_engine
+from worker.bench.step_overhead import HostStep, busy_scheduler
 
 
-def _busy_scheduler(num_running: int, num_waiting: int) -> Scheduler:
-    rng = random.Random(0)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_running,
-                                  max_model_len=4096),
-                  KVCacheManager(BlockPool(100_000), 16))
-    for i in range(num_running + num_waiting):
-        s.add_request(Request(f"r{i}", [1] * rng.randint(16, 128), max_tokens=10_000))
-    # Run until every running slot is decoding, so the measured step is steady state.
-    for _ in range(200):
+def test_bench_schedule_256_running_1000_waiting(benchmark):
+    s = busy_scheduler(256, 1000)
+    for _ in range(200):  # until every running slot decodes: the measured step is steady
         out = s.schedule()
         s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
         if all(r.num_output_tokens for r in s.running):
             break
-    return s
-
-
-def test_bench_schedule_256_running_1000_waiting(benchmark):
-    s = _busy_scheduler(256, 1000)
 
     def one_step():
         out = s.schedule()
@@ -41,6 +29,14 @@ def test_bench_schedule_256_running_1000_waiting(benchmark):
 
     out = benchmark(one_step)
     assert len(out.chunks) == 256 and s.num_waiting == 1000
+
+
+def test_bench_host_step_256_running_1000_waiting(benchmark):
+    """Scheduler + the runner's block tables + attention metadata: the issue's <= 1 ms."""
+    step = HostStep(busy_scheduler(256, 1000))
+    out, meta = benchmark(step.one)
+    assert len(out.chunks) == 256 and meta.num_tokens == 256
+    assert step.scheduler.num_waiting == 1000
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     # [T] int64: the absolute position of each new token (what rope needs).
     positions: torch.Tensor | None = None
+    # [T] int64: the step's token ids, when the caller had them laid out with the rest.
+    input_ids: torch.Tensor | None = None
     # Scratch space where a backend keeps work it derives once per step and reuses in
     # every layer (gather indices, masks), keyed by backend name.
     backend_plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -63,38 +65,62 @@ class AttentionMetadata:
                 raise ValueError(f"need 0 < query_len <= seq_len, got {q_len} and {s_len}")
             if len(table) * block_size < s_len:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {s_len} tokens")
-        # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
-        # no Python loop over tokens or block-table entries.
-        num_seqs = len(query_lens)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64, device="cpu")
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
-        starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device="cpu")
-        torch.cumsum(q_lens, 0, out=starts[1:])
         widths = [len(t) for t in block_tables]
         width = max(widths, default=0)
         flat = torch.tensor(list(itertools.chain.from_iterable(block_tables)),
                             dtype=torch.int64, device="cpu")
-        padded = torch.zeros(num_seqs, width, dtype=torch.int64, device="cpu")
+        padded = torch.zeros(len(block_tables), width, dtype=torch.int64, device="cpu")
         lens = torch.tensor(widths, dtype=torch.int64, device="cpu")
         padded[torch.arange(width, device="cpu")[None, :] < lens[:, None]] = flat
-        # Token t of sequence i sits at position seq_len - query_len + (t - start of i).
-        owner = torch.repeat_interleave(torch.arange(num_seqs, device="cpu"), q_lens)
-        positions = (s_lens - q_lens)[owner] + torch.arange(int(starts[-1]), device="cpu") \
-            - starts[:-1][owner]
-        slots = padded[owner, positions // block_size] * block_size + positions % block_size
+        return cls.from_block_tables(query_lens, seq_lens, padded, block_size, device)
 
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
+    @classmethod
+    def from_block_tables(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        input_ids: list[int] | None = None,
+    ) -> AttentionMetadata:
+        """Lay out one step from a host ``[B, width]`` block-table tensor whose row i holds
+        sequence i's blocks first (what follows them is never read). Unchecked: the
+        runner's persistent rows (worker.block_table_rows) call this every step."""
+        # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
+        # no Python loop over tokens or block-table entries.
+        num_seqs, num_tokens = len(query_lens), sum(query_lens)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
+        if num_tokens == num_seqs:
+            # Decodes only (the steady state): token i is sequence i's newest.
+            starts = torch.arange(num_seqs + 1, device="cpu")
+            positions = s_lens - 1
+            slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] \
+                * block_size + positions % block_size
+        else:
+            q_lens = torch.tensor(query_lens, dtype=torch.int64, device="cpu")
+            starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device="cpu")
+            torch.cumsum(q_lens, 0, out=starts[1:])
+            # Token t of sequence i sits at position seq_len - query_len + (t - start of i).
+            owner = torch.repeat_interleave(torch.arange(num_seqs, device="cpu"), q_lens)
+            positions = (s_lens - q_lens)[owner] + torch.arange(num_tokens, device="cpu") \
+                - starts[:-1][owner]
+            slots = block_tables[owner, positions // block_size] * block_size \
+                + positions % block_size
+        parts = [starts, s_lens, block_tables, slots, positions]
+        if input_ids is not None:  # the step's tokens ride along in the same copy
+            parts.append(torch.tensor(input_ids, dtype=torch.int64, device="cpu"))
+        on_device = _to_device(parts, device)
         return cls(
-            query_start_loc=to_device(starts),
-            seq_lens=to_device(s_lens),
-            block_tables=to_device(padded),
-            slot_mapping=to_device(slots),
+            query_start_loc=on_device[0],
+            seq_lens=on_device[1],
+            block_tables=on_device[2],
+            slot_mapping=on_device[3],
             block_size=block_size,
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
-            positions=to_device(positions),
+            positions=on_device[4],
+            input_ids=on_device[5] if input_ids is not None else None,
         )
 
     @property
@@ -109,3 +135,19 @@ class AttentionMetadata:
     def context_lens(self) -> list[int]:
         """Tokens of each sequence already in the cache before this step."""
         return [s - q for s, q in zip(self.seq_lens_list, self.query_lens, strict=True)]
+
+
+def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """The int64 host tensors ``parts`` on ``device``, in one host-to-device copy: packed
+    into one (pinned) buffer, copied once, and split into views there."""
+    if torch.device(device).type == "cpu":
+        return parts
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    if torch.cuda.is_available():
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=True)
+    out, offset = [], 0
+    for p in parts:
+        out.append(moved[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return out

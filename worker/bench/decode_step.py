@@ -24,13 +24,22 @@ import torch.nn.functional as F
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
 
 
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """(out, in) of every weight matmul of one decode step, as transformers lays them out:
+    q, k, v, o, gate, up and down of each layer, then the LM head."""
+    h, heads, kv, d = (config.hidden_size, config.num_attention_heads,
+                       config.num_key_value_heads, config.head_dim)
+    layer = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d),
+             (config.intermediate_size, h), (config.intermediate_size, h),
+             (h, config.intermediate_size)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+
+
 def matmul_seconds(engine, batch: int, repeats: int = 5) -> float:
     """Best of ``repeats`` runs of the step's weight matmuls at ``batch`` tokens."""
-    weights = [p for name, p in engine.model.named_parameters()
-               if p.dim() == 2 and "embed" not in name]
-    if engine.model_config.tie_word_embeddings:
-        weights.append(engine.model.embed_tokens.weight)
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    dtype = engine.dtype
+    weights = [torch.randn(o, i, dtype=dtype) for o, i in weight_shapes(engine.model_config)]
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):

@@ -1,0 +1,89 @@
+"""Block tables that live across steps: one preallocated row per running request.
+
+Rebuilding every block table from Python lists each step costs time in proportion to
+the context of every running request. Here a request keeps its row from admission to
+its end; a step writes only what the scheduler changed (the blocks a request gained,
+or a whole new table after admission, swap-in or recomputation), and the step's table
+is one indexing op on the rows it schedules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.output import ScheduledChunk, SchedulerOutput
+
+
+class BlockTableRows:
+    """Per-request rows of a ``[rows, width]`` block-id tensor on the host.
+
+    Rows and width grow when needed (doubling), so no setting has to bound them. On a
+    CUDA engine the tensor is pinned, so the step's copy to the device can be async.
+    """
+
+    def __init__(self, num_rows: int = 16, width: int = 16, *, pin: bool = False) -> None:
+        self.pin = pin
+        self.table = self._alloc(max(1, num_rows), max(1, width))
+        # Blocks each row holds (what the scheduler sent so far).
+        self.num_blocks = [0] * self.table.shape[0]
+        self.rows: dict[str, int] = {}
+        self._free = list(range(self.table.shape[0] - 1, -1, -1))
+
+    def _alloc(self, rows: int, width: int) -> torch.Tensor:
+        table = torch.zeros(rows, width, dtype=torch.int64, device="cpu")
+        return table.pin_memory() if self.pin else table
+
+    def apply(self, out: SchedulerOutput) -> list[int]:
+        """Bring the rows up to date with one scheduling step; the row of each chunk."""
+        for request_id in (*out.finished_ids, *out.preempted_ids):
+            self.release(request_id)
+        return [self._update(chunk) for chunk in out.chunks]
+
+    def release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.num_blocks[row] = 0
+            self._free.append(row)
+
+    def _update(self, chunk: ScheduledChunk) -> int:
+        row = self.rows.get(chunk.request_id)
+        if (row is not None and not chunk.new_block_ids
+                and chunk.num_known_blocks == self.num_blocks[row] != 0):
+            return row  # most decodes: nothing changed
+        if row is None:
+            row = self.rows[chunk.request_id] = self._take_row()
+        have = chunk.num_known_blocks
+        if have != self.num_blocks[row] and have != 0:
+            raise RuntimeError(
+                f"request {chunk.request_id!r}: the scheduler assumes {have} blocks in its "
+                f"row, the runner holds {self.num_blocks[row]}")
+        total = have + len(chunk.new_block_ids)
+        if chunk.new_block_ids:
+            self._ensure_width(total)
+            self.table[row, have:total] = torch.tensor(chunk.new_block_ids, dtype=torch.int64,
+                                                       device="cpu")
+        self.num_blocks[row] = total
+        return row
+
+    def _take_row(self) -> int:
+        if not self._free:
+            old = self.table.shape[0]
+            self._grow(2 * old, self.table.shape[1])
+            self.num_blocks += [0] * old
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _ensure_width(self, width: int) -> None:
+        if width > self.table.shape[1]:
+            self._grow(self.table.shape[0], max(width, 2 * self.table.shape[1]))
+
+    def _grow(self, rows: int, width: int) -> None:
+        table = self._alloc(rows, width)
+        table[: self.table.shape[0], : self.table.shape[1]] = self.table
+        self.table = table
+
+    def gather(self, rows: list[int], width: int) -> torch.Tensor:
+        """The block tables of ``rows``, ``[len(rows), width]``; past a row's own blocks the
+        entries are stale ids or zeros, never to be read (AttentionMetadata's contract)."""
+        index = torch.tensor(rows, dtype=torch.int64, device="cpu")
+        return self.table[:, :width].index_select(0, index)

@@ -12,6 +12,11 @@ WORKDIR /app
 # (gigabytes). Installing conveyor afterwards keeps it, since it satisfies torch>=2.4.
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 
+# A C++ compiler for the CPU attention kernel, built on first use for the CPU the container
+# runs on (worker/attention/cpu_kernel.py); without it decodes take the slower torch path.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 COPY pyproject.toml README.md ./
 COPY producer ./producer
 COPY worker ./worker

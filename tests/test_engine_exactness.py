@@ -128,3 +128,19 @@ def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory
                 break
             compared += 1
     assert compared > 0.9 * sum(len(r.token_ids) for r in refs)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa"])
+def test_greedy_float64_equals_transformers_on_the_torch_decode_path(model_factory, variant,
+                                                                     monkeypatch):
+    """The path decodes take where the CPU kernel is switched off or cannot be built (and on
+    every other device): gathered context and fused scaled-dot-product attention."""
+    monkeypatch.setenv("CONVEYOR_CPU_ATTENTION_KERNEL", "0")
+    model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
+    settings, arrival = PATHS["chunked-shuffled-nan"]
+    engine = Engine(model_dir, dtype="float64", **settings)
+    work = workload(engine.model_config.vocab_size)
+    result = run_engine(engine, work, arrival, nan_free_blocks=True)
+    for i, (ref, got) in enumerate(zip(references(model_dir, work), result["tokens"],
+                                       strict=True)):
+        assert got == ref.token_ids, f"prompt {i} ({len(work[i][0])} tokens) diverged"

@@ -53,11 +53,23 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelDecodes:
+    """Every decode of the step, attended by the CPU kernel straight from the cache."""
+
+    # [Bd] flat-batch index of each sequence's token.
+    tokens: torch.Tensor
+    # [Bd, width] block tables and [Bd] context lengths of those sequences.
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class _StepPlan:
     """Gather indices and masks derived once per step and reused by every layer."""
 
     decodes: list[_DecodeGroup]
     prefills: list[_PrefillPlan]
+    kernel_decodes: _KernelDecodes | None = None
     # K and V gather buffers, made on first use and reused by every layer of the step:
     # writing into them avoids faulting in fresh pages for each large gather.
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -112,8 +124,14 @@ class TorchAttention:
 
         plan = meta.backend_plans.get(_PLAN_KEY)
         if plan is None:
-            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device)
+            kernel = _decode_kernel(q, flat_k)
+            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device, kernel is not None)
         out = torch.empty_like(q)
+        if plan.kernel_decodes is not None:
+            rows = plan.kernel_decodes
+            out[rows.tokens] = _decode_kernel(q, flat_k)(
+                q[rows.tokens], flat_k, flat_v, rows.block_tables, rows.seq_lens,
+                meta.block_size, self.scale)
         for group in plan.decodes:
             self._decode(q, flat_k, flat_v, plan, group, out)
         for prefill in plan.prefills:
@@ -176,8 +194,21 @@ class TorchAttention:
         return attended.transpose(1, 2)
 
 
-def _make_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-    """Split the step into batched decodes and per-sequence prefills, with their gather indices."""
+def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
+    """The CPU decode kernel where it applies (CPU tensors, float32 or float64, cache and
+    queries of one dtype, the kernel built and not switched off), else None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) \
+            or flat_k.dtype != q.dtype:
+        return None
+    from worker.attention.cpu_kernel import paged_decode_kernel
+
+    return paged_decode_kernel()
+
+
+def _make_plan(meta: AttentionMetadata, device: torch.device,
+               use_kernel: bool = False) -> _StepPlan:
+    """Split the step into batched decodes and per-sequence prefills, with their gather
+    indices (decodes for the CPU kernel need only their tables and lengths)."""
     block_tables = meta.block_tables.to(device)
     starts = [0]
     for n in meta.query_lens:  # from the host-side lengths: no device sync
@@ -189,6 +220,13 @@ def _make_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
             slots = _context_slots(block_tables[i, None], [seq_len], meta.block_size)[0]
             prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    if use_kernel and decode_rows:
+        index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+        kernel_decodes = _KernelDecodes(
+            tokens=meta.query_start_loc[:-1].index_select(0, index),
+            block_tables=block_tables.index_select(0, index),
+            seq_lens=meta.seq_lens.to(device).index_select(0, index))
+        return _StepPlan([], prefills, kernel_decodes)
     groups = []
     for rows in _group_by_length(decode_rows, meta.seq_lens_list):
         lens = [meta.seq_lens_list[i] for i in rows]

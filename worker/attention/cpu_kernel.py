@@ -1,0 +1,108 @@
+"""The CPU decode-attention kernel (csrc/paged_decode.cpp), built on first use.
+
+    python -m worker.attention.cpu_kernel      # build it now (scripts/setup.sh does)
+
+torch's C++ extension loader compiles it once per machine into torch's extensions folder
+(``$TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``) and loads the cached build
+afterwards. The build is named by a hash of the source and of the CPU's instruction-set
+flags (it is compiled for the CPU it runs on), so a shared cache never hands one CPU
+another's build. Where it cannot be built (no C++ compiler, no ninja), or with
+``CONVEYOR_CPU_ATTENTION_KERNEL=0``, :func:`paged_decode_kernel` returns None, says why
+once in the log, and attention keeps to the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
+# A build lock older than this was left by a build that died: torch would wait on it forever.
+STALE_LOCK_S = 600.0
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def paged_decode_kernel() -> Any | None:
+    """The compiled ``paged_decode`` function, or None where it is switched off or cannot
+    be built (logged once)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "kernel" not in _loaded:
+            _loaded["kernel"] = _build()
+        return _loaded["kernel"]
+
+
+def _build() -> Any | None:
+    try:
+        from torch.utils import cpp_extension
+
+        name = f"conveyor_paged_decode_{_build_key()}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+        folder = Path(root) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(folder)
+        started = time.monotonic()
+        module = cpp_extension.load(
+            name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        log.debug("cpu attention kernel ready", seconds=round(time.monotonic() - started, 1))
+        return module.paged_decode
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        log.warning("cpu attention kernel unavailable; decodes use the torch path",
+                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("removed a stale build lock", path=str(lock))
+    except FileNotFoundError:
+        pass
+
+
+def main() -> int:
+    kernel = paged_decode_kernel()
+    print("cpu attention kernel: " + ("ready" if kernel is not None else
+                                      "unavailable (the torch path is used)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -129,6 +129,26 @@ def _items(n: int, **kw) -> list[WorkItem]:
     return [WorkItem([2, 3], 4, **kw) for _ in range(n)]
 
 
+def test_the_physical_limit_adds_prefill_output_and_weight_reads():
+    from worker.bench.limits import ModelSize, Peaks, model_size, physical_limit_s
+
+    small = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 8,
+             "vocab_size": 8192}
+    size = model_size(small)
+    # Per layer q, o 512x512, k, v 512x256, gate/up/down 512x1408; the head 8192x512.
+    assert size.lm_head_weights == 8192 * 512
+    assert size.matmul_weights == 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1408) \
+        + 8192 * 512
+    peaks = Peaks(gemm_flops=1e11, copy_bytes_per_s=1e10, threads=1)
+    limit = physical_limit_s(ModelSize(1000, 100), peaks, prompt_tokens=50, output_tokens=20,
+                             longest_output=7)
+    assert limit["prefill_flops_s"] == pytest.approx(2 * 900 * 50 / 1e11)
+    assert limit["output_flops_s"] == pytest.approx(2 * 1000 * 20 / 1e11)
+    assert limit["weight_reads_s"] == pytest.approx(7 * 4000 / 1e10)
+    assert limit["total_s"] == pytest.approx(sum(v for k, v in limit.items() if k != "total_s"))
+
+
 def test_arrival_plan_hands_out_timed_requests_once_when_due():
     items = [WorkItem([2], 4, arrival_s=t) for t in (0.0, 0.5, 1.0)]
     plan = ArrivalPlan(items)
@@ -225,7 +245,14 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
     assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
     whats = [row["what"] for row in results["comparisons"]]
-    assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"]
+    assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"] \
+        + [f"output tokens/s, {name} / physical limit" for name in results["runs"]]
+    limit = results["limits"]
+    assert limit["peaks"]["gemm_gflops"] > 0 and limit["peaks"]["copy_gb_per_s"] > 0
+    rows = {row["what"]: row for row in results["comparisons"]}
+    offline = rows["output tokens/s, offline / physical limit"]
+    assert offline["denominator"] == limit["limit_output_tokens_per_s"] > 0
+    assert "aim" not in offline  # a quick run measures nothing real
     printed = capsys.readouterr().out
     assert "fleet / hf-static" in printed and "results.json" in printed
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from worker.bench import metrics, report, workloads
+from worker.bench import limits, metrics, report, workloads
 from worker.bench.plots import write_plots
 from worker.bench.records import RunResult
 from worker.bench.systems import choose_systems
@@ -107,6 +107,12 @@ def bench_cmd(args: argparse.Namespace) -> int:
     runs: dict[str, list[RunResult]] = {}
     with _exit_on_sigterm(), _redis(args.redis) as redis_url:
         systems = choose_systems(args, model_dir, config, items, redis_url, out_dir)
+        # The machine's limits, right before the runs and at their thread count.
+        limits_found = limits.limit_report(config, limits.measure_peaks(
+            args.threads, limits.model_size(config).weight_bytes), workloads.describe(items))
+        _say(f"limits: GEMM {limits_found['peaks']['gemm_gflops']} GFLOP/s, copy "
+             f"{limits_found['peaks']['copy_gb_per_s']} GB/s: the workload's physical limit "
+             f"is {limits_found['limit_output_tokens_per_s']} output tokens/s")
         # Round robin: load from other processes lands on every system alike.
         for repeat in range(args.repeat):
             for system in systems:
@@ -125,6 +131,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         summaries[name] = metrics.summarize_run(run, slo)
         summaries[name]["repeats"] = [_repeat_row(r) for r in runs[name]]
     rows = report.comparisons(summaries, args.workload, aims=not args.quick)
+    if not (args.rate or args.concurrency):  # the limit assumes everything at t=0
+        rows += report.limit_rows(summaries, limits_found["limit_output_tokens_per_s"],
+                                  args.workload, aims=not args.quick)
     title = f"{args.workload} on {model_dir.name}, {_arrivals(args)}"
     plots = write_plots(list(chosen.values()), out_dir, title)
     load_after = os.getloadavg()
@@ -139,6 +148,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
                 "itl_applies_to": "each request's mean inter-token latency (TPOT)"},
         "host": {"cpus": os.cpu_count(), "load_before": list(load_before),
                  "load_after": list(load_after)},
+        "limits": limits_found,
         "runs": summaries,
         "comparisons": rows,
         "requests": {run.name: metrics.request_rows(run.records) for run in chosen.values()},

@@ -10,6 +10,7 @@ from typing import Any
 # Aims of the project's acceptance criteria, by comparison.
 AIM_FLEET_OVER_HF = 5.0  # continuous batching vs static batches, on the heavy-tailed W1
 AIM_FLEET_OVER_OFFLINE = 0.9  # Redis, intake and publishing cost at most 10%
+AIM_OFFLINE_OVER_LIMIT = 0.7  # the engine on W1 against the machine's physical limit
 
 
 def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
@@ -37,6 +38,19 @@ def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
         for stat in ("p50", "p99", "p99.9", "max"):
             rows.append(_row(f"ITL {stat}{_group_note(fleet)}, chunked prefill on / off",
                              _itl(fleet, stat), _itl(off, stat), None, higher_is_better=False))
+    return rows
+
+
+def limit_rows(summaries: dict[str, dict[str, Any]], limit_tokens_per_s: float,
+               workload: str, aims: bool = True) -> list[dict[str, Any]]:
+    """Each run's output tokens/s as a fraction of the workload's physical limit
+    (worker/bench/limits.py), measured in the same invocation."""
+    rows = []
+    for name, summary in summaries.items():
+        aim = AIM_OFFLINE_OVER_LIMIT if aims and workload == "w1" and name == "offline" else None
+        rows.append(_row(f"output tokens/s, {name} / physical limit",
+                         _get(summary, "throughput", "output_tokens_per_s"),
+                         limit_tokens_per_s, aim, higher_is_better=True))
     return rows
 
 

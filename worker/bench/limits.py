@@ -1,0 +1,116 @@
+"""This machine's limits, measured in the run, and the physical limit of a workload.
+
+Peaks drift by tens of percent between runs on a shared machine, so a throughput means
+something only as a fraction of limits measured right before it, in the same process and
+at the same thread count:
+
+- GEMM peak: the best of 5 ``torch.mm`` of two 2048 x 2048 float32 matrices (2 * 2048^3
+  FLOP each);
+- copy bandwidth: the best of 5 copies of a buffer the size of the model's weights
+  (bytes of the buffer per second).
+
+The physical limit of a workload served in one pass (all requests at t=0), in seconds:
+
+    2 * (W - H) * prompt tokens / GEMM peak      every prompt token through every layer
+  + 2 * W * output tokens / GEMM peak            every output token, LM head included
+  + longest output * W bytes / copy bandwidth    each decode step reads the weights once
+
+where W is the number of weights that take part in matmuls (every layer's projections
+plus the LM head; the embedding table is a lookup) and H the LM head's. The workload's
+output tokens divided by that time is the fastest it could possibly be served here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GEMM_N = 2048
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Peaks:
+    gemm_flops: float  # FLOP/s
+    copy_bytes_per_s: float
+    threads: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gemm_gflops": round(self.gemm_flops / 1e9, 1),
+                "copy_gb_per_s": round(self.copy_bytes_per_s / 1e9, 2),
+                "threads": self.threads}
+
+
+def measure_peaks(threads: int, weight_bytes: int) -> Peaks:
+    """GEMM peak and copy bandwidth at ``threads`` torch threads (restored afterwards)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(GEMM_N, GEMM_N, device="cpu")
+        b = torch.randn(GEMM_N, GEMM_N, device="cpu")
+        gemm = _best(lambda: torch.mm(a, b))
+        src = torch.empty(max(1, weight_bytes // 4), dtype=torch.float32, device="cpu")
+        src.fill_(1.0)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # touch every page before timing
+        copy = _best(lambda: dst.copy_(src))
+    finally:
+        torch.set_num_threads(before)
+    return Peaks(2 * GEMM_N**3 / gemm, src.numel() * 4 / copy, threads)
+
+
+def _best(fn) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    matmul_weights: int  # W
+    lm_head_weights: int  # H
+    bytes_per_weight: int = 4  # float32
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.matmul_weights * self.bytes_per_weight
+
+
+def model_size(config: dict[str, Any]) -> ModelSize:
+    """W and H from a Hugging Face config.json (Llama-family layout)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
+    mlp = 3 * hidden * inter  # gate, up, down
+    head = config["vocab_size"] * hidden
+    return ModelSize(config["num_hidden_layers"] * (attention + mlp) + head, head)
+
+
+def physical_limit_s(size: ModelSize, peaks: Peaks, prompt_tokens: int, output_tokens: int,
+                     longest_output: int) -> dict[str, float]:
+    """The limit's three terms and their sum, in seconds (see the module's docstring)."""
+    w, h = size.matmul_weights, size.lm_head_weights
+    prefill = 2 * (w - h) * prompt_tokens / peaks.gemm_flops
+    decode = 2 * w * output_tokens / peaks.gemm_flops
+    reads = longest_output * size.weight_bytes / peaks.copy_bytes_per_s
+    return {"prefill_flops_s": prefill, "output_flops_s": decode, "weight_reads_s": reads,
+            "total_s": prefill + decode + reads}
+
+
+def limit_report(config: dict[str, Any], peaks: Peaks, workload: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """What results.json keeps: the peaks, the model's sizes and the workload's limit."""
+    size = model_size(config)
+    limit = physical_limit_s(size, peaks, workload["prompt_tokens"], workload["output_tokens"],
+                             workload["max_output"])
+    return {"peaks": peaks.as_dict(), "model": asdict(size),
+            "limit_s": {k: round(v, 4) for k, v in limit.items()},
+            "limit_output_tokens_per_s": round(workload["output_tokens"] / limit["total_s"], 1)}

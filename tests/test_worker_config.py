@@ -20,6 +20,7 @@ from worker.fleet.config import WorkerConfig
     ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
     ({"read_block_ms": 60_000}, "read_block_ms"),
     ({"metrics_port": 70_000}, "metrics_port"),
+    ({"gil_switch_interval_s": 0}, "gil_switch_interval_s"),
     ({"namespace": "a b"}, "namespace"),
     ({"worker_id": "w:1"}, "worker id"),
     ({"engine": {"max_num_sqs": 4}}, "unknown engine setting"),

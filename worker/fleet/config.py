@@ -55,6 +55,12 @@ class WorkerConfig:
     # Serve even when Redis may evict keys (maxmemory-policy other than noeviction): an
     # evicted request stream takes its consumer group and every request in it along.
     allow_eviction: bool = False
+    # How long a Python thread may keep the GIL while another waits for it, set for the
+    # whole process by `conveyor worker` (None: keep Python's 5 ms). The engine thread
+    # needs the GIL between its torch ops; with Python's 5 ms it waited that long whenever
+    # the publisher or intake thread was encoding, and W1 ran ~15% slower through the fleet
+    # (docs/benchmarks.md, "The worker's threads").
+    gil_switch_interval_s: float | None = 0.0005
 
     @property
     def model_name(self) -> str:
@@ -72,6 +78,9 @@ class WorkerConfig:
         _at_least("lease_ms", self.lease_ms, 1)
         _at_least("max_deliveries", self.max_deliveries, 1)
         _at_least("drain_timeout_s", self.drain_timeout_s, 0)
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ValueError("gil_switch_interval_s must be > 0 or None, "
+                             f"got {self.gil_switch_interval_s!r}")
         for name in ("heartbeat_interval_s", "queue_poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

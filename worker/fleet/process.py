@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -219,6 +220,9 @@ class Worker:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        if self.config.gil_switch_interval_s is not None:
+            # This process is the worker's own: its threads are ours to tune.
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         return self.serve(stop)
 
     def _thread_failed(self, thread: SupervisedThread) -> None:

@@ -105,3 +105,47 @@ def _device_to_host(layers: list[tuple[torch.Tensor, torch.Tensor]], src_ids: to
 def _pinned_like(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cpu",
                        pin_memory=True)
+
+
+# ----- the bytes of whole blocks, for the fleet KV tier (kvstore/tier) -----
+
+
+def block_layout(cache: PagedKVCache, fingerprint: str):
+    """The tier's description of this cache's blocks (kvstore.tier.BlockLayout)."""
+    from kvstore.tier.header import BlockLayout
+
+    k = cache.k[0]
+    return BlockLayout(fingerprint=fingerprint, dtype=str(k.dtype).removeprefix("torch."),
+                       block_size=cache.block_size, num_layers=cache.num_layers,
+                       num_kv_heads=k.shape[2], head_dim=k.shape[3], itemsize=k.element_size())
+
+
+def export_blocks(cache: PagedKVCache, block_ids: list[int]) -> bytes:
+    """The raw bytes of ``block_ids`` in order: K of every layer, then V of every layer,
+    each ``[len(block_ids), block_size, kv_heads, head_dim]`` (BlockLayout.layout). Copied
+    to the host and finished before the bytes are read."""
+    if not block_ids:
+        return b""
+    device = cache.k[0].device
+    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    parts = [t.index_select(0, ids) for t in (*cache.k, *cache.v)]
+    flat = torch.cat([p.reshape(-1) for p in parts]).to("cpu")  # synchronous on CUDA
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def import_blocks(cache: PagedKVCache, block_ids: list[int], payload: bytes) -> None:
+    """Write bytes made by :func:`export_blocks` (same layout, checked by the caller) into
+    ``block_ids`` of ``cache``."""
+    if not block_ids:
+        return
+    k0 = cache.k[0]
+    per_layer = len(block_ids) * k0[0].numel()
+    expected = 2 * cache.num_layers * per_layer * k0.element_size()
+    if len(payload) != expected:
+        raise ValueError(f"{len(payload)} bytes for {len(block_ids)} blocks, expected {expected}")
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(k0.dtype)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    shape = (len(block_ids), *k0.shape[1:])
+    for i, t in enumerate((*cache.k, *cache.v)):
+        part = flat[i * per_layer:(i + 1) * per_layer].view(shape)
+        t.index_copy_(0, ids, part.to(t.device))

@@ -79,6 +79,7 @@ WORKER_COMMANDS = (
     "sadd", "srem", "smembers",  # the models and workers sets (dead workers pruned)
     "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
+    "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
 )
 # Redis 7 only (6.2 refuses a rule naming a command it lacks): compare the server's
 # conveyor library with the worker's own. Not FUNCTION LOAD: functions are server-wide, and
@@ -108,8 +109,10 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
     if role == "producer":
         return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:requested"]
     if role == "worker":
+        # {ns}:kv:* (the fleet KV tier) is the workers' alone: KV reveals prompts, and a
+        # planted block would poison every output computed from it.
         return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:dead",
-                f"{ns}:isolated:*"]
+                f"{ns}:isolated:*", f"{ns}:kv:*"]
     return [f"{ns}:req:*", *fleet, f"{ns}:requested"]
 
 

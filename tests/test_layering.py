@@ -87,10 +87,12 @@ def test_scheduler_loads_only_the_wire_types_and_kv_bookkeeping():
 
 
 def test_kvstore_bookkeeping_loads_neither_redis_nor_torch():
-    # kv_tensors owns the KV tensors (torch): the one module of kvstore allowed I/O.
-    imported, loaded = probe("kvstore", skip=("kvstore.kv_tensors",))
+    # kv_tensors owns the KV tensors (torch) and tier.redis_tier the fleet tier's Redis:
+    # the two modules of kvstore allowed I/O.
+    imported, loaded = probe("kvstore", skip=("kvstore.kv_tensors", "kvstore.tier.redis_tier"))
     assert "kvstore.kv_manager" in imported
-    assert_none_of({"redis", "torch"}, loaded, "kvstore (but kv_tensors)")
+    assert "kvstore.tier.header" in imported
+    assert_none_of({"redis", "torch"}, loaded, "kvstore (but kv_tensors, tier.redis_tier)")
     assert own_packages(loaded) <= {"kvstore"}
 
 
@@ -133,3 +135,10 @@ def test_scheduler_tests_pass_where_importing_torch_fails():
 def test_worker_settings_and_verbs_load_no_torch(module):
     _, loaded = probe(module)
     assert_none_of({"torch"}, loaded, module)
+
+
+def test_the_kv_tiers_redis_module_loads_no_torch():
+    # Workers and tools that only move tier bytes need not load torch for it.
+    imported, loaded = probe("kvstore.tier.redis_tier")
+    assert_none_of({"torch"}, loaded, "kvstore.tier.redis_tier")
+    assert own_packages(loaded) <= {"kvstore"}

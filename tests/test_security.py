@@ -20,6 +20,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
+import torch
 from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import redis_binary, tls_redis_binary
 from tcp_proxy import TcpProxy
@@ -597,3 +598,24 @@ def test_error_messages_quote_untrusted_values_briefly():
         Keys().output("x" * 10_000)
     assert len(str(refused.value)) < 200
     assert re.search(r"got 'x{40}'\.\.\.", str(refused.value))
+
+
+def test_the_kv_tier_is_the_workers_alone(acl_server, admin):
+    from kvstore.kv_tensors import PagedKVCache, block_layout, export_blocks
+    from kvstore.tier.redis_tier import RedisKVTier
+
+    cache = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=4,
+                         dtype=torch.float32)
+    layout = block_layout(cache, "m")
+    with connect(user_url(acl_server, "worker")) as worker:
+        tier = RedisKVTier(worker)
+        tier.put("r1", layout, export_blocks(cache, [0, 1]), 2, 8)
+        assert tier.get("r1", layout)[0].num_blocks == 2
+        tier.delete("r1")
+        tier.put("r1", layout, export_blocks(cache, [0, 1]), 2, 8)
+    for role in ("producer", "observer"):
+        with connect(user_url(acl_server, role)) as other:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                other.get(tier.header_key("r1"))  # KV reveals prompts
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                other.set(tier.chunk_key("r1", 0), b"planted")  # and would poison outputs

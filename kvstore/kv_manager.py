@@ -24,9 +24,14 @@ class PrefixHit:
     # The first block past the hit is being computed by a running request right now.
     pending: bool = False
     block_size: int = 16
+    # Tokens covered when that is not a whole number of blocks: KV imported from the fleet
+    # tier (hold_blocks), whose last block may be partly filled.
+    tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
+        if self.tokens is not None:
+            return self.tokens
         return len(self.block_ids) * self.block_size
 
 
@@ -108,6 +113,24 @@ class KVCacheManager:
         for h in hit.hashes[len(hit.block_ids) :]:
             self._computing.setdefault(h, request_id)
         return self._tables[request_id]
+
+    def hold_blocks(self, num_tokens: int) -> PrefixHit:
+        """Blocks for ``num_tokens`` tokens of KV that arrive from outside (the fleet tier),
+        held until a request adopts them at admission (``allocate`` with this hit, then
+        ``release_hold``) or ends (``release_hold``). OutOfBlocksError if they do not fit
+        with the watermark left free."""
+        n = blocks_for(num_tokens, self.block_size)
+        if n + self.watermark_blocks > self.pool.num_free:
+            from kvstore.block_pool import OutOfBlocksError
+
+            raise OutOfBlocksError(f"{n} blocks for imported KV, {self.pool.num_free} free")
+        return PrefixHit(block_ids=self.pool.allocate(n), block_size=self.block_size,
+                         tokens=num_tokens)
+
+    def release_hold(self, hit: PrefixHit) -> None:
+        """Drop the hold taken by ``hold_blocks`` (a request that adopted them keeps its own
+        reference)."""
+        self.pool.free(hit.block_ids)
 
     def can_append_slots(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens in all."""

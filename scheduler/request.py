@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvstore.kv_manager import PrefixHit
 from producer.wire.completion import FinishReason
 
 
@@ -59,6 +60,9 @@ class Request:
     # Entries of its block table already handed to the runner (0 after a preemption: the
     # next chunk carries the whole table).
     num_blocks_sent: int = 0
+    # KV of its first tokens that arrived from the fleet tier, held until admission adopts
+    # it (kvstore.KVCacheManager.hold_blocks); None once adopted, or when there was none.
+    preloaded: PrefixHit | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

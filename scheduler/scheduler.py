@@ -191,7 +191,7 @@ class Scheduler:
             if req.status is RequestStatus.FINISHED:
                 heapq.heappop(self._waiting)
                 continue
-            hit = self.kv.prefix_lookup(req.all_token_ids(), req.block_hashes)
+            hit = req.preloaded or self.kv.prefix_lookup(req.all_token_ids(), req.block_hashes)
             if hit.pending:
                 # Another running request is computing this prefix now: wait and share it.
                 deferred.append(heapq.heappop(self._waiting))
@@ -205,7 +205,13 @@ class Scheduler:
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             self.kv.allocate(req.request_id, hit.num_tokens + n, hit)
-            self._count_prefix_hit(req, hit.num_tokens)
+            if req.preloaded is not None:  # imported KV: the request holds it now
+                self.kv.release_hold(req.preloaded)
+                req.preloaded = None
+                req.admitted_once = True
+                self.counters["kv_imported_tokens"] += hit.num_tokens
+            else:
+                self._count_prefix_hit(req, hit.num_tokens)
             req.status = RequestStatus.RUNNING_CTX
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
@@ -314,6 +320,9 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.kv.free(req.request_id)
+        if req.preloaded is not None:  # ended before admission adopted its imported KV
+            self.kv.release_hold(req.preloaded)
+            req.preloaded = None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from kvstore import BlockPool, KVCacheManager, blocks_for
-from kvstore.kv_tensors import PagedKVCache
+from kvstore import BlockPool, KVCacheManager, OutOfBlocksError, PrefixHit, blocks_for
+from kvstore.kv_tensors import PagedKVCache, block_layout, export_blocks, import_blocks
+from kvstore.tier.header import BlockLayout
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
@@ -20,6 +21,7 @@ from scheduler import Request, Scheduler, SchedulerConfig
 from worker.config import EngineConfig
 from worker.device import engine_device, engine_dtype
 from worker.host_allocator import keep_large_allocations_in_heap
+from worker.kv_handoff import KVHandoff
 from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
@@ -100,6 +102,7 @@ class Engine:
         priority: int = 0,
         generated_token_ids: Sequence[int] = (),
         deadline: float | None = None,
+        kv: KVHandoff | None = None,
     ) -> str:
         """Queue a request; raises ValueError on bad input, leaving the engine untouched.
 
@@ -107,6 +110,10 @@ class Engine:
         produced (by a crashed worker or before a preemption): it continues
         exactly as the uninterrupted request would have. ``deadline`` (unix seconds) ends
         the request as ``expired`` at the first step after it, keeping what it produced.
+        ``kv`` brings the KV of the request's first tokens from another engine (checked by
+        the caller against :meth:`kv_layout`); those tokens are not computed again, and
+        ``usage.kv_transferred_tokens`` counts them. It must leave at least one token to
+        compute; ValueError if it does not, or if its blocks do not fit now.
         """
         params = self._params(params)
         request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
@@ -130,9 +137,12 @@ class Engine:
             ignore_eos=params.ignore_eos,
             output_token_ids=list(generated),
         )
+        if kv is not None:
+            req.preloaded = self._hold_imported_kv(kv, len(prompt_ids) + len(generated))
         seed = params.seed if params.seed is not None else fresh_seed()
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
                                           self.tokenizer if self.config.detokenize else None)
+        state.num_transferred_tokens = kv.num_tokens if kv is not None else 0
         if generated:
             state.add_tokens(generated, None)
             state.take_delta(final=False)  # already delivered by whoever produced them
@@ -142,6 +152,36 @@ class Engine:
             heapq.heappush(self._deadlines, (deadline, next(self._ids), request_id, state))
             self._with_deadline.add(request_id)
         return request_id
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        """The KV of every token of ``request_id`` computed so far (after the step that
+        sampled its first token: the whole prompt), for another engine to continue from."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or not req.status.running:
+            raise ValueError(f"request {request_id!r} is not running here")
+        n = req.num_computed_tokens
+        blocks = self.kv.block_table(request_id)[:blocks_for(n, self.config.block_size)]
+        return KVHandoff(n, export_blocks(self.kv_cache, blocks))
+
+    def kv_layout(self, fingerprint: str) -> BlockLayout:
+        """What this engine's KV blocks are, for the fleet tier's checks."""
+        return block_layout(self.kv_cache, fingerprint)
+
+    def _hold_imported_kv(self, kv: KVHandoff, total_tokens: int) -> PrefixHit:
+        if not 0 < kv.num_tokens < total_tokens:
+            raise ValueError(f"imported KV covers {kv.num_tokens} tokens: it must cover at "
+                             f"least one and leave one of the request's {total_tokens} to "
+                             "compute")
+        try:
+            hit = self.kv.hold_blocks(kv.num_tokens)
+        except OutOfBlocksError as exc:
+            raise ValueError(f"no room for the imported KV now: {exc}") from exc
+        try:
+            import_blocks(self.kv_cache, hit.block_ids, kv.payload)
+        except Exception:
+            self.kv.release_hold(hit)
+            raise
+        return hit
 
     def abort(self, request_id: str,
               reason: FinishReason = FinishReason.CANCELLED) -> StepOutput | None:

@@ -41,6 +41,8 @@ class RequestOutputState:
     emitted: int = 0  # characters of text already handed out
     hit_stop_string: bool = False
     num_cached_tokens: int = 0
+    # Tokens whose KV was imported from the fleet tier when the request was added.
+    num_transferred_tokens: int = 0
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,
@@ -79,7 +81,8 @@ class RequestOutputState:
             token_ids=list(self.token_ids),
             text=self.text,
             finish_reason=reason,
-            usage=Usage(self.num_prompt_tokens, len(self.token_ids), num_cached_tokens),
+            usage=Usage(self.num_prompt_tokens, len(self.token_ids), num_cached_tokens,
+                        min(self.num_transferred_tokens, self.num_prompt_tokens)),
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
         )
 

@@ -25,6 +25,8 @@ class Usage:
     completion_tokens: int
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     cached_tokens: int = 0
+    # Prompt tokens whose KV arrived from the fleet KV tier (a handoff, a fleet prefix hit).
+    kv_transferred_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -1,0 +1,21 @@
+"""A request's KV as it crosses between engines: how many tokens it covers, and its bytes.
+
+The prefill side takes it with ``Engine.export_kv`` once a request's prompt is computed;
+the decode side hands it to ``Engine.add_request(..., kv=...)``, which writes it into
+fresh blocks and admits the request with those tokens already computed. In between it
+travels through the fleet KV tier (kvstore.tier), which checks it against the reader's
+model fingerprint and layout (``Engine.kv_layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """KV of a request's first ``num_tokens`` tokens, as kvstore.kv_tensors.export_blocks
+    lays out whole blocks (the last one may be partly filled)."""
+
+    num_tokens: int
+    payload: bytes

@@ -59,9 +59,9 @@ def test_decode_engine_continues_from_transferred_kv_exactly(tiny_llama, redis_c
     for i, prompt in enumerate(prompts):
         first, handoff = _prefill(prefill, prompt, _params(i), f"r{i}")
         assert handoff.num_tokens == len(prompt)
-        tier.put(f"r{i}", prefill.kv_layout(FINGERPRINT), handoff.payload,
+        tier.put(f"r{i}", prefill.kv_layout(), handoff.payload,
                  -(-handoff.num_tokens // 16), handoff.num_tokens)
-        header, payload = tier.get(f"r{i}", decode.kv_layout(FINGERPRINT))
+        header, payload = tier.get(f"r{i}", decode.kv_layout())
         # Free blocks full of NaN: only the imported KV can make the outputs right.
         decode.kv_cache.fill_blocks_(decode.block_pool.free_block_ids(), float("nan"))
         decode.add_request(prompt, _params(i), request_id=f"r{i}", generated_token_ids=[first],
@@ -117,3 +117,21 @@ def test_imported_kv_must_leave_a_token_to_compute(tiny_llama):
     with pytest.raises(ValueError, match="leave one"):
         decode.add_request(prompt, _params(0), request_id="r", kv=handoff)  # no first token
     assert decode.block_pool.num_free == free and not decode.has_unfinished()
+
+
+def test_the_fingerprint_names_config_weights_and_dtype_not_the_folder(tiny_llama, tmp_path):
+    import shutil
+
+    from worker.model_fingerprint import model_fingerprint
+
+    same = tmp_path / "another-name"
+    shutil.copytree(tiny_llama, same)
+    assert model_fingerprint(same, "float64") == model_fingerprint(tiny_llama, "float64")
+    assert model_fingerprint(same, "float32") != model_fingerprint(tiny_llama, "float64")
+    weights = next(same.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(same, "float64") != model_fingerprint(tiny_llama, "float64")
+    engine = Engine(tiny_llama, **SETTINGS)
+    assert engine.kv_layout().fingerprint == model_fingerprint(tiny_llama, "float64")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from worker.config import EngineConfig
 from worker.device import engine_device, engine_dtype
 from worker.host_allocator import keep_large_allocations_in_heap
 from worker.kv_handoff import KVHandoff
+from worker.model_fingerprint import model_fingerprint
 from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
@@ -48,6 +50,7 @@ class Engine:
         if self.device.type == "cpu" and cfg.tune_host_allocator:
             keep_large_allocations_in_heap()
         self.dtype = engine_dtype(cfg, self.device)
+        self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -163,9 +166,15 @@ class Engine:
         blocks = self.kv.block_table(request_id)[:blocks_for(n, self.config.block_size)]
         return KVHandoff(n, export_blocks(self.kv_cache, blocks))
 
-    def kv_layout(self, fingerprint: str) -> BlockLayout:
-        """What this engine's KV blocks are, for the fleet tier's checks."""
-        return block_layout(self.kv_cache, fingerprint)
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """This engine's model by content (worker.model_fingerprint), computed on first use."""
+        return model_fingerprint(self.model_dir, str(self.dtype).removeprefix("torch."))
+
+    def kv_layout(self, fingerprint: str | None = None) -> BlockLayout:
+        """What this engine's KV blocks are, for the fleet tier's checks (``fingerprint``:
+        this engine's own unless given)."""
+        return block_layout(self.kv_cache, fingerprint or self.fingerprint)
 
     def _hold_imported_kv(self, kv: KVHandoff, total_tokens: int) -> PrefixHit:
         if not 0 < kv.num_tokens < total_tokens:

@@ -112,7 +112,7 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
         # {ns}:kv:* (the fleet KV tier) is the workers' alone: KV reveals prompts, and a
         # planted block would poison every output computed from it.
         return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:dead",
-                f"{ns}:isolated:*", f"{ns}:kv:*"]
+                f"{ns}:isolated:*", f"{ns}:kv:*", f"{ns}:handoff:*"]
     return [f"{ns}:req:*", *fleet, f"{ns}:requested"]
 
 

@@ -8,7 +8,8 @@ states (docs/reliability.md, "Model states"):
 - ``not_registered``: no model hash and no live worker names it;
 - ``no_live_worker``: registered, but no heartbeat of a worker serving it says ``serving``
   (or ``degraded``: a worker retrying Redis still serves);
-- ``live``: at least one such worker.
+- ``live``: at least one such worker; with worker roles, a ``both`` worker, or a
+  ``prefill`` and a ``decode`` worker together (either alone serves no request).
 
 The I/O-free parts live here; :class:`producer.client.Client` and ``conveyor top`` read
 the hashes.
@@ -81,10 +82,17 @@ def model_states(
     in ``also``, sorted by name. ``heartbeats`` None: they could not be read."""
     registered = set(registered)
     live: dict[str, list[str]] = {}
+    roles: dict[str, set[str]] = {}
     for hb in heartbeats or []:
         if is_live(hb) and hb.get("model"):
             live.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
-    names = registered | set(live) | set(also)
+            roles.setdefault(hb["model"], set()).add(hb.get("role") or "both")
+    # A request needs its prompt computed and its tokens generated: prefill workers alone
+    # hand requests on to nobody, decode workers alone never read the request lanes.
+    for model, present in roles.items():
+        if "both" not in present and not {"prefill", "decode"} <= present:
+            live.pop(model)
+    names = registered | set(live) | set(also) | set(roles)
     return [ModelState(name, name in registered, tuple(sorted(live.get(name, []))),
                        heartbeats is not None) for name in sorted(names)]
 

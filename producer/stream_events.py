@@ -202,6 +202,7 @@ def completion_from(request_id: str, events: list[StreamEvent]) -> Completion:
         prompt_tokens=int(final.usage.get("prompt_tokens", 0)),
         completion_tokens=int(final.usage.get("completion_tokens", len(token_ids))),
         cached_tokens=int(final.usage.get("cached_tokens", 0)),
+        kv_transferred_tokens=int(final.usage.get("kv_transferred_tokens", 0)),
     )
     return Completion(
         request_id,

@@ -113,6 +113,9 @@ class Scheduler:
                 continue  # finished (e.g. cancelled) while the step ran
             before = req.num_computed_tokens
             req.num_computed_tokens = before + len(chunk.token_ids)
+            if before < len(req.prompt_token_ids):  # prefill (or recompute) of the prompt
+                self.counters["prompt_tokens_computed"] += \
+                    min(req.num_computed_tokens, len(req.prompt_token_ids)) - before
             # Blocks become full only when a chunk crosses a block boundary; a fresh table
             # (admission, swap-in) may also have full blocks not yet registered.
             if caching and (chunk.num_known_blocks == 0

@@ -103,6 +103,13 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--allow-eviction", action="store_true",
                    help="serve even if Redis's maxmemory-policy may evict keys (an evicted "
                    "request stream loses its requests; default: refuse to start)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default=worker("role"),
+                   help="prefill: compute prompts and hand requests on after their first "
+                   "token; decode: continue handed-on requests only; both: whole requests, "
+                   "and handed-on ones too (default: %(default)s)")
+    p.add_argument("--kv-redis", metavar="URL", default=None,
+                   help="Redis for the fleet KV tier (default: the queues' Redis; its own "
+                   "Redis is the production choice)")
     p.set_defaults(handler=worker_cmd)
 
 
@@ -169,7 +176,8 @@ def worker_cmd(args: argparse.Namespace) -> int:
                           lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
                           heartbeat_interval_s=args.heartbeat_interval,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                          allow_eviction=args.allow_eviction,
+                          allow_eviction=args.allow_eviction, role=args.role,
+                          kv_redis_url=args.kv_redis,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
     return Worker(config).run_until_signalled()
 

@@ -279,6 +279,10 @@ class Engine:
             "prefix_cache_queries": c["prefix_cache_queries"],
             "prefix_cache_hit_tokens": c["prefix_cache_hit_tokens"],
             "prefix_cache_evictions": self.block_pool.num_evictions,
+            # Prompt tokens this engine computed (prefill, recompute), and whose KV it
+            # imported instead (handoffs).
+            "prompt_tokens_computed": c["prompt_tokens_computed"],
+            "kv_imported_tokens": c["kv_imported_tokens"],
         }
 
     # ----- helpers -----

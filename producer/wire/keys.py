@@ -41,6 +41,13 @@ class Keys:
         """
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:{validate_lane(lane)}"
 
+    def handoff(self, model: str) -> str:
+        """Stream of requests a prefill worker computed the prompt of, for a decode worker to
+        continue (consumer group ``workers``; the KV is in the fleet tier under the request
+        id). Hash-tagged like the lanes: its slot is theirs, so handing a request on and
+        acknowledging its lane entry is one atomic step."""
+        return f"{self.ns}:handoff:{{{validate_name('model', model)}}}"
+
     def output(self, request_id: str) -> str:
         """Stream of one request's output chunks, then its final entry."""
         return f"{self.ns}:out:{validate_request_id(request_id)}"

@@ -12,6 +12,9 @@ from producer.defaults import MAX_BLOCK_MS
 from producer.wire.keys import validate_name
 from worker.config import EngineConfig
 
+# What a worker does with a request (docs/kv-tier.md, "Roles").
+ROLES = ("both", "prefill", "decode")
+
 
 def default_worker_id() -> str:
     # Host and pid: unique per process, and readable in `conveyor top`.
@@ -61,6 +64,13 @@ class WorkerConfig:
     # the publisher or intake thread was encoding, and W1 ran ~15% slower through the fleet
     # (docs/benchmarks.md, "The worker's threads").
     gil_switch_interval_s: float | None = 0.0005
+    # prefill: compute prompts and hand requests on after their first token; decode: take
+    # handed-on requests only; both: serve whole requests, and take handed-on ones too.
+    role: str = "both"
+    # The fleet KV tier's Redis (None: the queues' Redis; its own is the production choice).
+    kv_redis_url: str | None = None
+    kv_ttl_s: int = 600
+    kv_max_bytes: int = 256 * 1024 * 1024
 
     @property
     def model_name(self) -> str:
@@ -73,6 +83,10 @@ class WorkerConfig:
         if self.served_model_name is not None:
             validate_name("model", self.served_model_name)
         EngineConfig.from_kwargs(self.engine)  # unknown or invalid engine settings
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        _at_least("kv_ttl_s", self.kv_ttl_s, 1)
+        _at_least("kv_max_bytes", self.kv_max_bytes, 1)
         _at_least("prefetch", self.prefetch, 0)
         _at_least("output_ttl_s", self.output_ttl_s, 1)
         _at_least("lease_ms", self.lease_ms, 1)

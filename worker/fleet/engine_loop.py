@@ -6,16 +6,18 @@ import hashlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from producer.wire.completion import FinishReason
-from producer.wire.protocol import FinalEntry, OutputChunk, now_ms
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, now_ms
 from producer.wire.stopping import stop_reason
 from worker.engine import Engine
 from worker.fleet.faults import maybe_die
+from worker.fleet.handoff import HandOn
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.publisher import Publication, Publisher, Rejection
@@ -40,8 +42,13 @@ class EngineLoop(SupervisedThread):
 
     def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
                  publisher: Publisher, metrics: WorkerMetrics, worker_id: str,
+                 role: str = "both", on_kv_fallback: Callable[[str, str, str], None] | None = None,
                  **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
+        # "prefill": hand every request on once its first token is out (fleet/handoff.py).
+        self.role = role
+        self.on_kv_fallback = on_kv_fallback
+        self.handed_on = 0
         self.engine = engine
         self.inflight = inflight
         self.inbox = inbox
@@ -88,7 +95,10 @@ class EngineLoop(SupervisedThread):
         self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
         if self.engine.has_unfinished() and not hold:
-            self._publish(self._step())
+            outputs = self._step()
+            if self.role == "prefill":
+                outputs = self._hand_on(outputs)
+            self._publish(outputs)
 
     def _admit(self, block: bool) -> None:
         try:
@@ -114,6 +124,41 @@ class EngineLoop(SupervisedThread):
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
             self.metrics.step_done(elapsed, tokens)
         return outputs
+
+    def _hand_on(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Take every request whose first token this step produced (and that goes on) out
+        of the engine, its KV with it; its token is published as usual, then it is handed
+        on. Returns the outputs to publish as they are."""
+        keep, handed = [], []
+        for out in outputs:
+            entry = self.inflight.get(out.request_id)
+            if out.finished or not out.new_token_ids or entry is None or entry.message is None:
+                keep.append(out)
+                continue
+            kv = self.engine.export_kv(out.request_id)
+            self.engine.abort(out.request_id)  # its final is not ours to publish
+            handed.append((out, entry, kv))
+        if not handed:
+            return keep
+        self._publish(keep)
+        items: list = []
+        for out, entry, kv in handed:
+            items.append(self._chunk_publication(out, entry))
+            self.inflight.remove(out.request_id)
+            items.append(HandOn(out.request_id, entry.stream, entry.entry_id, entry.message,
+                                FIELD, kv))
+            items.append(Forget(out.request_id))
+        self.publisher.publish(items)
+        self.handed_on += len(handed)
+        return []
+
+    def _chunk_publication(self, out: StepOutput, entry: InflightRequest) -> Publication:
+        chunk = OutputChunk(entry.next_index, list(out.new_token_ids))
+        entry.next_index += len(out.new_token_ids)
+        self._time_tokens(entry, time.monotonic(), len(out.new_token_ids))
+        self.tokens_generated += len(out.new_token_ids)
+        self.metrics.tokens_generated(len(out.new_token_ids))
+        return Publication(out.request_id, chunk)
 
     def _add(self, adm: Admission) -> None:
         req = adm.request
@@ -145,9 +190,7 @@ class EngineLoop(SupervisedThread):
             req.params, seed=stable_seed(req.request_id))
         deadline = req.deadline_ms / 1000 if req.deadline_ms else None
         try:
-            self.engine.add_request(adm.prompt_token_ids, params, request_id=req.request_id,
-                                    priority=req.priority, generated_token_ids=generated,
-                                    deadline=deadline)
+            self._add_to_engine(adm, params, generated, deadline)
         except ValueError as exc:
             log.warning("request rejected", request_id=req.request_id, reason=str(exc))
             self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
@@ -162,6 +205,20 @@ class EngineLoop(SupervisedThread):
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
+
+    def _add_to_engine(self, adm: Admission, params, generated: list[int],
+                       deadline: float | None) -> None:
+        req = adm.request
+        kwargs = dict(request_id=req.request_id, priority=req.priority,
+                      generated_token_ids=generated, deadline=deadline)
+        if adm.kv is not None:
+            try:
+                self.engine.add_request(adm.prompt_token_ids, params, kv=adm.kv, **kwargs)
+                return
+            except ValueError as exc:  # no room for its blocks now: compute the prompt instead
+                if self.on_kv_fallback is not None:
+                    self.on_kv_fallback(req.request_id, "no_room", str(exc))
+        self.engine.add_request(adm.prompt_token_ids, params, **kwargs)
 
     def _already_done(self, adm: Admission, generated: list[int]) -> FinishReason | None:
         """A resumed request whose published tokens already end it (its worker died first)."""
@@ -224,7 +281,8 @@ class EngineLoop(SupervisedThread):
                     str(out.finish_reason), entry.next_index,
                     {"prompt_tokens": entry.num_prompt_tokens,
                      "completion_tokens": usage.completion_tokens if usage else entry.next_index,
-                     "cached_tokens": usage.cached_tokens if usage else 0},
+                     "cached_tokens": usage.cached_tokens if usage else 0,
+                     "kv_transferred_tokens": usage.kv_transferred_tokens if usage else 0},
                 )
                 ack = (entry.stream, entry.entry_id)
                 self.inflight.remove(out.request_id)

@@ -22,6 +22,8 @@ class InflightRequest:
     created: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    # The request as the producer sent it, kept by prefill workers to hand it on.
+    message: bytes | None = None
 
 
 class InflightTable:

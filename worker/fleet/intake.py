@@ -10,14 +10,16 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
+from worker.fleet.handoff import HandoffReader, streams_for
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.leases import hand_back
 from worker.fleet.publisher import Publisher, Rejection
-from worker.fleet.resume import Published
+from worker.fleet.resume import Published, read_published
 from worker.fleet.supervised import SupervisedThread
+from worker.kv_handoff import KVHandoff
 from worker.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -33,6 +35,8 @@ class Admission:
     entry_id: str
     # What an earlier worker already published (a claimed request resumes after it).
     published: Published | None = None
+    # KV of its first tokens from the fleet tier (a handed-on request), if usable.
+    kv: KVHandoff | None = None
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -62,6 +66,8 @@ class Intake(SupervisedThread):
         read_block_ms: int,
         on_cancel: Callable[[str], None],
         lease_ms: int,
+        role: str = "both",
+        handoffs: HandoffReader | None = None,
         **supervision: Any,
     ) -> None:
         super().__init__("intake", worker_id=worker_id, **supervision)
@@ -75,7 +81,10 @@ class Intake(SupervisedThread):
         self.read_block_ms = read_block_ms
         self.on_cancel = on_cancel
         self.lease_ms = lease_ms
-        self.streams = [keys.requests(model, lane) for lane in LANES]
+        self.role = role
+        self.streams = streams_for(keys, model, role)
+        self.handoff_stream = keys.handoff(model)
+        self.handoffs = handoffs
         self.num_read = 0
         self._groups_ready = False
 
@@ -159,14 +168,22 @@ class Intake(SupervisedThread):
             self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)
             return None
+        if stream == self.handoff_stream and published is None:
+            # Handed on by a prefill worker: resume after the tokens it published.
+            published = read_published(self.client, self.keys, req.request_id)
         item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
-                               len(published.token_ids) if published else 0)
+                               len(published.token_ids) if published else 0,
+                               message=raw if self.role == "prefill" else None)
         if not self.inflight.add(item, alone):
             # A suspect is served alone here now (or this one needs an empty worker): give
             # the entry back as if never delivered here.
             hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
             return None
-        return Admission(req, prompt_ids, stream, entry_id, published)
+        kv = None
+        if stream == self.handoff_stream and self.handoffs is not None and published \
+                and published.token_ids and not published.finished:
+            kv = self.handoffs.fetch(req.request_id, len(prompt_ids) + len(published.token_ids))
+        return Admission(req, prompt_ids, stream, entry_id, published, kv)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 import structlog
 
+from kvstore.tier.redis_tier import RedisKVTier
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.connection import connect, describe, resolve_url
 from producer.wire.completion import FinishReason
@@ -20,6 +21,7 @@ from worker.engine import Engine
 from worker.fleet.cancellation import CancelListener
 from worker.fleet.config import WorkerConfig
 from worker.fleet.engine_loop import EngineLoop
+from worker.fleet.handoff import HandoffReader, HandOnWriter
 from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake, ensure_groups
@@ -64,14 +66,26 @@ class Worker:
         # A stop string ends the request as `stop` in the engine, its metrics and logs too.
         text = TextStage(self.engine.tokenizer,
                          lambda rid: self.loop.end(rid, FinishReason.STOP))
-        self.publisher = Publisher(self._client("publisher"), self.keys, wid,
-                                   config.output_ttl_s, text, **sup)
+        # The fleet KV tier (kvstore/tier): prefill workers write handoffs' KV, decode and
+        # `both` workers read it. Checked against this engine's model fingerprint.
+        layout = self.engine.kv_layout()
+        publisher_client = self._client("publisher")
+        hand_on = (HandOnWriter(publisher_client, self._kv_tier("kv-writer"), layout,
+                                self.keys, self.model, wid)
+                   if config.role == "prefill" else None)
+        self.handoffs = (HandoffReader(self._kv_tier("kv-reader"), layout)
+                         if config.role != "prefill" else None)
+        self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
+                                   hand_on=hand_on, **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
-                               self.metrics, wid, **sup)
+                               self.metrics, wid, role=config.role,
+                               on_kv_fallback=(self.handoffs.fallback if self.handoffs
+                                               else None), **sup)
         self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
-                             config.read_block_ms, self.loop.cancel, config.lease_ms, **sup)
+                             config.read_block_ms, self.loop.cancel, config.lease_ms,
+                             role=config.role, handoffs=self.handoffs, **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
@@ -93,6 +107,14 @@ class Worker:
         self._started = time.monotonic()
         # (time, tokens generated) where the current tokens-per-second window began.
         self._rate_mark = (self._started, 0)
+
+    def _kv_tier(self, thread: str) -> RedisKVTier:
+        url = resolve_url(self.config.kv_redis_url) if self.config.kv_redis_url \
+            else self.redis_url
+        client = connect(url, client_name=f"{self.config.worker_id}:{thread}",
+                         retry_attempts=0)
+        return RedisKVTier(client, self.config.namespace, ttl_s=self.config.kv_ttl_s,
+                           max_bytes=self.config.kv_max_bytes)
 
     def _client(self, thread: str) -> redis.Redis:
         # No retries inside redis-py: the thread's supervisor retries, and reports it meanwhile.
@@ -126,6 +148,15 @@ class Worker:
             "blocked_lanes": ",".join(self.reaper.blocked_lanes),
             # conveyor's Redis functions: ours, missing, modified, unsupported (Redis 6.2).
             "functions": self.heartbeat.functions,
+            # Disaggregation: this worker's role, prompt tokens it computed or imported, and
+            # handoffs sent, received with KV, or recomputed (by cause).
+            "role": self.config.role,
+            "prompt_tokens_computed": stats.get("prompt_tokens_computed", 0),
+            "kv_imported_tokens": stats.get("kv_imported_tokens", 0),
+            "handed_on": self.loop.handed_on,
+            "kv_imported": self.handoffs.imported if self.handoffs else 0,
+            "kv_fallbacks": ",".join(f"{k}={v}" for k, v in sorted(
+                self.handoffs.fallbacks.items())) if self.handoffs else "",
         }
 
     def fault_counts(self) -> FaultCounts:

@@ -22,6 +22,7 @@ import structlog
 
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from worker.fleet.handoff import HandOn, HandOnWriter
 from worker.fleet.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Forget, TextStage, Track
@@ -100,8 +101,9 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
     return fields
 
 
-# What the engine loop hands the publisher: output to write, or text state to start or end.
-Item = Publication | Rejection | Track | Forget
+# What the engine loop hands the publisher: output to write, a request to hand on to the
+# decode workers, or text state to start or end.
+Item = Publication | Rejection | HandOn | Track | Forget
 
 
 @dataclass
@@ -122,15 +124,18 @@ class Publisher(SupervisedThread):
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
-                 text: TextStage, **supervision: Any) -> None:
+                 text: TextStage, hand_on: HandOnWriter | None = None,
+                 **supervision: Any) -> None:
         super().__init__("publisher", worker_id=worker_id, **supervision)
+        # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
+        self.hand_on = hand_on
         self.text = text
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
         self._queue: queue.Queue[list[Item] | None] = queue.Queue()
         # Prepared output not yet written, and whether close() asked for a last flush.
-        self._owed: list[Publication | Rejection] | None = None
+        self._owed: list[Publication | Rejection | HandOn] | None = None
         self._closing = False
         self.owned = OwnedEntries(client, worker_id)
         self.published_entries = 0
@@ -189,21 +194,27 @@ class Publisher(SupervisedThread):
 
     def _prepare(
         self, batch: list[Item]
-    ) -> list[Publication | Rejection]:
-        """Detokenize, apply stop strings, and drop output of requests already ended here."""
-        ready: list[Publication | Rejection] = []
+    ) -> list[Publication | Rejection | HandOn]:
+        """Detokenize, apply stop strings, and drop output of requests already ended here
+        (a request whose first token completed a stop string is not handed on: it ended)."""
+        ready: list[Publication | Rejection | HandOn] = []
         for item in batch:
             if isinstance(item, Track):
                 self.text.track(item)
             elif isinstance(item, Forget):
                 self.text.forget(item)
+            elif isinstance(item, HandOn):
+                if not self.text.stopped(item.request_id):
+                    ready.append(item)
             elif isinstance(item, Rejection) or self.text.apply(item):
                 ready.append(item)
         return ready
 
-    def _write(self, batch: list[Publication | Rejection]) -> None:
-        """Write what is not written yet, then acknowledge; WriteRefused leaves it all owed."""
-        todo = [item for item in batch if not item.written]
+    def _write(self, batch: list[Publication | Rejection | HandOn]) -> None:
+        """Write what is not written yet, then hand on, then acknowledge; WriteRefused leaves
+        it all owed."""
+        handons = [item for item in batch if isinstance(item, HandOn)]
+        todo = [item for item in batch if not item.written and not isinstance(item, HandOn)]
         if todo:
             commands: list[Command] = []
             for item in todo:
@@ -219,7 +230,11 @@ class Publisher(SupervisedThread):
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
-        self._acknowledge(batch)
+        for item in handons:  # after its first token is written: the decode side reads it
+            if not item.written:
+                assert self.hand_on is not None, "a hand-on without a HandOnWriter"
+                self.hand_on.write(item)
+        self._acknowledge([item for item in batch if not isinstance(item, HandOn)])
 
     def _transact(self, commands: list[Command]) -> list[object]:
         """Run ``commands`` as one MULTI/EXEC per key, all in one round trip; each command's

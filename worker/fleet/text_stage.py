@@ -61,6 +61,10 @@ class TextStage:
         self._states.pop(item.request_id, None)
         self._stopped.discard(item.request_id)
 
+    def stopped(self, request_id: str) -> bool:
+        """Whether a stop string ended the request here (its final is written or owed)."""
+        return request_id in self._stopped
+
     @property
     def num_followed(self) -> int:
         """Requests with text state here (0 when the worker is idle)."""

@@ -1,0 +1,84 @@
+"""Prefill and decode workers on a real Redis: a prefill worker computes each prompt,
+publishes the first token and hands the request on with its KV through the fleet tier; a
+decode worker continues it. Float64 greedy outputs equal the offline engine, and the
+decode worker computes no prompt token. Missing KV falls back to recomputing, exactly."""
+
+from __future__ import annotations
+
+import random
+
+from fleet_fixtures import MODEL
+from waiting import eventually
+
+from producer.client import Client
+from producer.models import LIVE, NO_LIVE_WORKER
+from worker import Engine, SamplingParams
+
+BIG_POOL = {"num_kv_blocks": 1200}
+
+
+def _work(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    lengths = [20, 1500, 16, 17] + [rng.randint(20, 600) for _ in range(n - 4)]
+    return [([rng.randrange(2, 1000) for _ in range(length)], rng.randint(2, 10))
+            for length in lengths]
+
+
+def _reference(tiny_llama, work) -> list[list[int]]:
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=1200)
+    done = engine.generate([p for p, _ in work],
+                           [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                            for _, m in work])
+    return [c.token_ids for c in done]
+
+
+def _submit_all(client: Client, work) -> list[str]:
+    return [client.submit(p, model=MODEL, max_tokens=m, temperature=0, ignore_eos=True)
+            for p, m in work]
+
+
+def test_a_prefill_and_a_decode_worker_equal_the_offline_engine(redis_url, start_worker,
+                                                                tiny_llama):
+    work = _work(16)
+    reference = _reference(tiny_llama, work)
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"}, **BIG_POOL)
+    decode = start_worker(worker_id="decode-0", config={"role": "decode"}, **BIG_POOL)
+    with Client(redis_url) as client:
+        results = [client.result(rid, timeout=120) for rid in _submit_all(client, work)]
+    for i, (ref, got) in enumerate(zip(reference, results, strict=True)):
+        assert got.token_ids == ref, f"request {i} ({len(work[i][0])} prompt tokens)"
+        assert got.usage.kv_transferred_tokens == got.usage.prompt_tokens == len(work[i][0])
+    assert prefill.publisher.hand_on.handed_on == len(work)
+    assert decode.status()["prompt_tokens_computed"] == 0  # every prompt's KV arrived
+    assert decode.handoffs.imported == len(work) and not decode.handoffs.fallbacks
+
+
+def test_missing_kv_is_recomputed_and_still_exact(redis_url, start_worker, tiny_llama,
+                                                 redis_client):
+    work = _work(6, seed=1)
+    reference = _reference(tiny_llama, work)
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"}, **BIG_POOL)
+    with Client(redis_url) as client:
+        ids = _submit_all(client, work)
+        # Every request handed on, none taken yet (no decode worker): its KV waits.
+        eventually(lambda: prefill.publisher.hand_on.handed_on == len(work),
+                   "every request handed on")
+        kv_keys = redis_client.keys("conveyor:kv:{*")
+        assert kv_keys  # the precondition: the handoffs' KV really is in the tier
+        redis_client.delete(*kv_keys)  # an expiry, an operator, a failover
+        decode = start_worker(worker_id="decode-0", config={"role": "decode"}, **BIG_POOL)
+        results = [client.result(rid, timeout=120) for rid in ids]
+    for ref, got in zip(reference, results, strict=True):
+        assert got.token_ids == ref
+        assert got.usage.kv_transferred_tokens == 0
+    assert decode.handoffs.fallbacks["missing"] == len(work)
+    assert decode.status()["prompt_tokens_computed"] == sum(len(p) for p, _ in work)
+
+
+def test_a_model_is_live_only_with_both_halves_of_a_request(redis_url, start_worker):
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"})
+    prefill.heartbeat.beat()
+    with Client(redis_url) as client:
+        assert client.model_state(MODEL).state == NO_LIVE_WORKER  # nobody would decode
+        start_worker(worker_id="decode-0", config={"role": "decode"}).heartbeat.beat()
+        assert client.model_state(MODEL).state == LIVE

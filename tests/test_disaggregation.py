@@ -6,13 +6,19 @@ decode worker computes no prompt token. Missing KV falls back to recomputing, ex
 from __future__ import annotations
 
 import random
+import signal
 
 from fleet_fixtures import MODEL
 from waiting import eventually
+from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client import Client
 from producer.models import LIVE, NO_LIVE_WORKER
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, decode_output
 from worker import Engine, SamplingParams
+
+KEYS = Keys()
 
 BIG_POOL = {"num_kv_blocks": 1200}
 
@@ -82,3 +88,45 @@ def test_a_model_is_live_only_with_both_halves_of_a_request(redis_url, start_wor
         assert client.model_state(MODEL).state == NO_LIVE_WORKER  # nobody would decode
         start_worker(worker_id="decode-0", config={"role": "decode"}).heartbeat.beat()
         assert client.model_state(MODEL).state == LIVE
+
+
+def _decoding_on(client: Client, worker: str, ids: list[str]) -> int:
+    """Handed-on requests ``worker`` holds pending that already streamed past their first
+    token (it is generating them)."""
+    stream = KEYS.handoff(MODEL)
+    mine = {e["message_id"] for e in client.redis.xpending_range(
+        stream, GROUP, "-", "+", 1000, consumername=worker)}
+    held = 0
+    for entry_id, fields in client.redis.xrange(stream):
+        if entry_id in mine:
+            rid = GenerationRequest.decode(fields[FIELD]).request_id
+            held += rid in ids and client.redis.xlen(KEYS.output(rid)) > 2
+    return held
+
+
+def test_sigkill_of_a_decode_worker_mid_stream_loses_nothing(redis_url, tiny_llama, tmp_path):
+    rng = random.Random(3)
+    work = [([rng.randrange(2, 1000) for _ in range(rng.randint(20, 200))], 300)
+            for _ in range(12)]
+    reference = _reference(tiny_llama, work)
+    client = Client(redis_url)
+    roles = {"prefill": "prefill", "victim": "decode", "survivor": "decode"}
+    procs = {name: spawn_worker(tiny_llama, redis_url, name, "--role", role, "--lease-ms",
+                                "1500", log_dir=tmp_path) for name, role in roles.items()}
+    try:
+        for name, proc in procs.items():
+            wait_ready(client, name, proc)
+        ids = _submit_all(client, work)
+        eventually(lambda: _decoding_on(client, "victim", ids) >= 3,
+                   "the victim decoding 3 handed-on requests")
+        procs["victim"].send_signal(signal.SIGKILL)
+        procs["victim"].wait(timeout=10)
+        results = [client.result(rid, timeout=180) for rid in ids]
+        for rid, got, want in zip(ids, results, reference, strict=True):
+            assert got.token_ids == want
+            indexes = [i for _, f in client.redis.xrange(KEYS.output(rid))
+                       if hasattr(e := decode_output(f[FIELD]), "index")
+                       for i in range(e.index, e.index + len(e.token_ids))]
+            assert indexes == list(range(len(want)))  # each index once, in order
+    finally:
+        stop_all(list(procs.values()))

@@ -50,6 +50,11 @@ class Engine:
         if self.device.type == "cpu" and cfg.tune_host_allocator:
             keep_large_allocations_in_heap()
         self.dtype = engine_dtype(cfg, self.device)
+        if self.device.type == "cpu":
+            # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
+            from worker.attention.cpu_kernel import paged_decode_kernel
+
+            paged_decode_kernel()
         self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
         self.model_config = mc = self.model.config

@@ -4,9 +4,10 @@
 
 torch's C++ extension loader compiles it once per machine into torch's extensions folder
 (``$TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``) and loads the cached build
-afterwards. The build is named by a hash of the source and of the CPU's instruction-set
-flags (it is compiled for the CPU it runs on), so a shared cache never hands one CPU
-another's build. Where it cannot be built (no C++ compiler, no ninja), or with
+afterwards. The build is named by a hash of the source, its path and the CPU's
+instruction-set flags (it is compiled for the CPU it runs on), so a shared cache never
+hands one CPU another's build. A CPU engine loads it when it starts, not in its first
+step. Where it cannot be built (no C++ compiler, no ninja), or with
 ``CONVEYOR_CPU_ATTENTION_KERNEL=0``, :func:`paged_decode_kernel` returns None, says why
 once in the log, and attention keeps to the torch path.
 """
@@ -72,6 +73,9 @@ def _build() -> Any | None:
 def _build_key() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(_cpu_flags().encode())
+    # The source's path too: torch rebuilds whenever the path in its build file changes, so
+    # two checkouts sharing one build folder would rebuild each other's kernel forever.
+    digest.update(str(SOURCE.resolve()).encode())
     return digest.hexdigest()[:16]
 
 

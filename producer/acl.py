@@ -42,7 +42,8 @@ def _producer_selectors(ns: str) -> list[tuple[list[str], list[str]]]:
 def _observer_selectors(ns: str) -> list[tuple[list[str], list[str]]]:
     """(key patterns, commands) of each observer (`conveyor top`) selector on Redis 7."""
     return [
-        ([f"~{ns}:req:*"], ["xlen", "xinfo|groups"]),  # counts only, never an entry
+        # Counts only, never an entry: of the lanes and of the handoff streams.
+        ([f"~{ns}:req:*", f"~{ns}:handoff:*"], ["xlen", "xinfo|groups"]),
         ([f"%R~{ns}:model:*", f"%R~{ns}:models", f"%R~{ns}:worker:*", f"%R~{ns}:workers",
           f"%R~{ns}:requested"], ["hgetall", "smembers"]),
     ]
@@ -113,7 +114,7 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
         # planted block would poison every output computed from it.
         return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:dead",
                 f"{ns}:isolated:*", f"{ns}:kv:*", f"{ns}:handoff:*"]
-    return [f"{ns}:req:*", *fleet, f"{ns}:requested"]
+    return [f"{ns}:req:*", f"{ns}:handoff:*", *fleet, f"{ns}:requested"]
 
 
 def acl_rules(role: str, namespace: str = "conveyor", version: int = 7) -> list[str]:

@@ -38,6 +38,16 @@ def lane_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:
     return [_one_lane(client, keys.requests(model, lane), model, lane) for lane in LANES]
 
 
+def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> LaneStats | None:
+    """The model's handoff stream (prefill to decode workers) as a lane named ``handoff``;
+    None where there is none (no prefill worker ever ran) or this user may not count it."""
+    try:
+        stats = _one_lane(client, keys.handoff(model), model, "handoff")
+    except redis.exceptions.NoPermissionError:
+        return None
+    return stats if stats.length or stats.consumers else None
+
+
 def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneStats:
     pipe = client.pipeline(transaction=False)
     pipe.xlen(stream)

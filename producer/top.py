@@ -19,7 +19,7 @@ from producer.cli_redis import add_redis_url_option
 from producer.client import Client
 from producer.connection import describe
 from producer.models import ModelState, heartbeat_keys, member_names, model_states
-from producer.queues import BLOCKED_HINT, LaneStats, lane_stats
+from producer.queues import BLOCKED_HINT, LaneStats, handoff_stats, lane_stats
 from producer.wire.protocol import now_ms
 from producer.wire.replies import as_text
 
@@ -103,7 +103,9 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     requested = sorted(member_names(requested))[:MAX_REQUESTED_SHOWN]
     models = registered | set(requested) | {
         w["model"] for w in workers if w.get("model")}
-    lanes = [s for model in sorted(models) for s in lane_stats(conn, keys, model)]
+    lanes = [s for model in sorted(models)
+             for s in [*lane_stats(conn, keys, model), handoff_stats(conn, keys, model)]
+             if s is not None]
     return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))
 
 
@@ -136,12 +138,13 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
     lanes = _table(["model", "lane", "queued", "pending", "consumers", "length"],
                    [[s.model, s.lane, s.depth, s.pending, s.consumers, s.length]
                     for s in snap.lanes]) if snap.lanes else ["(no models registered)"]
-    rows = [[w.get("worker_id", "?"), w.get("model", "?"), w.get("status", "?"),
+    rows = [[w.get("worker_id", "?"), w.get("model", "?"), w.get("role") or "both",
+             w.get("status", "?"),
              w.get("running", "0"), w.get("waiting", "0"), w.get("swapped", "0"),
              w.get("inflight", "0"), _kv(w), f"{_float(w, 'tokens_per_s'):.1f}",
              w.get("tokens_generated", "0"), _age(snap.taken_ms, w)] for w in ws]
-    workers = _table(["worker", "model", "status", "running", "waiting", "swapped", "inflight",
-                      "kv used", "tokens/s", "tokens", "seen"], rows) if ws else [
+    workers = _table(["worker", "model", "role", "status", "running", "waiting", "swapped",
+                      "inflight", "kv used", "tokens/s", "tokens", "seen"], rows) if ws else [
         "(no live workers)"]
     return "\n".join([summary, "", "MODELS", *models, "", "LANES", *lanes, *_blocked(ws), "",
                       "WORKERS", *workers])

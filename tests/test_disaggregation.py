@@ -6,6 +6,7 @@ decode worker computes no prompt token. Missing KV falls back to recomputing, ex
 from __future__ import annotations
 
 import random
+import re
 import signal
 
 from fleet_fixtures import MODEL
@@ -14,6 +15,7 @@ from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client import Client
 from producer.models import LIVE, NO_LIVE_WORKER
+from producer.top import render, take_snapshot
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, decode_output
 from worker import Engine, SamplingParams
@@ -69,6 +71,10 @@ def test_missing_kv_is_recomputed_and_still_exact(redis_url, start_worker, tiny_
         # Every request handed on, none taken yet (no decode worker): its KV waits.
         eventually(lambda: prefill.publisher.hand_on.handed_on == len(work),
                    "every request handed on")
+        prefill.heartbeat.beat()
+        frame = render(take_snapshot(client))
+        assert re.search(r"tiny\s+handoff\s+6\b", frame)  # six handed on, none taken
+        assert re.search(r"prefill-0\s+tiny\s+prefill", frame)
         kv_keys = redis_client.keys("conveyor:kv:{*")
         assert kv_keys  # the precondition: the handoffs' KV really is in the tier
         redis_client.delete(*kv_keys)  # an expiry, an operator, a failover

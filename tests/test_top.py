@@ -52,13 +52,13 @@ def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url
     after = frame(redis_url, capsys)
     assert row(after, MODEL, "interactive") == [MODEL, "interactive", "0", "0", "1", "3"]
     assert row(after, MODEL, "batch")[2:4] == ["0", "0"]
-    # worker, model, status, running, waiting, swapped, inflight, kv used (2 cells), tokens/s,
-    # tokens, seen
+    # worker, model, role, status, running, waiting, swapped, inflight, kv used (2 cells),
+    # tokens/s, tokens, seen
     worker = row(after, "w-top")
-    assert worker[1:3] == [MODEL, "serving"]
-    assert worker[3:7] == ["0", "0", "0", "0"]
-    assert worker[7].endswith("/512") and worker[8].endswith("%)")
-    assert float(worker[9]) >= 0 and int(worker[10]) >= 0
+    assert worker[1:4] == [MODEL, "both", "serving"]
+    assert worker[4:8] == ["0", "0", "0", "0"]
+    assert worker[8].endswith("/512") and worker[9].endswith("%)")
+    assert float(worker[10]) >= 0 and int(worker[11]) >= 0
     assert "workers 1" in " ".join(row(after, "conveyor", "top"))
 
 

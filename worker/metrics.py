@@ -71,6 +71,10 @@ ENGINE_COUNTERS = {
                                 "Tokens found in the prefix cache at admission."),
     "prefix_cache_evictions": ("conveyor_prefix_cache_evictions",
                                "Cached blocks evicted for new allocations."),
+    "prompt_tokens_computed": ("conveyor_prompt_tokens_computed",
+                               "Prompt tokens run through the model (prefill, recompute)."),
+    "kv_imported_tokens": ("conveyor_kv_imported_tokens",
+                           "Prompt tokens whose KV came from the fleet KV tier instead."),
 }
 
 
@@ -127,6 +131,8 @@ class WorkerMetrics:
         r.register(_EngineStatsCollector(model, engine_stats))
         self._faults = _FaultsCollector(model)
         r.register(self._faults)
+        self._handoffs = _HandoffsCollector(model)
+        r.register(self._handoffs)
         self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
 
@@ -160,6 +166,10 @@ class WorkerMetrics:
     def watch_faults(self, faults: Callable[[], FaultCounts]) -> None:
         """Read the worker's fault counters (``faults()``) at each scrape."""
         self._faults.read = faults
+
+    def watch_handoffs(self, handoffs: Callable[[], HandoffCounts]) -> None:
+        """Read the worker's prefill/decode handoff counters at each scrape."""
+        self._handoffs.read = handoffs
 
     # ----- fed by the queue poller -----
 
@@ -195,6 +205,43 @@ class FaultCounts:
     isolated: int = 0  # suspect requests (their workers kept dying) served alone
     dead_letters: int = 0  # entries written to the dead-letter stream
     consumers_removed: int = 0  # dead workers' consumers removed from the group
+
+
+@dataclass
+class HandoffCounts:
+    """Prefill/decode handoffs of a worker since it started (read at scrape time)."""
+
+    handed_on: int = 0  # requests this prefill worker handed on
+    kv_put_refused: int = 0  # handoffs whose KV the tier refused (sent without KV)
+    kv_imported: int = 0  # handed-on requests taken here with their KV
+    fallbacks: dict[str, int] = field(default_factory=dict)  # recomputed instead, by cause
+
+
+class _HandoffsCollector(Collector):
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.read: Callable[[], HandoffCounts] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        if self.read is None:
+            return
+        h = self.read()
+        for name, doc, value in (
+            ("conveyor_kv_handoffs_sent", "Requests handed on to decode workers.", h.handed_on),
+            ("conveyor_kv_tier_refused", "Handoffs sent without KV: the tier refused it.",
+             h.kv_put_refused),
+            ("conveyor_kv_handoffs_imported", "Handed-on requests taken with their KV.",
+             h.kv_imported),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric([self.model], float(value))
+            yield c
+        c = CounterMetricFamily("conveyor_kv_handoff_fallbacks",
+                                "Handed-on requests that recomputed their prompt, by cause.",
+                                labels=["model", "cause"])
+        for cause in ("missing", "corrupt", "mismatch", "no_room"):
+            c.add_metric([self.model, cause], float(h.fallbacks.get(cause, 0)))
+        yield c
 
 
 class _FaultsCollector(Collector):

@@ -31,7 +31,7 @@ from worker.fleet.reaper import Reaper
 from worker.fleet.registration import check_eviction_policy, register_model
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
-from worker.metrics import FaultCounts, QueuePoller, WorkerMetrics
+from worker.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +99,7 @@ class Worker:
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.keys, wid,
                                    config.heartbeat_interval_s, self.status, **sup)
         self.metrics.watch_faults(self.fault_counts)
+        self.metrics.watch_handoffs(self.handoff_counts)
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None
         self.state = "starting"
@@ -153,11 +154,21 @@ class Worker:
             "role": self.config.role,
             "prompt_tokens_computed": stats.get("prompt_tokens_computed", 0),
             "kv_imported_tokens": stats.get("kv_imported_tokens", 0),
-            "handed_on": self.loop.handed_on,
+            "handed_on": self.publisher.hand_on.handed_on if self.publisher.hand_on else 0,
             "kv_imported": self.handoffs.imported if self.handoffs else 0,
             "kv_fallbacks": ",".join(f"{k}={v}" for k, v in sorted(
                 self.handoffs.fallbacks.items())) if self.handoffs else "",
         }
+
+    def handoff_counts(self) -> HandoffCounts:
+        """This worker's prefill/decode handoffs, for its metrics."""
+        writer = self.publisher.hand_on
+        return HandoffCounts(
+            handed_on=writer.handed_on if writer else 0,
+            kv_put_refused=writer.kv_refused if writer else 0,
+            kv_imported=self.handoffs.imported if self.handoffs else 0,
+            fallbacks=dict(self.handoffs.fallbacks) if self.handoffs else {},
+        )
 
     def fault_counts(self) -> FaultCounts:
         """The Redis faults this worker met and recovered from, for its metrics."""

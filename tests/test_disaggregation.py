@@ -136,3 +136,18 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_nothing(redis_url, tiny_lla
             assert indexes == list(range(len(want)))  # each index once, in order
     finally:
         stop_all(list(procs.values()))
+
+
+def test_a_tier_that_refuses_every_write_still_ends_exact(redis_url, start_worker, tiny_llama):
+    work = _work(5, seed=2)
+    reference = _reference(tiny_llama, work)
+    # A tier bound far below any prompt's KV: every put is refused.
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill", "kv_max_bytes": 1},
+                           **BIG_POOL)
+    decode = start_worker(worker_id="decode-0", config={"role": "decode"}, **BIG_POOL)
+    with Client(redis_url) as client:
+        results = [client.result(rid, timeout=120) for rid in _submit_all(client, work)]
+    assert prefill.publisher.hand_on.kv_refused == len(work)  # the writes really were refused
+    for ref, got in zip(reference, results, strict=True):
+        assert got.token_ids == ref and got.usage.kv_transferred_tokens == 0
+    assert decode.handoffs.fallbacks["missing"] == len(work)

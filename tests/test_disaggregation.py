@@ -151,3 +151,36 @@ def test_a_tier_that_refuses_every_write_still_ends_exact(redis_url, start_worke
     for ref, got in zip(reference, results, strict=True):
         assert got.token_ids == ref and got.usage.kv_transferred_tokens == 0
     assert decode.handoffs.fallbacks["missing"] == len(work)
+
+
+def test_a_document_analysed_on_one_worker_serves_questions_on_a_fresh_one(
+        redis_url, start_worker, tiny_llama):
+    rng = random.Random(5)
+    document = [rng.randrange(2, 1000) for _ in range(1500)]
+    questions = [[rng.randrange(2, 1000) for _ in range(rng.randint(5, 15))] for _ in range(4)]
+    prompts = [document + q for q in questions]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = Engine(tiny_llama, dtype="float64", num_kv_blocks=1200,
+                       enable_prefix_caching=False).generate(prompts, params)
+    full_blocks = 1500 // 16
+    share = {"kv_share_prefixes": True}
+    a = start_worker(worker_id="a", config=share, **BIG_POOL)
+    with Client(redis_url) as client:
+        analysis = document + [7, 8, 9]
+        client.result(client.submit(analysis, model=MODEL, max_tokens=4, temperature=0),
+                      timeout=120)
+        eventually(lambda: a.publisher.prefixes.blocks_put >= full_blocks,
+                   "worker A put the document's blocks in the tier")
+        a.stop()
+        b = start_worker(worker_id="b", config=share, **BIG_POOL)
+        ids = [client.submit(p, model=MODEL, max_tokens=6, temperature=0, ignore_eos=True)
+               for p in prompts]
+        results = [client.result(rid, timeout=120) for rid in ids]
+    for ref, got in zip(reference, results, strict=True):
+        assert got.token_ids == ref.token_ids
+        # From the tier, or from B's own cache once a first question had brought it there.
+        assert got.usage.kv_transferred_tokens + got.usage.cached_tokens >= full_blocks * 16
+    assert max(r.usage.kv_transferred_tokens for r in results) >= full_blocks * 16
+    assert b.prefix_finder.hits >= 1
+    # B never computed the document: only the questions' tokens (and a block's remainder).
+    assert b.status()["prompt_tokens_computed"] < 4 * (16 + 15)

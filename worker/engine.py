@@ -13,6 +13,7 @@ import torch
 
 from kvstore import BlockPool, KVCacheManager, OutOfBlocksError, PrefixHit, blocks_for
 from kvstore.kv_tensors import PagedKVCache, block_layout, export_blocks, import_blocks
+from kvstore.prefix_hash import extend_chain
 from kvstore.tier.header import BlockLayout
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
@@ -171,6 +172,20 @@ class Engine:
         blocks = self.kv.block_table(request_id)[:blocks_for(n, self.config.block_size)]
         return KVHandoff(n, export_blocks(self.kv_cache, blocks))
 
+    def export_prefix_blocks(self, request_id: str) -> list[tuple[bytes, bytes]]:
+        """(chain hash, bytes) of every full block of the request's prompt computed so far,
+        for the fleet tier's prefix sharing (the hash names the whole prefix to that block)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or not req.status.running:
+            raise ValueError(f"request {request_id!r} is not running here")
+        bs = self.config.block_size
+        full = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
+        if full == 0:
+            return []
+        hashes = extend_chain(req.block_hashes, req.all_token_ids, bs, full)
+        table = self.kv.block_table(request_id)
+        return [(h, export_blocks(self.kv_cache, [table[i]])) for i, h in enumerate(hashes)]
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """This engine's model by content (worker.model_fingerprint), computed on first use."""
@@ -191,7 +206,11 @@ class Engine:
         except OutOfBlocksError as exc:
             raise ValueError(f"no room for the imported KV now: {exc}") from exc
         try:
-            import_blocks(self.kv_cache, hit.block_ids, kv.payload)
+            if kv.block_payloads:
+                for block_id, payload in zip(hit.block_ids, kv.block_payloads, strict=True):
+                    import_blocks(self.kv_cache, [block_id], payload)
+            else:
+                import_blocks(self.kv_cache, hit.block_ids, kv.payload)
         except Exception:
             self.kv.release_hold(hit)
             raise

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVHandoff:
     """KV of a request's first ``num_tokens`` tokens, as kvstore.kv_tensors.export_blocks
-    lays out whole blocks (the last one may be partly filled)."""
+    lays out whole blocks (the last one may be partly filled): one payload for the whole
+    run (a handoff), or one per block (``block_payloads``: full prefix blocks gathered from
+    the fleet tier one by one, where ``payload`` is empty)."""
 
     num_tokens: int
-    payload: bytes
+    payload: bytes = b""
+    block_payloads: tuple[bytes, ...] = ()

@@ -71,6 +71,9 @@ class WorkerConfig:
     kv_redis_url: str | None = None
     kv_ttl_s: int = 600
     kv_max_bytes: int = 256 * 1024 * 1024
+    # Fleet-wide prefix reuse: put computed prompt blocks in the KV tier, and look a new
+    # request's blocks up there when this worker's own prefix cache misses.
+    kv_share_prefixes: bool = False
 
     @property
     def model_name(self) -> str:

@@ -20,6 +20,7 @@ from worker.fleet.faults import maybe_die
 from worker.fleet.handoff import HandOn
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
+from worker.fleet.prefix_share import SharePrefix
 from worker.fleet.publisher import Publication, Publisher, Rejection
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Forget, Track
@@ -43,12 +44,14 @@ class EngineLoop(SupervisedThread):
     def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
                  publisher: Publisher, metrics: WorkerMetrics, worker_id: str,
                  role: str = "both", on_kv_fallback: Callable[[str, str, str], None] | None = None,
-                 **supervision: Any) -> None:
+                 share_prefixes: bool = False, **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
         # "prefill": hand every request on once its first token is out (fleet/handoff.py).
         self.role = role
         self.on_kv_fallback = on_kv_fallback
         self.handed_on = 0
+        # Put each fresh request's prompt blocks in the KV tier (fleet/prefix_share.py).
+        self.share_prefixes = share_prefixes
         self.engine = engine
         self.inflight = inflight
         self.inbox = inbox
@@ -96,6 +99,8 @@ class EngineLoop(SupervisedThread):
         self._apply_cancels()
         if self.engine.has_unfinished() and not hold:
             outputs = self._step()
+            if self.share_prefixes:
+                self._share_prefixes(outputs)
             if self.role == "prefill":
                 outputs = self._hand_on(outputs)
             self._publish(outputs)
@@ -124,6 +129,19 @@ class EngineLoop(SupervisedThread):
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
             self.metrics.step_done(elapsed, tokens)
         return outputs
+
+    def _share_prefixes(self, outputs: list[StepOutput]) -> None:
+        """The prompt blocks of every request whose first token this step produced, for the
+        publisher to put in the tier (a copy here; the Redis writes happen there)."""
+        items = []
+        for out in outputs:
+            entry = self.inflight.get(out.request_id)
+            if out.finished or not out.new_token_ids or entry is None or entry.next_index:
+                continue  # ended already, or resumed (its prompt was shared where it began)
+            blocks = self.engine.export_prefix_blocks(out.request_id)
+            if blocks:
+                items.append(SharePrefix(out.request_id, blocks))
+        self.publisher.publish(items)
 
     def _hand_on(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Take every request whose first token this step produced (and that goes on) out

@@ -16,6 +16,7 @@ from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.handoff import HandoffReader, streams_for
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.leases import hand_back
+from worker.fleet.prefix_share import PrefixFinder
 from worker.fleet.publisher import Publisher, Rejection
 from worker.fleet.resume import Published, read_published
 from worker.fleet.supervised import SupervisedThread
@@ -68,6 +69,7 @@ class Intake(SupervisedThread):
         lease_ms: int,
         role: str = "both",
         handoffs: HandoffReader | None = None,
+        prefixes: PrefixFinder | None = None,
         **supervision: Any,
     ) -> None:
         super().__init__("intake", worker_id=worker_id, **supervision)
@@ -85,6 +87,7 @@ class Intake(SupervisedThread):
         self.streams = streams_for(keys, model, role)
         self.handoff_stream = keys.handoff(model)
         self.handoffs = handoffs
+        self.prefixes = prefixes
         self.num_read = 0
         self._groups_ready = False
 
@@ -183,6 +186,8 @@ class Intake(SupervisedThread):
         if stream == self.handoff_stream and self.handoffs is not None and published \
                 and published.token_ids and not published.finished:
             kv = self.handoffs.fetch(req.request_id, len(prompt_ids) + len(published.token_ids))
+        elif self.prefixes is not None and not (published and published.token_ids):
+            kv = self.prefixes.find(prompt_ids)
         return Admission(req, prompt_ids, stream, entry_id, published, kv)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:

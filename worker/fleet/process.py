@@ -26,6 +26,7 @@ from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake import Admission, Intake, ensure_groups
 from worker.fleet.leases import LeaseKeeper, hand_back
+from worker.fleet.prefix_share import PrefixFinder, PrefixSharer
 from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
 from worker.fleet.registration import check_eviction_policy, register_model
@@ -75,17 +76,23 @@ class Worker:
                    if config.role == "prefill" else None)
         self.handoffs = (HandoffReader(self._kv_tier("kv-reader"), layout)
                          if config.role != "prefill" else None)
+        share = config.kv_share_prefixes
+        self.prefix_finder = (PrefixFinder(self._kv_tier("kv-prefix-reader"), layout,
+                                           self._cached_here) if share else None)
         self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
-                                   hand_on=hand_on, **sup)
+                                   hand_on=hand_on,
+                                   prefixes=(PrefixSharer(self._kv_tier("kv-prefix-writer"),
+                                                          layout) if share else None), **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, wid, role=config.role,
                                on_kv_fallback=(self.handoffs.fallback if self.handoffs
-                                               else None), **sup)
+                                               else None), share_prefixes=share, **sup)
         self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel, config.lease_ms,
-                             role=config.role, handoffs=self.handoffs, **sup)
+                             role=config.role, handoffs=self.handoffs,
+                             prefixes=self.prefix_finder, **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
@@ -108,6 +115,12 @@ class Worker:
         self._started = time.monotonic()
         # (time, tokens generated) where the current tokens-per-second window began.
         self._rate_mark = (self._started, 0)
+
+    def _cached_here(self, block_hash: bytes) -> bool:
+        """Whether this engine's own prefix cache holds the block (read from the intake
+        thread: a dict lookup, and a wrong answer costs only a transfer or a recompute)."""
+        return (self.engine.config.enable_prefix_caching
+                and self.engine.block_pool.lookup(block_hash) is not None)
 
     def _kv_tier(self, thread: str) -> RedisKVTier:
         url = resolve_url(self.config.kv_redis_url) if self.config.kv_redis_url \
@@ -158,6 +171,11 @@ class Worker:
             "kv_imported": self.handoffs.imported if self.handoffs else 0,
             "kv_fallbacks": ",".join(f"{k}={v}" for k, v in sorted(
                 self.handoffs.fallbacks.items())) if self.handoffs else "",
+            # Fleet prefix reuse: blocks put in the tier, and requests that found theirs there.
+            "kv_prefix_blocks_put": self.publisher.prefixes.blocks_put
+            if self.publisher.prefixes else 0,
+            "kv_prefix_hits": self.prefix_finder.hits if self.prefix_finder else 0,
+            "kv_prefix_hit_tokens": self.prefix_finder.hit_tokens if self.prefix_finder else 0,
         }
 
     def handoff_counts(self) -> HandoffCounts:

@@ -24,6 +24,7 @@ from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 from worker.fleet.handoff import HandOn, HandOnWriter
 from worker.fleet.ownership import OwnedEntries
+from worker.fleet.prefix_share import PrefixSharer, SharePrefix
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Forget, TextStage, Track
 
@@ -103,7 +104,7 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
 
 # What the engine loop hands the publisher: output to write, a request to hand on to the
 # decode workers, or text state to start or end.
-Item = Publication | Rejection | HandOn | Track | Forget
+Item = Publication | Rejection | HandOn | SharePrefix | Track | Forget
 
 
 @dataclass
@@ -125,17 +126,19 @@ class Publisher(SupervisedThread):
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
                  text: TextStage, hand_on: HandOnWriter | None = None,
-                 **supervision: Any) -> None:
+                 prefixes: PrefixSharer | None = None, **supervision: Any) -> None:
         super().__init__("publisher", worker_id=worker_id, **supervision)
         # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
         self.hand_on = hand_on
+        # Workers sharing prefixes: puts computed prompt blocks in the KV tier.
+        self.prefixes = prefixes
         self.text = text
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
         self._queue: queue.Queue[list[Item] | None] = queue.Queue()
         # Prepared output not yet written, and whether close() asked for a last flush.
-        self._owed: list[Publication | Rejection | HandOn] | None = None
+        self._owed: list[Publication | Rejection | HandOn | SharePrefix] | None = None
         self._closing = False
         self.owned = OwnedEntries(client, worker_id)
         self.published_entries = 0
@@ -194,10 +197,10 @@ class Publisher(SupervisedThread):
 
     def _prepare(
         self, batch: list[Item]
-    ) -> list[Publication | Rejection | HandOn]:
+    ) -> list[Publication | Rejection | HandOn | SharePrefix]:
         """Detokenize, apply stop strings, and drop output of requests already ended here
         (a request whose first token completed a stop string is not handed on: it ended)."""
-        ready: list[Publication | Rejection | HandOn] = []
+        ready: list[Publication | Rejection | HandOn | SharePrefix] = []
         for item in batch:
             if isinstance(item, Track):
                 self.text.track(item)
@@ -206,15 +209,18 @@ class Publisher(SupervisedThread):
             elif isinstance(item, HandOn):
                 if not self.text.stopped(item.request_id):
                     ready.append(item)
+            elif isinstance(item, SharePrefix):
+                ready.append(item)
             elif isinstance(item, Rejection) or self.text.apply(item):
                 ready.append(item)
         return ready
 
-    def _write(self, batch: list[Publication | Rejection | HandOn]) -> None:
-        """Write what is not written yet, then hand on, then acknowledge; WriteRefused leaves
-        it all owed."""
-        handons = [item for item in batch if isinstance(item, HandOn)]
-        todo = [item for item in batch if not item.written and not isinstance(item, HandOn)]
+    def _write(self, batch: list[Publication | Rejection | HandOn | SharePrefix]) -> None:
+        """Write what is not written yet, then hand on and share prefixes, then acknowledge;
+        WriteRefused leaves it all owed."""
+        tier_items = [item for item in batch if isinstance(item, HandOn | SharePrefix)]
+        todo = [item for item in batch
+                if not item.written and not isinstance(item, HandOn | SharePrefix)]
         if todo:
             commands: list[Command] = []
             for item in todo:
@@ -230,11 +236,15 @@ class Publisher(SupervisedThread):
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
-        for item in handons:  # after its first token is written: the decode side reads it
-            if not item.written:
+        for item in tier_items:  # after the first tokens are written: the decode side reads them
+            if item.written:
+                continue
+            if isinstance(item, HandOn):
                 assert self.hand_on is not None, "a hand-on without a HandOnWriter"
                 self.hand_on.write(item)
-        self._acknowledge([item for item in batch if not isinstance(item, HandOn)])
+            elif self.prefixes is not None:
+                self.prefixes.write(item)
+        self._acknowledge([item for item in batch if not isinstance(item, HandOn | SharePrefix)])
 
     def _transact(self, commands: list[Command]) -> list[object]:
         """Run ``commands`` as one MULTI/EXEC per key, all in one round trip; each command's

@@ -69,3 +69,5 @@ class RequestUpdate:
     finish_reason: str | None = None
     # Prompt tokens served from the prefix cache (for usage).
     num_cached_tokens: int = 0
+    # Tokens whose KV was imported from the fleet tier at admission (for usage).
+    num_transferred_tokens: int = 0

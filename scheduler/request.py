@@ -63,6 +63,8 @@ class Request:
     # KV of its first tokens that arrived from the fleet tier, held until admission adopts
     # it (kvstore.KVCacheManager.hold_blocks); None once adopted, or when there was none.
     preloaded: PrefixHit | None = None
+    # Tokens whose imported KV it adopted at admission (usage.kv_transferred_tokens).
+    num_transferred_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

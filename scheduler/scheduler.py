@@ -38,6 +38,8 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
         # Requests finished since the last schedule(): the next output tells the runner.
         self._finished_ids: list[str] = []
+        # Waiting requests holding imported KV (Request.preloaded).
+        self._num_holding = 0
 
     # ----- queue -----
 
@@ -47,6 +49,8 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.arrival = next(self._arrivals)
         req.status = RequestStatus.WAITING
+        if req.preloaded is not None:
+            self._num_holding += 1
         self.requests[req.request_id] = req
         self._push_waiting(req)
 
@@ -132,7 +136,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, reason)
             updates.append(RequestUpdate(req.request_id, [token], reason is not None,
-                                         reason and str(reason), req.num_cached_tokens))
+                                         reason and str(reason), req.num_cached_tokens,
+                                         req.num_transferred_tokens))
         return updates
 
     # ----- the three sources of work -----
@@ -204,6 +209,8 @@ class Scheduler:
             # Head-of-line: a request that does not fit waits, and so does everyone behind it.
             if n == 0 or not self.kv.can_allocate(hit.num_tokens + n, hit):
                 req.num_computed_tokens = 0
+                if self._drop_holds_behind(req):
+                    continue  # imported KV of requests behind it was all that was in the way
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
@@ -211,7 +218,9 @@ class Scheduler:
             if req.preloaded is not None:  # imported KV: the request holds it now
                 self.kv.release_hold(req.preloaded)
                 req.preloaded = None
+                self._num_holding -= 1
                 req.admitted_once = True
+                req.num_transferred_tokens = hit.num_tokens
                 self.counters["kv_imported_tokens"] += hit.num_tokens
             else:
                 self._count_prefix_hit(req, hit.num_tokens)
@@ -222,6 +231,22 @@ class Scheduler:
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
         return budget
+
+    def _drop_holds_behind(self, head: Request) -> bool:
+        """Give back the imported KV that waiting requests other than ``head`` hold (they
+        will compute their prompts instead): held blocks must never keep the head of the
+        queue out for good. Whether any was given back."""
+        if self._num_holding == 0 or (self._num_holding == 1 and head.preloaded is not None):
+            return False
+        dropped = 0
+        for _, _, other in self._waiting:
+            if other is not head and other.preloaded is not None:
+                self.kv.release_hold(other.preloaded)
+                other.preloaded = None
+                dropped += 1
+        self._num_holding -= dropped
+        self.counters["kv_imports_dropped"] += dropped
+        return dropped > 0
 
     # ----- preemption -----
 
@@ -326,6 +351,7 @@ class Scheduler:
         if req.preloaded is not None:  # ended before admission adopted its imported KV
             self.kv.release_hold(req.preloaded)
             req.preloaded = None
+            self._num_holding -= 1
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]

@@ -270,3 +270,31 @@ def test_quick_w2_compares_chunked_prefill_on_and_off_through_a_given_redis(
     assert set(results["runs"]["fleet"]["groups"]) == {"steady", "burst"}
     rows = {row["what"]: row for row in results["comparisons"]}
     assert "ITL p99 of the steady requests, chunked prefill on / off" in rows
+
+
+def test_quick_w5_compares_disaggregated_with_mixed_workers(tiny_llama, tmp_path, redis_url):
+    out = tmp_path / "w5"
+    rc = main(["bench", "--quick", "--workload", "w5", "--doc-rate", "4", "--disaggregate",
+               "--model", str(tiny_llama), "--threads", "1", "--redis", redis_url,
+               "--out", str(out)])
+    assert rc == 0
+    results = _check_outputs(out, {"mixed", "disaggregated"})
+    assert results["runs"]["disaggregated"]["settings"]["roles"] == ["prefill", "decode"]
+    assert results["runs"]["mixed"]["settings"]["workers"] == 2
+    assert set(results["runs"]["mixed"]["groups"]) == {"interactive", "document"}
+    whats = {row["what"] for row in results["comparisons"]}
+    assert {"interactive ITL p99 ms, disaggregated / mixed",
+            "document TTFT p50 ms, disaggregated / mixed",
+            "goodput req/s, disaggregated / mixed"} <= whats
+    assert not any("physical limit" in w for w in whats)  # documents arrive over time
+
+
+def test_w5_puts_documents_at_their_rate_beside_interactive_requests():
+    from worker.bench.workloads import w5_documents_beside_chat
+
+    items = w5_documents_beside_chat(num_interactive=4, vocab=100, doc_rate=2.0, num_docs=3,
+                                     doc_tokens=50)
+    docs = [i for i in items if i.group == "document"]
+    assert [i.arrival_s for i in docs] == [1.0, 1.5, 2.0]
+    assert all(len(i.prompt_token_ids) == 50 for i in docs)
+    assert [i.group for i in items[:4]] == ["interactive"] * 4

@@ -184,3 +184,23 @@ def test_a_document_analysed_on_one_worker_serves_questions_on_a_fresh_one(
     assert b.prefix_finder.hits >= 1
     # B never computed the document: only the questions' tokens (and a block's remainder).
     assert b.status()["prompt_tokens_computed"] < 4 * (16 + 15)
+
+
+def test_a_hand_on_goes_through_when_the_tier_is_unreachable(redis_client, tiny_llama):
+    from kvstore.tier.redis_tier import RedisKVTier
+    from producer.connection import connect
+    from worker.fleet.handoff import HandOn, HandOnWriter
+    from worker.kv_handoff import KVHandoff
+
+    lane = KEYS.requests(MODEL, "interactive")
+    redis_client.xgroup_create(lane, GROUP, id="0", mkstream=True)
+    entry = redis_client.xadd(lane, {FIELD: b"request"})
+    redis_client.xreadgroup(GROUP, "w", {lane: ">"})  # "w" owns the entry now
+    layout = Engine(tiny_llama, dtype="float64", num_kv_blocks=8).kv_layout()
+    nowhere = RedisKVTier(connect("redis://127.0.0.1:1/0", retry_attempts=0))
+    writer = HandOnWriter(redis_client, nowhere, lambda: layout, KEYS, MODEL, "w")
+    kv = KVHandoff(16, b"\0" * layout.bytes_per_block)
+    writer.write(HandOn("r1", lane, entry.decode(), b"request", FIELD, kv))
+    assert writer.kv_refused == 1  # the tier really could not be reached
+    assert writer.handed_on == 1 and redis_client.xlen(KEYS.handoff(MODEL)) == 1
+    assert redis_client.xpending(lane, GROUP)["pending"] == 0  # acknowledged with it

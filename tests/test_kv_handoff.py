@@ -135,3 +135,26 @@ def test_the_fingerprint_names_config_weights_and_dtype_not_the_folder(tiny_llam
     assert model_fingerprint(same, "float64") != model_fingerprint(tiny_llama, "float64")
     engine = Engine(tiny_llama, **SETTINGS)
     assert engine.kv_layout().fingerprint == model_fingerprint(tiny_llama, "float64")
+
+
+def test_held_imported_kv_never_keeps_the_head_of_the_queue_out(tiny_llama):
+    # Prompts in one piece: the head needs all its blocks at once.
+    settings = {**SETTINGS, "num_kv_blocks": 20, "enable_chunked_prefill": False,
+                "max_num_batched_tokens": 2048}
+    prefill, engine = Engine(tiny_llama, **settings), Engine(tiny_llama, **settings)
+    rng = random.Random(7)
+    head_prompt, held_prompt = ([rng.randrange(2, 1000) for _ in range(n)] for n in (300, 80))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    reference = Engine(tiny_llama, **SETTINGS).generate([head_prompt, held_prompt], params)
+    first, handoff = _prefill(prefill, held_prompt, params, "held")
+    engine.add_request(head_prompt, params, request_id="head")
+    engine.add_request(held_prompt, params, request_id="held", generated_token_ids=[first],
+                       kv=handoff)
+    # The head needs 19 of the 20 blocks; the held KV takes 5 of them.
+    assert engine.block_pool.num_free == 15
+    done = _run(engine)
+    assert engine.scheduler.counters["kv_imports_dropped"] == 1  # given back, not deadlocked
+    assert done["head"].token_ids == reference[0].token_ids
+    assert done["held"].token_ids == reference[1].token_ids
+    assert done["held"].usage.kv_transferred_tokens == 0  # recomputed, and said so
+    assert engine.block_pool.num_free == 20

@@ -42,8 +42,10 @@ def test_blocks_cross_the_tier_into_other_slots_bit_for_bit(redis_client, dtype)
     for s, t in zip((*source.k, *source.v), (*target.k, *target.v), strict=True):
         assert torch.equal(t[[0, 2, 5]], s[[3, 1, 7]])
     # Every key has a TTL: nothing in the tier outlives it.
-    keys = redis_client.keys("conveyor:kv:*")
-    assert keys and all(0 < redis_client.pttl(k) <= 600_000 for k in keys)
+    runs = redis_client.keys("conveyor:kv:{*")
+    assert runs and all(0 < redis_client.pttl(k) <= 600_000 for k in runs)
+    counts = redis_client.keys("conveyor:kv:bytes:*")  # a bucket outlives its runs a little
+    assert counts and all(0 < redis_client.pttl(k) <= 900_000 for k in counts)
 
 
 def test_a_missing_transfer_is_a_miss(redis_client):
@@ -151,3 +153,19 @@ def test_a_write_redis_refuses_is_refused_not_raised_raw(redis_client):
 def _refused_writes(client: redis.Redis) -> int:
     stats = client.info("errorstats")
     return int(stats.get("errorstat_OOM", {}).get("count", 0))
+
+
+def test_the_byte_count_forgets_runs_once_they_have_expired_and_never_counts_twice(
+        redis_client):
+    clock = [1000.0]
+    tier = RedisKVTier(redis_client, ttl_s=100, now=lambda: clock[0])
+    cache = _cache()
+    size = block_layout(cache, FINGERPRINT).bytes_per_block * 2
+    _store(tier, cache, [0, 1], "a")
+    _store(tier, cache, [0, 1], "a")  # an overwrite takes the old run's bytes back first
+    assert tier.bytes_in_use() == size
+    clock[0] += 100 + 25  # past the run's TTL and the bucket it was counted in
+    assert tier.bytes_in_use() == 0
+    _store(tier, cache, [2, 3], "b")
+    tier.delete("b")
+    assert tier.bytes_in_use() == 0

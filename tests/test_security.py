@@ -619,3 +619,15 @@ def test_the_kv_tier_is_the_workers_alone(acl_server, admin):
                 other.get(tier.header_key("r1"))  # KV reveals prompts
             with pytest.raises(redis.exceptions.NoPermissionError):
                 other.set(tier.chunk_key("r1", 0), b"planted")  # and would poison outputs
+
+
+def test_a_worker_whose_user_predates_the_handoff_stream_still_serves(redis7_acl_server, admin7,
+                                                                       start_worker):
+    rules = [r for r in acl_rules("worker", version=7) if ":handoff:" not in r]
+    admin7.execute_command("ACL", "SETUSER", "older-worker", "reset", "on", ">older", *rules)
+    worker = start_worker(url=f"unix://older-worker:older@{redis7_acl_server.socket}")
+    assert KEYS.handoff(MODEL) not in worker.intake.streams  # it reads the lanes only
+    with Client(user_url(redis7_acl_server, "producer")) as client:
+        done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
+                             timeout=60)
+    assert done.finish_reason == "length"

@@ -151,16 +151,27 @@ class Engine:
         seed = params.seed if params.seed is not None else fresh_seed()
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
                                           self.tokenizer if self.config.detokenize else None)
-        state.num_transferred_tokens = kv.num_tokens if kv is not None else 0
-        if generated:
-            state.add_tokens(generated, None)
-            state.take_delta(final=False)  # already delivered by whoever produced them
-        self.scheduler.add_request(req)
+        try:
+            if generated:
+                state.add_tokens(generated, None)
+                state.take_delta(final=False)  # already delivered by whoever produced them
+            self.scheduler.add_request(req)
+        except Exception:
+            if req.preloaded is not None:  # the engine stays untouched: no held blocks
+                self.kv.release_hold(req.preloaded)
+            raise
         self._outputs[request_id] = state
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._ids), request_id, state))
             self._with_deadline.add(request_id)
         return request_id
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """The request's prompt and output token ids so far (a copy)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not known here")
+        return req.all_token_ids()
 
     def export_kv(self, request_id: str) -> KVHandoff:
         """The KV of every token of ``request_id`` computed so far (after the step that
@@ -242,6 +253,7 @@ class Engine:
         for upd in self.scheduler.update(sched, tokens):
             state = self._outputs[upd.request_id]
             state.num_cached_tokens = upd.num_cached_tokens
+            state.num_transferred_tokens = upd.num_transferred_tokens
             state.add_tokens(upd.new_token_ids, logprobs.get(upd.request_id))
             reason = FinishReason(upd.finish_reason) if upd.finished else None
             if reason is None and state.hit_stop_string:

@@ -77,6 +77,10 @@ class KVHeader:
     # Byte length of each stored chunk, in order; they add up to the payload.
     chunk_sizes: tuple[int, ...]
     checksum: str  # blake2b-128 of the whole payload, hex
+    # What the KV was computed from (the writer's hash of the token ids; "" when unsaid).
+    tokens_hash: str = ""
+    # When it was stored (unix seconds): which of the tier's byte-count buckets holds it.
+    stored_at: float = 0.0
 
     @property
     def payload_bytes(self) -> int:
@@ -97,7 +101,9 @@ class KVHeader:
             return cls(layout=layout, num_blocks=int(body["num_blocks"]),
                        num_tokens=int(body["num_tokens"]),
                        chunk_sizes=tuple(int(n) for n in body["chunk_sizes"]),
-                       checksum=str(body["checksum"]))
+                       checksum=str(body["checksum"]),
+                       tokens_hash=str(body.get("tokens_hash", "")),
+                       stored_at=float(body.get("stored_at", 0.0)))
         except Exception as exc:  # any malformed header is one cause: corrupt
             raise TierCorrupt(f"unreadable header: {exc}") from exc
 

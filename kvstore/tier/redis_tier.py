@@ -9,13 +9,21 @@ Redis Cluster keeps them in one slot (one pipeline, one MGET):
 Writes go chunks first, header last, so a reader that finds a header finds the chunks
 it names, unless they expired or were deleted since, which the reader's size and checksum
 checks catch (TierCorrupt, and the caller recomputes). The tier never takes more than
-``max_bytes`` (counted in ``{ns}:kv:bytes``) nor lets Redis's used memory pass
-``maxmemory_fraction`` of its ``maxmemory``: where it shares a Redis with the request
-queues, a full tier must refuse its own writes long before Redis refuses the queues'.
-Run it on its own Redis in production (``--kv-redis``).
+``max_bytes`` nor lets Redis's used memory pass ``maxmemory_fraction`` of its
+``maxmemory``: where it shares a Redis with the request queues, a full tier must refuse
+its own writes long before Redis refuses the queues'. Run it on its own Redis in
+production (``--kv-redis``).
+
+Bytes are counted in time buckets of a quarter TTL (``{ns}:kv:bytes:<bucket>``): a run
+counts in the bucket it was written in until that bucket leaves the window of the last
+five, by when the run has expired; a delete takes its bytes back from that same bucket.
+So expired runs stop counting on their own, and nothing drifts.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import redis
 
@@ -31,6 +39,9 @@ from kvstore.tier.header import (
 DEFAULT_CHUNK_BYTES = 512 * 1024
 DEFAULT_TTL_S = 600
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+# Buckets of a quarter TTL each that the byte count sums: a run written in the oldest one
+# has expired by the time that bucket leaves the window.
+WINDOW_BUCKETS = 5
 
 
 class RedisKVTier:
@@ -39,7 +50,8 @@ class RedisKVTier:
     def __init__(self, client: redis.Redis, namespace: str = "conveyor", *,
                  ttl_s: int = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 maxmemory_fraction: float = 0.5) -> None:
+                 maxmemory_fraction: float = 0.5,
+                 now: Callable[[], float] = time.time) -> None:
         if ttl_s < 1 or max_bytes < 1 or chunk_bytes < 1 or not 0 < maxmemory_fraction <= 1:
             raise ValueError("ttl_s, max_bytes and chunk_bytes must be >= 1 and "
                              "maxmemory_fraction in (0, 1]")
@@ -49,7 +61,8 @@ class RedisKVTier:
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
         self.maxmemory_fraction = maxmemory_fraction
-        self.bytes_key = f"{namespace}:kv:bytes"
+        self.now = now  # unix seconds; tests move it
+        self.bucket_s = ttl_s / 4
 
     # ----- keys -----
 
@@ -62,15 +75,20 @@ class RedisKVTier:
     # ----- the interface -----
 
     def put(self, name: str, layout: BlockLayout, payload: bytes, num_blocks: int,
-            num_tokens: int) -> KVHeader:
+            num_tokens: int, tokens_hash: str = "") -> KVHeader:
         if len(payload) != num_blocks * layout.bytes_per_block:
             raise ValueError(f"{len(payload)} bytes are not {num_blocks} blocks of "
                              f"{layout.bytes_per_block}")
-        self._check_room(len(payload))
+        try:
+            self._check_room(len(payload))
+        except redis.ResponseError as exc:  # its GET or INFO refused (e.g. LOADING)
+            raise TierRefused(f"redis refused the KV tier's room check: {exc}") from exc
         view = memoryview(payload)
         chunks = [view[i:i + self.chunk_bytes] for i in range(0, len(view), self.chunk_bytes)]
+        self._uncount(name)  # an overwrite takes the old run's bytes back first
+        stored_at = self.now()
         header = KVHeader(layout, num_blocks, num_tokens, tuple(len(c) for c in chunks),
-                          checksum(view))
+                          checksum(view), tokens_hash, stored_at)
         try:
             pipe = self.client.pipeline(transaction=False)
             for i, chunk in enumerate(chunks):
@@ -82,8 +100,9 @@ class RedisKVTier:
             # The header last: a reader that sees it finds every chunk written.
             pipe = self.client.pipeline(transaction=False)
             pipe.set(self.header_key(name), header.encode(), px=self.ttl_ms)
-            pipe.incrby(self.bytes_key, len(payload))
-            pipe.pexpire(self.bytes_key, self.ttl_ms)
+            bucket = self.bytes_key(self._bucket(stored_at))
+            pipe.incrby(bucket, len(payload))
+            pipe.pexpire(bucket, self._bucket_ttl_ms())
             pipe.execute()
         except redis.ResponseError as exc:  # OOM, READONLY, LOADING: not this tier's to retry
             raise TierRefused(f"redis refused a KV write: {exc}") from exc
@@ -95,6 +114,8 @@ class RedisKVTier:
             raise TierMiss(f"no KV stored under {name!r}")
         header = KVHeader.decode(raw)
         header.check_layout(layout)
+        if not header.chunk_sizes:
+            raise TierCorrupt(f"the header under {name!r} names no chunks")
         chunks = self.client.mget([self.chunk_key(name, i)
                                    for i in range(len(header.chunk_sizes))])
         for i, (chunk, size) in enumerate(zip(chunks, header.chunk_sizes, strict=True)):
@@ -106,18 +127,26 @@ class RedisKVTier:
         return header, payload
 
     def delete(self, name: str) -> None:
+        self._uncount(name, delete=True)
+
+    def _uncount(self, name: str, delete: bool = False) -> None:
+        """Take a stored run's bytes back from its bucket (and delete its keys)."""
         raw = self.client.get(self.header_key(name))
         if raw is None:
             return
         try:
             header = KVHeader.decode(raw)
         except TierCorrupt:
-            self.client.delete(self.header_key(name))
+            if delete:
+                self.client.delete(self.header_key(name))
             return
         pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.header_key(name),
-                    *[self.chunk_key(name, i) for i in range(len(header.chunk_sizes))])
-        pipe.decrby(self.bytes_key, header.payload_bytes)
+        if delete:
+            pipe.delete(self.header_key(name),
+                        *[self.chunk_key(name, i) for i in range(len(header.chunk_sizes))])
+        bucket = self._bucket(header.stored_at)
+        if bucket > self._bucket(self.now()) - WINDOW_BUCKETS:  # still counted
+            pipe.decrby(self.bytes_key(bucket), header.payload_bytes)
         pipe.execute()
 
     def has(self, name: str) -> bool:
@@ -125,11 +154,23 @@ class RedisKVTier:
 
     # ----- room -----
 
+    def bytes_key(self, bucket: int) -> str:
+        return f"{self.ns}:kv:bytes:{bucket}"
+
+    def _bucket(self, t: float) -> int:
+        return int(t // self.bucket_s)
+
+    def _bucket_ttl_ms(self) -> int:
+        return int((WINDOW_BUCKETS + 1) * self.bucket_s * 1000)
+
     def bytes_in_use(self) -> int:
-        """What the tier counts as stored: written and not deleted, until the counter's own
-        TTL (renewed by every write) lapses. Entries that expired are still counted, so the
-        bound errs on refusing."""
-        return max(0, int(self.client.get(self.bytes_key) or 0))
+        """What the tier counts as stored: runs written in the last five buckets (a run
+        expires within four) and not deleted. A run counts for at most a bucket past its
+        expiry, so the bound errs on refusing, never on taking too much."""
+        current = self._bucket(self.now())
+        counts = self.client.mget([self.bytes_key(b)
+                                   for b in range(current - WINDOW_BUCKETS + 1, current + 1)])
+        return max(0, sum(int(c) for c in counts if c is not None))
 
     def _check_room(self, nbytes: int) -> None:
         if self.bytes_in_use() + nbytes > self.max_bytes:

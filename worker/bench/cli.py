@@ -34,9 +34,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "off and --offline measure alternatives on the same model and workload in the same run.",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1",
-                   help="w1 heavy-tailed mix, w2 long-document burst, w3 shared document "
-                   "(default: w1)")
+    w.add_argument("--workload", choices=["w1", "w2", "w3", "w5"], default="w1",
+                   help="w1 heavy-tailed mix, w2 long-document burst, w3 shared document, "
+                   "w5 documents arriving beside interactive requests (default: w1)")
+    w.add_argument("--doc-rate", type=float, default=0.5, metavar="R",
+                   help="w5: long documents arriving per second (default: %(default)s)")
     w.add_argument("--requests", type=int, default=None, metavar="N",
                    help="requests (w1), steady requests (w2) or questions (w3); default: the "
                    "workload's own (64, 48, 16)")
@@ -71,6 +73,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="off: also run the fleet with chunked prefill off, for comparison")
     a.add_argument("--offline", action="store_true",
                    help="also run the engine in this process without Redis")
+    a.add_argument("--disaggregate", action="store_true",
+                   help="instead of the fleet: two mixed workers against one prefill and one "
+                   "decode worker, each with --threads threads (prefill/decode disaggregation)")
 
     a.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run every system N times, in turns, and report each one's median "
@@ -97,7 +102,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     model_dir = ensure_model(args.model, "tiny" if args.quick else "small")
     config = json.loads((model_dir / "config.json").read_text())
     items = workloads.build_workload(args.workload, args.requests, config["vocab_size"],
-                                     args.seed, args.quick)
+                                     args.seed, args.quick, args.doc_rate)
     if args.rate:
         items = workloads.with_poisson_arrivals(items, args.rate, args.seed)
     out_dir = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
@@ -131,7 +136,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
         summaries[name] = metrics.summarize_run(run, slo)
         summaries[name]["repeats"] = [_repeat_row(r) for r in runs[name]]
     rows = report.comparisons(summaries, args.workload, aims=not args.quick)
-    if not (args.rate or args.concurrency):  # the limit assumes everything at t=0
+    if not (args.rate or args.concurrency or any(i.arrival_s for i in items)):
+        # The limit assumes everything at t=0.
         rows += report.limit_rows(summaries, limits_found["limit_output_tokens_per_s"],
                                   args.workload, aims=not args.quick)
     title = f"{args.workload} on {model_dir.name}, {_arrivals(args)}"

@@ -20,6 +20,8 @@ def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
     ``aims`` False leaves the aims out (quick runs on the tiny model measure nothing real).
     """
     rows = []
+    if "mixed" in summaries and "disaggregated" in summaries:
+        return disaggregation_rows(summaries["disaggregated"], summaries["mixed"])
     fleet = summaries.get("fleet")
     if fleet is None:
         return rows
@@ -51,6 +53,25 @@ def limit_rows(summaries: dict[str, dict[str, Any]], limit_tokens_per_s: float,
         rows.append(_row(f"output tokens/s, {name} / physical limit",
                          _get(summary, "throughput", "output_tokens_per_s"),
                          limit_tokens_per_s, aim, higher_is_better=True))
+    return rows
+
+
+def disaggregation_rows(split: dict[str, Any], mixed: dict[str, Any]) -> list[dict[str, Any]]:
+    """One prefill + one decode worker against two mixed workers (W5): the interactive
+    requests' TTFT and ITL, the documents' TTFT, goodput; each disaggregated / mixed."""
+    rows = []
+    for group, kind, stats in (("interactive", "ttft", ("p50", "p99")),
+                               ("interactive", "itl", ("p50", "p99")),
+                               ("document", "ttft", ("p50", "p99"))):
+        for stat in stats:
+            a = split.get("groups", {}).get(group, {}).get("latency_ms", {}).get(kind, {})
+            b = mixed.get("groups", {}).get(group, {}).get("latency_ms", {}).get(kind, {})
+            rows.append(_row(f"{group} {kind.upper()} {stat} ms, disaggregated / mixed",
+                             a.get(stat, math.nan), b.get(stat, math.nan), None,
+                             higher_is_better=False))
+    rows.append(_row("goodput req/s, disaggregated / mixed",
+                     _get(split, "goodput", "requests_per_s"),
+                     _get(mixed, "goodput", "requests_per_s"), None, higher_is_better=True))
     return rows
 
 

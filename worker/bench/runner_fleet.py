@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ class FleetTarget:
     # `conveyor worker` flags: engine settings and threads.
     worker_flags: list[str]
     log_dir: Path
+    # More workers serving the same model, each with its flags (e.g. a decode worker
+    # beside a prefill one); the first worker's heartbeat gives the KV samples.
+    more_workers: tuple[tuple[str, ...], ...] = ()
 
 
 def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
@@ -41,38 +45,56 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
     """Start a worker, warm it up, drive the workload through Redis, stop the worker."""
     label = f"{name}-{repeat}"
     model = f"bench-{os.getpid()}-{label}"  # its own request stream: no other worker serves it
-    with Client(target.redis_url, target.namespace) as client:
-        worker = WorkerProcess(label, target.model_dir, model, target.redis_url,
-                               target.namespace, target.worker_flags,
-                               target.log_dir / f"worker-{label}.log")
-        with worker:
-            worker.start(client.redis)
-            _warm_up(client, model, worker)
-            plan = ArrivalPlan(items, concurrency)
-            before = _cpu_now(client, worker)
-            records, kv, duration = _drive(client, model, items, plan, worker, timeout_s)
-            after = _cpu_now(client, worker)
-            used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+    flags = [list(target.worker_flags), *(list(f) for f in target.more_workers)]
+    with Client(target.redis_url, target.namespace) as client, ExitStack() as stack:
+        workers = [stack.enter_context(WorkerProcess(
+            f"{label}-{i}" if i else label, target.model_dir, model, target.redis_url,
+            target.namespace, f, target.log_dir / f"worker-{label}{f'-{i}' if i else ''}.log"))
+            for i, f in enumerate(flags)]
+        for w in workers:
+            w.start(client.redis)
+        group = _Group(workers)
+        _warm_up(client, model, group)
+        plan = ArrivalPlan(items, concurrency)
+        before = _cpu_now(client, workers)
+        records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
+        after = _cpu_now(client, workers)
+        used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+    where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     return RunResult(name, settings, records, duration, kv, used,
-                     notes=["client in the bench process, worker in a child process"])
+                     notes=[f"client in the bench process, {where}"])
 
 
-def _cpu_now(client: Client, worker: WorkerProcess) -> dict[str, float | None]:
-    return {"worker": cpu.process_cpu_s(worker.proc.pid) if worker.proc else None,
+class _Group:
+    """The run's workers as one: any of them dead fails the run; the first one's heartbeat
+    is sampled for KV use."""
+
+    def __init__(self, workers: list[WorkerProcess]) -> None:
+        self.workers = workers
+        self.key = workers[0].key
+
+    def check_alive(self) -> None:
+        for w in self.workers:
+            w.check_alive()
+
+
+def _cpu_now(client: Client, workers: list[WorkerProcess]) -> dict[str, float | None]:
+    seconds = [cpu.process_cpu_s(w.proc.pid) if w.proc else None for w in workers]
+    return {"worker": None if None in seconds else sum(seconds),  # type: ignore[arg-type]
             "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
 
 
-def _warm_up(client: Client, model: str, worker: WorkerProcess) -> None:
+def _warm_up(client: Client, model: str, worker: _Group) -> None:
     # First forwards allocate and pick kernels: keep that out of the measured run.
     ids = [client.submit(list(range(2, 2 + n)), model=model, max_tokens=4, temperature=0,
-                         ignore_eos=True) for n in (8, 64)]
+                         ignore_eos=True) for _ in worker.workers for n in (8, 64)]
     for rid in ids:
         worker.check_alive()
         client.result(rid, timeout=300)
 
 
 def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
-           worker: WorkerProcess, timeout_s: float
+           worker: _Group, timeout_s: float
            ) -> tuple[list[RequestRecord], list[KVSample], float]:
     follower = StreamFollower(client.redis, client.keys)
     records: dict[str, RequestRecord] = {}

@@ -27,6 +27,13 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
                    items: list[WorkItem], redis_url: str, out_dir: Path) -> list[System]:
     """The fleet, then each alternative the arguments ask for, in that order."""
     engine = engine_settings(args)
+    if getattr(args, "disaggregate", False):
+        # Same cores either way: two workers of `--threads` each, mixed or split by role.
+        flags = worker_flags(engine, args.threads)
+        return [_fleet("mixed", engine, args, model_dir, items, redis_url, out_dir,
+                       more=(tuple(flags),)),
+                _fleet("disaggregated", engine, args, model_dir, items, redis_url, out_dir,
+                       roles=("prefill", "decode"))]
     systems = [_fleet("fleet", engine, args, model_dir, items, redis_url, out_dir)]
     if args.chunked_prefill == "off":
         systems.append(_fleet("fleet-chunked-off", chunked_off(engine, config), args, model_dir,
@@ -48,13 +55,23 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
 
 
 def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_dir: Path,
-           items: list[WorkItem], redis_url: str, out_dir: Path) -> System:
-    target = FleetTarget(model_dir, redis_url, args.namespace,
-                         worker_flags(engine, args.threads), out_dir)
-    settings = {"engine": engine, "threads": args.threads}
+           items: list[WorkItem], redis_url: str, out_dir: Path,
+           more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = ()) -> System:
+    """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role."""
+    flags = worker_flags(engine, args.threads)
+    if roles:
+        first, *rest = [[*flags, "--role", role] for role in roles]
+        target = FleetTarget(model_dir, redis_url, args.namespace, first, out_dir,
+                             tuple(tuple(f) for f in rest))
+        describe = " + ".join(f"a {role} worker" for role in roles)
+    else:
+        target = FleetTarget(model_dir, redis_url, args.namespace, flags, out_dir, more)
+        describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
+            + ", this process the client"
+    settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
+                if not roles else len(roles), "roles": list(roles) or ["both"]}
     return System(name, lambda repeat: run_fleet(name, target, items, args.concurrency,
-                                                 settings, args.timeout, repeat),
-                  "a worker process, this process the client")
+                                                 settings, args.timeout, repeat), describe)
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

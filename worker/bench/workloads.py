@@ -63,6 +63,24 @@ def w2_long_document_burst(num_steady: int = 48, vocab: int = 8192, seed: int = 
     return items
 
 
+def w5_documents_beside_chat(num_interactive: int = 16, vocab: int = 8192, seed: int = 0,
+                             doc_rate: float = 0.5, num_docs: int = 6,
+                             interactive_prompt: int = 32, interactive_output: int = 200,
+                             doc_tokens: int = 2000, doc_output: int = 4) -> list[WorkItem]:
+    """W5: ``num_interactive`` requests (short prompts, long outputs; group "interactive")
+    at t=0, and ``num_docs`` long documents (group "document") arriving every
+    ``1 / doc_rate`` seconds from the first second on: prefill keeps competing with decodes
+    (what prefill/decode disaggregation is for)."""
+    if doc_rate <= 0:
+        raise ValueError(f"doc_rate must be > 0 documents/s, got {doc_rate}")
+    rng = random.Random(seed)
+    items = [WorkItem(_tokens(rng, interactive_prompt, vocab), interactive_output,
+                      group="interactive") for _ in range(num_interactive)]
+    items += [WorkItem(_tokens(rng, doc_tokens, vocab), doc_output, arrival_s=1.0 + k / doc_rate,
+                       group="document") for k in range(num_docs)]
+    return items
+
+
 def with_poisson_arrivals(items: list[WorkItem], rate: float, seed: int = 0) -> list[WorkItem]:
     """The same requests, arriving as a Poisson process of ``rate`` requests per second."""
     if rate <= 0:
@@ -94,8 +112,8 @@ QUICK_REQUESTS = 8
 
 
 def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 0,
-                   quick: bool = False) -> list[WorkItem]:
-    """The named reference workload (w1, w2, w3), all at t=0; ``quick`` shrinks it."""
+                   quick: bool = False, doc_rate: float = 0.5) -> list[WorkItem]:
+    """The named reference workload (w1, w2, w3, w5); ``quick`` shrinks it."""
     n = num_requests or (QUICK_REQUESTS if quick else None)
     if name == "w1":
         if quick:
@@ -110,7 +128,12 @@ def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 
         if quick:
             return w3_shared_document(n, doc_tokens=256, vocab=vocab, seed=seed, output=8)
         return w3_shared_document(n or 16, vocab=vocab, seed=seed)
-    raise ValueError(f"unknown workload {name!r}: w1, w2 or w3")
+    if name == "w5":
+        if quick:
+            return w5_documents_beside_chat(n, vocab, seed, doc_rate, num_docs=2,
+                                            interactive_output=24, doc_tokens=300)
+        return w5_documents_beside_chat(n or 16, vocab, seed, doc_rate)
+    raise ValueError(f"unknown workload {name!r}: w1, w2, w3 or w5")
 
 
 def describe(items: list[WorkItem]) -> dict[str, int | float]:

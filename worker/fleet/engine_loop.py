@@ -6,7 +6,6 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +16,7 @@ from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, now_ms
 from producer.wire.stopping import stop_reason
 from worker.engine import Engine
 from worker.fleet.faults import maybe_die
-from worker.fleet.handoff import HandOn
+from worker.fleet.handoff import HandoffReader, HandOn, tokens_hash
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.prefix_share import SharePrefix
@@ -43,12 +42,13 @@ class EngineLoop(SupervisedThread):
 
     def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
                  publisher: Publisher, metrics: WorkerMetrics, worker_id: str,
-                 role: str = "both", on_kv_fallback: Callable[[str, str, str], None] | None = None,
+                 role: str = "both", kv_events: HandoffReader | None = None,
                  share_prefixes: bool = False, **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
         # "prefill": hand every request on once its first token is out (fleet/handoff.py).
         self.role = role
-        self.on_kv_fallback = on_kv_fallback
+        # Where a handed-on request's KV was adopted, or recomputed instead, is counted.
+        self.kv_events = kv_events
         self.handed_on = 0
         # Put each fresh request's prompt blocks in the KV tier (fleet/prefix_share.py).
         self.share_prefixes = share_prefixes
@@ -148,12 +148,14 @@ class EngineLoop(SupervisedThread):
         of the engine, its KV with it; its token is published as usual, then it is handed
         on. Returns the outputs to publish as they are."""
         keep, handed = [], []
+        tokens: dict[str, list[int]] = {}
         for out in outputs:
             entry = self.inflight.get(out.request_id)
             if out.finished or not out.new_token_ids or entry is None or entry.message is None:
                 keep.append(out)
                 continue
             kv = self.engine.export_kv(out.request_id)
+            tokens[out.request_id] = self.engine.token_ids(out.request_id)
             self.engine.abort(out.request_id)  # its final is not ours to publish
             handed.append((out, entry, kv))
         if not handed:
@@ -164,7 +166,7 @@ class EngineLoop(SupervisedThread):
             items.append(self._chunk_publication(out, entry))
             self.inflight.remove(out.request_id)
             items.append(HandOn(out.request_id, entry.stream, entry.entry_id, entry.message,
-                                FIELD, kv))
+                                FIELD, kv, tokens_hash(tokens[out.request_id][:kv.num_tokens])))
             items.append(Forget(out.request_id))
         self.publisher.publish(items)
         self.handed_on += len(handed)
@@ -232,10 +234,13 @@ class EngineLoop(SupervisedThread):
         if adm.kv is not None:
             try:
                 self.engine.add_request(adm.prompt_token_ids, params, kv=adm.kv, **kwargs)
-                return
             except ValueError as exc:  # no room for its blocks now: compute the prompt instead
-                if self.on_kv_fallback is not None:
-                    self.on_kv_fallback(req.request_id, "no_room", str(exc))
+                if adm.kv_source == "handoff" and self.kv_events is not None:
+                    self.kv_events.fallback(req.request_id, "no_room", str(exc))
+            else:
+                if adm.kv_source == "handoff" and self.kv_events is not None:
+                    self.kv_events.adopted()
+                return
         self.engine.add_request(adm.prompt_token_ids, params, **kwargs)
 
     def _already_done(self, adm: Admission, generated: list[int]) -> FinishReason | None:

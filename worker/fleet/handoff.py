@@ -13,7 +13,11 @@ than recompute, and the cause is counted.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -40,6 +44,23 @@ return id
 """
 
 
+class UsesLayout:
+    """For the tier's readers and writers: this engine's KV layout, asked for only when a
+    transfer happens (its model fingerprint hashes every weight byte)."""
+
+    _layout: Callable[[], BlockLayout]
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout()
+
+
+def tokens_hash(tokens: list[int]) -> str:
+    """What a handoff's KV was computed from, so a reader never adopts another request's
+    KV stored under the same (reused) id."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
+
+
 def streams_for(keys: Keys, model: str, role: str) -> list[str]:
     """The streams a worker of ``role`` reads, in the order it reads them: handed-on
     requests first (their KV waits in the tier), then the lanes."""
@@ -61,16 +82,19 @@ class HandOn:
     message: bytes  # the request as the producer sent it
     field: str
     kv: KVHandoff
+    # Of the token ids the KV covers: a reader checks its own tokens against it.
+    tokens_hash: str = ""
     written: bool = False
 
 
-class HandOnWriter:
+class HandOnWriter(UsesLayout):
     """The publisher's side: KV into the tier, then the atomic hand-on."""
 
-    def __init__(self, client: redis.Redis, tier: RedisKVTier, layout: BlockLayout,
+    def __init__(self, client: redis.Redis, tier: RedisKVTier, layout: Callable[[], BlockLayout],
                  keys: Keys, model: str, worker_id: str) -> None:
         self.tier = tier
-        self.layout = layout
+        # What this engine's KV is (computed on first use: it hashes every weight).
+        self._layout = layout
         self.handoff_stream = keys.handoff(model)
         self.worker_id = worker_id
         self._script = client.register_script(HAND_ON_SCRIPT)
@@ -81,12 +105,15 @@ class HandOnWriter:
         block = self.layout.block_size
         try:
             self.tier.put(item.request_id, self.layout, item.kv.payload,
-                          -(-item.kv.num_tokens // block), item.kv.num_tokens)
-        except TierRefused as exc:
-            # The decode worker will find no KV and recompute: slower, never wrong.
+                          -(-item.kv.num_tokens // block), item.kv.num_tokens,
+                          tokens_hash=item.tokens_hash)
+        except (TierRefused, redis.RedisError) as exc:
+            # Refused, or the tier's Redis unreachable: the decode worker will find no KV
+            # and recompute (slower, never wrong); the hand-on itself must not wait.
             self.kv_refused += 1
-            log.warning("kv tier refused a handoff's KV", request_id=item.request_id,
+            log.warning("kv tier did not take a handoff's KV", request_id=item.request_id,
                         error=str(exc))
+            self._forget_stale(item.request_id)
         moved = self._script(keys=[item.stream, self.handoff_stream],
                              args=[GROUP, self.worker_id, item.entry_id, item.field,
                                    item.message])
@@ -98,36 +125,60 @@ class HandOnWriter:
                         request_id=item.request_id, entry_id=item.entry_id)
 
 
-class HandoffReader:
+    def _forget_stale(self, request_id: str) -> None:
+        """A refused put must not leave an older run under the same id (a reused request
+        id) for the decode worker to find; the token hash would catch it too."""
+        try:
+            self.tier.delete(request_id)
+        except redis.RedisError:
+            pass
+
+
+class HandoffReader(UsesLayout):
     """The intake's side: the KV of a handed-on request, or why it cannot be used."""
 
-    def __init__(self, tier: RedisKVTier, layout: BlockLayout) -> None:
+    def __init__(self, tier: RedisKVTier, layout: Callable[[], BlockLayout]) -> None:
         self.tier = tier
-        self.layout = layout
+        # What this engine's KV is (computed on first use: it hashes every weight).
+        self._layout = layout
         self.imported = 0
         self.fallbacks: Counter[str] = Counter()
+        # Counted from the intake and the engine loop threads.
+        self._lock = threading.Lock()
 
-    def fetch(self, request_id: str, num_tokens: int) -> KVHandoff | None:
-        """KV for the first tokens of a request that has ``num_tokens`` tokens now (prompt
-        and published output); None (counted by cause) where it cannot be used."""
+    def fetch(self, request_id: str, tokens: list[int]) -> KVHandoff | None:
+        """KV for the first of ``tokens`` (the request's prompt and published output);
+        None (counted by cause) where it cannot be used. Never raises for the tier: a tier
+        that cannot be read is a fallback like any other."""
         try:
             header, payload = self.tier.get(request_id, self.layout)
+            if not 0 < header.num_tokens < len(tokens):
+                return self._fallback(request_id, "mismatch",
+                                      f"KV of {header.num_tokens} tokens for {len(tokens)}")
+            if header.tokens_hash != tokens_hash(tokens[:header.num_tokens]):
+                return self._fallback(request_id, "mismatch", "KV of other tokens (a reused "
+                                      "request id)")
+            # Read once: a decode worker that dies after this recomputes (its successor
+            # misses).
+            self.tier.delete(request_id)
         except TierError as exc:
             return self._fallback(request_id, exc.cause, str(exc))
-        if not 0 < header.num_tokens < num_tokens:
-            return self._fallback(request_id, "mismatch",
-                                  f"KV of {header.num_tokens} tokens for {num_tokens}")
-        # Read once: a decode worker that dies after this recomputes (its successor misses).
-        self.tier.delete(request_id)
-        self.imported += 1
+        except redis.RedisError as exc:
+            return self._fallback(request_id, "unreachable", str(exc))
         return KVHandoff(header.num_tokens, payload)
+
+    def adopted(self) -> None:
+        """The engine took a fetched KV (counted only then, never beside a fallback)."""
+        with self._lock:
+            self.imported += 1
 
     def fallback(self, request_id: str, cause: str, why: str) -> None:
         """Count a KV that was fetched but could not be used after all (no room)."""
         self._fallback(request_id, cause, why)
 
     def _fallback(self, request_id: str, cause: str, why: str) -> None:
-        self.fallbacks[cause] += 1
+        with self._lock:
+            self.fallbacks[cause] += 1
         log.warning("handed-on request recomputes its prompt", request_id=request_id,
                     cause=cause, reason=why)
         return None

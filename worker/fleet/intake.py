@@ -36,8 +36,10 @@ class Admission:
     entry_id: str
     # What an earlier worker already published (a claimed request resumes after it).
     published: Published | None = None
-    # KV of its first tokens from the fleet tier (a handed-on request), if usable.
+    # KV of its first tokens from the fleet tier, if usable, and where it came from:
+    # "handoff" (a prefill worker) or "prefix" (fleet prefix reuse).
     kv: KVHandoff | None = None
+    kv_source: str = ""
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -94,7 +96,7 @@ class Intake(SupervisedThread):
     def tick(self) -> None:
         """Read what there is room for and hand it to the engine loop."""
         if not self._groups_ready:
-            ensure_groups(self.client, self.streams)
+            self.prepare_streams(self.client)
             self._groups_ready = True
         room = self.inflight.room()
         if room == 0:
@@ -109,8 +111,30 @@ class Intake(SupervisedThread):
                 self._groups_ready = False
                 return
             raise  # any other refusal (an ACL change, say): retried by the supervisor
-        self.hand_over([a for s, e, f in entries if (a := self.accept(s, e, f)) is not None],
-                       self.client)
+        admitted: list[Admission] = []
+        try:
+            for stream, entry_id, fields in entries:
+                if (adm := self.accept(stream, entry_id, fields)) is not None:
+                    admitted.append(adm)
+        finally:
+            # Even when one entry's reads failed: those accepted before it are in the
+            # in-flight table, and only the inbox gets them served.
+            self.hand_over(admitted, self.client)
+
+    def prepare_streams(self, client: redis.Redis) -> None:
+        """Make the consumer group on each stream this worker reads. A `both` worker whose
+        ACL user predates the handoff stream (no ``{ns}:handoff:*``) serves whole requests
+        only, and says so, rather than not starting."""
+        try:
+            ensure_groups(client, self.streams)
+        except redis.exceptions.NoPermissionError:
+            if self.role != "both" or self.handoff_stream not in self.streams:
+                raise
+            log.warning("this worker's Redis user may not read the handoff stream: it serves "
+                        "whole requests only (grant ~NS:handoff:* to take handed-on ones)",
+                        stream=self.handoff_stream)
+            self.streams.remove(self.handoff_stream)
+            ensure_groups(client, self.streams)
 
     def hand_over(self, admitted: list[Admission], client: redis.Redis) -> None:
         """Send accepted requests to the engine loop, those cancelled already marked so.
@@ -172,7 +196,9 @@ class Intake(SupervisedThread):
                          req.request_id, raw, write_final=False)
             return None
         if stream == self.handoff_stream and published is None:
-            # Handed on by a prefill worker: resume after the tokens it published.
+            # Handed on by a prefill worker: resume after the tokens it published. Read
+            # before the entry counts as in flight here: a failed read leaves it to lapse
+            # and be claimed, never held without being served.
             published = read_published(self.client, self.keys, req.request_id)
         item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
                                len(published.token_ids) if published else 0,
@@ -182,13 +208,16 @@ class Intake(SupervisedThread):
             # the entry back as if never delivered here.
             hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
             return None
-        kv = None
+        kv, source = None, ""
         if stream == self.handoff_stream and self.handoffs is not None and published \
                 and published.token_ids and not published.finished:
-            kv = self.handoffs.fetch(req.request_id, len(prompt_ids) + len(published.token_ids))
+            kv = self.handoffs.fetch(req.request_id, prompt_ids + published.token_ids)
+            source = "handoff"
         elif self.prefixes is not None and not (published and published.token_ids):
             kv = self.prefixes.find(prompt_ids)
-        return Admission(req, prompt_ids, stream, entry_id, published, kv)
+            source = "prefix"
+        return Admission(req, prompt_ids, stream, entry_id, published, kv,
+                         source if kv is not None else "")
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:

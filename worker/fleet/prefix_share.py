@@ -15,11 +15,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
 import structlog
 
 from kvstore.prefix_hash import chain
 from kvstore.tier import BlockLayout, TierError, TierMiss, TierRefused
 from kvstore.tier.redis_tier import RedisKVTier
+from producer.clock import SYSTEM_CLOCK, Clock
+from worker.fleet.handoff import UsesLayout
 from worker.kv_handoff import KVHandoff
 
 log = structlog.get_logger(__name__)
@@ -28,7 +31,7 @@ log = structlog.get_logger(__name__)
 MAX_REMEMBERED = 100_000
 
 
-def prefix_name(layout: BlockLayout, block_hash: bytes) -> str:
+def prefix_name(layout: Callable[[], BlockLayout], block_hash: bytes) -> str:
     return f"prefix:{layout.fingerprint[:16]}:{block_hash.hex()}"
 
 
@@ -41,41 +44,51 @@ class SharePrefix:
     written: bool = False
 
 
-class PrefixSharer:
+class PrefixSharer(UsesLayout):
     """The publisher's side: puts blocks the tier may not have yet."""
 
-    def __init__(self, tier: RedisKVTier, layout: BlockLayout) -> None:
+    def __init__(self, tier: RedisKVTier, layout: Callable[[], BlockLayout],
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.tier = tier
-        self.layout = layout
-        self._put: OrderedDict[bytes, None] = OrderedDict()
+        # What this engine's KV is (computed on first use: it hashes every weight).
+        self._layout = layout
+        self.clock = clock
+        # Block hash -> when this worker put it; put again once half its TTL has passed,
+        # so a prefix every worker uses does not vanish from the tier at its TTL.
+        self._put: OrderedDict[bytes, float] = OrderedDict()
         self.blocks_put = 0
         self.refused = 0
 
     def write(self, item: SharePrefix) -> None:
+        now = self.clock.monotonic()
+        fresh_for = self.tier.ttl_ms / 2000
         for block_hash, payload in item.blocks:
-            if block_hash in self._put:
+            put_at = self._put.get(block_hash)
+            if put_at is not None and now - put_at < fresh_for:
                 continue
             try:
                 self.tier.put(prefix_name(self.layout, block_hash), self.layout, payload, 1,
                               self.layout.block_size)
-            except TierRefused as exc:
+            except (TierRefused, redis.RedisError) as exc:
                 self.refused += 1
-                log.info("kv tier refused a prefix block", error=str(exc))
+                log.info("kv tier did not take a prefix block", error=str(exc))
                 break  # later blocks are useless without this one
             self.blocks_put += 1
-            self._put[block_hash] = None
+            self._put[block_hash] = now
+            self._put.move_to_end(block_hash)
             if len(self._put) > MAX_REMEMBERED:
                 self._put.popitem(last=False)
         item.written = True
 
 
-class PrefixFinder:
+class PrefixFinder(UsesLayout):
     """The intake's side: the longest run of a prompt's blocks the tier holds."""
 
-    def __init__(self, tier: RedisKVTier, layout: BlockLayout,
+    def __init__(self, tier: RedisKVTier, layout: Callable[[], BlockLayout],
                  cached_here: Callable[[bytes], bool]) -> None:
         self.tier = tier
-        self.layout = layout
+        # What this engine's KV is (computed on first use: it hashes every weight).
+        self._layout = layout
         self.cached_here = cached_here
         self.hits = 0
         self.hit_tokens = 0
@@ -95,8 +108,8 @@ class PrefixFinder:
                 _, payload = self.tier.get(prefix_name(self.layout, block_hash), self.layout)
             except TierMiss:
                 break
-            except TierError as exc:  # corrupt or another model's: compute from here
-                self.fallbacks += 1
+            except (TierError, redis.RedisError) as exc:  # corrupt, other model's, or the
+                self.fallbacks += 1                       # tier unreachable: compute from here
                 log.warning("unusable prefix block in the kv tier", error=str(exc))
                 break
             payloads.append(payload)

@@ -24,7 +24,7 @@ from worker.fleet.engine_loop import EngineLoop
 from worker.fleet.handoff import HandoffReader, HandOnWriter
 from worker.fleet.heartbeat import Heartbeat
 from worker.fleet.inflight import InflightTable
-from worker.fleet.intake import Admission, Intake, ensure_groups
+from worker.fleet.intake import Admission, Intake
 from worker.fleet.leases import LeaseKeeper, hand_back
 from worker.fleet.prefix_share import PrefixFinder, PrefixSharer
 from worker.fleet.publisher import Publisher
@@ -69,7 +69,7 @@ class Worker:
                          lambda rid: self.loop.end(rid, FinishReason.STOP))
         # The fleet KV tier (kvstore/tier): prefill workers write handoffs' KV, decode and
         # `both` workers read it. Checked against this engine's model fingerprint.
-        layout = self.engine.kv_layout()
+        layout = self.engine.kv_layout  # called at the first transfer, not at start
         publisher_client = self._client("publisher")
         hand_on = (HandOnWriter(publisher_client, self._kv_tier("kv-writer"), layout,
                                 self.keys, self.model, wid)
@@ -85,9 +85,8 @@ class Worker:
                                                           layout) if share else None), **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
-                               self.metrics, wid, role=config.role,
-                               on_kv_fallback=(self.handoffs.fallback if self.handoffs
-                                               else None), share_prefixes=share, **sup)
+                               self.metrics, wid, role=config.role, kv_events=self.handoffs,
+                               share_prefixes=share, **sup)
         self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel, config.lease_ms,
@@ -214,7 +213,7 @@ class Worker:
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
-        ensure_groups(self.client, self.intake.streams)
+        self.intake.prepare_streams(self.client)
         self.reaper.check_lanes()
         self.heartbeat.keep_functions()
         self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,

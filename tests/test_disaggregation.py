@@ -59,6 +59,8 @@ def test_a_prefill_and_a_decode_worker_equal_the_offline_engine(redis_url, start
     assert prefill.publisher.hand_on.handed_on == len(work)
     assert decode.status()["prompt_tokens_computed"] == 0  # every prompt's KV arrived
     assert decode.handoffs.imported == len(work) and not decode.handoffs.fallbacks
+    put, got = prefill.publisher.hand_on.transfers, decode.handoffs.transfers
+    assert put.count == got.count == len(work) and put.bytes == got.bytes > 0
 
 
 def test_missing_kv_is_recomputed_and_still_exact(redis_url, start_worker, tiny_llama,

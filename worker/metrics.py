@@ -215,6 +215,9 @@ class HandoffCounts:
     kv_put_refused: int = 0  # handoffs whose KV the tier refused (sent without KV)
     kv_imported: int = 0  # handed-on requests taken here with their KV
     fallbacks: dict[str, int] = field(default_factory=dict)  # recomputed instead, by cause
+    # KV moved through the tier: (bytes, seconds, runs) put by a prefill worker, and got.
+    put: tuple[int, float, int] = (0, 0.0, 0)
+    got: tuple[int, float, int] = (0, 0.0, 0)
 
 
 class _HandoffsCollector(Collector):
@@ -236,10 +239,19 @@ class _HandoffsCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=["model"])
             c.add_metric([self.model], float(value))
             yield c
+        for name, doc, index in (
+            ("conveyor_kv_transfer_bytes", "KV bytes moved through the tier, by direction.", 0),
+            ("conveyor_kv_transfer_seconds", "Seconds spent moving KV through the tier.", 1),
+            ("conveyor_kv_transfers", "Runs of KV moved through the tier.", 2),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model", "direction"])
+            c.add_metric([self.model, "put"], float(h.put[index]))
+            c.add_metric([self.model, "get"], float(h.got[index]))
+            yield c
         c = CounterMetricFamily("conveyor_kv_handoff_fallbacks",
                                 "Handed-on requests that recomputed their prompt, by cause.",
                                 labels=["model", "cause"])
-        for cause in ("missing", "corrupt", "mismatch", "no_room"):
+        for cause in ("missing", "corrupt", "mismatch", "no_room", "unreachable"):
             c.add_metric([self.model, cause], float(h.fallbacks.get(cause, 0)))
         yield c
 

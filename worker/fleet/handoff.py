@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,21 @@ local id = redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return id
 """
+
+
+@dataclass
+class Transfers:
+    """KV moved through the tier by one side: bytes, seconds spent, runs (for metrics;
+    seconds are measured, never decided on)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    count: int = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.count += 1
 
 
 class UsesLayout:
@@ -100,13 +116,16 @@ class HandOnWriter(UsesLayout):
         self._script = client.register_script(HAND_ON_SCRIPT)
         self.handed_on = 0
         self.kv_refused = 0
+        self.transfers = Transfers()
 
     def write(self, item: HandOn) -> None:
         block = self.layout.block_size
         try:
+            started = time.perf_counter()
             self.tier.put(item.request_id, self.layout, item.kv.payload,
                           -(-item.kv.num_tokens // block), item.kv.num_tokens,
                           tokens_hash=item.tokens_hash)
+            self.transfers.add(len(item.kv.payload), time.perf_counter() - started)
         except (TierRefused, redis.RedisError) as exc:
             # Refused, or the tier's Redis unreachable: the decode worker will find no KV
             # and recompute (slower, never wrong); the hand-on itself must not wait.
@@ -142,6 +161,7 @@ class HandoffReader(UsesLayout):
         # What this engine's KV is (computed on first use: it hashes every weight).
         self._layout = layout
         self.imported = 0
+        self.transfers = Transfers()
         self.fallbacks: Counter[str] = Counter()
         # Counted from the intake and the engine loop threads.
         self._lock = threading.Lock()
@@ -151,7 +171,9 @@ class HandoffReader(UsesLayout):
         None (counted by cause) where it cannot be used. Never raises for the tier: a tier
         that cannot be read is a fallback like any other."""
         try:
+            started = time.perf_counter()
             header, payload = self.tier.get(request_id, self.layout)
+            self.transfers.add(len(payload), time.perf_counter() - started)
             if not 0 < header.num_tokens < len(tokens):
                 return self._fallback(request_id, "mismatch",
                                       f"KV of {header.num_tokens} tokens for {len(tokens)}")

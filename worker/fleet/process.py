@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import astuple
 from typing import Any
 
 import redis
@@ -185,6 +186,8 @@ class Worker:
             kv_put_refused=writer.kv_refused if writer else 0,
             kv_imported=self.handoffs.imported if self.handoffs else 0,
             fallbacks=dict(self.handoffs.fallbacks) if self.handoffs else {},
+            put=astuple(writer.transfers) if writer else (0, 0.0, 0),
+            got=astuple(self.handoffs.transfers) if self.handoffs else (0, 0.0, 0),
         )
 
     def fault_counts(self) -> FaultCounts:

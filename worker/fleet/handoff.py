@@ -143,7 +143,6 @@ class HandOnWriter(UsesLayout):
             log.warning("not handed on: the entry is no longer this worker's",
                         request_id=item.request_id, entry_id=item.entry_id)
 
-
     def _forget_stale(self, request_id: str) -> None:
         """A refused put must not leave an older run under the same id (a reused request
         id) for the decode worker to find; the token hash would catch it too."""

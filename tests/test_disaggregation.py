@@ -18,7 +18,7 @@ from producer.models import LIVE, NO_LIVE_WORKER
 from producer.top import render, take_snapshot
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, decode_output
-from worker import Engine, SamplingParams
+from worker import Engine, FinishReason, SamplingParams
 
 KEYS = Keys()
 
@@ -206,3 +206,24 @@ def test_a_hand_on_goes_through_when_the_tier_is_unreachable(redis_client, tiny_
     assert writer.kv_refused == 1  # the tier really could not be reached
     assert writer.handed_on == 1 and redis_client.xlen(KEYS.handoff(MODEL)) == 1
     assert redis_client.xpending(lane, GROUP)["pending"] == 0  # acknowledged with it
+
+
+def test_a_cancel_holds_across_the_handoff(redis_url, start_worker):
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"})
+    with Client(redis_url) as client:
+        # Cancelled while waiting in the handoff stream (no decode worker yet).
+        waiting = client.submit([5] * 40, model=MODEL, max_tokens=500, temperature=0,
+                                ignore_eos=True)
+        eventually(lambda: prefill.publisher.hand_on.handed_on == 1, "handed on")
+        client.cancel(waiting)
+        decode = start_worker(worker_id="decode-0", config={"role": "decode"})
+        assert client.result(waiting, timeout=60).finish_reason == FinishReason.CANCELLED
+        # Cancelled while the decode worker generates it.
+        running = client.submit([6] * 40, model=MODEL, max_tokens=2000, temperature=0,
+                                ignore_eos=True)
+        eventually(lambda: client.redis.xlen(KEYS.output(running)) > 3,
+                   "the decode worker streaming it")
+        client.cancel(running)
+        done = client.result(running, timeout=60)
+    assert done.finish_reason == FinishReason.CANCELLED and len(done.token_ids) < 2000
+    assert decode.inflight.wait_empty(30)

@@ -38,14 +38,19 @@ def lane_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:
     return [_one_lane(client, keys.requests(model, lane), model, lane) for lane in LANES]
 
 
-def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> LaneStats | None:
-    """The model's handoff stream (prefill to decode workers) as a lane named ``handoff``;
-    None where there is none (no prefill worker ever ran) or this user may not count it."""
-    try:
-        stats = _one_lane(client, keys.handoff(model), model, "handoff")
-    except redis.exceptions.NoPermissionError:
-        return None
-    return stats if stats.length or stats.consumers else None
+def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:
+    """The model's handoff streams (prefill to decode workers) as lanes named
+    ``handoff-interactive`` and ``handoff-batch``; only those that exist (a prefill worker
+    ran), and none where this user may not count them."""
+    out = []
+    for lane in LANES:
+        try:
+            stats = _one_lane(client, keys.handoff(model, lane), model, f"handoff-{lane}")
+        except redis.exceptions.NoPermissionError:
+            return []
+        if stats.length or stats.consumers:
+            out.append(stats)
+    return out
 
 
 def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneStats:

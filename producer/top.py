@@ -104,8 +104,7 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     models = registered | set(requested) | {
         w["model"] for w in workers if w.get("model")}
     lanes = [s for model in sorted(models)
-             for s in [*lane_stats(conn, keys, model), handoff_stats(conn, keys, model)]
-             if s is not None]
+             for s in [*lane_stats(conn, keys, model), *handoff_stats(conn, keys, model)]]
     return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))
 
 

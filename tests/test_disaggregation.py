@@ -75,7 +75,7 @@ def test_missing_kv_is_recomputed_and_still_exact(redis_url, start_worker, tiny_
                    "every request handed on")
         prefill.heartbeat.beat()
         frame = render(take_snapshot(client))
-        assert re.search(r"tiny\s+handoff\s+6\b", frame)  # six handed on, none taken
+        assert re.search(r"tiny\s+handoff-interactive\s+6\b", frame)  # six, none taken
         assert re.search(r"prefill-0\s+tiny\s+prefill", frame)
         kv_keys = redis_client.keys("conveyor:kv:{*")
         assert kv_keys  # the precondition: the handoffs' KV really is in the tier
@@ -101,7 +101,7 @@ def test_a_model_is_live_only_with_both_halves_of_a_request(redis_url, start_wor
 def _decoding_on(client: Client, worker: str, ids: list[str]) -> int:
     """Handed-on requests ``worker`` holds pending that already streamed past their first
     token (it is generating them)."""
-    stream = KEYS.handoff(MODEL)
+    stream = KEYS.handoff(MODEL, "interactive")
     mine = {e["message_id"] for e in client.redis.xpending_range(
         stream, GROUP, "-", "+", 1000, consumername=worker)}
     held = 0
@@ -204,7 +204,7 @@ def test_a_hand_on_goes_through_when_the_tier_is_unreachable(redis_client, tiny_
     kv = KVHandoff(16, b"\0" * layout.bytes_per_block)
     writer.write(HandOn("r1", lane, entry.decode(), b"request", FIELD, kv))
     assert writer.kv_refused == 1  # the tier really could not be reached
-    assert writer.handed_on == 1 and redis_client.xlen(KEYS.handoff(MODEL)) == 1
+    assert writer.handed_on == 1 and redis_client.xlen(KEYS.handoff(MODEL, "interactive")) == 1
     assert redis_client.xpending(lane, GROUP)["pending"] == 0  # acknowledged with it
 
 
@@ -227,3 +227,14 @@ def test_a_cancel_holds_across_the_handoff(redis_url, start_worker):
         done = client.result(running, timeout=60)
     assert done.finish_reason == FinishReason.CANCELLED and len(done.token_ids) < 2000
     assert decode.inflight.wait_empty(30)
+
+
+def test_handed_on_requests_keep_their_lane_and_interactive_is_read_first():
+    from worker.fleet.handoff import streams_for
+
+    handoffs = [KEYS.handoff(MODEL, "interactive"), KEYS.handoff(MODEL, "batch")]
+    lanes = [KEYS.requests(MODEL, "interactive"), KEYS.requests(MODEL, "batch")]
+    assert streams_for(KEYS, MODEL, "decode") == handoffs
+    assert streams_for(KEYS, MODEL, "both") == handoffs + lanes
+    assert streams_for(KEYS, MODEL, "prefill") == lanes
+    assert KEYS.lane_of(lanes[1]) == "batch" and KEYS.lane_of(handoffs[0]) == "interactive"

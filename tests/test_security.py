@@ -48,7 +48,7 @@ from producer.queues import (
 from producer.redis_server import start_ephemeral
 from producer.top import render, take_snapshot
 from producer.wire.errors import LaneBlocked
-from producer.wire.keys import GROUP, Keys
+from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
 from producer.wire.protocol import (
     MAX_ENTRY_BYTES,
@@ -626,7 +626,7 @@ def test_a_worker_whose_user_predates_the_handoff_stream_still_serves(redis7_acl
     rules = [r for r in acl_rules("worker", version=7) if ":handoff:" not in r]
     admin7.execute_command("ACL", "SETUSER", "older-worker", "reset", "on", ">older", *rules)
     worker = start_worker(url=f"unix://older-worker:older@{redis7_acl_server.socket}")
-    assert KEYS.handoff(MODEL) not in worker.intake.streams  # it reads the lanes only
+    assert worker.intake.streams == [KEYS.requests(MODEL, lane) for lane in LANES]  # only
     with Client(user_url(redis7_acl_server, "producer")) as client:
         done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
                              timeout=60)

@@ -41,12 +41,17 @@ class Keys:
         """
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:{validate_lane(lane)}"
 
-    def handoff(self, model: str) -> str:
-        """Stream of requests a prefill worker computed the prompt of, for a decode worker to
-        continue (consumer group ``workers``; the KV is in the fleet tier under the request
-        id). Hash-tagged like the lanes: its slot is theirs, so handing a request on and
-        acknowledging its lane entry is one atomic step."""
-        return f"{self.ns}:handoff:{{{validate_name('model', model)}}}"
+    def handoff(self, model: str, lane: str) -> str:
+        """Stream of requests of one lane a prefill worker computed the prompt of, for a
+        decode worker to continue (consumer group ``workers``; the KV is in the fleet tier
+        under the request id). Hash-tagged like the lanes: its slot is theirs, so handing a
+        request on and acknowledging its lane entry is one atomic step."""
+        return (f"{self.ns}:handoff:{{{validate_name('model', model)}}}:"
+                f"{validate_lane(lane)}")
+
+    def lane_of(self, stream: str) -> str:
+        """The lane a request or handoff stream of this namespace belongs to."""
+        return validate_lane(stream.rsplit(":", 1)[-1])
 
     def output(self, request_id: str) -> str:
         """Stream of one request's output chunks, then its final entry."""

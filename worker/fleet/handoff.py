@@ -3,9 +3,10 @@ and its first token published; a decode worker continues it from the transferred
 
 The prefill side (publisher thread) stores the request's KV in the fleet tier under its
 request id, then in one script, owner-checked, adds the request's message to the model's
-handoff stream (``{ns}:handoff:{model}``) and acknowledges its lane entry: the two keys
-share the model's hash tag, so this is one atomic step on Redis Cluster too. The decode
-side (intake thread) reads the handoff stream like a lane, resumes after the tokens
+handoff stream of its lane (``{ns}:handoff:{model}:{lane}``) and acknowledges its lane
+entry: the two keys share the model's hash tag, so this is one atomic step on Redis
+Cluster too. The decode side (intake thread) reads the handoff streams like lanes,
+interactive first, resumes after the tokens
 already published, and fetches the KV; where the KV cannot be used (missing, expired,
 corrupt, another model or dtype, no room) it recomputes the prompt instead: never worse
 than recompute, and the cause is counted.
@@ -81,11 +82,12 @@ def streams_for(keys: Keys, model: str, role: str) -> list[str]:
     """The streams a worker of ``role`` reads, in the order it reads them: handed-on
     requests first (their KV waits in the tier), then the lanes."""
     lanes = [keys.requests(model, lane) for lane in LANES]
+    handoffs = [keys.handoff(model, lane) for lane in LANES]  # interactive first here too
     if role == "prefill":
         return lanes
     if role == "decode":
-        return [keys.handoff(model)]
-    return [keys.handoff(model), *lanes]
+        return handoffs
+    return [*handoffs, *lanes]
 
 
 @dataclass
@@ -111,7 +113,8 @@ class HandOnWriter(UsesLayout):
         self.tier = tier
         # What this engine's KV is (computed on first use: it hashes every weight).
         self._layout = layout
-        self.handoff_stream = keys.handoff(model)
+        self.keys = keys
+        self.model = model
         self.worker_id = worker_id
         self._script = client.register_script(HAND_ON_SCRIPT)
         self.handed_on = 0
@@ -133,7 +136,8 @@ class HandOnWriter(UsesLayout):
             log.warning("kv tier did not take a handoff's KV", request_id=item.request_id,
                         error=str(exc))
             self._forget_stale(item.request_id)
-        moved = self._script(keys=[item.stream, self.handoff_stream],
+        handoff = self.keys.handoff(self.model, self.keys.lane_of(item.stream))
+        moved = self._script(keys=[item.stream, handoff],
                              args=[GROUP, self.worker_id, item.entry_id, item.field,
                                    item.message])
         item.written = True

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import GROUP, Keys
+from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
 from worker.fleet.handoff import HandoffReader, streams_for
@@ -87,7 +87,7 @@ class Intake(SupervisedThread):
         self.lease_ms = lease_ms
         self.role = role
         self.streams = streams_for(keys, model, role)
-        self.handoff_stream = keys.handoff(model)
+        self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = handoffs
         self.prefixes = prefixes
         self.num_read = 0
@@ -128,12 +128,12 @@ class Intake(SupervisedThread):
         try:
             ensure_groups(client, self.streams)
         except redis.exceptions.NoPermissionError:
-            if self.role != "both" or self.handoff_stream not in self.streams:
+            if self.role != "both" or not set(self.handoff_streams) & set(self.streams):
                 raise
-            log.warning("this worker's Redis user may not read the handoff stream: it serves "
+            log.warning("this worker's Redis user may not read the handoff streams: it serves "
                         "whole requests only (grant ~NS:handoff:* to take handed-on ones)",
-                        stream=self.handoff_stream)
-            self.streams.remove(self.handoff_stream)
+                        streams=self.handoff_streams)
+            self.streams[:] = [s for s in self.streams if s not in self.handoff_streams]
             ensure_groups(client, self.streams)
 
     def hand_over(self, admitted: list[Admission], client: redis.Redis) -> None:
@@ -195,7 +195,7 @@ class Intake(SupervisedThread):
             self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)
             return None
-        if stream == self.handoff_stream and published is None:
+        if stream in self.handoff_streams and published is None:
             # Handed on by a prefill worker: resume after the tokens it published. Read
             # before the entry counts as in flight here: a failed read leaves it to lapse
             # and be claimed, never held without being served.
@@ -209,7 +209,7 @@ class Intake(SupervisedThread):
             hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
             return None
         kv, source = None, ""
-        if stream == self.handoff_stream and self.handoffs is not None and published \
+        if stream in self.handoff_streams and self.handoffs is not None and published \
                 and published.token_ids and not published.finished:
             kv = self.handoffs.fetch(req.request_id, prompt_ids + published.token_ids)
             source = "handoff"

@@ -14,6 +14,7 @@ from waiting import eventually
 from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client import Client
+from producer.clock import ManualClock
 from producer.models import LIVE, NO_LIVE_WORKER
 from producer.top import render, take_snapshot
 from producer.wire.keys import GROUP, Keys
@@ -238,3 +239,17 @@ def test_handed_on_requests_keep_their_lane_and_interactive_is_read_first():
     assert streams_for(KEYS, MODEL, "both") == handoffs + lanes
     assert streams_for(KEYS, MODEL, "prefill") == lanes
     assert KEYS.lane_of(lanes[1]) == "batch" and KEYS.lane_of(handoffs[0]) == "interactive"
+
+
+def test_a_deadline_holds_across_the_handoff(redis_url, start_worker):
+    clock = ManualClock()  # the producer's and the workers': the deadline passes when it moves
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"}, clock=clock)
+    with Client(redis_url, clock=clock) as client:
+        rid = client.submit([5] * 40, model=MODEL, max_tokens=500, temperature=0,
+                            ignore_eos=True, timeout=5.0)
+        eventually(lambda: prefill.publisher.hand_on.handed_on == 1, "handed on")
+        clock.advance(10.0)  # past its deadline while it waits for a decode worker
+        start_worker(worker_id="decode-0", config={"role": "decode"}, clock=clock)
+        done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.EXPIRED
+    assert done.token_ids[:1] and len(done.token_ids) < 500  # its first token, kept

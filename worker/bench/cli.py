@@ -228,6 +228,8 @@ def _redis(url: str | None) -> Iterator[str]:
 
 
 def _arrivals(args: argparse.Namespace) -> str:
+    if args.workload == "w5":
+        return f"interactive at t=0, documents at {args.doc_rate:g}/s"
     if args.rate:
         return f"Poisson arrivals at {args.rate:g} req/s"
     if args.concurrency:

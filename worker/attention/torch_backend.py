@@ -9,6 +9,7 @@ padded by repeating the sequence's last real slot, and padded keys are masked wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ class _KernelDecodes:
     # [Bd, width] block tables and [Bd] context lengths of those sequences.
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    # The compiled kernel, looked up once per step rather than once per layer.
+    kernel: Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -124,12 +127,12 @@ class TorchAttention:
 
         plan = meta.backend_plans.get(_PLAN_KEY)
         if plan is None:
-            kernel = _decode_kernel(q, flat_k)
-            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device, kernel is not None)
+            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device,
+                                                              _decode_kernel(q, flat_k))
         out = torch.empty_like(q)
         if plan.kernel_decodes is not None:
             rows = plan.kernel_decodes
-            out[rows.tokens] = _decode_kernel(q, flat_k)(
+            out[rows.tokens] = rows.kernel(
                 q[rows.tokens], flat_k, flat_v, rows.block_tables, rows.seq_lens,
                 meta.block_size, self.scale)
         for group in plan.decodes:
@@ -206,7 +209,7 @@ def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
 
 
 def _make_plan(meta: AttentionMetadata, device: torch.device,
-               use_kernel: bool = False) -> _StepPlan:
+               kernel: Callable[..., torch.Tensor] | None = None) -> _StepPlan:
     """Split the step into batched decodes and per-sequence prefills, with their gather
     indices (decodes for the CPU kernel need only their tables and lengths)."""
     block_tables = meta.block_tables.to(device)
@@ -220,12 +223,12 @@ def _make_plan(meta: AttentionMetadata, device: torch.device,
             slots = _context_slots(block_tables[i, None], [seq_len], meta.block_size)[0]
             prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    if use_kernel and decode_rows:
+    if kernel is not None and decode_rows:
         index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
         kernel_decodes = _KernelDecodes(
             tokens=meta.query_start_loc[:-1].index_select(0, index),
             block_tables=block_tables.index_select(0, index),
-            seq_lens=meta.seq_lens.to(device).index_select(0, index))
+            seq_lens=meta.seq_lens.to(device).index_select(0, index), kernel=kernel)
         return _StepPlan([], prefills, kernel_decodes)
     groups = []
     for rows in _group_by_length(decode_rows, meta.seq_lens_list):

@@ -22,10 +22,12 @@ VERSIONS = (7, 6)
 def _producer_selectors(ns: str) -> list[tuple[list[str], list[str]]]:
     """(key patterns, commands) of each producer selector on Redis 7, with why."""
     return [
-        # Submit: XADD, or FCALL conveyor_add_if_room for max_queue, which runs EXISTS,
-        # XINFO GROUPS, XLEN and XADD as this user. Lane depths: XLEN, XINFO GROUPS. No
-        # XRANGE/XREAD/XINFO STREAM: other producers' prompts stay unread.
-        ([f"~{ns}:req:*"], ["xadd", "fcall", "exists", "xinfo|groups", "xlen"]),
+        # Submit: XADD to a lane, or FCALL conveyor_add_if_room for max_queue, which
+        # counts the lane and its handoff stream (EXISTS, XINFO GROUPS, XLEN) and XADDs to
+        # the lane as this user. Lane depths: XLEN, XINFO GROUPS. No XRANGE/XREAD/XINFO
+        # STREAM: other producers' prompts stay unread; no XADD to a handoff stream.
+        ([f"~{ns}:req:*"], ["xadd"]),
+        ([f"~{ns}:req:*", f"~{ns}:handoff:*"], ["fcall", "exists", "xinfo|groups", "xlen"]),
         # Stream, result, follow_many; XREVRANGE for the last entry when resuming. Read
         # only: a producer cannot forge another request's tokens or final.
         ([f"%R~{ns}:out:*"], ["xread", "xrevrange"]),
@@ -108,7 +110,10 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
     ns = Keys(namespace).ns
     fleet = [f"{ns}:model:*", f"{ns}:models", f"{ns}:worker:*", f"{ns}:workers"]
     if role == "producer":
-        return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:requested"]
+        # The handoff streams: submit(max_queue=...) counts them (their XADD stays open
+        # on 6.2, where one key list serves every command).
+        return [f"{ns}:req:*", f"{ns}:handoff:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet,
+                f"{ns}:requested"]
     if role == "worker":
         # {ns}:kv:* (the fleet KV tier) is the workers' alone: KV reveals prompts, and a
         # planted block would poison every output computed from it.

@@ -86,7 +86,7 @@ class AsyncClient(ClientBase):
             await self._check_model(sub.model, sub.request_id)
         try:
             if sub.limit is not None:
-                await add_if_room_async(self.redis, sub.key, FIELD, sub.payload, sub.limit)
+                await add_if_room_async(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
             elif pipeline is not None:
                 pipeline.xadd(sub.key, {FIELD: sub.payload})
             else:

@@ -169,6 +169,8 @@ class Submission:
     # None: XADD without counting the queue (no limit, or a pipelined submit).
     limit: int | None
     model: str = ""
+    # What ``limit`` counts: the lane (``key``) and its handoff stream.
+    counted: tuple[str, ...] = ()
 
 
 class ClientBase:
@@ -198,7 +200,8 @@ class ClientBase:
         limit = queue_limit(max_queue, self.max_queue, pipelined)
         built = build_request(prompt, clock=self.clock, **request)
         key = self.keys.requests(built.model, built.lane)
-        return Submission(built.request_id, key, built.encode(), limit, built.model)
+        counted = (key, self.keys.handoff(built.model, built.lane))
+        return Submission(built.request_id, key, built.encode(), limit, built.model, counted)
 
     def _remember(self, state: ModelState) -> ModelState:
         self._model_checks[state.name] = (self.clock.monotonic(), state)
@@ -296,7 +299,7 @@ class Client(ClientBase):
             self._check_model(sub.model, sub.request_id)
         try:
             if sub.limit is not None:
-                add_if_room(self.redis, sub.key, FIELD, sub.payload, sub.limit)
+                add_if_room(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
             else:
                 (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
         except redis.ResponseError as exc:

@@ -28,37 +28,46 @@ log = structlog.get_logger(__name__)
 LIBRARY = "conveyor"
 # Raised whenever the library's functions change (it is part of the code, so a library of
 # another version reads as MODIFIED).
-VERSION = 1
+VERSION = 2
 
 ADD_IF_ROOM = "conveyor_add_if_room"
 VERSION_FUNCTION = "conveyor_version"
 
 SOURCE = f"""#!lua name={LIBRARY}
--- KEYS[1]: a request stream. ARGV: group, limit, field, message.
--- Returns {{"ok", entry id}} after the XADD, or {{"full", count}} (count >= limit) without
--- writing. "Waiting" is undelivered plus pending; undelivered is the group's lag. Where
--- Redis cannot tell the lag (entries deleted from the middle of the stream) every entry
--- in the stream counts: it may refuse early, never admit past the limit.
+-- KEYS[1]: a request stream; KEYS[2] (optional): the handoff stream of its lane, whose
+-- waiting requests count too (a prefill worker acknowledges the lane entry when it hands a
+-- request on: without it, the limit would stop holding once prompts are computed).
+-- ARGV: group, limit, field, message. Returns {{"ok", entry id}} after the XADD to KEYS[1],
+-- or {{"full", count}} (count >= limit) without writing. "Waiting" is undelivered plus
+-- pending; undelivered is the group's lag. Where Redis cannot tell the lag (entries deleted
+-- from the middle of the stream) every entry in the stream counts: it may refuse early,
+-- never admit past the limit.
+local function waiting(stream, group)
+  if redis.call('EXISTS', stream) == 0 then
+    return 0
+  end
+  local found = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {{}}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then found = info end
+  end
+  if found == nil or type(found['lag']) ~= 'number' then
+    return redis.call('XLEN', stream)
+  end
+  return found['lag'] + tonumber(found['pending'])
+end
+
 local function add_if_room(keys, args)
-  local stream, group, limit = keys[1], args[1], tonumber(args[2])
+  local group, limit = args[1], tonumber(args[2])
   local count = 0
-  if redis.call('EXISTS', stream) == 1 then
-    local found = nil
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-      local info = {{}}
-      for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-      if info['name'] == group then found = info end
-    end
-    if found == nil or type(found['lag']) ~= 'number' then
-      count = redis.call('XLEN', stream)
-    else
-      count = found['lag'] + tonumber(found['pending'])
+  for _, stream in ipairs(keys) do
+    count = count + waiting(stream, group)
+    if count >= limit then
+      return {{'full', count}}
     end
   end
-  if count >= limit then
-    return {{'full', count}}
-  end
-  return {{'ok', redis.call('XADD', stream, '*', args[3], args[4])}}
+  return {{'ok', redis.call('XADD', keys[1], '*', args[3], args[4])}}
 end
 
 redis.register_function('{ADD_IF_ROOM}', add_if_room)

@@ -53,6 +53,16 @@ def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats
     return out
 
 
+def waiting(client: redis.Redis, streams: list[str]) -> int:
+    """Requests waiting in ``streams`` together: not yet read, or read and not yet
+    acknowledged (what ``max_queue`` counts)."""
+    total = 0
+    for stream in streams:
+        stats = _one_lane(client, stream, "", "")
+        total += stats.depth + stats.pending
+    return total
+
+
 def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneStats:
     pipe = client.pipeline(transaction=False)
     pipe.xlen(stream)

@@ -107,6 +107,30 @@ def test_pending_alone_can_fill_the_queue(client, r):
     assert refused.value.count == 4
 
 
+def test_requests_handed_on_to_decode_workers_still_count(client, r):
+    # A prefill worker acknowledges a lane entry as it hands the request on: the limit
+    # holds only because the lane's handoff stream counts too.
+    handoff = KEYS.handoff(MODEL, "interactive")
+    make_group(r)
+    r.xgroup_create(handoff, GROUP, id="0", mkstream=True)
+    submit(client, 3)
+    taken = deliver(r, 3)
+    for entry_id in taken:  # handed on: into the handoff stream, acknowledged in the lane
+        r.xadd(handoff, {"m": b"x"})
+        r.xack(STREAM, GROUP, entry_id)
+    r.xreadgroup(GROUP, "decode", {handoff: ">"}, count=1)  # one taken by a decode worker
+    assert lane_stats(r, KEYS, MODEL)[0].depth + lane_stats(r, KEYS, MODEL)[0].pending == 0
+
+    submit(client, max_queue=4)  # 3 waiting in the handoff stream, 1 in the lane
+    with pytest.raises(QueueFull) as refused:
+        submit(client, max_queue=4)
+    assert refused.value.count == 4 and refused.value.stream == STREAM
+
+    r.xack(handoff, GROUP, r.xpending_range(handoff, GROUP, "-", "+", 1)[0]["message_id"])
+    submit(client, max_queue=4)  # the decode worker finished one
+    assert r.xlen(handoff) == 3  # nothing is ever added to the handoff stream by a producer
+
+
 def test_the_client_default_applies_and_a_call_overrides_it(server, r):
     with Client(server.url, max_queue=2) as limited:
         submit(limited, 2)

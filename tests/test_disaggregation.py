@@ -16,6 +16,7 @@ from worker_processes import spawn_worker, stop_all, wait_ready
 from producer.client import Client
 from producer.clock import ManualClock
 from producer.models import LIVE, NO_LIVE_WORKER
+from producer.queues import lane_stats
 from producer.top import render, take_snapshot
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, decode_output
@@ -253,3 +254,30 @@ def test_a_deadline_holds_across_the_handoff(redis_url, start_worker):
         done = client.result(rid, timeout=60)
     assert done.finish_reason is FinishReason.EXPIRED
     assert done.token_ids[:1] and len(done.token_ids) < 500  # its first token, kept
+
+
+def test_a_prefill_worker_reads_nothing_while_decode_workers_are_behind(
+        redis_url, start_worker, redis_client, tiny_llama):
+    # Three requests already wait in the handoff stream (decode workers are behind): a
+    # prefill worker bounded at three takes no new one until they are taken.
+    handoff = KEYS.handoff(MODEL, "interactive")
+    redis_client.xgroup_create(handoff, GROUP, id="0", mkstream=True)
+    backlog = [redis_client.xadd(handoff, {FIELD: b"waiting"}) for _ in range(3)]
+    prefill = start_worker(worker_id="prefill-0",
+                           config={"role": "prefill", "handoff_max_waiting": 3})
+    with Client(redis_url) as client:
+        rid = client.submit([5, 6, 7], model=MODEL, max_tokens=3, temperature=0,
+                            ignore_eos=True)
+        ticks = prefill.intake.ticks
+        eventually(lambda: prefill.intake.ticks >= ticks + 3, "the intake looked three times")
+        assert prefill.intake.handoff_backlog == 3
+        interactive = lane_stats(redis_client, KEYS, MODEL)[0]
+        assert (interactive.depth, interactive.pending) == (1, 0)  # the request was not read
+        assert prefill.intake.num_read == 0
+
+        redis_client.xdel(handoff, *backlog)  # the decode workers caught up
+        eventually(lambda: prefill.publisher.hand_on.handed_on == 1, "the request handed on")
+        decode = start_worker(worker_id="decode-0", config={"role": "decode"})
+        assert client.result(rid, timeout=60).token_ids == _reference(
+            tiny_llama, [([5, 6, 7], 3)])[0]
+    assert decode.handoffs.imported == 1

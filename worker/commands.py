@@ -110,6 +110,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--kv-redis", metavar="URL", default=None,
                    help="Redis for the fleet KV tier (default: the queues' Redis; its own "
                    "Redis is the production choice)")
+    p.add_argument("--handoff-max-waiting", type=int, default=worker("handoff_max_waiting"),
+                   metavar="N", help="a prefill worker reads no new request while N wait in "
+                   "its model's handoff streams for a decode worker (default: %(default)s)")
     p.add_argument("--kv-share-prefixes", action="store_true",
                    help="put computed prompt blocks in the fleet KV tier and reuse other "
                    "workers' blocks on a local prefix-cache miss (default: off)")
@@ -181,6 +184,7 @@ def worker_cmd(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           allow_eviction=args.allow_eviction, role=args.role,
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
+                          handoff_max_waiting=args.handoff_max_waiting,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
     return Worker(config).run_until_signalled()
 

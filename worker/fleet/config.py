@@ -71,6 +71,10 @@ class WorkerConfig:
     kv_redis_url: str | None = None
     kv_ttl_s: int = 600
     kv_max_bytes: int = 256 * 1024 * 1024
+    # A prefill worker reads no new request while this many wait in its model's handoff
+    # streams (decode workers fall behind): prompts computed far ahead would only wait, their
+    # KV filling the tier and expiring there. None: no bound.
+    handoff_max_waiting: int | None = 64
     # Fleet-wide prefix reuse: put computed prompt blocks in the KV tier, and look a new
     # request's blocks up there when this worker's own prefix cache misses.
     kv_share_prefixes: bool = False
@@ -91,6 +95,8 @@ class WorkerConfig:
         _at_least("kv_ttl_s", self.kv_ttl_s, 1)
         _at_least("kv_max_bytes", self.kv_max_bytes, 1)
         _at_least("prefetch", self.prefetch, 0)
+        if self.handoff_max_waiting is not None:
+            _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)
         _at_least("output_ttl_s", self.output_ttl_s, 1)
         _at_least("lease_ms", self.lease_ms, 1)
         _at_least("max_deliveries", self.max_deliveries, 1)

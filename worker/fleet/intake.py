@@ -10,6 +10,7 @@ from typing import Any
 import redis
 import structlog
 
+from producer.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.fleet.cancellation import cancelled_ids
@@ -72,6 +73,7 @@ class Intake(SupervisedThread):
         role: str = "both",
         handoffs: HandoffReader | None = None,
         prefixes: PrefixFinder | None = None,
+        handoff_max_waiting: int | None = None,
         **supervision: Any,
     ) -> None:
         super().__init__("intake", worker_id=worker_id, **supervision)
@@ -90,6 +92,9 @@ class Intake(SupervisedThread):
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = handoffs
         self.prefixes = prefixes
+        self.handoff_max_waiting = handoff_max_waiting if role == "prefill" else None
+        # Requests waiting in the handoff streams when a prefill worker last looked.
+        self.handoff_backlog = 0
         self.num_read = 0
         self._groups_ready = False
 
@@ -102,6 +107,13 @@ class Intake(SupervisedThread):
         if room == 0:
             self.inflight.wait_for_room(timeout=0.2)
             return
+        if self.handoff_max_waiting is not None:
+            room = min(room, self._handoff_room())
+            if room == 0:
+                # Decode workers are behind: computing more prompts now would only park
+                # their KV in the tier. Look again after a read's worth of time.
+                self.clock.wait(self.stopping, self.read_block_ms / 1000)
+                return
         try:
             entries = self._read(room)
         except redis.ResponseError as exc:
@@ -120,6 +132,13 @@ class Intake(SupervisedThread):
             # Even when one entry's reads failed: those accepted before it are in the
             # in-flight table, and only the inbox gets them served.
             self.hand_over(admitted, self.client)
+
+    def _handoff_room(self) -> int:
+        """How many more requests a prefill worker may take before the handoff streams
+        hold ``handoff_max_waiting`` (those it is computing add to them: the bound is
+        exceeded by at most its own capacity)."""
+        self.handoff_backlog = waiting(self.client, self.handoff_streams)
+        return max(0, self.handoff_max_waiting - self.handoff_backlog)
 
     def prepare_streams(self, client: redis.Redis) -> None:
         """Make the consumer group on each stream this worker reads. A `both` worker whose

@@ -92,7 +92,8 @@ class Worker:
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel, config.lease_ms,
                              role=config.role, handoffs=self.handoffs,
-                             prefixes=self.prefix_finder, **sup)
+                             prefixes=self.prefix_finder,
+                             handoff_max_waiting=config.handoff_max_waiting, **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,

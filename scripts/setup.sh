@@ -58,7 +58,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 
 echo "setup: installing conveyor with its worker, redis-server and dev extras" >&2
-pip install -e ".[worker,redis-server,dev]"
+pip install -e ".[worker,redis-server,gateway,dev]"
 "$VENV/bin/python" -c "import torch, producer, worker" # fails loudly if the install did not take
 # Build the CPU attention kernel now rather than in the first engine that wants it (about
 # 30 s). Where it cannot be built, attention keeps to the torch path: not an error.

@@ -30,7 +30,7 @@ def redis7(tmp_path):
         yield server
 
 
-PLANTED = SOURCE.replace("redis.call('XADD', stream, '*', args[3], args[4])",
+PLANTED = SOURCE.replace("redis.call('XADD', keys[1], '*', args[3], args[4])",
                          "'0-1'")  # a library that would drop every request
 
 

@@ -139,7 +139,7 @@ class Engine:
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
-            max_tokens=params.max_tokens,
+            max_tokens=params.token_limit,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=frozenset(params.stop_token_ids),
@@ -379,10 +379,10 @@ class Engine:
                 f"prompt of {n} tokens leaves no room to generate: the model's max length is "
                 f"{self.max_model_len} tokens"
             )
-        if len(generated) >= params.max_tokens:
+        if len(generated) >= params.token_limit:
             raise ValueError(f"already {len(generated)} generated tokens, max_tokens is "
                              f"{params.max_tokens}")
-        peak = min(len(prompt) + params.max_tokens, self.max_model_len)
+        peak = min(len(prompt) + params.token_limit, self.max_model_len)
         if blocks_for(peak, self.config.block_size) > self.block_pool.num_blocks:
             raise ValueError(
                 f"request needs up to {peak} tokens of KV, more than the whole KV pool "

@@ -51,7 +51,9 @@ class SamplingParams:
     ``logit_bias`` maps token ids to a number added to their logits (-100 bans one).
     """
 
-    max_tokens: int = 16
+    # None: until the model's context is full (or a stop). The defaults are OpenAI's, and
+    # the same for Client.submit, `conveyor submit` and the gateway (docs/protocol.md).
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -83,6 +85,12 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
 
     @property
+    def token_limit(self) -> int:
+        """``max_tokens``, or the largest value it may hold when None (the model's context
+        length then ends the request first)."""
+        return MAX_NEW_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -111,7 +119,8 @@ class SamplingParams:
         return d
 
     def _validate(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_float("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k, low=0, high=MAX_TOP_K)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from producer.wire.keys import validate_lane, validate_name
+from producer.wire.messages import validate_messages
 from producer.wire.params import SamplingParams
 from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 
@@ -31,8 +32,8 @@ PRIORITY_RANGE = (-1000, 1000)
 # Latest unix millisecond a created_ms or deadline_ms may hold (the end of year 9999).
 MAX_UNIX_MS = 253_402_300_799_999
 # Fields a request map may hold; any other is an error (a typo must not pass silently).
-REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "params",
-                            "priority", "lane", "created_ms", "deadline_ms"})
+REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
+                            "params", "priority", "lane", "created_ms", "deadline_ms"})
 
 
 class ProtocolError(ValueError):
@@ -50,13 +51,16 @@ def now_ms() -> int:
 
 @dataclass
 class GenerationRequest:
-    """One generation request as producers enqueue it."""
+    """One generation request as producers enqueue it: exactly one of ``prompt`` (text),
+    ``prompt_token_ids`` or ``messages`` (chat turns, rendered by the model's chat template
+    on the worker)."""
 
     request_id: str
     model: str
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
     priority: int = 0
     lane: str = "interactive"
     created_ms: int = field(default_factory=now_ms)
@@ -67,9 +71,12 @@ class GenerationRequest:
         validate_request_id(self.request_id)
         validate_name("model", self.model)
         validate_lane(self.lane)
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
-        if self.prompt is not None:
+        given = [v is not None for v in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt (text), prompt_token_ids and messages")
+        if self.messages is not None:
+            self.messages = validate_messages(self.messages)
+        elif self.prompt is not None:
             if not isinstance(self.prompt, str) or not self.prompt:
                 raise ValueError("prompt must be a non-empty string")
             if len(self.prompt) > MAX_PROMPT_CHARS:
@@ -94,20 +101,22 @@ class GenerationRequest:
 
     def encode(self) -> bytes:
         """The entry's message; ValueError when it would exceed MAX_ENTRY_BYTES."""
-        data = _pack(
-            {
-                "v": SCHEMA_VERSION,
-                "id": self.request_id,
-                "model": self.model,
-                "prompt": self.prompt,
-                "prompt_token_ids": self.prompt_token_ids,
-                "params": self.params.to_dict(),
-                "priority": self.priority,
-                "lane": self.lane,
-                "created_ms": self.created_ms,
-                "deadline_ms": self.deadline_ms,
-            }
-        )
+        m = {
+            "v": SCHEMA_VERSION,
+            "id": self.request_id,
+            "model": self.model,
+            "prompt": self.prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "params": self.params.to_dict(),
+            "priority": self.priority,
+            "lane": self.lane,
+            "created_ms": self.created_ms,
+            "deadline_ms": self.deadline_ms,
+        }
+        if self.messages is not None:
+            # Only when given: a worker from before chat refuses the field, never a prompt.
+            m["messages"] = self.messages
+        data = _pack(m)
         if len(data) > MAX_ENTRY_BYTES:
             raise ValueError(f"request is {len(data)} bytes encoded, more than {MAX_ENTRY_BYTES}")
         return data
@@ -136,6 +145,7 @@ class GenerationRequest:
                 params=SamplingParams.from_dict(params),
                 prompt=m.get("prompt"),
                 prompt_token_ids=m.get("prompt_token_ids"),
+                messages=m.get("messages"),
                 priority=m.get("priority", 0),
                 lane=m.get("lane", "interactive"),
                 created_ms=m.get("created_ms", 0),

@@ -247,7 +247,7 @@ class EngineLoop(SupervisedThread):
         """A resumed request whose published tokens already end it (its worker died first)."""
         p = adm.request.params
         return stop_reason(generated[-1], len(generated),
-                           len(adm.prompt_token_ids) + len(generated), max_tokens=p.max_tokens,
+                           len(adm.prompt_token_ids) + len(generated), max_tokens=p.token_limit,
                            max_model_len=self.engine.max_model_len,
                            stop_token_ids=p.stop_token_ids,
                            eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos)

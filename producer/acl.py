@@ -78,7 +78,7 @@ WORKER_COMMANDS = (
     "exists",  # cancellation markers; dead workers' heartbeats
     "get", "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
-    "hset", "del",  # heartbeat hash (removed at exit) and the model hash
+    "hset", "hdel", "del",  # heartbeat hash (removed at exit), the model hash (and its template)
     "sadd", "srem", "smembers",  # the models and workers sets (dead workers pruned)
     "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests

@@ -62,7 +62,8 @@ class AsyncClient(ClientBase):
         self.redis = connection if connection is not None else connect_async(url)
 
     async def submit(
-        self, prompt: str | list[int], *, model: str, lane: str = "interactive",
+        self, prompt: str | list[int] | None = None, *, model: str,
+        messages: list[dict[str, str]] | None = None, lane: str = "interactive",
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.asyncio.client.Pipeline | None = None,
         max_queue: int | None = None, allow_unregistered: bool = False, **sampling: Any,
@@ -75,7 +76,7 @@ class AsyncClient(ClientBase):
         without a live worker is queued with a warning logged.
         """
         sub = self._submission(
-            prompt, max_queue, pipeline is not None, model=model, lane=lane,
+            prompt, max_queue, pipeline is not None, model=model, messages=messages, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
         if allow_unregistered:

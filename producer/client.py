@@ -78,9 +78,10 @@ def new_request_id() -> str:
 
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | None,
     *,
     model: str,
+    messages: list[dict[str, str]] | None = None,
     lane: str,
     request_id: str | None,
     priority: int,
@@ -101,7 +102,11 @@ def build_request(
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         deadline_ms = int(clock.time() * 1000) + math.ceil(timeout * 1000)
     rid = new_request_id() if request_id is None else validate_request_id(request_id)
-    if isinstance(prompt, str):
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt (text or token ids) and messages")
+    if prompt is None:
+        text, token_ids = None, None
+    elif isinstance(prompt, str):
         text, token_ids = prompt, None
     elif isinstance(prompt, list | tuple):
         text, token_ids = None, list(prompt)
@@ -114,6 +119,7 @@ def build_request(
         params=params,
         prompt=text,
         prompt_token_ids=token_ids,
+        messages=None if messages is None else list(messages),
         priority=priority,
         lane=lane,
         deadline_ms=deadline_ms,
@@ -194,7 +200,8 @@ class ClientBase:
         self._requested: set[str] = set()
 
     def _submission(
-        self, prompt: str | Sequence[int], max_queue: int | None, pipelined: bool, **request: Any
+        self, prompt: str | Sequence[int] | None, max_queue: int | None, pipelined: bool,
+        **request: Any
     ) -> Submission:
         """Check a submit's arguments (``request``: build_request's keywords) and place it."""
         limit = queue_limit(max_queue, self.max_queue, pipelined)
@@ -262,17 +269,20 @@ class Client(ClientBase):
         self.redis = connection if connection is not None else connect(url)
 
     def submit(
-        self, prompt: str | list[int], *, model: str, lane: str = "interactive",
+        self, prompt: str | list[int] | None = None, *, model: str,
+        messages: list[dict[str, str]] | None = None, lane: str = "interactive",
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.client.Pipeline | None = None,
         max_queue: int | None = None, allow_unregistered: bool = False, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
-        ``prompt`` is text or token ids; ``timeout`` (seconds from now on the client's clock)
-        sets ``deadline_ms``, the server-side deadline; other keywords are SamplingParams
-        fields. With ``pipeline`` the XADD is only queued (the model check below still reads
-        Redis at once).
+        ``prompt`` is text or token ids; or, instead of it, ``messages`` (chat turns, each
+        ``{"role", "content"}``) are rendered by the model's chat template on the worker
+        (a model without one refuses them on the request's stream). ``timeout`` (seconds
+        from now on the client's clock) sets ``deadline_ms``, the server-side deadline; other
+        keywords are SamplingParams fields. With ``pipeline`` the XADD is only queued (the
+        model check below still reads Redis at once).
 
         The model must be known: a model no worker ever registered (and no live worker
         serves) raises :class:`~producer.wire.errors.ModelNotFound`, naming the registered
@@ -288,7 +298,7 @@ class Client(ClientBase):
         caller bounds what it pipelines, and an explicit ``max_queue`` there is a ValueError.
         """
         sub = self._submission(
-            prompt, max_queue, pipeline is not None, model=model, lane=lane,
+            prompt, max_queue, pipeline is not None, model=model, messages=messages, lane=lane,
             request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
             sampling=sampling)
         if allow_unregistered:

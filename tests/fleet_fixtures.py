@@ -13,18 +13,18 @@ MODEL = "tiny"
 def start_worker(redis_url, tiny_llama):
     """start_worker(**engine_settings) -> a started Worker (autostart=False: built, not started);
     all are stopped after the test. ``url`` points it at another Redis than the session's
-    (e.g. as an ACL user, or over TLS)."""
+    (e.g. as an ACL user, or over TLS); ``model_dir`` serves another folder as the model."""
     from worker.fleet.process import Worker  # loads torch: only for tests that run a worker
 
     workers: list[Worker] = []
 
     def start(worker_id: str | None = None, prefetch: int = 8, metrics_port: int | None = None,
               autostart: bool = True, url: str | None = None, clock=None,
-              config: dict | None = None, **engine) -> Worker:
+              config: dict | None = None, model_dir=None, **engine) -> Worker:
         settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
         fast = {"read_block_ms": 100, "heartbeat_interval_s": 0.5, "queue_poll_interval_s": 0.2}
         config = WorkerConfig(
-            model_dir=tiny_llama, served_model_name=MODEL, redis_url=url or redis_url,
+            model_dir=model_dir or tiny_llama, served_model_name=MODEL, redis_url=url or redis_url,
             worker_id=worker_id or f"w{len(workers)}", engine=settings, prefetch=prefetch,
             metrics_port=metrics_port, metrics_host="127.0.0.1", **{**fast, **(config or {})},
         )

@@ -24,10 +24,12 @@ class Tokenizer:
     def from_json(cls, text: str) -> Tokenizer:
         return cls(_HFTokenizer.from_str(text))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Special tokens as the tokenizer's own post-processor adds them (e.g. BOS), exactly
-        # as transformers' tokenizer and a producer's `tokenizers` copy encode the text.
-        return self._tok.encode(text).ids
+        # as transformers' tokenizer and a producer's `tokenizers` copy encode the text. A
+        # rendered chat template writes its own: encode it without them (as
+        # apply_chat_template does).
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

@@ -10,6 +10,7 @@ from typing import Any
 import redis
 import structlog
 
+from producer.chat_template import ChatTemplate
 from producer.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
@@ -74,6 +75,7 @@ class Intake(SupervisedThread):
         handoffs: HandoffReader | None = None,
         prefixes: PrefixFinder | None = None,
         handoff_max_waiting: int | None = None,
+        chat_template: ChatTemplate | None = None,
         **supervision: Any,
     ) -> None:
         super().__init__("intake", worker_id=worker_id, **supervision)
@@ -92,6 +94,7 @@ class Intake(SupervisedThread):
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = handoffs
         self.prefixes = prefixes
+        self.chat_template = chat_template
         self.handoff_max_waiting = handoff_max_waiting if role == "prefill" else None
         # Requests waiting in the handoff streams when a prefill worker last looked.
         self.handoff_backlog = 0
@@ -244,9 +247,25 @@ class Intake(SupervisedThread):
         if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send prompt_token_ids",
                                 req.request_id)
+        if req.messages is not None:
+            return self._render(req)
         ids = self.tokenizer.encode(req.prompt)
         if not ids:
             raise ProtocolError("prompt encodes to no tokens", req.request_id)
+        return ids
+
+    def _render(self, req: GenerationRequest) -> list[int]:
+        """A chat request's prompt: its messages through the model's chat template."""
+        if self.chat_template is None:
+            raise ProtocolError(f"model {self.model!r} has no chat template: send a prompt or "
+                                "prompt_token_ids instead of messages", req.request_id)
+        try:
+            text = self.chat_template.render(req.messages)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), req.request_id) from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ProtocolError("the messages render to no tokens", req.request_id)
         return ids
 
     def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True,

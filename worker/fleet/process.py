@@ -30,7 +30,11 @@ from worker.fleet.leases import LeaseKeeper, hand_back
 from worker.fleet.prefix_share import PrefixFinder, PrefixSharer
 from worker.fleet.publisher import Publisher
 from worker.fleet.reaper import Reaper
-from worker.fleet.registration import check_eviction_policy, register_model
+from worker.fleet.registration import (
+    check_eviction_policy,
+    load_chat_template,
+    register_model,
+)
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
 from worker.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
@@ -58,6 +62,7 @@ class Worker:
         # Text is made on the publisher thread (TextStage), not in the engine loop.
         self.engine = engine or Engine(config.model_dir, clock=self.clock,
                                        **{**config.engine, "detokenize": False})
+        self.chat_template = load_chat_template(config.model_dir, self.clock)
         self.redis_url = resolve_url(config.redis_url)
         self.client: redis.Redis = connect(self.redis_url)
         self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
@@ -92,7 +97,7 @@ class Worker:
                              self.inbox, self.publisher, self.engine.tokenizer,
                              config.read_block_ms, self.loop.cancel, config.lease_ms,
                              role=config.role, handoffs=self.handoffs,
-                             prefixes=self.prefix_finder,
+                             prefixes=self.prefix_finder, chat_template=self.chat_template,
                              handoff_max_waiting=config.handoff_max_waiting, **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
@@ -215,7 +220,7 @@ class Worker:
     def start(self) -> None:
         check_eviction_policy(self.client, self.config.allow_eviction)
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
-                       self.config.worker_id)
+                       self.config.worker_id, self.chat_template)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
         self.intake.prepare_streams(self.client)
         self.reaper.check_lanes()

@@ -31,6 +31,18 @@ def read_shipped_tokenizer(vocab_size: int) -> bytes:
     return data
 
 
+# The made models' chat template: each turn a role line, its content and the EOS token,
+# then the assistant's role line to answer after. Plain text markers: the shipped tokenizers
+# have no chat tokens, and a random model has no format to match anyway.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def tokenizer_config(model_max_length: int) -> dict[str, Any]:
     """tokenizer_config.json: load tokenizer.json verbatim as a fast tokenizer.
 
@@ -47,6 +59,7 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

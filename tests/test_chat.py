@@ -1,0 +1,173 @@
+"""Chat messages end to end: the model's chat template, rendered as transformers renders it
+(token for token), registered with the model, applied by the worker to ``messages`` requests;
+a model without a template refuses them on the request's own stream."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime
+
+import pytest
+from fleet_fixtures import MODEL
+from transformers import AutoTokenizer
+
+from producer.chat_template import ChatTemplate, ChatTemplateError
+from producer.client import Client
+from producer.wire.completion import FinishReason
+from worker import Engine, SamplingParams
+from worker.tokenizer import Tokenizer
+
+# Llama 3's shape: a header per turn, <|eot_id|> after each, BOS first; trims contents.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+# ChatML (Qwen's shape): a default system turn when the messages bring none.
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Mistral's shape: refuses a conversation whose roles do not alternate.
+ALTERNATING = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{{ '[' + message['role'] + '] ' + message['content'] }}{% endfor %}"
+)
+TEMPLATES = {"llama3": LLAMA3, "chatml": CHATML}
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "  What colour is the sky?  "}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "Grüße, ünïcode"}],
+    [{"role": "user", "content": "no system turn here"}],
+]
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def chat_model(request, tiny_llama, tmp_path_factory):
+    """(template name, folder): the tiny model with that chat template."""
+    return request.param, with_template(tiny_llama, tmp_path_factory.mktemp(request.param),
+                                        TEMPLATES[request.param])
+
+
+def with_template(model_dir, out, template: str | None):
+    folder = out / "model"
+    shutil.copytree(model_dir, folder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def reference_ids(model_dir, messages) -> list[int]:
+    """transformers' apply_chat_template, tokenized."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def our_ids(model_dir, messages) -> list[int]:
+    text = ChatTemplate.from_model_dir(model_dir).render(messages)
+    return Tokenizer.from_dir(model_dir).encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_rendered_prompts_equal_transformers_token_for_token(chat_model, messages):
+    _, folder = chat_model
+    assert our_ids(folder, messages) == reference_ids(folder, messages)
+
+
+def test_made_models_have_a_template_transformers_renders_alike(tiny_llama):
+    for messages in CONVERSATIONS:
+        assert our_ids(tiny_llama, messages) == reference_ids(tiny_llama, messages)
+
+
+def test_a_template_refusing_the_messages_says_why():
+    template = ChatTemplate(ALTERNATING, {"bos_token": "<s>"})
+    assert template.render([{"role": "user", "content": "a"}]) == "<s>[user] a"
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        template.render([{"role": "assistant", "content": "first"}])
+
+
+def test_a_template_cannot_reach_python_internals():
+    hostile = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        hostile.render([{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError):  # immutable: the messages cannot be changed
+        ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_strftime_now_reads_the_clock_it_is_given():
+    template = ChatTemplate("{{ strftime_now('%d %b %Y') }}",
+                            now=lambda: datetime(2031, 7, 4, 12, 0))
+    assert template.render([{"role": "user", "content": "x"}]) == "04 Jul 2031"
+
+
+def test_chat_requests_through_a_worker_equal_the_offline_engine(chat_model, redis_url,
+                                                                 start_worker, redis_client):
+    name, folder = chat_model
+    worker = start_worker(model_dir=folder)
+    info = {k.decode(): v.decode() for k, v in redis_client.hgetall(f"conveyor:model:{MODEL}")
+            .items()}
+    assert info["chat_template"] == TEMPLATES[name]  # registered for producers too
+    engine = Engine(folder, dtype="float64", num_kv_blocks=512)
+    with Client(redis_url) as client:
+        for messages in CONVERSATIONS:
+            prompt = reference_ids(folder, messages)
+            expected = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0]
+            got = client.result(client.submit(model=MODEL, messages=messages, max_tokens=6,
+                                              temperature=0), timeout=60)
+            assert got.usage.prompt_tokens == len(prompt)
+            assert got.token_ids == expected.token_ids and got.text == expected.text
+    assert worker.status()["prompt_tokens_computed"] > 0
+
+
+def test_a_model_without_a_template_refuses_messages_on_their_stream(
+        tiny_llama, tmp_path, redis_url, start_worker, redis_client):
+    start_worker(model_dir=with_template(tiny_llama, tmp_path, None))
+    assert not redis_client.hexists(f"conveyor:model:{MODEL}", "chat_template")
+    with Client(redis_url) as client:
+        rid = client.submit(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        done = client.result(rid, timeout=60)
+        assert done.finish_reason == FinishReason.ERROR
+        assert "has no chat template" in done.error
+        assert redis_client.xlen("conveyor:dead") == 1
+        # The worker keeps serving prompts.
+        assert client.result(client.submit("hello", model=MODEL, max_tokens=2),
+                             timeout=60).finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "non-empty list"),
+    ([{"role": "user", "content": ["a", "b"]}], "content must be a string"),
+    ([{"role": "wizard", "content": "x"}], "role must be one of"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "unsupported field"),
+])
+def test_malformed_messages_are_refused_before_anything_is_written(redis_url, redis_client,
+                                                                   bad, message):
+    with Client(redis_url) as client, pytest.raises(ValueError, match=message):
+        client.submit(model=MODEL, messages=bad, allow_unregistered=True)
+    assert redis_client.xlen(f"conveyor:req:{{{MODEL}}}:interactive") == 0
+
+
+def test_exactly_one_of_prompt_and_messages(redis_url):
+    with Client(redis_url) as client, pytest.raises(ValueError, match="exactly one"):
+        client.submit("text", model=MODEL, messages=[{"role": "user", "content": "x"}],
+                      allow_unregistered=True)

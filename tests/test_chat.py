@@ -12,6 +12,7 @@ import pytest
 from fleet_fixtures import MODEL
 from transformers import AutoTokenizer
 
+from producer.bulk import run_batch_file
 from producer.chat_template import ChatTemplate, ChatTemplateError
 from producer.client import Client
 from producer.wire.completion import FinishReason
@@ -171,3 +172,27 @@ def test_exactly_one_of_prompt_and_messages(redis_url):
     with Client(redis_url) as client, pytest.raises(ValueError, match="exactly one"):
         client.submit("text", model=MODEL, messages=[{"role": "user", "content": "x"}],
                       allow_unregistered=True)
+
+
+def test_chat_lines_of_a_batch_file_equal_the_offline_engine(chat_model, redis_url,
+                                                             start_worker, tmp_path):
+    _, folder = chat_model
+    start_worker(model_dir=folder)
+    lines = [{"custom_id": f"c{i}", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": messages, "max_completion_tokens": 5,
+                       "temperature": 0}} for i, messages in enumerate(CONVERSATIONS)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    engine = Engine(folder, dtype="float64", num_kv_blocks=512)
+    with Client(redis_url) as client:
+        summary = run_batch_file(client, source, out)
+    assert summary.succeeded == len(lines)
+    answers = {a["custom_id"]: a["response"]["body"] for a in map(json.loads,
+                                                                   out.read_text().splitlines())}
+    for i, messages in enumerate(CONVERSATIONS):
+        prompt = reference_ids(folder, messages)
+        expected = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0]
+        body = answers[f"c{i}"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}

@@ -2,9 +2,12 @@
 request out (same ``custom_id``), resumable by running it again.
 
 Input line: ``{"custom_id": "q1", "method": "POST", "url": "/v1/completions",
-"body": {"model": "small", "prompt": "...", "max_tokens": 16, "temperature": 0}}``
-(``method``, ``url`` and ``body.model`` optional). Output lines are written as requests finish,
-so their order is not the input's; a line that cannot be run gets an error line instead.
+"body": {"model": "small", "prompt": "...", "max_tokens": 16, "temperature": 0}}``, or with
+``"url": "/v1/chat/completions"`` and ``"messages": [{"role": "user", "content": "..."}]``
+in the body (``method``, ``url`` and ``body.model`` optional). Bodies are read as the
+gateway reads them (producer.openai_api): the same fields, defaults and refusals. Output
+lines are written as requests finish, so their order is not the input's; a line that cannot
+be run gets an error line instead.
 """
 
 from __future__ import annotations
@@ -20,21 +23,9 @@ from typing import Any
 from producer.bulk import defaults
 from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
 from producer.client import Client
+from producer.openai_api import COMPLETIONS_URL, parse_body
 from producer.wire.completion import Completion
 from producer.wire.errors import ModelNotFound
-from producer.wire.params import SamplingParams
-
-COMPLETIONS_URL = "/v1/completions"
-# Body fields that map onto SamplingParams fields of the same name.
-SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                             "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
-                             "frequency_penalty", "repetition_penalty", "logit_bias"})
-# OpenAI fields accepted only at the value that means "nothing special".
-NEUTRAL_FIELDS = {"n": 1, "best_of": 1, "echo": False, "stream": False}
-# OpenAI fields accepted and ignored.
-IGNORED_FIELDS = frozenset({"user"})
-# OpenAI's default for completions when a body leaves max_tokens out.
-DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -44,8 +35,13 @@ class BatchItem:
     line: int
     custom_id: str
     model: str
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     sampling: dict[str, Any]
+    messages: list[dict[str, str]] | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
 
 
 @dataclass
@@ -92,40 +88,17 @@ def parse_line(text: str, line: int, model: str | None = None,
         return BadLine(line, None, "invalid_request",
                        f"line {line} has no custom_id (a non-empty string)")
     try:
-        model, prompt, sampling = _parse_body(obj, model, default_model)
+        if obj.get("method", "POST") != "POST":
+            raise ValueError(f"method must be POST, got {obj.get('method')!r}")
+        body = obj.get("body")
+        if isinstance(body, dict) and model:
+            body = {**body, "model": model}
+        req = parse_body(obj.get("url", COMPLETIONS_URL), body, default_model)
+        if req.stream:
+            raise ValueError("stream is not supported in a batch file")
     except ValueError as exc:
         return BadLine(line, custom_id, "invalid_request", str(exc))
-    return BatchItem(line, custom_id, model, prompt, sampling)
-
-
-def _parse_body(obj: dict[str, Any], model: str | None,
-                default_model: str | None) -> tuple[str, str | list[int], dict]:
-    if obj.get("method", "POST") != "POST":
-        raise ValueError(f"method must be POST, got {obj.get('method')!r}")
-    if obj.get("url", COMPLETIONS_URL) != COMPLETIONS_URL:
-        raise ValueError(f"only {COMPLETIONS_URL} is supported (a body with a prompt), "
-                         f"got {obj.get('url')!r}")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    model = model or body.get("model") or default_model
-    if not isinstance(model, str) or not model:
-        raise ValueError("no model: set body.model or pass --model")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # OpenAI allows a one-element list of strings
-    tokens = isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not tokens:
-        raise ValueError("body.prompt must be a non-empty string or list of token ids")
-    unknown = sorted(k for k in body if k not in SAMPLING_FIELDS | IGNORED_FIELDS | {
-        "model", "prompt"} and NEUTRAL_FIELDS.get(k, object()) != body[k])
-    if unknown:
-        raise ValueError(f"unsupported body field(s): {', '.join(unknown)}")
-    sampling = {"max_tokens": DEFAULT_MAX_TOKENS,
-                **{k: v for k, v in body.items() if k in SAMPLING_FIELDS}}
-    SamplingParams.from_dict(sampling)  # ValueError now, as an error line, not at submit
-    return model, prompt, sampling
+    return BatchItem(line, custom_id, req.model, req.prompt, req.sampling, req.messages)
 
 
 def result_line(item: BatchItem, completion: Completion, created: int) -> dict[str, Any]:
@@ -139,11 +112,10 @@ def result_line(item: BatchItem, completion: Completion, created: int) -> dict[s
             "request_id": completion.request_id,
             "body": {
                 "id": completion.request_id,
-                "object": "text_completion",
+                "object": "chat.completion" if item.chat else "text_completion",
                 "created": created,
                 "model": item.model,
-                "choices": [{"index": 0, "text": completion.text, "logprobs": None,
-                             "finish_reason": str(completion.finish_reason)}],
+                "choices": [_choice(item, completion)],
                 "usage": {"prompt_tokens": usage.prompt_tokens,
                           "completion_tokens": usage.completion_tokens,
                           "total_tokens": usage.total_tokens},
@@ -151,6 +123,14 @@ def result_line(item: BatchItem, completion: Completion, created: int) -> dict[s
         },
         "error": None,
     }
+
+
+def _choice(item: BatchItem, completion: Completion) -> dict[str, Any]:
+    reason = str(completion.finish_reason)
+    if item.chat:
+        return {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                "logprobs": None, "finish_reason": reason}
+    return {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": reason}
 
 
 def error_line(custom_id: str | None, code: str, message: str, *, line: int | None = None,
@@ -275,7 +255,8 @@ def run_batch_file(
         for b in bad:
             line_no = b.line if b.custom_id is None or b.code == "duplicate_custom_id" else None
             emit(error_line(b.custom_id, b.code, b.message, line=line_no), False)
-        works = [Work(item.line, item.prompt, item.model, item.sampling) for item in items]
+        works = [Work(item.line, item.prompt, item.model, item.sampling, item.messages)
+                 for item in items]
         for outcome in runner.run(works):
             item = by_line[outcome.key]
             emit(_outcome_line(item, outcome), outcome.ok)

@@ -78,9 +78,11 @@ class Work:
     """One request to get done: the caller's ``key`` comes back on its Outcome."""
 
     key: Any
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     model: str
     sampling: dict[str, Any]
+    # Chat turns instead of a prompt (rendered by the model's chat template).
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -212,7 +214,8 @@ class RequestRunner:
 
     def _submit(self, task: _Task, pipe: redis.client.Pipeline) -> None:
         work = task.work
-        rid = self.client.submit(work.prompt, model=work.model, lane=self.lane,
+        rid = self.client.submit(work.prompt, model=work.model, messages=work.messages,
+                                 lane=self.lane,
                                  priority=self.priority, timeout=self.policy.request_timeout,
                                  pipeline=pipe, **work.sampling)
         now = time.monotonic()

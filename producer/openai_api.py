@@ -1,0 +1,189 @@
+"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) read into conveyor
+requests, for the gateway and for batch files alike.
+
+Every field is either implemented, accepted only at the value that means "nothing special"
+(``n: 1``, ``echo: false``, ...), or refused with an error naming it: a client that asks for
+tools, a JSON response format or several choices must hear that it did not get them.
+conveyor's own sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``) are accepted as extensions, as vLLM accepts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.wire.messages import validate_messages
+from producer.wire.params import SamplingParams
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+
+# Body fields that are SamplingParams fields of the same name and meaning.
+SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop",
+                             "presence_penalty", "frequency_penalty", "logit_bias",
+                             # conveyor's extensions
+                             "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                             "stop_token_ids"})
+# Fields accepted only at the value that asks for nothing special.
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "parallel_tool_calls": None,
+           "tool_choice": "none", "tools": None, "response_format": {"type": "text"}}
+# Fields that change nothing conveyor does (``user`` is the caller's end-user id).
+IGNORED = frozenset({"user"})
+# OpenAI's limit on completions' integer ``logprobs``; chat's ``top_logprobs`` goes to 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(ValueError):
+    """A request the API refuses, shaped as OpenAI's error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ApiRequest:
+    """One body, read: what to submit and how to answer."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    # stream_options.include_usage: a last chunk with the usage and no choices.
+    include_usage: bool = False
+    # The answer carries logprobs (chat: ``logprobs: true``; completions: ``logprobs: k``).
+    logprobs: bool = False
+
+
+def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
+    """The body of a POST to ``url``; ``model`` (when given) serves a body without one.
+    ApiError (400) names the first field that cannot be honoured."""
+    if url not in (COMPLETIONS_URL, CHAT_URL):
+        raise ApiError(f"unsupported url {url!r}: {COMPLETIONS_URL} or {CHAT_URL}",
+                       status=404, code="unknown_url")
+    if not isinstance(body, Mapping):
+        raise ApiError("the request body must be a JSON object")
+    chat = url == CHAT_URL
+    known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options"}
+    known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs"} if chat
+              else {"prompt", "logprobs"})
+    for name, value in body.items():
+        if name not in known:
+            raise ApiError(f"{name!r} is not supported by conveyor", param=name,
+                           code="unsupported_parameter")
+        if name in NEUTRAL and value != NEUTRAL[name] and value is not None:
+            raise ApiError(f"{name}={_short(value)} is not supported by conveyor (only "
+                           f"{_short(NEUTRAL[name])})", param=name, code="unsupported_value")
+    name = body.get("model", model)
+    if not isinstance(name, str) or not name:
+        raise ApiError("'model' is required: a model name (GET /v1/models lists them)",
+                       param="model")
+    req = ApiRequest(chat=chat, model=name)
+    req.stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not req.stream:
+            raise ApiError("stream_options is only allowed with stream: true",
+                           param="stream_options")
+        if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+            raise ApiError("stream_options supports include_usage only",
+                           param="stream_options", code="unsupported_parameter")
+        req.include_usage = _bool(options, "include_usage")
+    req.sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+    if chat:
+        _chat_fields(body, req)
+    else:
+        _completion_fields(body, req)
+    try:
+        SamplingParams.from_dict(req.sampling)
+    except ValueError as exc:
+        raise ApiError(str(exc), param=_param_of(str(exc))) from None
+    return req
+
+
+def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            if isinstance(m, Mapping) and isinstance(m.get("content"), list):
+                raise ApiError(f"messages[{i}].content: array content (parts, images) is not "
+                               "supported by conveyor: send a string", param="messages",
+                               code="unsupported_value")
+    try:
+        req.messages = validate_messages(messages)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="messages") from None
+    limit = body.get("max_completion_tokens")
+    if limit is not None:
+        if body.get("max_tokens") is not None and body["max_tokens"] != limit:
+            raise ApiError("max_tokens and max_completion_tokens disagree",
+                           param="max_completion_tokens")
+        req.sampling["max_tokens"] = limit
+    if _bool(body, "logprobs"):
+        top = body.get("top_logprobs")
+        top = 0 if top is None else top
+        if not _int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                           param="top_logprobs")
+        req.sampling["logprobs"] = top
+        req.logprobs = True
+    elif body.get("top_logprobs") is not None:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def _completion_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list, as text or as token ids
+    tokens = (isinstance(prompt, list) and prompt
+              and all(_int(t) and t >= 0 for t in prompt))
+    if not (isinstance(prompt, str) and prompt) and not tokens:
+        raise ApiError("prompt must be a non-empty string or list of token ids (several "
+                       "prompts in one request are not supported: send one each)",
+                       param="prompt")
+    req.prompt = prompt
+    k = body.get("logprobs")
+    if k is not None:
+        if not _int(k) or not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]",
+                           param="logprobs")
+        req.sampling["logprobs"] = k
+        req.logprobs = True
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false", param=name)
+    return value
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams error names (its messages start with it)."""
+    head = message.split(" ", 1)[0]
+    return head if head in SAMPLING_FIELDS or head == "logprobs" else None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
-from producer.wire.completion import Completion, FinishReason, Usage
+from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, decode_output
 
 # Stream ids a reader may resume from: "0", "0-0", "{ms}-{seq}".
@@ -25,6 +26,8 @@ class ChunkEvent:
     index: int
     token_ids: list[int]
     text: str
+    # Per token, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,17 @@ def event_from(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent
     entry = decode_output(fields.get(FIELD))
     if isinstance(entry, FinalEntry):
         return _final_event(eid, entry)
-    return ChunkEvent(eid, entry.index, list(entry.token_ids), entry.text)
+    return ChunkEvent(eid, entry.index, list(entry.token_ids), entry.text,
+                      token_logprobs(entry.token_ids, entry.logprobs))
+
+
+def token_logprobs(token_ids: list[int],
+                   wire: list[list[Any]] | None) -> list[TokenLogprob] | None:
+    """A chunk's logprobs as TokenLogprobs (None when the request asked for none)."""
+    if wire is None:
+        return None
+    return [TokenLogprob(t, lp, [(a, b) for a, b in top])
+            for t, (lp, top) in zip(token_ids, wire, strict=True)]
 
 
 def _final_event(eid: str, entry: FinalEntry) -> FinalEvent:
@@ -165,7 +178,9 @@ class OutputTracker:
             raise StreamGapError(self.request_id, eid, self.next_index, chunk.index)
         skip = max(0, self.next_index - chunk.index)
         text = chunk.text if skip == 0 else self._strip_seen(chunk)
-        event = ChunkEvent(eid, chunk.index + skip, list(chunk.token_ids[skip:]), text)
+        logprobs = token_logprobs(chunk.token_ids, chunk.logprobs)
+        event = ChunkEvent(eid, chunk.index + skip, list(chunk.token_ids[skip:]), text,
+                           logprobs[skip:] if logprobs is not None else None)
         self._record(end, text)
         return event
 
@@ -188,11 +203,14 @@ def completion_from(request_id: str, events: list[StreamEvent]) -> Completion:
     """Assemble a request's Completion from all of its events, the final one last."""
     token_ids: list[int] = []
     texts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
     final: FinalEvent | None = None
     for event in events:
         if isinstance(event, ChunkEvent):
             token_ids.extend(event.token_ids)
             texts.append(event.text)
+            if event.logprobs is not None:
+                logprobs = (logprobs or []) + event.logprobs
         else:
             final = event
             texts.append(event.text)
@@ -210,5 +228,6 @@ def completion_from(request_id: str, events: list[StreamEvent]) -> Completion:
         "".join(texts),
         FinishReason(final.finish_reason),
         usage,
+        logprobs=logprobs,
         error=final.error,
     )

@@ -164,21 +164,25 @@ class OutputChunk:
     index: int
     token_ids: list[int]
     text: str = ""
+    # Of a request that asked for logprobs: per token, [its logprob, [[id, logprob], ...]
+    # of the most likely alternatives].
+    logprobs: list[list[Any]] | None = None
 
     @property
     def entry_id(self) -> str:
         return f"{self.index + len(self.token_ids)}-0"
 
     def encode(self) -> bytes:
-        return _pack(
-            {
-                "v": SCHEMA_VERSION,
-                "kind": "chunk",
-                "index": self.index,
-                "token_ids": self.token_ids,
-                "text": self.text,
-            }
-        )
+        m = {
+            "v": SCHEMA_VERSION,
+            "kind": "chunk",
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "text": self.text,
+        }
+        if self.logprobs is not None:
+            m["logprobs"] = self.logprobs
+        return _pack(m)
 
 
 @dataclass
@@ -216,7 +220,12 @@ def decode_output(data: bytes) -> OutputChunk | FinalEntry:
     try:
         _check_version(m)
         if m.get("kind") == "chunk":
-            return OutputChunk(int(m["index"]), list(m["token_ids"]), str(m.get("text", "")))
+            logprobs = m.get("logprobs")
+            if logprobs is not None:
+                logprobs = [[float(lp), [[int(t), float(a)] for t, a in top]]
+                            for lp, top in logprobs]
+            return OutputChunk(int(m["index"]), list(m["token_ids"]), str(m.get("text", "")),
+                               logprobs)
         if m.get("kind") == "final":
             return FinalEntry(
                 str(m["finish_reason"]),

@@ -173,7 +173,8 @@ class EngineLoop(SupervisedThread):
         return []
 
     def _chunk_publication(self, out: StepOutput, entry: InflightRequest) -> Publication:
-        chunk = OutputChunk(entry.next_index, list(out.new_token_ids))
+        chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
+                            logprobs=wire_logprobs(out))
         entry.next_index += len(out.new_token_ids)
         self._time_tokens(entry, time.monotonic(), len(out.new_token_ids))
         self.tokens_generated += len(out.new_token_ids)
@@ -293,7 +294,8 @@ class EngineLoop(SupervisedThread):
             chunk = None
             if out.new_token_ids:
                 # Text is filled in on the publisher thread (TextStage).
-                chunk = OutputChunk(entry.next_index, list(out.new_token_ids))
+                chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
+                                    logprobs=wire_logprobs(out))
                 entry.next_index += len(out.new_token_ids)
                 self._time_tokens(entry, now, len(out.new_token_ids))
                 generated += len(out.new_token_ids)
@@ -335,3 +337,11 @@ class EngineLoop(SupervisedThread):
                  completion_tokens=usage.get("completion_tokens"),
                  cached_tokens=usage.get("cached_tokens", 0), ttft_ms=ttft,
                  e2e_ms=round((now - created) * 1000, 1))
+
+
+def wire_logprobs(out: StepOutput) -> list[list[Any]] | None:
+    """A step's logprobs as an output chunk carries them (None: the request asked for none).
+    One entry per new token: a step adds one token to a request."""
+    if not out.logprobs or len(out.logprobs) != len(out.new_token_ids):
+        return None
+    return [[lp.logprob, [[t, a] for t, a in lp.top]] for lp in out.logprobs]

@@ -196,3 +196,22 @@ def test_chat_lines_of_a_batch_file_equal_the_offline_engine(chat_model, redis_u
         assert body["object"] == "chat.completion"
         assert body["usage"]["prompt_tokens"] == len(prompt)
         assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+
+
+def test_chat_through_the_gateway_equals_the_offline_engine(chat_model, redis_url,
+                                                            start_worker):
+    import openai
+    from gateway_fixtures import serve_gateway
+
+    _, folder = chat_model
+    start_worker(model_dir=folder)
+    engine = Engine(folder, dtype="float64", num_kv_blocks=512)
+    with serve_gateway(redis_url) as running, \
+            openai.OpenAI(base_url=running.api, api_key="k", max_retries=0) as oai:
+        for messages in CONVERSATIONS:
+            prompt = reference_ids(folder, messages)
+            expected = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0]
+            chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                               temperature=0)
+            assert chat.usage.prompt_tokens == len(prompt)
+            assert chat.choices[0].message.content == expected.text

@@ -1,0 +1,303 @@
+"""The gateway's HTTP app: OpenAI's completions and chat completions over the fleet.
+
+Stateless: a request is submitted to its model's interactive lane and its answer read from
+its output stream, as any producer would; nothing lives in the gateway between requests
+but a one-second view of which models have a live worker. Many gateways run side by side.
+
+Errors come back in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``):
+400 a field conveyor cannot honour (named), 401 a bad API key, 404 an unknown model, 429 a
+full queue (with ``Retry-After``), 503 no live worker for the model or Redis unreachable.
+A client that goes away (mid-stream or while waiting) cancels its request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import redis
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from producer.async_client import AsyncClient
+from producer.backpressure import QueueFull
+from producer.gateway.answers import ChunkWriter, TokenText, completion_body
+from producer.gateway.metrics import GatewayMetrics
+from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
+from producer.models import ModelState
+from producer.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
+from producer.stream_events import ChunkEvent, StreamGapError
+from producer.wire.completion import Usage
+from producer.wire.errors import LaneBlocked, ModelNotFound
+
+log = structlog.get_logger(__name__)
+
+# How often a request that is not streamed checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+# Redis errors that mean "unreachable now" (503), not "this request is wrong".
+UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+def create_app(settings: GatewaySettings, client: AsyncClient | None = None) -> Starlette:
+    """The ASGI app; ``client`` (default: one made at start-up from ``settings``) is closed
+    at shutdown only when the app made it."""
+    gateway = Gateway(settings, client)
+    routes = [
+        Route(CHAT_URL, gateway.chat, methods=["POST"]),
+        Route(COMPLETIONS_URL, gateway.completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gateway.lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.gateway = gateway
+    return app
+
+
+class Gateway:
+    """The endpoints, sharing one asyncio client and a short-lived view of the models."""
+
+    def __init__(self, settings: GatewaySettings, client: AsyncClient | None) -> None:
+        self.settings = settings
+        self._given_client = client
+        self.client: AsyncClient | None = client
+        self.metrics = GatewayMetrics()
+        self._states: dict[str, ModelState] = {}
+        self._states_at = -1e9
+        self._tokenizers: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self.client is None:
+            self.client = AsyncClient(self.settings.redis_url, self.settings.namespace)
+        log.info("gateway serving", namespace=self.settings.namespace,
+                 api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue)
+        try:
+            yield
+        finally:
+            if self._given_client is None and self.client is not None:
+                await self.client.close()
+
+    # --- endpoints ---------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, CHAT_URL)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETIONS_URL)
+
+    async def models(self, request: Request) -> Response:
+        if (refused := self._authorize(request)) is not None:
+            return refused
+        try:
+            states = await self._model_states(fresh=True)
+        except UNREACHABLE as exc:
+            return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
+                                   kind="service_unavailable", code="redis_unreachable"))
+        data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "conveyor"}
+                for s in sorted(states.values(), key=lambda s: s.name) if s.live]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.client.redis.ping()
+        except UNREACHABLE as exc:
+            return JSONResponse({"status": "unavailable", "redis": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(self, request: Request) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    # --- generation --------------------------------------------------------------------
+
+    async def _generate(self, request: Request, url: str) -> Response:
+        started = time.monotonic()
+        try:
+            response = await self._answer(request, url)
+        except ApiError as exc:
+            response = _error(exc)
+        except UNREACHABLE as exc:
+            response = _error(ApiError(f"cannot reach Redis: {exc}", status=503,
+                                       kind="service_unavailable", code="redis_unreachable"))
+        self.metrics.answered(url, response.status_code, time.monotonic() - started)
+        return response
+
+    async def _answer(self, request: Request, url: str) -> Response:
+        if (refused := self._authorize(request)) is not None:
+            return refused
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError("the request body is not valid JSON") from None
+        api = parse_body(url, body)
+        await self._check_model(api.model)
+        request_id = await self._submit(api)
+        created = int(time.time())
+        token_text = await self._token_text(api) if api.logprobs else None
+        if api.stream:
+            return StreamingResponse(self._events(request_id, api, created, token_text),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Request-Id": request_id})
+        done = await self._wait(request, request_id)
+        if done is None:  # the client went away: nobody reads this answer
+            return Response(status_code=499)
+        if done.error:
+            # Refused before any token (a prompt too long, a template that rejects the
+            # messages): the request was wrong. Failed later: the server's fault.
+            status = 400 if done.usage.completion_tokens == 0 else 500
+            raise ApiError(done.error, status=status, code="request_failed",
+                           kind="invalid_request_error" if status == 400 else "server_error")
+        return JSONResponse(completion_body(api, done, created, token_text),
+                            headers={"X-Request-Id": request_id})
+
+    def _authorize(self, request: Request) -> Response | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        presented = token.strip() if scheme.lower() == "bearer" else None
+        if self.settings.key_accepted(presented):
+            return None
+        return _error(ApiError("Incorrect API key provided: pass it as 'Authorization: "
+                               "Bearer KEY'", status=401, code="invalid_api_key"))
+
+    async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:
+        now = time.monotonic()
+        if fresh or now - self._states_at >= self.settings.model_state_ttl_s:
+            states = await self.client.model_states()
+            self._states = {s.name: s for s in states}
+            self._states_at = now
+        return self._states
+
+    async def _check_model(self, model: str) -> None:
+        state = (await self._model_states()).get(model)
+        if state is None or not state.live:
+            state = (await self._model_states(fresh=True)).get(model)
+        if state is None or not state.known:
+            raise ApiError(f"The model {model!r} does not exist (GET /v1/models lists those "
+                           "served)", status=404, param="model", code="model_not_found")
+        if not state.live:
+            raise ApiError(f"no live worker serves model {model!r} now: try again later",
+                           status=503, kind="service_unavailable", code="no_live_worker")
+
+    async def _submit(self, api: ApiRequest) -> str:
+        try:
+            return await self.client.submit(
+                api.prompt, messages=api.messages, model=api.model, lane=self.settings.lane,
+                max_queue=self.settings.max_queue, **api.sampling)
+        except QueueFull as exc:
+            raise ApiError(f"the queue of model {api.model!r} is full: {exc}", status=429,
+                           kind="rate_limit_exceeded", code="queue_full") from None
+        except ModelNotFound as exc:
+            raise ApiError(str(exc), status=404, param="model", code="model_not_found") from None
+        except LaneBlocked as exc:
+            raise ApiError(str(exc), status=503, kind="service_unavailable",
+                           code="lane_blocked") from None
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+
+    async def _token_text(self, api: ApiRequest) -> TokenText | None:
+        if api.model not in self._tokenizers:
+            self._tokenizers[api.model] = await self.client.tokenizer(api.model)
+        tok = self._tokenizers[api.model]
+        if tok is None:
+            return None
+        return lambda token_id: tok.decode([token_id], skip_special_tokens=False)
+
+    async def _wait(self, request: Request, request_id: str):
+        """The request's Completion, or None (and the request cancelled) when the client
+        disconnects first."""
+        task = asyncio.ensure_future(self.client.result(request_id))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    await self._cancel(request_id, "the client disconnected")
+                    return None
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _events(self, request_id: str, api: ApiRequest, created: int,
+                      token_text: TokenText | None) -> AsyncIterator[str]:
+        """The server-sent events of a streamed answer; a disconnect cancels the request."""
+        writer = ChunkWriter(api, request_id, created, token_text)
+        finished = False
+        self.metrics.streams_open.inc()
+        try:
+            if (first := writer.first()) is not None:
+                yield _sse(first)
+            async for event in self.client.stream(request_id):
+                if isinstance(event, ChunkEvent):
+                    if event.text or (api.logprobs and event.logprobs):
+                        yield _sse(writer.text(event.text, event.logprobs))
+                    continue
+                finished = True
+                if event.error:
+                    yield _sse(ApiError(event.error, status=500, kind="server_error",
+                                        code="request_failed").body())
+                else:
+                    yield _sse(writer.last(event.finish_reason, event.text))
+                    if api.include_usage:
+                        yield _sse(writer.usage(_usage(event.usage, event.num_tokens)))
+            yield "data: [DONE]\n\n"
+        except (StreamGapError, *UNREACHABLE) as exc:
+            # Streaming began: the status line is sent, so the error is an event.
+            log.warning("stream broken", request_id=request_id, error=str(exc))
+            yield _sse(ApiError(f"the answer's stream broke: {exc}", status=500,
+                                kind="server_error", code="stream_failed").body())
+            yield "data: [DONE]\n\n"
+        finally:
+            self.metrics.streams_open.dec()
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self._cancel(request_id, "the client disconnected mid-stream")
+
+    async def _cancel(self, request_id: str, why: str) -> None:
+        try:
+            await self.client.cancel(request_id)
+            self.metrics.cancelled.inc()
+            log.info("request cancelled", request_id=request_id, reason=why)
+        except UNREACHABLE as exc:
+            log.warning("could not cancel a request", request_id=request_id, error=str(exc))
+
+
+def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:
+    return Usage(int(usage.get("prompt_tokens", 0)),
+                 int(usage.get("completion_tokens", num_tokens)),
+                 int(usage.get("cached_tokens", 0)),
+                 int(usage.get("kv_transferred_tokens", 0)))
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return _error(ApiError(f"{request.method} {request.url.path}: {exc.detail}",
+                           status=exc.status_code, kind=kind))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("gateway request failed", path=request.url.path, error=repr(exc), exc_info=exc)
+    return _error(ApiError("internal error in the gateway", status=500, kind="server_error"))

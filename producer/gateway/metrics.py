@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics (its own registry: several apps in one process, as in
+the tests, do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Seconds until the response starts (the whole answer when not streamed).
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("conveyor_gateway_requests_total",
+                                "HTTP requests to the generation endpoints, by status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("conveyor_gateway_response_seconds",
+                                 "seconds until the response started (the whole answer "
+                                 "when not streamed)", ["endpoint"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry)
+        self.streams_open = Gauge("conveyor_gateway_streams_open",
+                                  "streamed answers being sent now", registry=self.registry)
+        self.cancelled = Counter("conveyor_gateway_cancelled_total",
+                                 "requests cancelled because their client went away",
+                                 registry=self.registry)
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,196 @@
+"""`conveyor gateway` through the official openai client (and plain HTTP where the client
+hides the wire): a real worker, a real Redis, a real uvicorn server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from fleet_fixtures import MODEL
+from gateway_fixtures import serve_gateway
+from waiting import eventually
+
+from producer.client import Client
+from producer.queues import lane_stats
+from producer.wire.keys import Keys
+
+KEYS = Keys()
+PROMPT = "The river ran past the old stone bridge"
+MESSAGES = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Where does the river run?"}]
+
+
+@pytest.fixture
+def oai(gateway):
+    with openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def client(redis_url):
+    with Client(redis_url) as c:
+        yield c
+
+
+def test_completions_and_chat_equal_the_client_streamed_or_not(start_worker, oai, client):
+    start_worker()
+    ref = client.result(client.submit(PROMPT, model=MODEL, max_tokens=8, temperature=0),
+                        timeout=60)
+    chat_ref = client.result(client.submit(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                           temperature=0), timeout=60)
+
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert done.choices[0].text == ref.text
+    assert done.choices[0].finish_reason == "length" == str(ref.finish_reason)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) \
+        == (ref.usage.prompt_tokens, 8, ref.usage.prompt_tokens + 8)
+
+    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                       temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == chat_ref.text
+    assert chat.usage.prompt_tokens == chat_ref.usage.prompt_tokens
+    assert chat.usage.completion_tokens == 8
+
+    pieces, usage = [], None
+    for chunk in oai.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                             max_completion_tokens=8, temperature=0,
+                                             stream=True,
+                                             stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            last_reason = chunk.choices[0].finish_reason
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == chat_ref.text and last_reason == "length"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (chat_ref.usage.prompt_tokens, 8)
+
+    text = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    assert text == ref.text
+
+
+def test_logprobs_come_back_in_openai_shapes(start_worker, oai):
+    start_worker()
+    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and all(len(top) == 3 for top in lp.top_logprobs)
+
+
+def test_a_client_gone_mid_stream_cancels_its_request(start_worker, gateway, client):
+    start_worker()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", gateway.api + "/completions", json=body) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None  # tokens did flow
+    final = client.result(request_id, timeout=60)
+    assert str(final.finish_reason) == "cancelled"
+    assert 0 < final.usage.completion_tokens < 400
+
+
+def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
+    start_worker()
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+         "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 2}, "n"),
+        ({"extra_body": {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}]}]}}, "messages"),
+        ({"extra_body": {"guided_json": {}}}, "guided_json"),
+        ({"temperature": -1}, "temperature"),
+    ]
+    for extra, field in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **extra)
+        error = refused.value.body
+        assert error["param"] == field, (field, error)
+        assert field in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_a_model_without_live_workers_503(start_worker, oai, gateway):
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.completions.create(model="nobody", prompt="x", max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found"
+    worker = start_worker()
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    worker.stop(drain_timeout_s=5)  # registered still; no live worker
+    assert oai.models.list().data == []
+    with pytest.raises(openai.InternalServerError) as unserved:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert unserved.value.status_code == 503
+    assert unserved.value.body["code"] == "no_live_worker"
+
+
+def test_a_wrong_api_key_is_401(redis_url, start_worker):
+    start_worker()
+    with serve_gateway(redis_url, api_keys=("right-key",)) as running:
+        with openai.OpenAI(base_url=running.api, api_key="wrong", max_retries=0) as bad, \
+                pytest.raises(openai.AuthenticationError) as refused:
+            bad.models.list()
+        assert refused.value.body["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=running.api, api_key="right-key", max_retries=0) as good:
+            assert good.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                           temperature=0).usage.completion_tokens == 2
+        assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_full_queue_is_429_with_retry_after(redis_url, start_worker, client, redis_client):
+    # One slot, no prefetch: a long request holds the worker, the next one waits in the lane.
+    start_worker(prefetch=0, max_num_seqs=1)
+    long = client.submit(PROMPT, model=MODEL, max_tokens=2000, temperature=0, ignore_eos=True)
+    eventually(lambda: lane_stats(redis_client, KEYS, MODEL)[0].pending == 1,
+               "the long request taken")
+    waiting = client.submit(PROMPT, model=MODEL, max_tokens=2)
+    interactive = lane_stats(redis_client, KEYS, MODEL)[0]
+    assert (interactive.pending, interactive.depth) == (1, 1)  # the precondition: 2 waiting
+    with serve_gateway(redis_url, max_queue=2) as running:
+        response = httpx.post(running.api + "/completions",
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"
+        with openai.OpenAI(base_url=running.api, api_key="k", max_retries=0) as oai, \
+                pytest.raises(openai.RateLimitError):
+            oai.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    client.cancel(long)
+    assert client.result(waiting, timeout=60).usage.completion_tokens == 2
+
+
+def test_health_metrics_and_errors_outside_the_api(start_worker, gateway, oai):
+    start_worker()
+    oai.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    page = httpx.get(gateway.url + "/metrics").text
+    assert 'conveyor_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' \
+        in page
+    missing = httpx.get(gateway.url + "/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    bad_json = httpx.post(gateway.api + "/completions", content=b"{not json")
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["message"]
+
+
+def test_an_error_after_streaming_began_is_an_event_before_done(start_worker, gateway,
+                                                                tiny_llama):
+    start_worker()
+    too_long = [7] * 2100  # more tokens than the tiny model's context (2,048)
+    body = {"model": MODEL, "prompt": too_long, "max_tokens": 4, "stream": True}
+    response = httpx.post(gateway.api + "/completions", json=body, timeout=60)
+    assert response.status_code == 200  # the status line went out before the worker answered
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "max length" in error["message"] and error["code"] == "request_failed"

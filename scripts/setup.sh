@@ -30,6 +30,34 @@ if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
   fi
 fi
 
+# The Node.js client in the tests (tests/node_client) is required under CI=true. With the
+# same switches, as root with apt, install node and npm where missing, then the client's
+# packages as package-lock.json pins them (npm ci, only when node_modules differs). Elsewhere
+# the test runs npm ci itself, or skips and says why.
+node_client_current() {
+  (cd tests/node_client && node -e '
+    const fs = require("fs");
+    const want = JSON.parse(fs.readFileSync("package-lock.json")).packages;
+    delete want[""];
+    const have = JSON.parse(fs.readFileSync("node_modules/.package-lock.json")).packages;
+    process.exit(require("util").isDeepStrictEqual(want, have) ? 0 : 1);' 2>/dev/null)
+}
+if [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; then
+  missing=()
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
+  if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${missing[*]} for the Node client test" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      "${missing[@]}" >/dev/null || echo "setup: could not install ${missing[*]}" >&2
+  fi
+  if command -v npm >/dev/null 2>&1 && ! node_client_current; then
+    echo "setup: installing the Node client's packages (npm ci in tests/node_client)" >&2
+    (cd tests/node_client && npm ci --no-audit --no-fund --loglevel=error >&2) \
+      || echo "setup: npm ci failed in tests/node_client" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.conveyor-installed

@@ -1,4 +1,4 @@
-# A conveyor worker image (CPU): `docker compose up` uses it for the make-model and worker
+# A conveyor image (CPU): `docker compose up` uses it for the make-model, worker and gateway
 # services. Every `conveyor` verb works: `docker run IMAGE worker --model ... --redis ...`.
 FROM python:3.11-slim
 
@@ -22,10 +22,11 @@ COPY producer ./producer
 COPY worker ./worker
 COPY scheduler ./scheduler
 COPY kvstore ./kvstore
-RUN pip install ".[worker]"
+RUN pip install ".[worker,gateway]"
 
-# Prometheus metrics, when a worker runs with --metrics-port 9400 (docker-compose.yml does).
-EXPOSE 9400
+# Prometheus metrics, when a worker runs with --metrics-port 9400 (docker-compose.yml does);
+# the gateway's HTTP API (and its /metrics) on 8000.
+EXPOSE 9400 8000
 
 ENTRYPOINT ["conveyor"]
 CMD ["--help"]

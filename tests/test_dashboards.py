@@ -59,7 +59,7 @@ def test_compose_file_validates_against_the_compose_spec():
 
 def test_compose_runs_real_conveyor_verbs_and_options():
     services = conveyor_services()
-    assert {"make-model", "worker"} <= set(services)
+    assert {"make-model", "worker", "gateway"} <= set(services)
     parser = build_parser()
     args = {name: parser.parse_args(s["command"]) for name, s in services.items()}
     made, worker = args["make-model"], args["worker"]
@@ -74,6 +74,10 @@ def test_compose_runs_real_conveyor_verbs_and_options():
     assert worker.metrics_port == 9400
     assert services["worker"]["depends_on"]["make-model"]["condition"] == (
         "service_completed_successfully")
+    gateway = args["gateway"]
+    assert gateway.command == "gateway" and gateway.redis == worker.redis
+    assert gateway.host == "0.0.0.0" and f"{gateway.port}:{gateway.port}" in (
+        services["gateway"]["ports"])
 
 
 def test_compose_bind_mounts_and_build_context_exist():

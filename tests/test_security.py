@@ -631,3 +631,19 @@ def test_a_worker_whose_user_predates_the_handoff_stream_still_serves(redis7_acl
         done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
                              timeout=60)
     assert done.finish_reason == "length"
+
+
+def test_the_gateway_runs_as_a_producer_user(acl_server, admin, start_worker):
+    import openai
+    from gateway_fixtures import serve_gateway
+
+    start_worker(url=user_url(acl_server, "worker"))
+    with serve_gateway(user_url(acl_server, "producer"), max_queue=100) as running, \
+            openai.OpenAI(base_url=running.api, api_key="k", max_retries=0) as oai:
+        assert [m.id for m in oai.models.list()] == [MODEL]
+        chat = oai.chat.completions.create(model=MODEL, max_tokens=3, temperature=0,
+                                           messages=[{"role": "user", "content": "hi"}])
+        streamed = list(oai.completions.create(model=MODEL, prompt="hi", max_tokens=3,
+                                               temperature=0, stream=True))
+    assert chat.usage.completion_tokens == 3 and streamed[-1].choices[0].finish_reason
+    assert refused_commands(admin) == []

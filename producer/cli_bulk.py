@@ -1,4 +1,5 @@
-"""`conveyor bulk`: batch files, document analysis jobs through RQ, job status, an RQ worker.
+"""`conveyor bulk`: batch files (run by this process), document analysis jobs through RQ, job
+status, an RQ worker.
 
 No torch here; RQ always runs with its JSON serializer.
 """
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from rq.exceptions import NoSuchJobError
 
 from producer.bulk import defaults
@@ -33,14 +33,17 @@ FINAL_STATUSES = ("finished", "failed", "stopped", "canceled")
 def add_bulk_parser(subparsers: Any) -> None:
     """Add `bulk` (submit, analyze, status, worker) to the `conveyor` command's subparsers."""
     bulk = subparsers.add_parser(
-        "bulk", help="batch files and long-document analysis through RQ",
-        description="Bulk work over the fleet's batch lane. RQ jobs use the JSON serializer; "
-        "run them with `conveyor bulk worker` or `rq worker --serializer "
-        "rq.serializers.JSONSerializer`.")
+        "bulk", help="batch files, and long-document analysis through RQ",
+        description="Bulk work over the fleet's batch lane. `bulk submit` runs a batch file in "
+        "this process (no RQ: it submits the lines itself and writes results as they finish; "
+        "run it again to resume). `bulk analyze` enqueues an RQ job (JSON serializer) that "
+        "`conveyor bulk worker` or `rq worker --serializer rq.serializers.JSONSerializer` "
+        "runs.")
     bulk.set_defaults(handler=run_bulk_cmd)
     sub = bulk.add_subparsers(dest="bulk_command", required=True, metavar="ACTION")
 
-    p = sub.add_parser("submit", help="run a JSONL batch file (OpenAI batch format)")
+    p = sub.add_parser("submit", help="run a JSONL batch file (OpenAI batch format) in this "
+                       "process, until every line has a result")
     p.add_argument("input", type=Path, help="input JSONL: custom_id, body with prompt and "
                    "max_tokens/sampling fields")
     p.add_argument("--output", "-o", type=Path, required=True,
@@ -59,17 +62,22 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--instruction", required=True, help="what to ask about the document")
     p.add_argument("--model", metavar="NAME", help="default: the only model with a live "
                    "worker, else the only registered model")
-    p.add_argument("--chunk-tokens", type=int, default=defaults.CHUNK_TOKENS, metavar="N")
-    p.add_argument("--overlap-tokens", type=int, default=defaults.OVERLAP_TOKENS, metavar="N")
-    p.add_argument("--reduce-instruction", default=None, help="how to combine chunk answers")
+    p.add_argument("--chunk-tokens", type=int, default=defaults.CHUNK_TOKENS, metavar="N",
+                   help="document tokens per chunk")
+    p.add_argument("--overlap-tokens", type=int, default=defaults.OVERLAP_TOKENS, metavar="N",
+                   help="tokens each chunk shares with the one before it")
+    p.add_argument("--reduce-instruction", default=None,
+                   help="how to combine chunk answers (default: the built-in instruction)")
     p.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, metavar="N",
                    help="longest chunk answer")
     p.add_argument("--reduce-max-tokens", type=int, default=None, metavar="N",
                    help="longest reduce answer (default: --max-tokens)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="of every chunk and reduce answer (greedy by default: the same "
+                   "document gives the same analysis)")
     p.add_argument("--model-wait", type=float, default=defaults.MODEL_WAIT_S, metavar="S",
                    help="seconds the job waits for the model to be registered and served "
-                   f"by a live worker before it fails (default: {defaults.MODEL_WAIT_S:g})")
+                   "by a live worker before it fails")
     _add_request_args(p)
     p.add_argument("--queue", default=defaults.DEFAULT_QUEUE, help="RQ queue name")
     p.add_argument("--no-follow", action="store_true", help="print the job id and return")
@@ -77,7 +85,7 @@ def add_bulk_parser(subparsers: Any) -> None:
     add_connection_args(p)
 
     p = sub.add_parser("status", help="show any RQ job's status and progress")
-    p.add_argument("job_id", metavar="JOB")
+    p.add_argument("job_id", metavar="JOB", help="RQ job id")
     p.add_argument("--follow", "-f", action="store_true", help="keep showing until it ends")
     p.add_argument("--json", action="store_true", help="print status, meta and result as JSON")
     add_connection_args(p)
@@ -93,12 +101,9 @@ def run_bulk_cmd(args: argparse.Namespace) -> int:
     """Run a `conveyor bulk` action; returns the exit status."""
     handler = {"submit": _submit, "analyze": _analyze, "status": _status,
                "worker": _worker}[args.bulk_command]
-    try:
-        with Client(args.redis, args.namespace) as client:
-            return handler(client, args)
-    except RedisConnectionError as exc:
-        print(f"conveyor bulk {args.bulk_command}: cannot reach Redis: {exc}", file=sys.stderr)
-        return 1
+    # Redis connection errors pass to `conveyor`'s main, which says them in one line.
+    with Client(args.redis, args.namespace) as client:
+        return handler(client, args)
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:

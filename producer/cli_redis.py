@@ -32,7 +32,8 @@ def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--redis URL`` and ``--namespace NS``: where a client verb finds the fleet."""
     add_redis_url_option(parser)
-    parser.add_argument("--namespace", metavar="NS", default="conveyor")
+    parser.add_argument("--namespace", metavar="NS", default="conveyor",
+                        help="prefix of every conveyor key: the fleet's namespace")
 
 
 def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -60,11 +61,10 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="server folder (default: the conveyor data folder's redis/)",
     )
     p.add_argument(
-        "--port", type=int, metavar="N", help="run: also listen on TCP port N (on --bind)"
+        "--port", type=int, metavar="N",
+        help="run: also listen on TCP port N, on --bind (default: the unix socket only)"
     )
-    p.add_argument(
-        "--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address (default: loopback)"
-    )
+    p.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="run: TCP address")
     p.add_argument("--json", action="store_true", help="status: print one JSON object")
     # SUPPRESS: given before the verb (`conveyor --redis URL redis setup`) it still counts.
     p.add_argument("--redis", metavar="URL", default=argparse.SUPPRESS,
@@ -77,7 +77,7 @@ def add_redis_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="setup: reopen the request lanes of --namespace that an entry at the "
                    "largest stream id closed to new requests")
     p.add_argument("--namespace", metavar="NS", default="conveyor",
-                   help="setup --acl / --reopen-lanes: the namespace")
+                   help="setup --acl / --reopen-lanes: the fleet's namespace")
     p.set_defaults(handler=run_redis_cmd)
     return p
 
@@ -92,13 +92,19 @@ def run_redis_cmd(args: argparse.Namespace) -> int:
         if args.action == "status":
             return _print_status(redis_server.status(args.data_dir), as_json=args.json)
         if args.action == "setup":
-            return _setup(args.redis, args.acl, args.reopen_lanes, args.namespace)
+            return _setup(setup_url(args), args.acl, args.reopen_lanes, args.namespace)
         return redis_server.run_foreground(
             args.data_dir, port=args.port, bind=args.bind, on_ready=_announce
         )
     except redis_server.RedisServerError as exc:
         print(f"conveyor redis: error: {exc}", file=sys.stderr)
         return 1
+
+
+def setup_url(args: argparse.Namespace) -> str | None:
+    """`redis setup`'s Redis: --redis (before or after the verb), else $CONVEYOR_REDIS_URL, else
+    None (the embedded server)."""
+    return getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV)
 
 
 def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> int:
@@ -115,6 +121,8 @@ def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> in
             before = install_functions(client)
             if reopen:
                 _reopen_lanes(client, namespace)
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise  # `conveyor`'s main says it in one line, like every verb's
     except (redis.RedisError, ValueError) as exc:
         print(f"conveyor redis setup: error: {exc}", file=sys.stderr)
         return 1

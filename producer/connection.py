@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import redis
 import redis.asyncio
 import redis.asyncio.retry
+import structlog
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 from redis.retry import Retry
@@ -27,6 +28,7 @@ from producer.defaults import (
 
 SCHEMES = ("redis", "rediss", "unix")
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 # Errors worth retrying; redis-py's AuthenticationError is a ConnectionError but is never transient.
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
@@ -49,9 +51,11 @@ def connect(
     running. ``socket_timeout`` must stay above the longest BLOCK a caller uses.
     ``client_name`` names its connections in CLIENT LIST. ``retry_attempts=0`` hands every
     connection error to the caller at once (worker threads retry in their own loop, and say so).
+    Each retry logs a warning naming the server and the error.
     """
     url = resolve_url(url)
-    retry = _TransientRetry(_backoff(), retry_attempts, supported_errors=TRANSIENT_ERRORS)
+    retry = _TransientRetry(_backoff(), retry_attempts, supported_errors=TRANSIENT_ERRORS,
+                            where=describe(url))
     options = _options(url, decode_responses, socket_timeout, retry)
     if client_name is not None:
         options["client_name"] = client_name
@@ -69,7 +73,8 @@ def connect_async(
     With ``url=None`` it checks (and may start) the embedded server synchronously, once here.
     """
     url = resolve_url(url)
-    retry = _AsyncTransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS)
+    retry = _AsyncTransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS,
+                                 where=describe(url))
     return redis.asyncio.Redis.from_url(
         url, **_options(url, decode_responses, socket_timeout, retry)
     )
@@ -128,13 +133,26 @@ class _Refused(Exception):
         self.error = error
 
 
+def _log_retry(where: str, error: Exception, retry: int, retries: int) -> None:
+    """One warning per retry: which server, which try, and what failed."""
+    log.warning("cannot reach Redis, retrying", url=where, retry=f"{retry}/{retries}",
+                error=str(error))
+
+
 class _TransientRetry(Retry):
-    """A Retry that gives up at once on a refused password instead of backing off for seconds."""
+    """A Retry that gives up at once on a refused password instead of backing off for seconds,
+    and logs each retry it makes (``where``: the server, safe for logs)."""
+
+    def __init__(self, backoff: Any, retries: int, *, supported_errors: tuple, where: str) -> None:
+        super().__init__(backoff, retries, supported_errors=supported_errors)
+        self.where = where
 
     # Wrapping ``do`` (not redis-py's newer is_retryable hook) works on every redis-py >= 5.
     def call_with_retry(
         self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> T:
+        failures = 0
+
         def guarded() -> T:
             try:
                 return do()
@@ -143,14 +161,25 @@ class _TransientRetry(Retry):
                     raise
                 raise _Refused(error) from None
 
+        def reporting(error: Exception, *count: int) -> Any:
+            nonlocal failures
+            failures += 1
+            if failures <= self._retries:  # the last failure is raised, not retried
+                _log_retry(self.where, error, failures, self._retries)
+            return fail(error, *count)
+
         try:
-            return super().call_with_retry(guarded, fail, *args, **kwargs)
+            return super().call_with_retry(guarded, reporting, *args, **kwargs)
         except _Refused as refused:
             raise refused.error from None
 
 
 class _AsyncTransientRetry(redis.asyncio.retry.Retry):
     """The asyncio twin of :class:`_TransientRetry`."""
+
+    def __init__(self, backoff: Any, retries: int, *, supported_errors: tuple, where: str) -> None:
+        super().__init__(backoff, retries, supported_errors=supported_errors)
+        self.where = where
 
     async def call_with_retry(
         self,
@@ -159,6 +188,8 @@ class _AsyncTransientRetry(redis.asyncio.retry.Retry):
         *args: Any,
         **kwargs: Any,
     ) -> T:
+        failures = 0
+
         async def guarded() -> T:
             try:
                 return await do()
@@ -167,8 +198,15 @@ class _AsyncTransientRetry(redis.asyncio.retry.Retry):
                     raise
                 raise _Refused(error) from None
 
+        async def reporting(error: Exception, *count: int) -> Any:
+            nonlocal failures
+            failures += 1
+            if failures <= self._retries:
+                _log_retry(self.where, error, failures, self._retries)
+            return await fail(error, *count)
+
         try:
-            return await super().call_with_retry(guarded, fail, *args, **kwargs)
+            return await super().call_with_retry(guarded, reporting, *args, **kwargs)
         except _Refused as refused:
             raise refused.error from None
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.cli_redis import add_redis_url_option
+from producer.cli_redis import add_connection_args
 from producer.client import Client
 from producer.connection import describe
 from producer.models import ModelState, heartbeat_keys, member_names, model_states
@@ -47,17 +47,20 @@ def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         description="Models (registered or not, and how many live workers serve each), "
         "workers (from their heartbeats) with running / waiting / KV use / tokens per second, "
         "and each model's lanes with the requests waiting and pending.")
-    add_redis_url_option(p)
-    p.add_argument("--namespace", metavar="NS", default="conveyor")
+    add_connection_args(p)
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
-                   help=f"seconds between frames (default: {DEFAULT_INTERVAL_S})")
+                   help="seconds between frames")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(handler=run_top_cmd)
     return p
 
 
 def run_top_cmd(args: argparse.Namespace) -> int:
-    """Draw frames until Ctrl-C (or one with ``--once``); the exit status."""
+    """Draw frames until Ctrl-C (or one with ``--once``); the exit status.
+
+    Live, it shows an unreachable Redis in the frame and keeps trying; with ``--once`` the
+    connection error passes to the caller (`conveyor`'s main says it in one line).
+    """
     where = describe(args.redis) if args.redis else "embedded"
     live = not args.once and sys.stdout.isatty()
     try:
@@ -65,10 +68,9 @@ def run_top_cmd(args: argparse.Namespace) -> int:
             while True:
                 try:
                     frame = render(take_snapshot(client), where, client.keys.ns)
-                except redis.ConnectionError as exc:
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
                     if args.once:
-                        print(f"conveyor top: cannot reach Redis: {exc}", file=sys.stderr)
-                        return 1
+                        raise
                     frame = f"conveyor top  {where}: cannot reach Redis ({exc}); retrying"
                 sys.stdout.write((_CLEAR if live else "") + frame + "\n")
                 sys.stdout.flush()

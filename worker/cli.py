@@ -17,7 +17,7 @@ import redis
 from producer.cli_bulk import add_bulk_parser
 from producer.cli_client import add_client_parsers
 from producer.cli_gateway import add_gateway_parser
-from producer.cli_redis import add_redis_parser
+from producer.cli_redis import add_redis_parser, setup_url
 from producer.connection import describe
 from producer.logging import DEFAULT_LEVEL, LEVELS, configure_logging
 from producer.redis_config import RedisServerError
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # The retries (one warning each) are behind us: one line, no traceback.
-        url = getattr(args, "redis", None)
+        url = setup_url(args) if args.command == "redis" else getattr(args, "redis", None)
         where = describe(url) if url else "the embedded Redis"
         print(f"conveyor {verb}: cannot reach Redis at {where}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

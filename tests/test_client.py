@@ -474,16 +474,18 @@ def test_resolve_model_uses_the_only_registered_model(client, r):
     assert resolve_model(client, "other") == "other"
 
 
-def test_cli_submit_prints_the_id_then_the_text(redis_url, r, capsys):  # noqa: F811
+def test_cli_submit_prints_the_text_and_the_id_on_stderr(redis_url, r, capsys):  # noqa: F811
     register(r)
     worker = serve_one(redis_url)
     rc = run_client_cmd(parse("submit", "hello", "--max-tokens", "3", "--redis", redis_url))
     worker.join()
 
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
     [req] = requests_on(r)
-    assert rc == 0 and out == [req.request_id, "Hi you"]
-    assert (req.params.max_tokens, req.params.temperature) == (3, 0.0)
+    assert rc == 0 and captured.out.splitlines() == ["Hi you"]
+    assert f"request {req.request_id}" in captured.err and "[length, 3 tokens]" in captured.err
+    # Only what was given is set: the rest keeps Client.submit's defaults.
+    assert (req.params.max_tokens, req.params.temperature) == (3, 1.0)
 
 
 def test_cli_submit_stream_prints_text_and_a_summary(redis_url, r, capsys):  # noqa: F811

@@ -23,10 +23,15 @@ def add_worker_parsers(subparsers: Any) -> None:
                               help="write a small deterministic checkpoint (no model hub)")
     p.add_argument("dir", nargs="?",
                    help="output folder (default: the data folder's models/PRESET)")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
-    p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    p.add_argument("--preset", choices=["tiny", "small"], default="small",
+                   help="model size: tiny (tests, under 1M parameters) or small (about 32M)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama",
+                   help="architecture written to config.json")
+    p.add_argument("--seed", type=int, default=0,
+                   help="weight seed: the same arguments always give the same files")
+    p.add_argument("--force", action="store_true",
+                   help="delete and make again a folder make-model made (it holds "
+                   ".conveyor-model); any other folder is refused")
     p.add_argument("--exist-ok", action="store_true",
                    help="do nothing when the folder already holds a model (config.json)")
     p.set_defaults(handler=make_model_cmd)
@@ -34,10 +39,13 @@ def add_worker_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="run prompts through the offline engine (no Redis)")
     p.add_argument("prompts", nargs="+", help="prompt texts")
     p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none, random)")
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"),
+                   help="precision: auto (float32 on CPU, bfloat16 on CUDA), float32, float64, "
+                   "bfloat16 or float16")
     p.set_defaults(handler=generate_cmd)
 
     _add_serve_parser(subparsers)
@@ -68,14 +76,17 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--served-model-name", help="name producers address (default: folder name)")
     add_redis_url_option(p)
-    p.add_argument("--namespace", default=worker("namespace"))
+    p.add_argument("--namespace", default=worker("namespace"),
+                   help="prefix of every conveyor key: the fleet's namespace")
     p.add_argument("--name", dest="worker_id", help="worker id (default: HOST-PID)")
     p.add_argument("--max-num-seqs", type=int, default=engine("max_num_seqs"),
                    help="requests running at once (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=engine("max_num_batched_tokens"),
                    help="token budget of a step (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="device KV pool in blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="device KV pool in blocks (default: sized from 0.5 GiB, capped at "
+                   "what --max-num-seqs full-length sequences use)")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= the "
                    "model's max length)")
@@ -84,8 +95,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
                    metavar="S", help="seconds between heartbeats (status and load in Redis; "
                    "default: %(default)s)")
-    p.add_argument("--dtype", default=engine("dtype"))
-    p.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    p.add_argument("--dtype", default=engine("dtype"),
+                   help="precision: auto (float32 on CPU, bfloat16 on CUDA), float32, float64, "
+                   "bfloat16 or float16 (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for this process (default: torch's own choice)")
     p.add_argument("--lease-ms", type=int, default=worker("lease_ms"),
                    help="in-flight entries idle this long are claimed by other workers "
                    "(default: %(default)s)")
@@ -120,19 +134,36 @@ def _add_serve_parser(subparsers: Any) -> None:
 
 
 def make_model_cmd(args: argparse.Namespace) -> int:
-    from worker.modelgen import make_model
+    """Write a checkpoint and mark its folder as one make-model made; only such a folder may
+    ``--force`` delete (FileExistsError, exit 2, for any other)."""
+    from worker.modelgen.make_model import MARKER_FILE, is_marked_folder
 
     out = Path(args.dir) if args.dir else default_model_dir(args.preset)
     if args.exist_ok and (out / "config.json").is_file():
         print(out)
         return 0
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
     if out.exists() and any(out.iterdir()):
         if not args.force:
-            raise FileExistsError(f"{out} exists and is not empty (use --force to overwrite)")
+            raise FileExistsError(f"{out} exists and is not empty (use --force to make it "
+                                  "again, if make-model made it)")
+        if not is_marked_folder(out):
+            raise FileExistsError(f"{out} is not a folder make-model made (it has no "
+                                  f"{MARKER_FILE}): --force deletes only those; pick another "
+                                  "folder, or delete this one yourself")
         shutil.rmtree(out)
-    make_model(out, preset=args.preset, arch=args.arch, seed=args.seed)
+    _make_marked(out, preset=args.preset, arch=args.arch, seed=args.seed)
     print(out)
     return 0
+
+
+def _make_marked(out: Path, preset: str, arch: str = "llama", seed: int = 0) -> None:
+    """make_model, then the marker that lets a later ``make-model --force`` replace it."""
+    from worker.modelgen.make_model import make_model, mark_folder
+
+    make_model(out, preset=preset, arch=arch, seed=seed)
+    mark_folder(out, preset=preset, arch=arch, seed=seed)
 
 
 def ensure_model(model: str | None, preset: str = "small") -> Path:
@@ -144,10 +175,8 @@ def ensure_model(model: str | None, preset: str = "small") -> Path:
         return path
     path = default_model_dir(preset)
     if not (path / "config.json").is_file():
-        from worker.modelgen import make_model
-
         print(f"making the {preset} model in {path} ...", file=sys.stderr)
-        make_model(path, preset=preset)
+        _make_marked(path, preset=preset)
     return path
 
 

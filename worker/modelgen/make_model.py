@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,20 @@ OWN_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+# The file `conveyor make-model` leaves in a folder it made (its settings, as JSON): only such
+# a folder may it delete and make again (--force).
+MARKER_FILE = ".conveyor-model"
+
+
+def mark_folder(out_dir: str | os.PathLike[str], **settings: Any) -> None:
+    """Mark ``out_dir`` as a folder `conveyor make-model` made, with the settings it used."""
+    marker = {"made_by": "conveyor make-model", **settings}
+    (Path(out_dir) / MARKER_FILE).write_text(json.dumps(marker, sort_keys=True) + "\n")
+
+
+def is_marked_folder(out_dir: str | os.PathLike[str]) -> bool:
+    """Whether `conveyor make-model` made ``out_dir`` (see :func:`mark_folder`)."""
+    return (Path(out_dir) / MARKER_FILE).is_file()
 
 
 def make_model(

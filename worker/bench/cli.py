@@ -47,7 +47,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                           help="Poisson arrivals at R requests/s (default: all at t=0)")
     arrivals.add_argument("--concurrency", type=int, default=None, metavar="C",
                           help="keep C requests in flight (default: all at t=0)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0,
+                   help="seed of the workload's prompts, lengths and arrivals")
     w.add_argument("--quick", action="store_true",
                    help="tiny model and a few short requests: a smoke run of seconds")
 
@@ -56,19 +57,26 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "--quick; made if missing)")
     s.add_argument("--redis", metavar="URL", default=None,
                    help="Redis to use (default: a private redis-server started for the run)")
-    s.add_argument("--namespace", default="conveyor")
+    s.add_argument("--namespace", default="conveyor",
+                   help="prefix of every conveyor key: the fleet's namespace")
     s.add_argument("--threads", type=int, default=2,
                    help="torch threads of the worker, the offline engine and hf-static (default 2)")
-    s.add_argument("--max-num-seqs", type=int, default=field_default(EngineConfig, "max_num_seqs"))
+    s.add_argument("--max-num-seqs", type=int, default=field_default(EngineConfig, "max_num_seqs"),
+                   help="requests a worker runs at once")
     s.add_argument("--max-num-batched-tokens", type=int,
-                   default=field_default(EngineConfig, "max_num_batched_tokens"))
-    s.add_argument("--num-kv-blocks", type=int, default=None)
-    s.add_argument("--max-prefill-chunk", type=int, default=None)
+                   default=field_default(EngineConfig, "max_num_batched_tokens"),
+                   help="token budget of a step")
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="device KV pool in blocks (default: the engine's sizing)")
+    s.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
+                   help="cap on one request's prefill chunk in a step (default: the budget)")
 
     a = p.add_argument_group("alternatives, measured after the fleet run")
     a.add_argument("--baseline", choices=["hf-static"], default=None,
-                   help="transformers generate in static padded batches (all requests at t=0)")
-    a.add_argument("--hf-batch-size", type=int, default=16)
+                   help="transformers generate in static padded batches (all requests at t=0; "
+                   "default: no baseline)")
+    a.add_argument("--hf-batch-size", type=int, default=16,
+                   help="--baseline hf-static: requests per static batch")
     a.add_argument("--chunked-prefill", choices=["on", "off"], default="on",
                    help="off: also run the fleet with chunked prefill off, for comparison")
     a.add_argument("--offline", action="store_true",

@@ -31,16 +31,14 @@ class SLO:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between closest ranks (numpy's default); NaN if empty."""
+    """The q-th percentile (0-100), linear between closest ranks (numpy's); NaN if empty."""
+    import numpy as np  # here: `conveyor`'s other verbs load this module without numpy
+
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {q}")
     if not values:
         return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return float(np.percentile(values, q))
 
 
 def summarize_ms(values_s: Sequence[float]) -> dict[str, float | int]:

@@ -98,6 +98,11 @@ def _add_submit_parser(subparsers: Any) -> None:
                    help="prompt text; '-' reads it from stdin (or give --file)")
     p.add_argument("--file", type=Path, metavar="PATH",
                    help="read the prompt from this file (default: none, TEXT is the prompt)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the text as a user's chat message, rendered by the model's chat "
+                   "template (default: a raw prompt)")
+    p.add_argument("--system", metavar="TEXT", default=None,
+                   help="with --chat: a system message before the user's (default: none)")
     p.add_argument("--model", metavar="NAME",
                    help="model name (default: the only model with a live worker, else the "
                    "only registered model)")
@@ -198,7 +203,13 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
     if args.json and args.stream:
         raise ValueError("--json prints the whole answer at the end: it does not mix with "
                          "--stream")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
     prompt = read_prompt(args.text, args.file)
+    messages = None
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt, messages = None, [*system, {"role": "user", "content": prompt}]
     sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS
                 if getattr(args, name) is not None}
     try:
@@ -217,7 +228,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         print(f"conveyor submit: warning: no live worker serves model {model!r}: the request "
               f"waits in its queue; waiting {patience} for a worker to answer it",
               file=sys.stderr, flush=True)
-    request_id = client.submit(prompt, model=model, lane=args.lane,
+    request_id = client.submit(prompt, model=model, messages=messages, lane=args.lane,
                                allow_unregistered=args.allow_unregistered, **sampling)
     if args.detach:
         print(json.dumps({"request_id": request_id}) if args.json else request_id)

@@ -98,6 +98,16 @@ def test_submit_reads_stdin_and_detach_prints_only_the_id(redis_url, redis_clien
     assert req.prompt == "a prompt from stdin"
 
 
+def test_submit_chat_sends_the_text_as_a_user_message(redis_url, redis_client, capsys):
+    assert main(submit_argv(redis_url, "hello there", "--chat", "--system", "be brief",
+                            "--detach")) == 0
+
+    [req] = requests_on(redis_client)
+    assert req.prompt is None and req.messages == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert main(submit_argv(redis_url, "x", "--system", "s", "--detach")) == 2  # needs --chat
+
+
 def test_submit_reads_a_file_and_prints_one_json_object(redis_url, redis_client, tmp_path,
                                                         capsys):
     prompt = tmp_path / "prompt.txt"

@@ -21,6 +21,7 @@ import pytest
 from fleet_fixtures import MODEL
 from jsonschema import Draft202012Validator
 from redis_fixtures import redis_binary
+from test_wire_schema import documented_names
 
 from producer.acl import setuser_args
 from producer.client import Client
@@ -119,8 +120,30 @@ def test_node_client_gets_the_python_clients_greedy_answer(node, redis_url, redi
                        "--params", json.dumps(GREEDY), "--lane", "batch")
     assert got_ids["token_ids"] == want_ids.token_ids
     assert got_ids["text"] == want_ids.text
+    assert "logprobs" not in got  # asked for none, none on the wire
+
+    with_logprobs = {**GREEDY, "logprobs": 2}
+    with Client(redis_url) as client:
+        want_lp = client.result(client.submit(PROMPT, model=MODEL, **with_logprobs), timeout=60)
+    got_lp = run_node(node, redis_url, "--prompt", PROMPT, "--params", json.dumps(with_logprobs))
+    assert got_lp["token_ids"] == want_lp.token_ids
+    assert len(got_lp["logprobs"]) == len(want_lp.logprobs) == GREEDY["max_tokens"]
+    for (logprob, top), ours in zip(got_lp["logprobs"], want_lp.logprobs, strict=True):
+        assert logprob == pytest.approx(ours.logprob, abs=1e-9)
+        assert [t for t, _ in top] == [t for t, _ in ours.top] and len(top) == 2
     assert_outputs_match_schema(redis_client, [want.request_id, want_ids.request_id,
-                                               got["id"], got_ids["id"]])
+                                               got["id"], got_ids["id"], want_lp.request_id,
+                                               got_lp["id"]])
+
+
+def test_protocol_md_names_every_field_of_the_heartbeat_and_model_hashes(redis_client,
+                                                                         start_worker):
+    worker = start_worker()
+    keys = Keys()
+    heartbeat = redis_client.hgetall(keys.worker(worker.config.worker_id))
+    assert {k.decode() for k in heartbeat} == documented_names("## The heartbeat hash")
+    model = redis_client.hgetall(keys.model(MODEL))
+    assert {k.decode() for k in model} == documented_names("## The model hash")
 
 
 def test_node_client_sees_a_stop_string_and_a_refused_request_as_python_does(

@@ -50,7 +50,8 @@ def ecma_pattern(validator, pattern, instance, schema):
 
 
 Validator = validators.extend(Draft202012Validator, {"pattern": ecma_pattern})
-SCHEMA_DIR = Path(__file__).resolve().parents[1] / "docs" / "schema"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+SCHEMA_DIR = DOCS / "schema"
 REQUEST_SCHEMA = json.loads((SCHEMA_DIR / "request.schema.json").read_text())
 OUTPUT_SCHEMA = json.loads((SCHEMA_DIR / "output.schema.json").read_text())
 REQUEST = Validator(REQUEST_SCHEMA)
@@ -77,6 +78,19 @@ def wire(message: bytes) -> dict[str, Any]:
 def schema_errors(validator: Any, instance: Any) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
             for e in validator.iter_errors(instance)]
+
+
+def documented_names(heading: str) -> set[str]:
+    """The names in the first column of the table under ``heading`` in docs/protocol.md."""
+    lines = (DOCS / "protocol.md").read_text().splitlines()
+    start = lines.index(heading) + 1
+    names: set[str] = set()
+    for line in lines[start:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("| `"):
+            names.update(re.findall(r"`([a-z_]+)`", line.split("|")[1]))
+    return names
 
 
 def code_refuses(m: dict[str, Any]) -> bool:
@@ -131,8 +145,17 @@ def test_enums_and_constants_are_the_code_ones():
     final = OUTPUT_SCHEMA["$defs"]["final"]["properties"]
     assert final["finish_reason"]["enum"] == [str(r) for r in FinishReason]
     assert set(OUTPUT_SCHEMA["$defs"]["usage"]["properties"]) == {f.name for f in fields(Usage)}
-    for kind in ("chunk", "final"):
-        assert OUTPUT_SCHEMA["$defs"][kind]["properties"]["v"]["const"] == protocol.SCHEMA_VERSION
+    for kind, cls in (("chunk", OutputChunk), ("final", FinalEntry)):
+        properties = OUTPUT_SCHEMA["$defs"][kind]["properties"]
+        assert set(properties) == {"v", "kind"} | {f.name for f in fields(cls)}
+        assert properties["v"]["const"] == protocol.SCHEMA_VERSION
+
+
+def test_protocol_md_documents_every_field():
+    assert documented_names("### The request message") == REQUEST_FIELDS
+    assert documented_names("### Sampling parameters (`params`)") == set(PARAMS)
+    assert documented_names("## Output (`{ns}:out:{id}`)") == set(
+        OUTPUT_SCHEMA["$defs"]["usage"]["properties"])
 
 
 P = "/$defs/params/properties"
@@ -168,6 +191,11 @@ LIMITS = [
 @pytest.mark.parametrize(("pointer", "expected"), LIMITS, ids=[p for p, _ in LIMITS])
 def test_schema_limits_are_the_code_constants(pointer, expected):
     assert at(REQUEST_SCHEMA, pointer) == expected
+
+
+def test_output_limits_are_the_code_constants():
+    logprobs = "/$defs/chunk/properties/logprobs/items/prefixItems/1/maxItems"
+    assert at(OUTPUT_SCHEMA, logprobs) == wire_params.MAX_LOGPROBS
 
 
 def test_request_id_pattern_is_the_code_pattern():
@@ -223,7 +251,9 @@ SAMPLING = st.fixed_dictionaries({}, optional={
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2) | st.integers(-2, 2),
     "repetition_penalty": st.floats(0, wire_params.MAX_REPETITION_PENALTY, exclude_min=True),
-    "logit_bias": st.dictionaries(TOKEN | TOKEN.map(str), st.floats(-100, 100), max_size=16),
+    # Keys as ints or as decimal strings (JSON's), each token once.
+    "logit_bias": st.dictionaries(TOKEN, st.floats(-100, 100), max_size=16).map(
+        lambda bias: {str(t) if t % 2 else t: b for t, b in bias.items()}),
 })
 PROMPT = st.text(min_size=1, max_size=200) | st.lists(TOKEN, min_size=1, max_size=64)
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(wire_messages.ROLES),
@@ -452,11 +482,24 @@ USAGE_FIELDS = [f.name for f in fields(Usage)]
 USAGE = st.dictionaries(st.sampled_from(USAGE_FIELDS), st.integers(0, 2**40))
 
 
-@given(index=st.integers(0, 2**40), token_ids=st.lists(TOKEN, min_size=1, max_size=64),
-       text=st.text(max_size=100))
+LOGPROB = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def chunks(draw) -> OutputChunk:
+    """A chunk as workers write it: with logprobs (one per token) only when asked for."""
+    token_ids = draw(st.lists(TOKEN, min_size=1, max_size=32))
+    top = st.lists(st.tuples(TOKEN, LOGPROB).map(list), max_size=wire_params.MAX_LOGPROBS)
+    logprobs = draw(st.none() | st.lists(st.tuples(LOGPROB, top).map(list),
+                                         min_size=len(token_ids), max_size=len(token_ids)))
+    return OutputChunk(draw(st.integers(0, 2**40)), token_ids, draw(st.text(max_size=100)),
+                       logprobs)
+
+
+@given(chunk=chunks())
 @FUZZ
-def test_every_chunk_validates(index, token_ids, text):
-    assert schema_errors(OUTPUT, wire(OutputChunk(index, token_ids, text).encode())) == []
+def test_every_chunk_validates(chunk):
+    assert schema_errors(OUTPUT, wire(chunk.encode())) == []
 
 
 @given(reason=st.sampled_from(list(FinishReason)), num_tokens=st.integers(0, 2**40),
@@ -479,6 +522,9 @@ INVALID_OUTPUT = {
     "chunk negative index": {**CHUNK, "index": -1},
     "chunk without tokens": {**CHUNK, "token_ids": []},
     "chunk of v 2": {**CHUNK, "v": 2},
+    "logprobs without alternatives": {**CHUNK, "logprobs": [[-0.5], [-0.1]]},
+    "logprobs alternative named by text": {**CHUNK, "logprobs": [[-0.5, [["a", -0.5]]]]},
+    "too many alternatives": {**CHUNK, "logprobs": [[-0.5, [[1, -0.5]] * 21]]},
     "unknown finish reason": {**FINAL, "finish_reason": "done"},
     "unknown usage field": {**FINAL, "usage": {"tokens": 1}},
     "final without usage": {k: v for k, v in FINAL.items() if k != "usage"},

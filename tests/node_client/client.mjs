@@ -137,6 +137,8 @@ async function follow(client, ns, requestId, waitS) {
           }
           result.token_ids.push(...entry.token_ids);
           result.text += entry.text;
+          // Only when params.logprobs was set: [logprob, [[token id, logprob], ...]] per token.
+          if (entry.logprobs) (result.logprobs ??= []).push(...entry.logprobs);
         } else if (entry.kind === 'final') {
           if (entry.num_tokens !== result.token_ids.length) {
             throw new ProtocolError(`gap: final says ${entry.num_tokens} tokens, ` +

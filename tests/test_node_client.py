@@ -146,9 +146,21 @@ def test_protocol_md_names_every_field_of_the_heartbeat_and_model_hashes(redis_c
     assert {k.decode() for k in model} == documented_names("## The model hash")
 
 
-def test_node_client_sees_a_stop_string_and_a_refused_request_as_python_does(
+CHAT = [{"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Where is the old library?"}]
+
+
+def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_python_does(
         node, redis_url, redis_client, start_worker):
     start_worker()
+    with Client(redis_url) as client:
+        chat = client.result(client.submit(messages=CHAT, model=MODEL, **GREEDY), timeout=60)
+    got_chat = run_node(node, redis_url, "--messages", json.dumps(CHAT),
+                        "--params", json.dumps(GREEDY))
+    assert chat.finish_reason == got_chat["finish_reason"] == "length", chat.error
+    assert (got_chat["token_ids"], got_chat["text"]) == (chat.token_ids, chat.text)
+    assert got_chat["usage"]["prompt_tokens"] == chat.usage.prompt_tokens
+
     with Client(redis_url) as client:
         free = client.result(client.submit(PROMPT, model=MODEL, **GREEDY), timeout=60)
         # A stop string taken from the greedy text ends both clients' requests at it.
@@ -162,7 +174,8 @@ def test_node_client_sees_a_stop_string_and_a_refused_request_as_python_does(
     # A map the worker refuses (top_p 0) comes back as an error final entry, id readable.
     bad = run_node(node, redis_url, "--prompt", PROMPT, "--params", '{"top_p": 0}')
     assert bad["finish_reason"] == "error" and "top_p" in bad["error"]
-    assert_outputs_match_schema(redis_client, [want.request_id, got["id"], bad["id"]])
+    assert_outputs_match_schema(redis_client, [chat.request_id, got_chat["id"],
+                                               want.request_id, got["id"], bad["id"]])
 
 
 PASSWORDS = {"producer": "pr0ducer-secret", "worker": "w0rker-secret"}

@@ -281,8 +281,9 @@ def test_every_request_build_request_writes_validates(prompt, sampling, timing, 
 @given(messages=MESSAGES, sampling=SAMPLING)
 @FUZZ
 def test_every_chat_request_validates(messages, sampling):
-    built = GenerationRequest("chat-1", "tiny", SamplingParams.from_dict(sampling),
-                              messages=messages)
+    built = build_request(None, messages=messages, model="tiny", lane="interactive",
+                          request_id=None, priority=0, deadline_ms=None, timeout=None,
+                          sampling=sampling)
     assert schema_errors(REQUEST, wire(built.encode())) == []
 
 

@@ -25,6 +25,23 @@ _listener: logging.handlers.QueueListener | None = None
 _registered_exit = False
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is written, not when logging was
+    configured: a caller that swaps stderr (a test capturing output) and closes its stream
+    must not break every later log line."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: D401 (a property of logging.StreamHandler's API)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(level: str = DEFAULT_LEVEL, json: bool | None = None) -> None:
     """Route structlog and stdlib logging to stderr at ``level``.
 
@@ -59,7 +76,7 @@ def configure_logging(level: str = DEFAULT_LEVEL, json: bool | None = None) -> N
         atexit.register(_stop_listener)  # once: flush what is queued when the process exits
         _registered_exit = True
     _stop_listener()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     enqueue = logging.handlers.QueueHandler(records)
     enqueue.setFormatter(formatter)  # format in the caller, write in the listener thread

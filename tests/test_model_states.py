@@ -148,7 +148,7 @@ def test_never_registered_cli_submit_with_allow_unregistered_queues_then_gives_u
 
     out, err = capsys.readouterr()
     [req] = queued(redis_client, "nobody")
-    assert out.splitlines() == [req.request_id]
+    assert out == "" and f"request {req.request_id}" in err  # the text goes to stdout
     assert "warning: no live worker serves model 'nobody'" in err
     assert rc == 124 and f"request {req.request_id} did not finish within 0.2 s" in err
     assert redis_client.get(KEYS.cancelled(req.request_id)) == b"1"
@@ -280,7 +280,7 @@ def test_registered_without_a_live_worker_cli_submit_warns_waits_cancels_and_exi
 
     out, err = capsys.readouterr()
     [req] = queued(redis_client, GHOST)  # the default model: the only registered one
-    assert out.splitlines() == [req.request_id]
+    assert out == "" and f"request {req.request_id}" in err
     assert err.index("warning: no live worker serves model 'ghost'") < err.index("0.3 s")
     assert rc == 124 and "it was cancelled" in err
     assert redis_client.get(KEYS.cancelled(req.request_id)) == b"1"
@@ -382,7 +382,7 @@ def test_live_worker_then_stopped_every_client_follows_the_state(
     rc = run_client_cmd(parse("submit", "hi", "--model", MODEL, "--wait", "0.3",
                               "--redis", redis_url))
     out, err = capsys.readouterr()
-    [printed] = [line for line in out.splitlines() if re.fullmatch(r"[0-9a-f]{32}", line)]
+    [printed] = re.findall(r"^request ([0-9a-f]{32})$", err, flags=re.M)
     assert rc == 124 and "warning: no live worker serves model 'tiny'" in err
     assert redis_client.get(KEYS.cancelled(printed)) == b"1"
     client.close()

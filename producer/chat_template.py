@@ -65,8 +65,11 @@ class ChatTemplate:
         ``chat_template.jinja`` file), or None when the model has none."""
         source = config.get("chat_template")
         if isinstance(source, list):  # several named templates: the default one
-            source = next((t.get("template") for t in source if isinstance(t, dict)
-                           and t.get("name") == "default"), None)
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            if "default" not in named:
+                raise ValueError("the chat templates are named "
+                                 f"{', '.join(sorted(map(str, named)))}: none is 'default'")
+            source = named["default"]
         if source is None:
             source = template_file
         if not source:
@@ -76,12 +79,18 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path,
                        now: Callable[[], datetime] = datetime.now) -> ChatTemplate | None:
+        """The folder's template, found where transformers finds it: ``chat_template.jinja``
+        first, else tokenizer_config.json's; special tokens from tokenizer_config.json, and
+        from special_tokens_map.json for those it does not name (older checkpoints)."""
         folder = Path(model_dir)
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = _json_file(folder / "tokenizer_config.json")
+        for name, value in _json_file(folder / "special_tokens_map.json").items():
+            config.setdefault(name, value)
         jinja_path = folder / "chat_template.jinja"
-        template_file = jinja_path.read_text() if jinja_path.is_file() else None
-        return cls.from_tokenizer_config(config, template_file, now)
+        if jinja_path.is_file():
+            config = {**config, "chat_template": None}
+            return cls.from_tokenizer_config(config, jinja_path.read_text(), now)
+        return cls.from_tokenizer_config(config, None, now)
 
     def to_registration(self) -> dict[str, str]:
         """The model hash's fields that carry this template (producer.models reads them)."""
@@ -99,6 +108,10 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages``; ChatTemplateError when the template refuses them."""
+        # OpenAI's "developer" role is its newer name for "system"; templates know only
+        # the older one.
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                    for m in messages]
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -107,12 +120,22 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused the messages: "
                                     f"{exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 (untrusted code: any failure is the request's)
+            # A template is code from a checkpoint run on a client's messages: whatever it
+            # raises (OverflowError of the sandbox's range, RecursionError, ...) is this
+            # request's error, never the thread's that renders it.
             raise ChatTemplateError(f"the model's chat template failed on these messages "
-                                    f"({type(exc).__name__}: {exc})") from None
+                                    f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def _strftime_now(self, fmt: str) -> str:
         return self.now().strftime(fmt)
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text(encoding="utf-8"))
+    return value if isinstance(value, dict) else {}
 
 
 def special_tokens_of(config: Mapping[str, Any]) -> dict[str, str]:

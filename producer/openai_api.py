@@ -40,9 +40,12 @@ class ApiError(ValueError):
     """A request the API refuses, shaped as OpenAI's error body."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 request_id: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        # Of a request that was submitted (and failed): its answer names it.
+        self.request_id = request_id
         self.status = status
         self.param = param
         self.code = code

@@ -191,3 +191,20 @@ def test_penalties_and_logit_bias_lines_are_accepted_and_bad_ones_are_error_line
     assert good.sampling["logit_bias"] == {"50": -100} and good.sampling["presence_penalty"] == 0.5
     bad = parse_line(json.dumps({"custom_id": "b", "body": {**body, "presence_penalty": 3}}), 2)
     assert bad.code == "invalid_request" and "presence_penalty" in bad.message
+
+
+def test_lines_the_gateway_would_refuse_are_error_lines_not_a_crash():
+    bad = {
+        "huge-int": '{"custom_id": "a", "body": {"prompt": "x", "max_tokens": '
+                    + "9" * 5000 + "}}",
+        "huge-bias": json.dumps({"custom_id": "b", "body": {"prompt": "x",
+                                                           "logit_bias": {"1": 10**400}}}),
+        "logprobs": json.dumps({"custom_id": "c", "body": {"prompt": "x", "logprobs": 2}}),
+        "tools": json.dumps({"custom_id": "d", "url": "/v1/chat/completions", "body": {
+            "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}}),
+    }
+    for name, line in bad.items():
+        parsed = parse_line(line, 1, default_model=MODEL)
+        assert parsed.code in ("invalid_json", "invalid_request"), (name, parsed)
+    assert "logprobs" in parse_line(bad["logprobs"], 1, default_model=MODEL).message
+    assert "tools" in parse_line(bad["tools"], 1, default_model=MODEL).message

@@ -215,3 +215,43 @@ def test_chat_through_the_gateway_equals_the_offline_engine(chat_model, redis_ur
                                                temperature=0)
             assert chat.usage.prompt_tokens == len(prompt)
             assert chat.choices[0].message.content == expected.text
+
+
+def test_a_template_failing_any_way_fails_its_request_not_the_worker(
+        tiny_llama, tmp_path, redis_url, start_worker, redis_client):
+    # The sandbox refuses a huge range with OverflowError: the request's error, and the
+    # worker keeps serving (it must not hand the request on to kill the next worker).
+    folder = with_template(tiny_llama, tmp_path,
+                           "{% for i in range(messages|length * 10**9) %}x{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="OverflowError"):
+        ChatTemplate.from_model_dir(folder).render([{"role": "user", "content": "x"}])
+    worker = start_worker(model_dir=folder)
+    with Client(redis_url) as client:
+        failed = client.result(client.submit(model=MODEL, messages=[
+            {"role": "user", "content": "x"}] * 3), timeout=60)
+        assert failed.finish_reason == FinishReason.ERROR and "OverflowError" in failed.error
+        assert client.result(client.submit("fine", model=MODEL, max_tokens=2),
+                             timeout=60).usage.completion_tokens == 2
+    assert worker.intake.healthy and worker.state == "serving"
+
+
+def test_the_template_is_found_where_transformers_finds_it(tiny_llama, tmp_path):
+    folder = with_template(tiny_llama, tmp_path, CHATML)
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}[{{ messages[0]['content'] }}]")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": config.pop("bos_token")}))  # an older checkpoint's layout
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hi"}]
+    assert our_ids(folder, messages) == reference_ids(folder, messages)
+    assert ChatTemplate.from_model_dir(folder).render(messages).startswith("<|begin_of_text|>[hi]")
+
+
+def test_named_templates_without_a_default_are_refused_and_developer_is_system():
+    with pytest.raises(ValueError, match="none is 'default'"):
+        ChatTemplate.from_tokenizer_config({"chat_template": [{"name": "tool_use",
+                                                               "template": "x"}]})
+    template = ChatTemplate("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }} "
+                            "{% endfor %}")
+    assert template.render([{"role": "developer", "content": "a"},
+                            {"role": "user", "content": "b"}]) == "system:a user:b "

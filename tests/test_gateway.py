@@ -194,3 +194,52 @@ def test_an_error_after_streaming_began_is_an_event_before_done(start_worker, ga
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "max length" in error["message"] and error["code"] == "request_failed"
+
+
+def test_bodies_that_cannot_be_read_are_400s_and_counted(start_worker, gateway):
+    start_worker()
+    url = gateway.api + "/completions"
+    cases = [
+        ("[" * 50_000 + "]" * 50_000, "not JSON we read"),  # nested past the parser
+        ('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "not JSON"),
+        ('{"model": "tiny", "prompt": "x", "temperature": 1' + "0" * 30 + "}",
+         "temperature must be a finite number"),
+        ('{"model": "tiny", "prompt": "x", "logit_bias": {"1": 1' + "0" * 400 + "}}",
+         "logit_bias value must be a finite number"),
+    ]
+    for body, message in cases:
+        response = httpx.post(url, content=body.encode(), timeout=30)
+        assert response.status_code == 400, (body[:60], response.text[:200])
+        assert message in response.json()["error"]["message"]
+    huge = httpx.post(url, content=b" " * (17 * 2**20), timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    page = httpx.get(gateway.url + "/metrics").text
+    assert 'conveyor_gateway_requests_total{endpoint="/v1/completions",status="400"} 4.0' \
+        in page
+
+
+def test_a_failed_request_names_its_id_and_a_model_can_be_retrieved(start_worker, gateway,
+                                                                    oai, client):
+    start_worker()
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("nobody")
+    response = httpx.post(gateway.api + "/completions", timeout=60,
+                          json={"model": MODEL, "prompt": [7] * 2100, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_failed"
+    failed = client.result(response.headers["x-request-id"], timeout=10)
+    assert str(failed.finish_reason) == "error"
+
+
+def test_logprob_tokens_spell_the_answer_streamed_or_not(start_worker, oai):
+    start_worker()
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "logprobs": 1}
+    whole = oai.completions.create(**args)
+    lp = whole.choices[0].logprobs
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in oai.completions.create(**args, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset

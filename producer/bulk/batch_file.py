@@ -79,8 +79,9 @@ def parse_line(text: str, line: int, model: str | None = None,
     serves bodies without one."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return BadLine(line, None, "invalid_json", f"line {line} is not JSON: {exc}")
+    except (ValueError, RecursionError) as exc:  # bad JSON, a 5,000-digit int, deep nesting
+        return BadLine(line, None, "invalid_json", f"line {line} is not JSON we read: "
+                       f"{str(exc)[:200] or type(exc).__name__}")
     if not isinstance(obj, dict):
         return BadLine(line, None, "invalid_request", f"line {line} is not a JSON object")
     custom_id = obj.get("custom_id")
@@ -96,7 +97,10 @@ def parse_line(text: str, line: int, model: str | None = None,
         req = parse_body(obj.get("url", COMPLETIONS_URL), body, default_model)
         if req.stream:
             raise ValueError("stream is not supported in a batch file")
-    except ValueError as exc:
+        if req.logprobs:
+            raise ValueError("logprobs are not supported in a batch file (the gateway "
+                             "returns them)")
+    except (ValueError, OverflowError) as exc:
         return BadLine(line, custom_id, "invalid_request", str(exc))
     return BatchItem(line, custom_id, req.model, req.prompt, req.sampling, req.messages)
 

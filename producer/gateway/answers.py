@@ -8,14 +8,50 @@ request's deadline) pass through as they are (docs/gateway.md). A request that f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from producer.openai_api import ApiRequest
 from producer.wire.completion import Completion, TokenLogprob, Usage
 
-# Token id -> its text, for logprobs (the model's tokenizer; None when it has none).
-TokenText = Callable[[int], str]
+
+class TokenSpeller:
+    """Each generated token's text as it reads in the answer, for logprobs.
+
+    A token decoded alone can lose what it means in place (SentencePiece's leading space)
+    or be part of one character (byte-level BPE): the text a token adds is found by
+    decoding it after the tokens before it, and a token that ends inside a character
+    gets no text (the one that completes it carries the character). The pieces add up to
+    the answer's text; offsets count characters before each token.
+    """
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.length = 0  # characters spelled so far
+        self._prefix = 0  # decoding restarts here (a few tokens back)
+        self._read = 0  # tokens whose text was given out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def next(self, token_id: int) -> tuple[str, int]:
+        """(the token's text here, characters before it)."""
+        offset = self.length
+        if self.tokenizer is None:
+            return f"<{token_id}>", offset
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return "", offset  # inside a character: the next token completes it
+        piece = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.length += len(piece)
+        return piece, offset
+
+    def alone(self, token_id: int) -> str:
+        """An alternative's text, decoded by itself."""
+        return f"<{token_id}>" if self.tokenizer is None else self._decode([token_id])
 
 
 def response_id(request: ApiRequest, request_id: str) -> str:
@@ -30,9 +66,9 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def completion_body(request: ApiRequest, done: Completion, created: int,
-                    token_text: TokenText | None) -> dict[str, Any]:
+                    speller: TokenSpeller) -> dict[str, Any]:
     """The whole answer of a request that was not streamed."""
-    logprobs = logprobs_body(request, done.logprobs, token_text, 0)
+    logprobs = logprobs_body(request, done.logprobs, speller)
     if request.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
                   "logprobs": logprobs, "finish_reason": str(done.finish_reason)}
@@ -49,12 +85,11 @@ class ChunkWriter:
     """The chunks of one streamed answer, in order."""
 
     def __init__(self, request: ApiRequest, request_id: str, created: int,
-                 token_text: TokenText | None) -> None:
+                 speller: TokenSpeller) -> None:
         self.request = request
         self.id = response_id(request, request_id)
         self.created = created
-        self.token_text = token_text
-        self.text_offset = 0  # completions' logprobs name each token's offset in the text
+        self.speller = speller
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.request.chat else "text_completion"
@@ -69,8 +104,7 @@ class ChunkWriter:
                              "logprobs": None, "finish_reason": None}])
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        lp = logprobs_body(self.request, logprobs, self.token_text, self.text_offset)
-        self.text_offset += len(text)
+        lp = logprobs_body(self.request, logprobs, self.speller)
         if self.request.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": lp,
                       "finish_reason": None}
@@ -94,23 +128,19 @@ class ChunkWriter:
 
 
 def logprobs_body(request: ApiRequest, logprobs: list[TokenLogprob] | None,
-                  token_text: TokenText | None, text_offset: int) -> dict[str, Any] | None:
-    """Logprobs in the answer's shape (chat's ``content`` list, or completions' four lists)."""
+                  speller: TokenSpeller) -> dict[str, Any] | None:
+    """Logprobs in the answer's shape (chat's ``content`` list, or completions' four lists),
+    each token spelled where it stands in the answer."""
     if not request.logprobs or logprobs is None:
         return None
-    text = token_text or (lambda t: f"<{t}>")
+    spelled = [speller.next(lp.token_id) for lp in logprobs]
     if request.chat:
         return {"content": [
-            {"token": text(lp.token_id), "logprob": lp.logprob,
-             "bytes": list(text(lp.token_id).encode()),
-             "top_logprobs": [{"token": text(t), "logprob": a, "bytes": list(text(t).encode())}
-                              for t, a in lp.top]}
-            for lp in logprobs]}
-    tokens = [text(lp.token_id) for lp in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t): a for t, a in lp.top} for lp in logprobs],
-            "text_offset": offsets}
+            {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+             "top_logprobs": [{"token": speller.alone(t), "logprob": a,
+                               "bytes": list(speller.alone(t).encode())} for t, a in lp.top]}
+            for (text, _), lp in zip(spelled, logprobs, strict=True)]}
+    return {"tokens": [text for text, _ in spelled],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{speller.alone(t): a for t, a in lp.top} for lp in logprobs],
+            "text_offset": [offset for _, offset in spelled]}

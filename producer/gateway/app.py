@@ -24,18 +24,19 @@ import redis
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from producer.async_client import AsyncClient
 from producer.backpressure import QueueFull
-from producer.gateway.answers import ChunkWriter, TokenText, completion_body
+from producer.client import tokenizer_from
+from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.models import ModelState
 from producer.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
-from producer.stream_events import ChunkEvent, StreamGapError
+from producer.stream_events import ChunkEvent
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound
 
@@ -43,6 +44,10 @@ log = structlog.get_logger(__name__)
 
 # How often a request that is not streamed checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
+# Largest request body read (a request entry is at most 4 MiB of msgpack; JSON is wordier).
+MAX_BODY_BYTES = 16 * 2**20
+# Seconds a model's tokenizer (for logprobs' token texts) is kept before it is read again.
+TOKENIZER_TTL_S = 60.0
 # Redis errors that mean "unreachable now" (503), not "this request is wrong".
 UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -55,6 +60,7 @@ def create_app(settings: GatewaySettings, client: AsyncClient | None = None) -> 
         Route(CHAT_URL, gateway.chat, methods=["POST"]),
         Route(COMPLETIONS_URL, gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
     ]
@@ -74,7 +80,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._states: dict[str, ModelState] = {}
         self._states_at = -1e9
-        self._tokenizers: dict[str, Any] = {}
+        # model -> (when read, its tokenizer or None)
+        self._tokenizers: dict[str, tuple[float, Any]] = {}
+        # Generation requests being answered now (streams until their last event).
+        self.active = 0
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -104,9 +113,24 @@ class Gateway:
         except UNREACHABLE as exc:
             return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
                                    kind="service_unavailable", code="redis_unreachable"))
-        data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "conveyor"}
-                for s in sorted(states.values(), key=lambda s: s.name) if s.live]
+        data = [_model_entry(s.name) for s in sorted(states.values(), key=lambda s: s.name)
+                if s.live]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        if (refused := self._authorize(request)) is not None:
+            return refused
+        name = request.path_params["model"]
+        try:
+            state = (await self._model_states(fresh=True)).get(name)
+        except UNREACHABLE as exc:
+            return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
+                                   kind="service_unavailable", code="redis_unreachable"))
+        if state is None or not state.live:
+            return _error(ApiError(f"The model {name!r} does not exist or no live worker "
+                                   "serves it", status=404, param="model",
+                                   code="model_not_found"))
+        return JSONResponse(_model_entry(name))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -123,30 +147,43 @@ class Gateway:
 
     async def _generate(self, request: Request, url: str) -> Response:
         started = time.monotonic()
+        self.active += 1
+        streaming = False
         try:
             response = await self._answer(request, url)
+            streaming = isinstance(response, StreamingResponse)
         except ApiError as exc:
             response = _error(exc)
         except UNREACHABLE as exc:
             response = _error(ApiError(f"cannot reach Redis: {exc}", status=503,
                                        kind="service_unavailable", code="redis_unreachable"))
+        except ClientDisconnect:
+            response = Response(status_code=499)  # gone before its body arrived
+        except Exception as exc:  # noqa: BLE001 (answered and counted, never a traceback)
+            log.error("gateway request failed", path=url, error=repr(exc), exc_info=exc)
+            response = _error(ApiError("internal error in the gateway", status=500,
+                                       kind="server_error"))
+        finally:
+            if not streaming:  # a stream holds its slot until its last event
+                self.active -= 1
         self.metrics.answered(url, response.status_code, time.monotonic() - started)
         return response
 
     async def _answer(self, request: Request, url: str) -> Response:
         if (refused := self._authorize(request)) is not None:
             return refused
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError("the request body is not valid JSON") from None
+        if self.active > self.settings.max_concurrent:
+            raise ApiError(f"this gateway is answering {self.settings.max_concurrent} requests "
+                           "already: try again shortly", status=429,
+                           kind="rate_limit_exceeded", code="gateway_busy")
+        body = await self._body(request)
         api = parse_body(url, body)
         await self._check_model(api.model)
         request_id = await self._submit(api)
         created = int(time.time())
-        token_text = await self._token_text(api) if api.logprobs else None
+        speller = TokenSpeller(await self._tokenizer(api.model) if api.logprobs else None)
         if api.stream:
-            return StreamingResponse(self._events(request_id, api, created, token_text),
+            return StreamingResponse(self._events(request_id, api, created, speller),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
@@ -158,9 +195,28 @@ class Gateway:
             # messages): the request was wrong. Failed later: the server's fault.
             status = 400 if done.usage.completion_tokens == 0 else 500
             raise ApiError(done.error, status=status, code="request_failed",
-                           kind="invalid_request_error" if status == 400 else "server_error")
-        return JSONResponse(completion_body(api, done, created, token_text),
+                           kind="invalid_request_error" if status == 400 else "server_error",
+                           request_id=request_id)
+        return JSONResponse(completion_body(api, done, created, speller),
                             headers={"X-Request-Id": request_id})
+
+    async def _body(self, request: Request) -> Any:
+        """The JSON body, bounded in size; ApiError (400, 413) when it cannot be read."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                           status=413, code="body_too_large")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                               status=413, code="body_too_large")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # bad JSON, a 5,000-digit int, nesting
+            raise ApiError(f"the request body is not JSON we read: "
+                           f"{str(exc)[:200] or type(exc).__name__}") from None
 
     def _authorize(self, request: Request) -> Response | None:
         header = request.headers.get("authorization", "")
@@ -203,16 +259,20 @@ class Gateway:
         except LaneBlocked as exc:
             raise ApiError(str(exc), status=503, kind="service_unavailable",
                            code="lane_blocked") from None
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             raise ApiError(str(exc)) from None
 
-    async def _token_text(self, api: ApiRequest) -> TokenText | None:
-        if api.model not in self._tokenizers:
-            self._tokenizers[api.model] = await self.client.tokenizer(api.model)
-        tok = self._tokenizers[api.model]
-        if tok is None:
-            return None
-        return lambda token_id: tok.decode([token_id], skip_special_tokens=False)
+    async def _tokenizer(self, model: str) -> Any | None:
+        """The model's registered tokenizer (None: it has none), read at most once a
+        minute and parsed off the event loop."""
+        now = time.monotonic()
+        cached = self._tokenizers.get(model)
+        if cached is not None and now - cached[0] < TOKENIZER_TTL_S:
+            return cached[1]
+        raw = await self.client.redis.hget(self.client.keys.model(model), "tokenizer_json")
+        tokenizer = None if raw is None else await asyncio.to_thread(tokenizer_from, raw)
+        self._tokenizers[model] = (now, tokenizer)
+        return tokenizer
 
     async def _wait(self, request: Request, request_id: str):
         """The request's Completion, or None (and the request cancelled) when the client
@@ -227,15 +287,20 @@ class Gateway:
                     task.cancel()
                     await self._cancel(request_id, "the client disconnected")
                     return None
-        except BaseException:
+        except BaseException as exc:
+            # Reading the answer failed (or the server is stopping): nobody will read it.
             task.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._cancel(request_id, f"its answer could not be read ({exc!r})",
+                                   gone=False)
             raise
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
-                      token_text: TokenText | None) -> AsyncIterator[str]:
+                      speller: TokenSpeller) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer; a disconnect cancels the request."""
-        writer = ChunkWriter(api, request_id, created, token_text)
+        writer = ChunkWriter(api, request_id, created, speller)
         finished = False
+        broken = False
         self.metrics.streams_open.inc()
         try:
             if (first := writer.first()) is not None:
@@ -254,25 +319,35 @@ class Gateway:
                     if api.include_usage:
                         yield _sse(writer.usage(_usage(event.usage, event.num_tokens)))
             yield "data: [DONE]\n\n"
-        except (StreamGapError, *UNREACHABLE) as exc:
+        except Exception as exc:  # noqa: BLE001 (any failure: the client must hear of it)
             # Streaming began: the status line is sent, so the error is an event.
-            log.warning("stream broken", request_id=request_id, error=str(exc))
+            broken = True
+            log.warning("stream broken", request_id=request_id, error=repr(exc))
             yield _sse(ApiError(f"the answer's stream broke: {exc}", status=500,
                                 kind="server_error", code="stream_failed").body())
             yield "data: [DONE]\n\n"
         finally:
             self.metrics.streams_open.dec()
+            self.active -= 1
             if not finished:
                 with anyio.CancelScope(shield=True):
-                    await self._cancel(request_id, "the client disconnected mid-stream")
+                    why = ("its stream broke" if broken
+                           else "the client disconnected mid-stream")
+                    await self._cancel(request_id, why, gone=not broken)
 
-    async def _cancel(self, request_id: str, why: str) -> None:
+    async def _cancel(self, request_id: str, why: str, gone: bool = True) -> None:
+        """Cancel a request nobody will read; ``gone``: because its client went away."""
         try:
             await self.client.cancel(request_id)
-            self.metrics.cancelled.inc()
+            if gone:
+                self.metrics.cancelled.inc()
             log.info("request cancelled", request_id=request_id, reason=why)
         except UNREACHABLE as exc:
             log.warning("could not cancel a request", request_id=request_id, error=str(exc))
+
+
+def _model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
 
 
 def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:
@@ -287,7 +362,9 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {}
+    if exc.request_id is not None:
+        headers["X-Request-Id"] = exc.request_id
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

@@ -26,6 +26,9 @@ class GatewaySettings:
     # Lane of the requests this gateway submits (interactive: people wait on them).
     lane: str = "interactive"
     model_state_ttl_s: float = MODEL_STATE_TTL_S
+    # Generation requests answered at once (each holds a Redis connection while it waits);
+    # more get 429 until one ends.
+    max_concurrent: int = 512
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)

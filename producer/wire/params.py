@@ -24,6 +24,8 @@ MAX_TOP_K = 2**31 - 1
 # 1e-35 overflows the scaled logits to inf. At 1e-5 the distribution is already one-hot for
 # any logits that differ by more than 1e-3, so greedy is what such a request means.
 MIN_TEMPERATURE = 1e-5
+# Largest magnitude of any number field: an int beyond it overflows a float (and msgpack).
+MAX_NUMBER = 2**63 - 1
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] (-100 bans a token).
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -180,7 +182,10 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias keys must be token ids, got {brief(key)}")
         if key in pairs:
             raise ValueError(f"logit_bias names token {key} twice")
-        pairs[key] = float(bias) if isinstance(bias, int) and not isinstance(bias, bool) else bias
+        if isinstance(bias, int) and not isinstance(bias, bool):
+            _check_float("logit_bias value", bias)  # an int too large for a float
+            bias = float(bias)
+        pairs[key] = bias
     return tuple(sorted(pairs.items()))
 
 
@@ -197,7 +202,8 @@ def _check_int(name: str, value: Any, low: int | None = None, high: int | None =
 def _check_float(name: str, value: Any, low: float | None = None,
                  high: float | None = None) -> None:
     if (not isinstance(value, int | float) or isinstance(value, bool)
-            or (isinstance(value, float) and not math.isfinite(value))):
+            or (isinstance(value, float) and not math.isfinite(value))
+            or (isinstance(value, int) and abs(value) > MAX_NUMBER)):
         raise ValueError(f"{name} must be a finite number, got {brief(value)}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {brief(value)}")

@@ -116,7 +116,10 @@ class GenerationRequest:
         if self.messages is not None:
             # Only when given: a worker from before chat refuses the field, never a prompt.
             m["messages"] = self.messages
-        data = _pack(m)
+        try:
+            data = _pack(m)
+        except (OverflowError, ValueError, TypeError) as exc:  # a number msgpack cannot hold
+            raise ValueError(f"request cannot be encoded: {exc}") from None
         if len(data) > MAX_ENTRY_BYTES:
             raise ValueError(f"request is {len(data)} bytes encoded, more than {MAX_ENTRY_BYTES}")
         return data

@@ -261,7 +261,7 @@ class Intake(SupervisedThread):
                                 "prompt_token_ids instead of messages", req.request_id)
         try:
             text = self.chat_template.render(req.messages)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 (a template is untrusted code: see render)
             raise ProtocolError(str(exc), req.request_id) from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:

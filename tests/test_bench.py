@@ -298,3 +298,28 @@ def test_w5_puts_documents_at_their_rate_beside_interactive_requests():
     assert [i.arrival_s for i in docs] == [1.0, 1.5, 2.0]
     assert all(len(i.prompt_token_ids) == 50 for i in docs)
     assert [i.group for i in items[:4]] == ["interactive"] * 4
+
+
+def test_the_w5_rate_summary_plots_runs_by_rate_and_refuses_other_runs(tmp_path):
+    from worker.bench.rate_summary import rate_rows, write_rate_summary
+
+    def run(itl_p99: float, ttft_p50: float, goodput: float) -> dict:
+        return {"groups": {"interactive": {"latency_ms": {"itl": {"p99": itl_p99}}},
+                           "document": {"latency_ms": {"ttft": {"p50": ttft_p50}}}},
+                "goodput": {"requests_per_s": goodput}}
+
+    folders = []
+    for rate in (1.0, 0.25):
+        folder = tmp_path / f"rate-{rate}"
+        folder.mkdir()
+        (folder / "results.json").write_text(json.dumps({
+            "workload": {"name": "w5"}, "arguments": {"doc_rate": rate},
+            "runs": {"mixed": run(900, 2000, 1.0), "disaggregated": run(70, 2500, 1.1)}}))
+        folders.append(folder)
+    assert [rate for rate, _ in rate_rows(folders)] == [0.25, 1.0]
+    out = write_rate_summary(folders, tmp_path / "img" / "w5.png")
+    assert out.read_bytes().startswith(b"\x89PNG")
+    (folders[0] / "results.json").write_text(json.dumps({
+        "workload": {"name": "w1"}, "arguments": {}, "runs": {"conveyor": {}}}))
+    with pytest.raises(ValueError, match="not a `--workload w5 --disaggregate` run"):
+        rate_rows(folders)

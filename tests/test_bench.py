@@ -287,6 +287,12 @@ def test_quick_w5_compares_disaggregated_with_mixed_workers(tiny_llama, tmp_path
             "document TTFT p50 ms, disaggregated / mixed",
             "goodput req/s, disaggregated / mixed"} <= whats
     assert not any("physical limit" in w for w in whats)  # documents arrive over time
+    moved = results["runs"]["disaggregated"]["kv_transfer"]
+    handed = results["runs"]["disaggregated"]["requests"]
+    assert moved["handoffs_put"] == moved["handoffs_got"] == handed  # every request, once
+    assert moved["document_mb"] > 0 and moved["document_put_ms"] > 0
+    assert any(w.startswith("document KV transfer ms") for w in whats)
+    assert "kv_transfer" not in results["runs"]["mixed"]
 
 
 def test_w5_puts_documents_at_their_rate_beside_interactive_requests():

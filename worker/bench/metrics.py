@@ -138,12 +138,38 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "cpu_s": run.cpu_s,
         "notes": run.notes,
     }
+    if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)
+        summary["kv_transfer"] = transfer_summary(run)
     groups = sorted({r.group for r in recs})
     if len(groups) > 1:
         summary["groups"] = {g: {"requests": sum(r.group == g for r in recs),
                                  "latency_ms": latency([r for r in recs if r.group == g])}
                              for g in groups}
     return summary
+
+
+def transfer_summary(run: RunResult) -> dict[str, Any]:
+    """KV moved through the tier in a disaggregated run: totals, and the time one
+    document's KV takes to put and get at the run's measured rates (the tier's seconds are
+    summed over all handoffs, so a document's share is taken in proportion to its bytes)."""
+    t = run.transfers
+    put_b, get_b = t.get("kv_put_bytes", 0), t.get("kv_get_bytes", 0)
+    out: dict[str, Any] = {
+        "handoffs_put": int(t.get("kv_put_count", 0)),
+        "handoffs_got": int(t.get("kv_get_count", 0)),
+        "mb_put": round(put_b / 1e6, 3),
+        "put_s": round(t.get("kv_put_s", 0), 4),
+        "get_s": round(t.get("kv_get_s", 0), 4),
+    }
+    tokens = t.get("kv_imported_tokens", 0)
+    docs = [r for r in run.records if r.group == "document"]
+    if tokens and get_b and put_b and docs:
+        bytes_per_token = get_b / tokens
+        doc_bytes = bytes_per_token * sum(r.prompt_tokens for r in docs) / len(docs)
+        out["document_mb"] = round(doc_bytes / 1e6, 3)
+        out["document_put_ms"] = round(1000 * t["kv_put_s"] * doc_bytes / put_b, 2)
+        out["document_get_ms"] = round(1000 * t["kv_get_s"] * doc_bytes / get_b, 2)
+    return out
 
 
 def kv_summary(run: RunResult) -> dict[str, Any]:

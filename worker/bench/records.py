@@ -62,3 +62,6 @@ class RunResult:
     # CPU seconds used during the run, by process ("worker", "client", "redis", "bench").
     cpu_s: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Of a disaggregated run: KV moved through the tier during the run, summed over the
+    # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).
+    transfers: dict[str, float] = field(default_factory=dict)

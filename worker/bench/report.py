@@ -72,6 +72,16 @@ def disaggregation_rows(split: dict[str, Any], mixed: dict[str, Any]) -> list[di
     rows.append(_row("goodput req/s, disaggregated / mixed",
                      _get(split, "goodput", "requests_per_s"),
                      _get(mixed, "goodput", "requests_per_s"), None, higher_is_better=True))
+    moved = split.get("kv_transfer", {})
+    if "document_put_ms" in moved:
+        # The price of the split: a document's KV into the tier and out again, against the
+        # documents' own TTFT.
+        transfer = moved["document_put_ms"] + moved["document_get_ms"]
+        rows.append(_row(f"document KV transfer ms ({moved['document_mb']} MB put + get), "
+                         "/ disaggregated document TTFT p50",
+                         round(transfer, 2),
+                         _get(split, "groups", "document", "latency_ms", "ttft", "p50"), None,
+                         higher_is_better=False))
     return rows
 
 

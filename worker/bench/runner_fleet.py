@@ -15,7 +15,7 @@ from worker.bench import cpu
 from worker.bench.arrivals import ArrivalPlan
 from worker.bench.follower import StreamFollower
 from worker.bench.records import KVSample, RequestRecord, RunResult
-from worker.bench.worker_process import WorkerProcess
+from worker.bench.worker_process import HEARTBEAT_INTERVAL_S, WorkerProcess
 from worker.bench.workloads import WorkItem
 
 # How often the worker's heartbeat hash is read for the KV plot.
@@ -56,13 +56,35 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         group = _Group(workers)
         _warm_up(client, model, group)
         plan = ArrivalPlan(items, concurrency)
+        if len(workers) > 1:
+            time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's transfers reach a heartbeat
+        moved_before = _transfers(client, workers)
         before = _cpu_now(client, workers)
         records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
         after = _cpu_now(client, workers)
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+        moved = {}
+        if len(workers) > 1:
+            time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the last transfers reach a heartbeat
+            moved_after = _transfers(client, workers)
+            moved = {k: moved_after[k] - moved_before[k] for k in moved_after}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     return RunResult(name, settings, records, duration, kv, used,
-                     notes=[f"client in the bench process, {where}"])
+                     notes=[f"client in the bench process, {where}"], transfers=moved)
+
+
+TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "kv_get_s",
+                   "kv_get_count", "kv_imported_tokens")
+
+
+def _transfers(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
+    """The workers' KV transfer counters (their heartbeats), summed."""
+    total = dict.fromkeys(TRANSFER_FIELDS, 0.0)
+    for w in workers:
+        raw = client.redis.hgetall(w.key)
+        for name in TRANSFER_FIELDS:
+            total[name] += float(raw.get(name.encode(), b"0") or 0)
+    return total
 
 
 class _Group:

@@ -182,6 +182,11 @@ class Worker:
             if self.publisher.prefixes else 0,
             "kv_prefix_hits": self.prefix_finder.hits if self.prefix_finder else 0,
             "kv_prefix_hit_tokens": self.prefix_finder.hit_tokens if self.prefix_finder else 0,
+            # KV moved through the tier: bytes, seconds and transfers put (handoffs written)
+            # and got (handoffs fetched); `conveyor bench` reports time per document from it.
+            **_transfer_fields("kv_put", self.publisher.hand_on.transfers
+                               if self.publisher.hand_on else None),
+            **_transfer_fields("kv_get", self.handoffs.transfers if self.handoffs else None),
         }
 
     def handoff_counts(self) -> HandoffCounts:
@@ -316,3 +321,10 @@ class Worker:
         except redis.RedisError as exc:  # they lapse with the lease instead
             log.warning("hand back failed; requests wait for their lease to lapse",
                         error=str(exc))
+
+
+def _transfer_fields(prefix: str, transfers: Any) -> dict[str, Any]:
+    if transfers is None:
+        return {f"{prefix}_bytes": 0, f"{prefix}_s": 0.0, f"{prefix}_count": 0}
+    return {f"{prefix}_bytes": transfers.bytes, f"{prefix}_s": round(transfers.seconds, 6),
+            f"{prefix}_count": transfers.count}

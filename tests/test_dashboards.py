@@ -156,16 +156,22 @@ def test_dashboard_covers_throughput_latency_queues_load_kv_preemptions_and_pref
 
 
 @pytest.mark.parametrize("dashboard_file", DASHBOARDS, ids=lambda p: p.name)
-def test_every_metric_a_panel_queries_is_exported_by_a_live_worker(dashboard_file, redis_url,
-                                                                   start_worker):
+def test_every_metric_a_panel_queries_is_exported_by_a_live_worker_or_gateway(
+        dashboard_file, redis_url, start_worker, gateway):
     worker = start_worker(metrics_port=0)
     client = Client(redis_url)
     client.result(client.submit([3, 4, 5], model=MODEL, max_tokens=4, ignore_eos=True),
                   timeout=60)
-    with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics",
-                                timeout=10) as resp:
-        exported = {line.split("{")[0].split(" ")[0]
-                    for line in resp.read().decode().splitlines() if not line.startswith("#")}
+    body = json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 2}).encode()
+    answered = urllib.request.Request(gateway.api + "/completions", data=body,
+                                      headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(answered, timeout=60).read()
+    exported = set()
+    for url in (f"http://127.0.0.1:{worker.metrics_port}/metrics", gateway.url + "/metrics"):
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            exported |= {line.split("{")[0].split(" ")[0]
+                         for line in resp.read().decode().splitlines()
+                         if not line.startswith("#")}
     dashboard = json.loads(dashboard_file.read_text())
     queried = {m for expr in panel_exprs(dashboard) for m in metric_names(expr)}
     assert queried, "no conveyor_* metric in any panel"

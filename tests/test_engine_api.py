@@ -203,3 +203,16 @@ def test_a_stale_deadline_never_expires_a_later_request_that_reuses_the_id(tiny_
     clock.advance(20)  # past the first request's deadline; the second has none
     finals = [o for _ in range(40) for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in finals] == [("same", FinishReason.LENGTH)]
+
+
+def test_without_max_tokens_a_request_runs_to_the_context_or_the_pool_whichever_is_less(
+        tiny_llama):
+    # 8 blocks of 16: the pool holds 128 tokens, far less than the model's 2,048 context.
+    engine = Engine(tiny_llama, dtype="float32", num_kv_blocks=8)
+    prompt = list(range(3, 23))
+    [done] = engine.generate([prompt], SamplingParams(temperature=0, ignore_eos=True))
+    assert done.finish_reason == FinishReason.LENGTH
+    assert len(prompt) + len(done.token_ids) == 8 * 16
+    roomy = Engine(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=64)
+    [done] = roomy.generate([prompt], SamplingParams(temperature=0, ignore_eos=True))
+    assert len(prompt) + len(done.token_ids) == 64 and done.finish_reason == FinishReason.LENGTH

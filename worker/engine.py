@@ -134,12 +134,13 @@ class Engine:
             raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab})")
         generated = (validate_token_ids(list(generated_token_ids), self.model_config.vocab_size,
                                         "generated_token_ids") if generated_token_ids else [])
-        self._check_lengths(prompt_ids, generated, params)
+        limit = self._token_limit(prompt_ids, params)
+        self._check_lengths(prompt_ids, generated, params, limit)
 
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
-            max_tokens=params.token_limit,
+            max_tokens=limit,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=frozenset(params.stop_token_ids),
@@ -371,18 +372,28 @@ class Engine:
             prompt = self.tokenizer.encode(prompt)
         return validate_token_ids(prompt, self.model_config.vocab_size)
 
+    def _token_limit(self, prompt: list[int], params: SamplingParams) -> int:
+        """Most tokens the request may generate: its ``max_tokens``; without one, until the
+        context is full, or until the whole KV pool is, where the pool holds less (the
+        request then ends ``length`` there rather than waiting for blocks that cannot
+        exist)."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        pool_tokens = self.block_pool.num_blocks * self.config.block_size
+        return max(1, min(params.token_limit, pool_tokens - len(prompt)))
+
     def _check_lengths(self, prompt: list[int], generated: list[int],
-                       params: SamplingParams) -> None:
+                       params: SamplingParams, limit: int) -> None:
         n = len(prompt) + len(generated)
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt of {n} tokens leaves no room to generate: the model's max length is "
                 f"{self.max_model_len} tokens"
             )
-        if len(generated) >= params.token_limit:
+        if len(generated) >= limit:
             raise ValueError(f"already {len(generated)} generated tokens, max_tokens is "
-                             f"{params.max_tokens}")
-        peak = min(len(prompt) + params.token_limit, self.max_model_len)
+                             f"{limit}")
+        peak = min(len(prompt) + limit, self.max_model_len)
         if blocks_for(peak, self.config.block_size) > self.block_pool.num_blocks:
             raise ValueError(
                 f"request needs up to {peak} tokens of KV, more than the whole KV pool "

@@ -53,8 +53,9 @@ class SamplingParams:
     ``logit_bias`` maps token ids to a number added to their logits (-100 bans one).
     """
 
-    # None: until the model's context is full (or a stop). The defaults are OpenAI's, and
-    # the same for Client.submit, `conveyor submit` and the gateway (docs/protocol.md).
+    # None: until the context is full, or the whole KV pool where it holds less (or a stop).
+    # The defaults are OpenAI's, and the same for Client.submit, `conveyor submit` and the
+    # gateway (docs/protocol.md).
     max_tokens: int | None = None
     temperature: float = 1.0
     top_k: int = 0

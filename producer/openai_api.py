@@ -88,7 +88,7 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
         if name not in known:
             raise ApiError(f"{name!r} is not supported by conveyor", param=name,
                            code="unsupported_parameter")
-        if name in NEUTRAL and value != NEUTRAL[name] and value is not None:
+        if name in NEUTRAL and value not in (NEUTRAL[name], None, []):  # [] tools: none
             raise ApiError(f"{name}={_short(value)} is not supported by conveyor (only "
                            f"{_short(NEUTRAL[name])})", param=name, code="unsupported_value")
     name = body.get("model", model)

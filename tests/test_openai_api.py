@@ -1,0 +1,48 @@
+"""OpenAI request bodies read into conveyor requests (producer/openai_api.py): what is
+implemented, what is accepted only at its neutral value, what is refused and named."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_chat_body_maps_onto_sampling_fields_and_logprobs():
+    req = parse_body(CHAT_URL, {**CHAT, "max_completion_tokens": 5, "temperature": 0.5,
+                                "top_p": 0.9, "stop": ["x"], "seed": 3, "logprobs": True,
+                                "top_logprobs": 2, "presence_penalty": 0.1,
+                                "logit_bias": {"7": -100}, "user": "someone"})
+    assert req.chat and req.messages == CHAT["messages"] and req.logprobs
+    assert req.sampling == {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stop": ["x"],
+                            "seed": 3, "presence_penalty": 0.1, "logit_bias": {"7": -100},
+                            "logprobs": 2}
+
+
+def test_neutral_values_pass_and_anything_else_is_named():
+    neutral = {"n": 1, "tools": [], "tool_choice": "none", "echo": False, "best_of": 1,
+               "response_format": {"type": "text"}, "stream": False}
+    for name, value in neutral.items():
+        parse_body(CHAT_URL if name != "echo" and name != "best_of" else COMPLETIONS_URL,
+                   {**(CHAT if name not in ("echo", "best_of") else
+                       {"model": "m", "prompt": "x"}), name: value})
+    for body, param in [({**CHAT, "n": 3}, "n"), ({**CHAT, "functions": []}, "functions"),
+                        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+                        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+                        ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4},
+                         "max_completion_tokens")]:
+        with pytest.raises(ApiError) as refused:
+            parse_body(CHAT_URL, body)
+        assert refused.value.param == param and refused.value.status == 400
+
+
+def test_completion_prompts_text_ids_or_one_in_a_list():
+    for prompt, expected in [("x", "x"), ([1, 2], [1, 2]), (["x"], "x"), ([[1, 2]], [1, 2])]:
+        assert parse_body(COMPLETIONS_URL, {"model": "m", "prompt": prompt}).prompt == expected
+    with pytest.raises(ApiError, match="several prompts"):
+        parse_body(COMPLETIONS_URL, {"model": "m", "prompt": ["a", "b"]})
+    with pytest.raises(ApiError) as missing:
+        parse_body(COMPLETIONS_URL, {"prompt": "x"})
+    assert missing.value.param == "model"

@@ -168,6 +168,16 @@ def _completion_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
         req.logprobs = True
 
 
+def choice_body(chat: bool, text: str, finish_reason: str,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one choice of a whole answer: a chat ``message``, or a completion's ``text``
+    (the gateway's answers and batch files' output lines alike)."""
+    if chat:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def _bool(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:

@@ -23,7 +23,7 @@ from typing import Any
 from producer.bulk import defaults
 from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
 from producer.client import Client
-from producer.openai_api import COMPLETIONS_URL, parse_body
+from producer.openai_api import COMPLETIONS_URL, choice_body, parse_body
 from producer.wire.completion import Completion
 from producer.wire.errors import ModelNotFound
 
@@ -119,7 +119,8 @@ def result_line(item: BatchItem, completion: Completion, created: int) -> dict[s
                 "object": "chat.completion" if item.chat else "text_completion",
                 "created": created,
                 "model": item.model,
-                "choices": [_choice(item, completion)],
+                "choices": [choice_body(item.chat, completion.text,
+                                        str(completion.finish_reason))],
                 "usage": {"prompt_tokens": usage.prompt_tokens,
                           "completion_tokens": usage.completion_tokens,
                           "total_tokens": usage.total_tokens},
@@ -127,14 +128,6 @@ def result_line(item: BatchItem, completion: Completion, created: int) -> dict[s
         },
         "error": None,
     }
-
-
-def _choice(item: BatchItem, completion: Completion) -> dict[str, Any]:
-    reason = str(completion.finish_reason)
-    if item.chat:
-        return {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": None, "finish_reason": reason}
-    return {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": reason}
 
 
 def error_line(custom_id: str | None, code: str, message: str, *, line: int | None = None,

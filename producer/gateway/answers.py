@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.openai_api import ApiRequest
+from producer.openai_api import ApiRequest, choice_body
 from producer.wire.completion import Completion, TokenLogprob, Usage
 
 
@@ -68,13 +68,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 def completion_body(request: ApiRequest, done: Completion, created: int,
                     speller: TokenSpeller) -> dict[str, Any]:
     """The whole answer of a request that was not streamed."""
-    logprobs = logprobs_body(request, done.logprobs, speller)
-    if request.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                  "logprobs": logprobs, "finish_reason": str(done.finish_reason)}
-    else:
-        choice = {"index": 0, "text": done.text, "logprobs": logprobs,
-                  "finish_reason": str(done.finish_reason)}
+    choice = choice_body(request.chat, done.text, str(done.finish_reason),
+                         logprobs_body(request, done.logprobs, speller))
     return {"id": response_id(request, done.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
             "created": created, "model": request.model, "choices": [choice],

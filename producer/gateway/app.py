@@ -111,8 +111,7 @@ class Gateway:
         try:
             states = await self._model_states(fresh=True)
         except UNREACHABLE as exc:
-            return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
-                                   kind="service_unavailable", code="redis_unreachable"))
+            return _unreachable(exc)
         data = [_model_entry(s.name) for s in sorted(states.values(), key=lambda s: s.name)
                 if s.live]
         return JSONResponse({"object": "list", "data": data})
@@ -124,8 +123,7 @@ class Gateway:
         try:
             state = (await self._model_states(fresh=True)).get(name)
         except UNREACHABLE as exc:
-            return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
-                                   kind="service_unavailable", code="redis_unreachable"))
+            return _unreachable(exc)
         if state is None or not state.live:
             return _error(ApiError(f"The model {name!r} does not exist or no live worker "
                                    "serves it", status=404, param="model",
@@ -155,8 +153,7 @@ class Gateway:
         except ApiError as exc:
             response = _error(exc)
         except UNREACHABLE as exc:
-            response = _error(ApiError(f"cannot reach Redis: {exc}", status=503,
-                                       kind="service_unavailable", code="redis_unreachable"))
+            response = _unreachable(exc)
         except ClientDisconnect:
             response = Response(status_code=499)  # gone before its body arrived
         except Exception as exc:  # noqa: BLE001 (answered and counted, never a traceback)
@@ -359,6 +356,11 @@ def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _unreachable(exc: Exception) -> JSONResponse:
+    return _error(ApiError(f"cannot reach Redis: {exc}", status=503,
+                           kind="service_unavailable", code="redis_unreachable"))
 
 
 def _error(exc: ApiError) -> JSONResponse:

@@ -8,6 +8,7 @@ import pytest
 from hf_reference import Reference, hf_greedy
 
 from worker import Engine, SamplingParams
+from worker.attention.cpu_kernel import decode_layers_kernel
 
 NUM_PROMPTS = 24
 
@@ -128,6 +129,8 @@ def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory
                 break
             compared += 1
     assert compared > 0.9 * sum(len(r.token_ids) for r in refs)
+    # Decode-only steps took the native layers (worker/models/native_decode.py) where built.
+    assert engine.model.num_native_steps > 0 or decode_layers_kernel() is None
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa"])

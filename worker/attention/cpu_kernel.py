@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (csrc/paged_decode.cpp), built on first use.
+"""The CPU kernels (csrc/): decode attention and whole decode steps, built on first use.
 
     python -m worker.attention.cpu_kernel      # build it now (scripts/setup.sh does)
 
@@ -25,7 +25,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp", "bindings.cpp")]
+HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
 STALE_LOCK_S = 600.0
@@ -41,29 +43,41 @@ def enabled() -> bool:
 def paged_decode_kernel() -> Any | None:
     """The compiled ``paged_decode`` function, or None where it is switched off or cannot
     be built (logged once)."""
+    module = _module()
+    return None if module is None else module.paged_decode
+
+
+def decode_layers_kernel() -> Any | None:
+    """The compiled ``decode_layers`` function (every layer of a decode-only step), or None
+    where the kernels are switched off or cannot be built."""
+    module = _module()
+    return None if module is None else module.decode_layers
+
+
+def _module() -> Any | None:
     if not enabled():
         return None
     with _lock:
-        if "kernel" not in _loaded:
-            _loaded["kernel"] = _build()
-        return _loaded["kernel"]
+        if "module" not in _loaded:
+            _loaded["module"] = _build()
+        return _loaded["module"]
 
 
 def _build() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
-        name = f"conveyor_paged_decode_{_build_key()}"
+        name = f"conveyor_cpu_kernels_{_build_key()}"
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
         folder = Path(root) / name
         folder.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(folder)
         started = time.monotonic()
         module = cpp_extension.load(
-            name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name, [str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
-        log.debug("cpu attention kernel ready", seconds=round(time.monotonic() - started, 1))
-        return module.paged_decode
+        log.debug("cpu kernels ready", seconds=round(time.monotonic() - started, 1))
+        return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("cpu attention kernel unavailable; decodes use the torch path",
                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -71,11 +85,13 @@ def _build() -> Any | None:
 
 
 def _build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     digest.update(_cpu_flags().encode())
     # The source's path too: torch rebuilds whenever the path in its build file changes, so
     # two checkouts sharing one build folder would rebuild each other's kernel forever.
-    digest.update(str(SOURCE.resolve()).encode())
+    digest.update(str(CSRC.resolve()).encode())
     return digest.hexdigest()[:16]
 
 

@@ -2,17 +2,20 @@
 
     python -m worker.bench.decode_step [--batch 64] [--threads 2] [--profile]
 
-Measures, in one process and at one thread count: the greedy decode step at ``batch``
-requests of 128-token prompts on the small preset (median of ``--steps``), and the same
-step's weight matmuls alone (q/k/v/o and gate/up/down of every layer plus the LM head,
-``F.linear`` on random inputs of the step's shapes, best of 5). Their ratio is the step's
-matmul efficiency: 1.0 would mean attention, norms, rope, sampling and Python cost nothing.
-``--profile`` adds torch.profiler's operator table for a few steps.
+Measures, in one process and at one thread count, in interleaved rounds so that both sides
+of every ratio see the same machine: the greedy decode step at ``batch`` requests of
+128-token prompts on the small preset, once with the native decode layers
+(worker/models/native_decode.py) and once with the Python layers, and the same step's
+weight matmuls alone (q/k/v/o and gate/up/down of every layer plus the LM head,
+``F.linear`` on random inputs of the step's shapes). Steps are medians over ``--steps``
+rounds; matmuls are the best round. step / matmuls is 1.0 where attention, norms, rope,
+sampling and Python cost nothing. ``--profile`` adds torch.profiler's operator table.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
+from worker.models.native_decode import ENV_SWITCH
 
 
 def weight_shapes(config) -> list[tuple[int, int]]:
@@ -35,28 +39,39 @@ def weight_shapes(config) -> list[tuple[int, int]]:
     return layer * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
-def matmul_seconds(engine, batch: int, repeats: int = 5) -> float:
-    """Best of ``repeats`` runs of the step's weight matmuls at ``batch`` tokens."""
+def matmul_seconds(weights: list[torch.Tensor], x: dict[int, torch.Tensor]) -> float:
+    """One run of the step's weight matmuls."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for w in weights:
+            F.linear(x[w.shape[1]], w)
+        return time.perf_counter() - start
+
+
+def step_seconds(engine, native: bool) -> float:
+    """One engine step, with the native decode layers on or off."""
+    os.environ[ENV_SWITCH] = "1" if native else "0"
+    try:
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+    finally:
+        os.environ.pop(ENV_SWITCH)
+
+
+def measure(engine, batch: int, rounds: int) -> dict[str, float]:
+    """Median native and Python step and best matmul seconds over interleaved rounds."""
     dtype = engine.dtype
     weights = [torch.randn(o, i, dtype=dtype) for o, i in weight_shapes(engine.model_config)]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for w in weights:
-                F.linear(x[w.shape[1]], w)
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-def step_seconds(engine, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {"native": [], "python": [], "matmuls": []}
+    for _ in range(rounds):
+        times["native"].append(step_seconds(engine, native=True))
+        times["python"].append(step_seconds(engine, native=False))
+        times["matmuls"].append(matmul_seconds(weights, x))
+    return {"native": statistics.median(times["native"]),
+            "python": statistics.median(times["python"]), "matmuls": min(times["matmuls"]),
+            "native_steps": engine.model.num_native_steps}
 
 
 def profile_table(engine, steps: int = 5, rows: int = 25) -> str:
@@ -79,11 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     engine = decoding_engine(model_with_vocab(8192, args.models), "greedy", args.batch,
                              args.threads)
-    step = step_seconds(engine, args.steps)
-    mm = matmul_seconds(engine, args.batch)
-    print(f"batch {args.batch}, {args.threads} threads: step {step * 1e3:.2f} ms (median of "
-          f"{args.steps}), its weight matmuls {mm * 1e3:.2f} ms (best of 5): "
-          f"matmul efficiency {mm / step:.2f}, step / matmuls {step / mm:.2f}x")
+    before = engine.model.num_native_steps
+    got = measure(engine, args.batch, args.steps)
+    mm = got["matmuls"]
+    print(f"batch {args.batch}, {args.threads} threads, {args.steps} rounds: weight matmuls "
+          f"{mm * 1e3:.2f} ms (best round)")
+    for path in ("native", "python"):
+        step = got[path]
+        print(f"  {path + ' layers:':15} step {step * 1e3:6.2f} ms (median), "
+              f"step / matmuls {step / mm:.2f}x, matmul efficiency {mm / step:.2f}")
+    if got["native_steps"] == before:
+        print("  (the native layers did not run: kernels unavailable or switched off)")
     if args.profile:
         print(profile_table(engine))
     return 0

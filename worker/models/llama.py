@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention import get_attention_backend
 from worker.attention.metadata import AttentionMetadata
+from worker.models import native_decode
 from worker.models.config import ModelConfig
 from worker.models.rope import RotaryEmbedding, apply_rotary
 
@@ -127,6 +128,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        # Steps whose layers ran in one native call (worker/models/native_decode.py).
+        self.num_native_steps = 0
 
     def tie_weights(self) -> None:
         """Share the embedding table with the LM head if the config says so (again after moves)."""
@@ -146,6 +149,10 @@ class CausalLM(nn.Module):
         Positions must be below ``config.max_position_embeddings``.
         """
         x = self.model.embed_tokens(input_ids)
+        native = native_decode.decode_layers(self, x, kv_cache, meta)
+        if native is not None:
+            self.num_native_steps += 1
+            return self.model.norm(native)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)

@@ -62,7 +62,8 @@ class RotaryEmbedding:
         # One table per (device, dtype): built on first use so loading on "meta" costs nothing.
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[max_positions, head_dim // 2]`` cos and sin tables, in `dtype` on `device`."""
         key = (device, dtype)
         if key not in self._tables:
             self._tables[key] = self._build_table(device, dtype)
@@ -82,7 +83,7 @@ class RotaryEmbedding:
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-width ``[T, head_dim]`` cos and sin for the given positions, in `dtype`."""
-        cos, sin = self._table(positions.device, dtype)
+        cos, sin = self.tables(positions.device, dtype)
         cos, sin = cos[positions], sin[positions]
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 

@@ -1,0 +1,122 @@
+"""A decode-only step's layers in one native call (worker/models/native_decode.py) against the
+Python layers: the same logits and the same cache writes for every kind of checkpoint
+(biases, tied heads, grouped and single kv heads, llama3 rope), over shuffled blocks whose
+free slots are NaN; only all-decode float32 CPU steps take it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_fixtures import KINDS, VOCAB, write_checkpoint
+
+from kvstore.kv_tensors import PagedKVCache
+from worker.attention.cpu_kernel import decode_layers_kernel
+from worker.attention.metadata import AttentionMetadata
+from worker.models import CausalLM, load_model
+from worker.models.native_decode import ENV_SWITCH
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 64
+kernel = decode_layers_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernels")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    for kind in KINDS:
+        write_checkpoint(kind, root / kind)
+    return root
+
+
+def _cache(model: CausalLM) -> PagedKVCache:
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads,
+                         c.head_dim, torch.float32)
+    cache.fill_(float("nan"))
+    return cache
+
+
+def _step(model: CausalLM, cache: PagedKVCache, seqs: list[list[int]], tables: list[list[int]],
+          new: list[int]) -> torch.Tensor:
+    """Feed the last ``new[i]`` tokens of each sequence; the logits of every fed token."""
+    meta = AttentionMetadata.build(new, [len(s) for s in seqs], tables, BLOCK_SIZE)
+    ids = torch.tensor([t for s, n in zip(seqs, new, strict=True) for t in s[-n:]])
+    positions = torch.tensor([p for s, n in zip(seqs, new, strict=True)
+                              for p in range(len(s) - n, len(s))])
+    meta.positions = positions
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, cache, meta))
+
+
+def _prefilled(model: CausalLM, lens: list[int], seed: int):
+    """Sequences of ``lens`` tokens prefilled into shuffled blocks (room for 4 more tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = []
+    for n in lens:
+        need = -(-(n + 4) // BLOCK_SIZE)
+        tables.append([order.pop() for _ in range(need)])
+    cache = _cache(model)
+    _step(model, cache, seqs, tables, lens)
+    return seqs, tables, cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_native_decode_steps_match_the_python_layers(kind, checkpoints, monkeypatch):
+    model = load_model(checkpoints / kind, dtype=torch.float32)
+    lens = [1, 7, 8, 9, 40, 100]
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(ENV_SWITCH, switch)
+        seqs, tables, cache = _prefilled(model, lens, seed=5)
+        before = model.num_native_steps
+        logits = []
+        for step in range(4):  # teacher-forced next tokens, the same on both paths
+            for i, s in enumerate(seqs):
+                s.append((i * 31 + step * 7) % VOCAB)
+            logits.append(_step(model, cache, seqs, tables, [1] * len(seqs)))
+        assert model.num_native_steps - before == (4 if switch == "1" else 0)
+        results[switch] = (torch.stack(logits), cache)
+    (native, native_cache), (python, python_cache) = results["1"], results["0"]
+    assert not native.isnan().any()
+    torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
+    for got, want in zip((*native_cache.k, *native_cache.v), (*python_cache.k, *python_cache.v),
+                         strict=True):
+        # Written slots agree; slots nobody wrote are still NaN on both sides.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+@needs_kernel
+def test_steps_with_a_prefill_chunk_or_in_float64_take_the_python_layers(checkpoints,
+                                                                         monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    model = load_model(checkpoints / "llama", dtype=torch.float32)
+    seqs, tables, cache = _prefilled(model, [5, 12], seed=1)
+    assert model.num_native_steps == 0  # the prefill itself
+    seqs[0].append(3)
+    seqs[1] += [4, 5]
+    _step(model, cache, seqs, tables, [1, 2])
+    assert model.num_native_steps == 0
+    wide = load_model(checkpoints / "llama", dtype=torch.float64)
+    c = wide.config
+    cache64 = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads,
+                           c.head_dim, torch.float64)
+    _step(wide, cache64, [[1, 2, 3]], [[0]], [3])
+    _step(wide, cache64, [[1, 2, 3, 4]], [[0]], [1])
+    assert wide.num_native_steps == 0
+
+
+@needs_kernel
+def test_the_native_step_refuses_a_slot_outside_the_cache(checkpoints, monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    model = load_model(checkpoints / "llama", dtype=torch.float32)
+    seqs, tables, cache = _prefilled(model, [5], seed=2)
+    seqs[0].append(1)
+    meta = AttentionMetadata.build([1], [6], tables, BLOCK_SIZE)
+    meta.positions = torch.tensor([5])
+    meta.slot_mapping = torch.tensor([NUM_BLOCKS * BLOCK_SIZE])
+    with pytest.raises(RuntimeError, match="slot outside the cache"), torch.inference_mode():
+        model(torch.tensor([1]), meta.positions, cache, meta)

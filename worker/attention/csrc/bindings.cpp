@@ -1,0 +1,12 @@
+// Python names of the CPU kernels (loaded by worker/attention/cpu_kernel.py).
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &conveyor::paged_decode,
+        "decode attention over a paged KV cache (CPU)");
+  // The whole step runs without the GIL: the worker's I/O threads keep going meanwhile.
+  m.def("decode_layers", &conveyor::decode_layers,
+        "every decoder layer of a decode-only step, float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}

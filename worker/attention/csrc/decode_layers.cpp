@@ -1,0 +1,212 @@
+// Every decoder layer of a decode-only step in one native call, float32, on the CPU
+// (worker/models/native_decode.py decides when it applies).
+//
+// A decode step at batch 64 is ~250 small torch ops between its matmuls; from Python each
+// costs a dispatch and often an allocation and a thread-team start, several milliseconds a
+// step in all. Here the matmuls are the same ATen calls the Python path makes (at::linear),
+// and everything between them is a handful of fused loops: residual add + RMSNorm, rope +
+// the cache write, attention (paged_attention.h), SiLU * up. The numerics follow the Python
+// path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
+// rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
+// additions inside a sum may differ, as in any kernel.
+
+#include "kernels.h"
+#include "paged_attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace conveyor {
+namespace {
+
+// The tensors of one layer, in this order; an absent bias is an empty tensor.
+enum Weight : int64_t {
+  kInputNorm, kQ, kQBias, kK, kKBias, kV, kVBias, kO, kOBias,
+  kPostNorm, kGate, kGateBias, kUp, kUpBias, kDown, kDownBias, kWeightsPerLayer
+};
+
+// Rows per task of the elementwise loops: a row is a few hundred floats, so smaller tasks
+// would cost more to hand out than to run.
+constexpr int64_t kRowGrain = 16;
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
+}
+
+// x += delta (when given), then out = weight * (x * rsqrt(mean(x^2) + eps)), row by row.
+void add_rms_norm(float* x, const float* delta, const float* weight, float* out, int64_t rows,
+                  int64_t width, float eps) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * width;
+      if (delta != nullptr) {
+        const float* dr = delta + r * width;
+        for (int64_t i = 0; i < width; ++i) xr[i] += dr[i];
+      }
+      const float scale = 1.0f / std::sqrt(dot(xr, xr, width) / width + eps);
+      float* o = out + r * width;
+      for (int64_t i = 0; i < width; ++i) o[i] = weight[i] * (xr[i] * scale);
+    }
+  });
+}
+
+// Non-interleaved rotation of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), where the
+// table row holds head_dim / 2 values used for both halves.
+inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+struct StepShape {
+  int64_t batch, num_heads, num_kv_heads, head_dim;
+};
+
+// Rope on q and k in place, then k and v into the cache at each token's slot.
+void rope_and_cache(float* q, float* k, const float* v, const int64_t* positions,
+                    const int64_t* slots, const float* cos, const float* sin, float* k_cache,
+                    float* v_cache, const StepShape& s) {
+  const int64_t half = s.head_dim / 2, kv_row = s.num_kv_heads * s.head_dim;
+  at::parallel_for(0, s.batch, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* c = cos + positions[b] * half;
+      const float* sn = sin + positions[b] * half;
+      float* qb = q + b * s.num_heads * s.head_dim;
+      for (int64_t h = 0; h < s.num_heads; ++h) rotate(qb + h * s.head_dim, c, sn, half);
+      float* kb = k + b * kv_row;
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) rotate(kb + h * s.head_dim, c, sn, half);
+      std::copy(kb, kb + kv_row, k_cache + slots[b] * kv_row);
+      std::copy(v + b * kv_row, v + (b + 1) * kv_row, v_cache + slots[b] * kv_row);
+    }
+  });
+}
+
+// out[i] = silu(gate[i]) * up[i], in place in gate; silu(x) = x / (1 + exp(-x)) as torch has it.
+void silu_mul(float* gate, const float* up, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * width; i < end * width; ++i) {
+      gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& slot_mapping,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
+                  const std::vector<at::Tensor>& v_caches, const StepShape& s,
+                  int64_t block_size) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x is a contiguous float32 [B, hidden] CPU tensor");
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
+              "one K cache, one V cache and ", kWeightsPerLayer, " weights per layer");
+  for (const auto* t : {&positions, &slot_mapping, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == s.batch,
+                "positions, slots and lengths are int64, one per token");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == s.batch,
+              "one int64 block table per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) * 2 == s.head_dim && cos.sizes() == sin.sizes(),
+              "float32 [positions, head_dim / 2] rope tables");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % 2 == 0,
+              "query heads group over kv heads; an even head_dim");
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const int64_t i : {kInputNorm, kPostNorm}) {
+      const at::Tensor& norm = weights[l * kWeightsPerLayer + i];
+      TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
+                      norm.numel() == x.size(1),
+                  "float32 norm weights of the hidden size");
+    }
+  }
+  const int64_t slots = k_caches[0].numel() / (s.num_kv_heads * s.head_dim);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const auto* c : {&k_caches[l], &v_caches[l]}) {
+      TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() &&
+                      c->numel() == slots * s.num_kv_heads * s.head_dim,
+                  "contiguous float32 caches, all of one size");
+    }
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "a position outside the rope table");
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, "a cache slot outside the cache");
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= block_tables.size(1) * block_size,
+                "a sequence length outside its block table");
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor seq_lens,
+                            std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> k_caches,
+                            std::vector<torch::Tensor> v_caches, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            double eps, double scale) {
+  const StepShape s{x.size(0), num_heads, num_kv_heads, head_dim};
+  check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, k_caches,
+               v_caches, s, block_size);
+  const int64_t batch = s.batch, hidden = x.size(1);
+  const float epsilon = static_cast<float>(eps);
+  const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+
+  at::Tensor normed = at::empty_like(x);
+  at::Tensor attended = at::empty({batch, num_heads * head_dim}, x.options());
+  at::Tensor down;  // the previous layer's MLP output, added to x at the next norm
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    add_rms_norm(x.data_ptr<float>(), down.defined() ? down.data_ptr<float>() : nullptr,
+                 w[kInputNorm].data_ptr<float>(), normed.data_ptr<float>(), batch, hidden,
+                 epsilon);
+    at::Tensor q = project(normed, w[kQ], w[kQBias]);
+    at::Tensor k = project(normed, w[kK], w[kKBias]);
+    at::Tensor v = project(normed, w[kV], w[kVBias]);
+    rope_and_cache(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                   positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                   cos.data_ptr<float>(), sin.data_ptr<float>(), k_caches[l].data_ptr<float>(),
+                   v_caches[l].data_ptr<float>(), s);
+    const float* qp = q.data_ptr<float>();
+    const float* kc = k_caches[l].data_ptr<float>();
+    const float* vc = v_caches[l].data_ptr<float>();
+    float* out = attended.data_ptr<float>();
+    const int64_t per_query = num_heads * head_dim;
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t b = begin; b < end; ++b) {
+        attend_one<float>(qp + b * per_query, kc, vc, tables + b * attention.table_width,
+                          lens[b], attention, static_cast<float>(scale), out + b * per_query,
+                          scores);
+      }
+    });
+    at::Tensor o = project(attended, w[kO], w[kOBias]);
+    add_rms_norm(x.data_ptr<float>(), o.data_ptr<float>(), w[kPostNorm].data_ptr<float>(),
+                 normed.data_ptr<float>(), batch, hidden, epsilon);
+    at::Tensor gate = project(normed, w[kGate], w[kGateBias]);
+    at::Tensor up = project(normed, w[kUp], w[kUpBias]);
+    silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), batch, gate.size(1));
+    down = project(gate, w[kDown], w[kDownBias]);
+  }
+  float* xp = x.data_ptr<float>();
+  const float* dp = down.data_ptr<float>();
+  at::parallel_for(0, batch * hidden, kRowGrain * hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) xp[i] += dp[i];
+  });
+  return x;
+}
+
+}  // namespace conveyor

@@ -1,0 +1,26 @@
+// The CPU kernels this extension exports (bindings.cpp names them for Python).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace conveyor {
+
+// Decode attention over the paged cache: q [B, H, D], caches [slots, Hkv, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens,
+                           int64_t block_size, double scale);
+
+// Every decoder layer of a decode-only step, in one call (decode_layers.cpp).
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor seq_lens,
+                            std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> k_caches,
+                            std::vector<torch::Tensor> v_caches, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            double eps, double scale);
+
+}  // namespace conveyor

@@ -1,0 +1,75 @@
+"""A decode-only step's decoder layers in one native call (csrc/decode_layers.cpp).
+
+At batch 64 a decode step is ~30 ms of matmuls and, on the Python path, ~250 small ops
+whose dispatch, allocation and thread-team starts add ~8 ms; the native call makes the
+same matmul calls and fuses the rest. It runs without the GIL, so the worker's I/O threads
+are not queued behind the engine's ops either.
+
+It applies to a step whose every sequence brings one token, on the CPU, with float32
+activations, weights and cache, where the CPU kernels are built; anything else (prefill
+chunks in the step, another dtype or device) runs the Python layers, which compute the same
+thing. ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches it off (to compare the two paths).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.kv_tensors import PagedKVCache
+from worker.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from worker.models.llama import CausalLM, DecoderLayer
+
+ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def applies(x: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
+    """Whether this step can take the native path (the kernel's availability aside)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32
+            and kv_cache.k[0].dtype == torch.float32
+            # T tokens over B sequences, each at least one: T == B means all decodes.
+            and x.shape[0] == len(meta.query_lens) and meta.positions is not None
+            and enabled())
+
+
+def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
+                  meta: AttentionMetadata) -> torch.Tensor | None:
+    """Run every decoder layer over the embeddings ``x [B, hidden]`` of a decode-only step,
+    writing each token's K/V to the cache; the hidden states before the final norm, or None
+    where the native path does not apply (the caller then runs the Python layers)."""
+    if not applies(x, kv_cache, meta):
+        return None
+    from worker.attention.cpu_kernel import decode_layers_kernel
+
+    kernel = decode_layers_kernel()
+    if kernel is None:
+        return None
+    config = model.config
+    cos, sin = model.rotary.tables(x.device, x.dtype)
+    no_bias = torch.empty(0, dtype=x.dtype)
+    weights = [w for layer in model.model.layers for w in _layer_weights(layer, no_bias)]
+    return kernel(
+        x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
+        meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights, kv_cache.k,
+        kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        meta.block_size, config.rms_norm_eps, config.head_dim**-0.5)
+
+
+def _layer_weights(layer: DecoderLayer, no_bias: torch.Tensor) -> list[torch.Tensor]:
+    """One layer's tensors in the order csrc/decode_layers.cpp reads them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out = [layer.input_layernorm.weight]
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+        out += (proj.weight, no_bias if proj.bias is None else proj.bias)
+    out.append(layer.post_attention_layernorm.weight)
+    for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        out += (proj.weight, no_bias if proj.bias is None else proj.bias)
+    return out

@@ -10,7 +10,10 @@ import random
 import pytest
 
 from worker import Engine, SamplingParams
+from worker.attention.cpu_kernel import decode_layers_kernel
+from worker.bench.decode_step import matmul_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
+from worker.models.native_decode import ENV_SWITCH
 from worker.bench.step_overhead import HostStep, busy_scheduler
 
 
@@ -44,9 +47,12 @@ def small_model(model_factory):
     return model_factory("small", preset="small", arch="llama")
 
 
-@pytest.mark.parametrize("batch", [1, 16, 64])
-def test_bench_decode_small(benchmark, small_model, batch):
-    """One decode step of `batch` requests with 128-token prompts on the small preset."""
+@pytest.mark.parametrize("batch, layers", [(1, "native"), (16, "native"), (64, "native"),
+                                           (64, "python")])
+def test_bench_decode_small(benchmark, monkeypatch, small_model, batch, layers):
+    """One decode step of `batch` requests with 128-token prompts on the small preset, its
+    layers in one native call (the default on CPU) or in Python."""
+    monkeypatch.setenv(ENV_SWITCH, "1" if layers == "native" else "0")
     # Two threads to measure; one for the smoke run, which shares the cores with the suite.
     engine = Engine(small_model, dtype="float32", max_num_seqs=batch,
                     num_threads=1 if benchmark.disabled else 2,
@@ -62,7 +68,21 @@ def test_bench_decode_small(benchmark, small_model, batch):
 
     outputs = benchmark(engine.step)
     assert len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs)
+    assert (engine.model.num_native_steps > 0) == (layers == "native"
+                                                   and decode_layers_kernel() is not None)
     benchmark.extra_info["tokens_per_step"] = batch
+
+
+def test_bench_decode_64_matmuls_alone(benchmark, small_model):
+    """The weight matmuls of one decode step at batch 64: what the step above is held to
+    (`python -m worker.bench.decode_step` interleaves both and prints the ratio)."""
+    import torch
+
+    engine = Engine(small_model, dtype="float32", num_kv_blocks=16)
+    shapes = weight_shapes(engine.model_config)
+    weights = [torch.randn(o, i) for o, i in shapes]
+    x = {w.shape[1]: torch.randn(64, w.shape[1]) for w in weights}
+    assert benchmark(matmul_seconds, weights, x) > 0
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import torch
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 
 from kvstore.kv_tensors import PagedKVCache
-from worker.attention.cpu_kernel import decode_layers_kernel
+from worker.attention import cpu_kernel
+from worker.attention.cpu_kernel import cpu_kernels, decode_layers_kernel
 from worker.attention.metadata import AttentionMetadata
 from worker.models import CausalLM, load_model
 from worker.models.native_decode import ENV_SWITCH
@@ -31,7 +32,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 def _cache(model: CausalLM) -> PagedKVCache:
     c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads,
+    cache = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS * 4, BLOCK_SIZE, c.num_key_value_heads,
                          c.head_dim, torch.float32)
     cache.fill_(float("nan"))
     return cache
@@ -53,7 +54,7 @@ def _prefilled(model: CausalLM, lens: list[int], seed: int):
     """Sequences of ``lens`` tokens prefilled into shuffled blocks (room for 4 more tokens)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
-    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    order = torch.randperm(NUM_BLOCKS * 4, generator=gen).tolist()
     tables = []
     for n in lens:
         need = -(-(n + 4) // BLOCK_SIZE)
@@ -64,10 +65,12 @@ def _prefilled(model: CausalLM, lens: list[int], seed: int):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_native_decode_steps_match_the_python_layers(kind, checkpoints, monkeypatch):
+@pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
+                         # Past SKINNY_MAX_ROWS the step's matmuls are at::linear's.
+                         + [("llama_tied_bias", 30), ("qwen2", 30)])
+def test_native_decode_steps_match_the_python_layers(kind, batch, checkpoints, monkeypatch):
     model = load_model(checkpoints / kind, dtype=torch.float32)
-    lens = [1, 7, 8, 9, 40, 100]
+    lens = ([1, 7, 8, 9, 40, 100] * 5)[:batch]
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(ENV_SWITCH, switch)
@@ -117,6 +120,43 @@ def test_the_native_step_refuses_a_slot_outside_the_cache(checkpoints, monkeypat
     seqs[0].append(1)
     meta = AttentionMetadata.build([1], [6], tables, BLOCK_SIZE)
     meta.positions = torch.tensor([5])
-    meta.slot_mapping = torch.tensor([NUM_BLOCKS * BLOCK_SIZE])
+    meta.slot_mapping = torch.tensor([NUM_BLOCKS * 4 * BLOCK_SIZE])
     with pytest.raises(RuntimeError, match="slot outside the cache"), torch.inference_mode():
         model(torch.tensor([1]), meta.positions, cache, meta)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 24, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_skinny_matmul_equals_the_blas(rows, bias):
+    # 37 output rows (9 tiles of 4 and a tail of 1), 70 inputs (4 vectors and a tail of 6).
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 70, generator=gen)
+    w = torch.randn(37, 70, generator=gen)
+    b = torch.randn(37, generator=gen) if bias else torch.empty(0)
+    got = cpu_kernels().skinny_linear(x, w, b)
+    want = torch.nn.functional.linear(x, w, b if bias else None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_lm_head_of_a_few_rows_takes_the_skinny_matmul(checkpoints, monkeypatch):
+    model = load_model(checkpoints / "llama", dtype=torch.float32)
+    module, calls = cpu_kernels(), []
+
+    class Spy:
+        SKINNY_MAX_ROWS = module.SKINNY_MAX_ROWS
+
+        @staticmethod
+        def skinny_linear(*args):
+            calls.append(args[0].shape[0])
+            return module.skinny_linear(*args)
+
+    monkeypatch.setattr(cpu_kernel, "cpu_kernels", lambda: Spy)
+    for rows in (3, module.SKINNY_MAX_ROWS + 1):
+        hidden = torch.randn(rows, model.config.hidden_size)
+        with torch.inference_mode():
+            logits = model.compute_logits(hidden)
+        torch.testing.assert_close(logits, hidden @ model.lm_head.weight.T, rtol=1e-5,
+                                   atol=1e-5)
+    assert calls == [3]

@@ -13,8 +13,8 @@ from worker import Engine, SamplingParams
 from worker.attention.cpu_kernel import decode_layers_kernel
 from worker.bench.decode_step import matmul_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
-from worker.models.native_decode import ENV_SWITCH
 from worker.bench.step_overhead import HostStep, busy_scheduler
+from worker.models.native_decode import ENV_SWITCH
 
 
 def test_bench_schedule_256_running_1000_waiting(benchmark):

@@ -26,8 +26,9 @@ import structlog
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp", "bindings.cpp")]
-HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h")]
+SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
+                                         "skinny_linear.cpp", "bindings.cpp")]
+HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
 STALE_LOCK_S = 600.0
@@ -43,18 +44,20 @@ def enabled() -> bool:
 def paged_decode_kernel() -> Any | None:
     """The compiled ``paged_decode`` function, or None where it is switched off or cannot
     be built (logged once)."""
-    module = _module()
+    module = cpu_kernels()
     return None if module is None else module.paged_decode
 
 
 def decode_layers_kernel() -> Any | None:
     """The compiled ``decode_layers`` function (every layer of a decode-only step), or None
     where the kernels are switched off or cannot be built."""
-    module = _module()
+    module = cpu_kernels()
     return None if module is None else module.decode_layers
 
 
-def _module() -> Any | None:
+def cpu_kernels() -> Any | None:
+    """The compiled module (csrc/bindings.cpp names what it holds), or None where the kernels
+    are switched off or cannot be built (logged once)."""
     if not enabled():
         return None
     with _lock:

@@ -160,4 +160,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project ``hidden [N, hidden]`` to ``[N, vocab]`` logits."""
-        return self.lm_head(hidden)
+        return native_decode.linear(hidden, self.lm_head.weight)

@@ -1,6 +1,7 @@
 // Python names of the CPU kernels (loaded by worker/attention/cpu_kernel.py).
 
 #include "kernels.h"
+#include "skinny_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &conveyor::paged_decode,
@@ -9,4 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &conveyor::decode_layers,
         "every decoder layer of a decode-only step, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("skinny_linear", &conveyor::skinny_linear,
+        "x @ weight.T (+ bias) for a few rows of x, float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("SKINNY_MAX_ROWS") = conveyor::kSkinnyMaxRows;
 }

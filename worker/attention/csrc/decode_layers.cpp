@@ -3,8 +3,9 @@
 //
 // A decode step at batch 64 is ~250 small torch ops between its matmuls; from Python each
 // costs a dispatch and often an allocation and a thread-team start, several milliseconds a
-// step in all. Here the matmuls are the same ATen calls the Python path makes (at::linear),
-// and everything between them is a handful of fused loops: residual add + RMSNorm, rope +
+// step in all. Here the matmuls are the ATen calls the Python path makes (at::linear), or
+// skinny_linear for a small batch, where it streams the weights twice as fast, and
+// everything between them is a handful of fused loops: residual add + RMSNorm, rope +
 // the cache write, attention (paged_attention.h), SiLU * up. The numerics follow the Python
 // path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
@@ -12,6 +13,7 @@
 
 #include "kernels.h"
 #include "paged_attention.h"
+#include "skinny_linear.h"
 
 #include <ATen/Parallel.h>
 
@@ -31,6 +33,10 @@ enum Weight : int64_t {
 constexpr int64_t kRowGrain = 16;
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (x.size(0) <= kSkinnyMaxRows && weight.is_contiguous() &&
+      weight.scalar_type() == at::kFloat) {
+    return skinny_linear(x, weight, bias);
+  }
   return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
 

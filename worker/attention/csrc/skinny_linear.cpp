@@ -12,10 +12,10 @@ namespace {
 
 constexpr int64_t kWidth = 16;  // floats per vector
 typedef float vec __attribute__((vector_size(kWidth * sizeof(float))));
-// A register tile: 4 rows of W times up to 6 rows of x: 24 vector accumulators, 6 rows of x
-// and one of W, 31 of AVX-512's 32 registers.
+// A register tile: 4 rows of W times up to 4 rows of x, 16 vector accumulators (whose lane
+// sums lane_sums16 takes in one go).
 constexpr int64_t kTileRows = 4;
-constexpr int64_t kGroupRows = 6;
+constexpr int64_t kGroupRows = 4;
 // Rows of W per task: enough work to be worth handing to a thread.
 constexpr int64_t kTaskRows = 64;
 
@@ -25,24 +25,60 @@ inline vec load(const float* p) {
   return v;
 }
 
+// The lane sums of 16 vectors as one vector (lane i: the sum of acc[i]), in 15 shuffle-and-add
+// steps of a fixed tree instead of 240 scalar adds: at these shapes reducing a tile's
+// accumulators one lane at a time costs as much as the tile's multiplications.
+inline vec pair8(vec a, vec b) {  // [a0..7 + a8..15, b0..7 + b8..15]
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+inline vec pair4(vec a, vec b) {  // halves of 8 partial sums each -> quarters of 4
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline vec pair2(vec a, vec b) {  // quarters of 4 -> eighths of 2
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline vec pair1(vec a, vec b) {  // eighths of 2 -> one sum a lane
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline vec lane_sums16(const vec* acc) {
+  vec t[8], u[4];
+  for (int i = 0; i < 8; ++i) t[i] = pair8(acc[2 * i], acc[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) u[i] = pair4(t[2 * i], t[2 * i + 1]);
+  return pair1(pair2(u[0], u[1]), pair2(u[2], u[3]));
+}
+
 // out[g * R + r] = dot(w row r, x row g) for R rows of W and G rows of x (both of K floats).
 template <int R, int G>
 void tile(const float* __restrict w, const float* __restrict x, int64_t k_len,
           float* __restrict out) {
-  vec acc[R][G] = {};
+  vec acc[R * G] = {};
   int64_t k = 0;
   for (; k + kWidth <= k_len; k += kWidth) {
     vec xv[G];
     for (int g = 0; g < G; ++g) xv[g] = load(x + g * k_len + k);
     for (int r = 0; r < R; ++r) {
       const vec wv = load(w + r * k_len + k);
-      for (int g = 0; g < G; ++g) acc[r][g] += wv * xv[g];
+      for (int g = 0; g < G; ++g) acc[r * G + g] += wv * xv[g];
+    }
+  }
+  float sums[R * G];
+  if constexpr (R * G == 16 && kWidth == 16) {
+    const vec all = lane_sums16(acc);
+    for (int i = 0; i < 16; ++i) sums[i] = all[i];
+  } else {
+    for (int i = 0; i < R * G; ++i) {
+      sums[i] = 0;
+      for (int64_t l = 0; l < kWidth; ++l) sums[i] += acc[i][l];
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int g = 0; g < G; ++g) {
-      float sum = 0;
-      for (int64_t l = 0; l < kWidth; ++l) sum += acc[r][g][l];
+      float sum = sums[r * G + g];
       for (int64_t t = k; t < k_len; ++t) sum += w[r * k_len + t] * x[g * k_len + t];
       out[g * R + r] = sum;
     }
@@ -55,9 +91,7 @@ void tile_rows(int64_t groups, const float* w, const float* x, int64_t k_len, fl
     case 1: return tile<R, 1>(w, x, k_len, out);
     case 2: return tile<R, 2>(w, x, k_len, out);
     case 3: return tile<R, 3>(w, x, k_len, out);
-    case 4: return tile<R, 4>(w, x, k_len, out);
-    case 5: return tile<R, 5>(w, x, k_len, out);
-    default: return tile<R, 6>(w, x, k_len, out);
+    default: return tile<R, 4>(w, x, k_len, out);
   }
 }
 

@@ -5,7 +5,7 @@
 // memory; the BLAS the CPU build of torch calls reads W at well under the machine's
 // bandwidth at these shapes. Here each task takes a tile of W's rows, keeps it in L1 while
 // every group of x's rows is multiplied against it, and holds the partial sums of a 4-row
-// tile of W times a group of up to 6 rows of x in registers, so W is read from memory once
+// tile of W times a group of up to 4 rows of x in registers, so W is read from memory once
 // and the arithmetic never waits for it. Vectors are GCC/Clang vector extensions: AVX-512,
 // AVX2 or NEON, whichever the build targets.
 
@@ -16,9 +16,10 @@
 namespace conveyor {
 
 // Up to this many rows of x, skinny_linear beats at::linear on the CPU this was tuned on
-// (AVX-512, 2 cores: 0.35-0.55x its time at 1-4 rows, 0.85x at 16, 0.92x at 24, 1.0x near
-// 32); past it the BLAS wins. `python -m worker.bench.skinny_linear` measures it again.
-constexpr int64_t kSkinnyMaxRows = 24;
+// (AVX-512, 2 cores, the small preset's shapes: 0.36-0.52x its time at 1-4 rows, 0.78x at
+// 16, 0.93x at 32, 1.0x near 48); past it the BLAS wins. `python -m
+// worker.bench.skinny_linear` measures it again.
+constexpr int64_t kSkinnyMaxRows = 32;
 
 // x [M, K] contiguous, weight [N, K] contiguous, bias [N] or empty; returns [M, N].
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);

@@ -1,0 +1,70 @@
+"""The skinny matmul kernel against ``F.linear`` at a decode step's shapes, by batch size.
+
+    python -m worker.bench.skinny_linear [--threads 2] [--rounds 7]
+
+For each batch size, every weight matmul of one decode step of the small preset
+(worker.bench.decode_step.weight_shapes) through both, rounds interleaved, best round each:
+where the ratio crosses 1 is where csrc/skinny_linear.h's ``kSkinnyMaxRows`` belongs on this
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.cpu_kernel import cpu_kernels
+from worker.bench.decode_step import weight_shapes
+from worker.modelgen.presets import PRESETS
+
+BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _seconds(fn, weights: list[torch.Tensor], x: dict[int, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for w in weights:
+        fn(x[w.shape[1]], w)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    module = cpu_kernels()
+    if module is None:
+        print("the CPU kernels are unavailable (switched off or not built)")
+        return 1
+    torch.set_num_threads(args.threads)
+    small = PRESETS["small"]
+    config = SimpleNamespace(
+        hidden_size=small.hidden_size, num_attention_heads=small.num_heads,
+        num_key_value_heads=small.num_kv_heads, head_dim=small.head_dim,
+        intermediate_size=small.intermediate_size, num_hidden_layers=small.num_layers,
+        vocab_size=small.vocab_size)
+    weights = [torch.randn(o, i) for o, i in weight_shapes(config)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    no_bias = torch.empty(0)
+    print(f"{args.threads} threads, small preset ({weight_bytes / 1e6:.0f} MB of matmul "
+          f"weights), best of {args.rounds} rounds; the kernel switches at "
+          f"{module.SKINNY_MAX_ROWS} rows")
+    for batch in BATCHES:
+        x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+        blas, skinny = float("inf"), float("inf")
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                blas = min(blas, _seconds(F.linear, weights, x))
+                skinny = min(skinny, _seconds(
+                    lambda a, w: module.skinny_linear(a, w, no_bias), weights, x))
+        print(f"  batch {batch:3}: F.linear {blas * 1e3:6.2f} ms, skinny {skinny * 1e3:6.2f} ms "
+              f"({weight_bytes / skinny / 1e9:5.1f} GB/s), skinny / F.linear {skinny / blas:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -67,10 +67,10 @@ def _prefilled(model: CausalLM, lens: list[int], seed: int):
 @needs_kernel
 @pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
                          # Past SKINNY_MAX_ROWS the step's matmuls are at::linear's.
-                         + [("llama_tied_bias", 30), ("qwen2", 30)])
+                         + [("llama_tied_bias", 40), ("qwen2", 40)])
 def test_native_decode_steps_match_the_python_layers(kind, batch, checkpoints, monkeypatch):
     model = load_model(checkpoints / kind, dtype=torch.float32)
-    lens = ([1, 7, 8, 9, 40, 100] * 5)[:batch]
+    lens = ([1, 7, 8, 9, 40, 100] * 7)[:batch]
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(ENV_SWITCH, switch)

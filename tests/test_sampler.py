@@ -15,6 +15,8 @@ from producer.wire.protocol import GenerationRequest
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, top_p_keep
 from worker.sampling.penalties import apply_penalties
+from worker.sampling.rows import SamplingRows
+from worker.sampling.sampler import step_rows
 
 DRAWS = 4000
 
@@ -118,8 +120,8 @@ def test_penalties_match_a_plain_reference():
             v -= p.frequency_penalty * counts[t] + p.presence_penalty * (counts[t] > 0)
             want[r, t] = v
     penalized = logits.clone()
-    apply_penalties(penalized, [r.params for r in rows], [r.prompt_token_ids for r in rows],
-                    [r.output_token_ids for r in rows])
+    step = step_rows(SamplingRows(), [str(i) for i in range(len(rows))], rows, logits.device)
+    apply_penalties(penalized, [r.params for r in rows], step.penalties)
     assert torch.allclose(penalized, want, rtol=0, atol=1e-12)
     assert not torch.equal(penalized[:2], logits[:2]) and torch.equal(penalized[2], logits[2])
 

@@ -12,6 +12,8 @@ from scheduler.output import SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.block_table_rows import BlockTableRows
 from worker.sampling import Sampler, SampleRequest
+from worker.sampling.rows import SamplingRows
+from worker.sampling.sampler import step_rows
 
 
 class ModelRunner:
@@ -29,6 +31,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Each running request's block table, kept across steps (pinned on CUDA).
         self.block_tables = BlockTableRows(pin=device.type == "cuda")
+        # Each sampling request's parameters, seed and penalty tokens, kept across steps.
+        self.sampling_rows = SamplingRows(pin=device.type == "cuda")
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0
@@ -40,6 +44,8 @@ class ModelRunner:
         """Compute every chunk of the step; sample a token for each chunk that asks for one."""
         self._swap(out)
         rows_of_chunks = self.block_tables.apply(out)
+        for request_id in (*out.finished_ids, *out.preempted_ids):
+            self.sampling_rows.release(request_id)
         chunks = out.chunks
         if not chunks:
             return {}, {}
@@ -64,9 +70,10 @@ class ModelRunner:
             return {}, {}
         last = meta.query_start_loc[1:] - 1
         logits = self.model.compute_logits(hidden[last[sampling]])
-        sample_rows = [rows[chunks[i].request_id] for i in sampling]
-        tokens, logprobs = self.sampler(logits, sample_rows)
         ids_out = [chunks[i].request_id for i in sampling]
+        sample_rows = [rows[i] for i in ids_out]
+        step = step_rows(self.sampling_rows, ids_out, sample_rows, logits.device)
+        tokens, logprobs = self.sampler(logits, sample_rows, step)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
 
     def _swap(self, out: SchedulerOutput) -> None:

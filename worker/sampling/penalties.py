@@ -12,38 +12,43 @@ from collections.abc import Sequence
 import torch
 
 from producer.wire.params import SamplingParams
+from worker.sampling.rows import NO_TOKEN, PenaltyTokens
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
-    """Change ``logits`` (one row per request, in place) for the penalised rows."""
-    rows = [i for i, p in enumerate(params) if p.penalized]
-    if not rows:
+                    tokens: PenaltyTokens | None) -> None:
+    """Change ``logits`` (one row per request, in place) for the penalised rows, from their
+    distinct prompt ids and output ids (worker/sampling/rows.py keeps them across steps)."""
+    if tokens is None or not tokens.rows:
         return
     device, vocab = logits.device, logits.shape[-1]
     flat = logits.view(-1)
-    repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if repeat:
+    chosen = [params[i] for i in tokens.rows]
+    base = torch.tensor(tokens.rows, dtype=torch.int64, device=device)[:, None] * vocab
+    repeat = torch.tensor([p.repetition_penalty != 1.0 for p in chosen], device=device)
+    if any(p.repetition_penalty != 1.0 for p in chosen):
+        ids = torch.cat((tokens.prompt_ids, tokens.output_ids), dim=1)
         # Every distinct (row, token) of prompt and output, once.
-        seen = _flat_ids([i for i in repeat for _ in (0, 1)],
-                         [t for i in repeat for t in (prompts[i], outputs[i])], vocab, device)
-        seen = torch.unique(seen)
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
-                               device=device)[seen // vocab]
+        seen = torch.unique((base + ids)[(ids != NO_TOKEN) & repeat[:, None]])
+        penalty = _per_row(logits, [p.repetition_penalty for p in params])[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
-    if counted:
-        ids = _flat_ids(counted, [outputs[i] for i in counted], vocab, device)
-        if ids.numel():
-            frequency = torch.tensor([params[i].frequency_penalty for i in range(len(params))],
-                                     dtype=logits.dtype, device=device)
-            presence = torch.tensor([params[i].presence_penalty for i in range(len(params))],
-                                    dtype=logits.dtype, device=device)
+    counted = [bool(p.presence_penalty or p.frequency_penalty) for p in chosen]
+    if any(counted):
+        ids = tokens.output_ids
+        wanted = torch.tensor(counted, device=device)[:, None]
+        occurrences = (base + ids)[(ids != NO_TOKEN) & wanted]
+        if occurrences.numel():
+            frequency = _per_row(logits, [p.frequency_penalty for p in params])
+            presence = _per_row(logits, [p.presence_penalty for p in params])
             # Once per occurrence for frequency; once per distinct token for presence.
-            flat.index_add_(0, ids, -frequency[ids // vocab])
-            distinct = torch.unique(ids)
+            flat.index_add_(0, occurrences, -frequency[occurrences // vocab])
+            distinct = torch.unique(occurrences)
             flat.index_add_(0, distinct, -presence[distinct // vocab])
+
+
+def _per_row(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -62,13 +67,3 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
         (torch.tensor(rows, dtype=torch.long, device=device),
          torch.tensor(tokens, dtype=torch.long, device=device)),
         torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
-
-
-def _flat_ids(rows: Sequence[int], token_lists: Sequence[Sequence[int]], vocab: int,
-              device: torch.device) -> torch.Tensor:
-    """``row * vocab + token`` for every token of each list, as one tensor."""
-    flat: list[int] = []
-    for row, tokens in zip(rows, token_lists, strict=True):
-        base = row * vocab
-        flat.extend(base + t for t in tokens)
-    return torch.tensor(flat, dtype=torch.long, device=device)

@@ -5,7 +5,8 @@ not ask for is skipped: no penalty pass without penalties, no filter pass withou
 filter, and no sort of the vocabulary at all (worker/sampling/filters.py). A sampled
 token is drawn by inverse CDF, in token-id order, at one uniform number per row that is a
 pure function of (seed, output index): a seeded request gets the same tokens alone, in any
-batch, and after resuming at any token.
+batch, and after resuming at any token. Per-row values (temperature, top-p, min-p, the
+draw) and penalty tokens come from rows kept across steps (worker/sampling/rows.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from producer.wire.completion import TokenLogprob
 from producer.wire.params import SamplingParams
 from worker.sampling.filters import floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
-from worker.sampling.randomness import uniform
+from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
 
 
 @dataclass
@@ -37,19 +38,33 @@ class SampleRequest:
     output_token_ids: Sequence[int] = ()
 
 
+def step_rows(state: SamplingRows, request_ids: Sequence[str], rows: Sequence[SampleRequest],
+              device: torch.device) -> StepRows:
+    """The step's rows from ``state`` (new requests' rows written first)."""
+    return state.step(request_ids, [r.params for r in rows], [r.seed for r in rows],
+                      [r.output_index for r in rows], [r.prompt_token_ids for r in rows],
+                      [r.output_token_ids for r in rows], device)
+
+
 class Sampler:
     """Picks one token per row; a row's result never depends on its neighbours."""
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SampleRequest]
+        self, logits: torch.Tensor, rows: list[SampleRequest], step: StepRows | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Returns the chosen token per row and, where asked for, its logprobs."""
+        """Returns the chosen token per row and, where asked for, its logprobs.
+
+        ``step`` holds the rows' values from the runner's persistent rows; without it they
+        are laid out for this call alone.
+        """
+        if step is None:
+            step = step_rows(SamplingRows(len(rows)), [str(i) for i in range(len(rows))], rows,
+                             logits.device)
         raw = logits
-        params = [r.params for r in rows]
+        params = step.params
         if any(p.penalized or p.logit_bias for p in params):
             logits = logits.clone()  # logprobs stay those of the model's own distribution
-            apply_penalties(logits, params, [r.prompt_token_ids for r in rows],
-                            [r.output_token_ids for r in rows])
+            apply_penalties(logits, params, step.penalties)
             apply_logit_bias(logits, params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -64,19 +79,21 @@ class Sampler:
         if sampled:
             chosen = logits if len(sampled) == len(rows) else logits[_index(sampled,
                                                                             logits.device)]
-            picks = self._sample(chosen.float(), [rows[i] for i in sampled])
+            values = step.values if len(sampled) == len(rows) else step.values[
+                _index(sampled, logits.device)]
+            picks = self._sample(chosen.float(), [params[i] for i in sampled], values)
             for i, t in zip(sampled, picks, strict=True):
                 tokens[i] = t
         return tokens, self._logprobs(raw, rows, tokens)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SampleRequest]) -> list[int]:
-        device, vocab = logits.device, logits.shape[-1]
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype,
-                             device=device)
-        x = logits / temps[:, None]
+    def _sample(logits: torch.Tensor, params: list[SamplingParams],
+                values: torch.Tensor) -> list[int]:
+        """Draw one token per row; ``values``: the rows' [n, 4] from StepRows."""
+        vocab = logits.shape[-1]
+        values = values.to(logits.dtype)
+        x = logits / values[:, TEMPERATURE, None]
         probs = torch.softmax(x, dim=-1)
-        params = [r.params for r in rows]
         floor = floors(x, [p.top_k for p in params], [p.top_p for p in params],
                        [p.min_p for p in params])
         keep = None if floor is None else x >= floor
@@ -85,9 +102,8 @@ class Sampler:
                    if p.top_p < 1.0 and not 0 < p.top_k < vocab]
         if nucleus:
             index = _subset(nucleus, x)
-            top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype,
-                                 device=device)
-            cut = top_p_keep(_rows(x, index), _rows(probs, index), top_p)
+            cut = top_p_keep(_rows(x, index), _rows(probs, index),
+                             _rows(values[:, TOP_P].contiguous(), index))
             if keep is None and index is None:
                 keep = cut
             else:
@@ -99,8 +115,7 @@ class Sampler:
         if keep is not None:
             probs.mul_(keep)
         cdf = probs.cumsum_(dim=-1)
-        draws = torch.tensor([uniform(r.seed, r.output_index) for r in rows],
-                             dtype=cdf.dtype, device=device)
+        draws = values[:, DRAW].to(cdf.dtype)
         # Kept strictly below the row's total, and right=True: a draw lands on a token with
         # positive probability, never a dropped one.
         total = cdf[:, -1]

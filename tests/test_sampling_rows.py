@@ -1,0 +1,73 @@
+"""Sampling rows kept across steps (worker/sampling/rows.py): the vectorised draws equal the
+per-row function bit for bit, a penalised request's tokens follow it step by step, and a row
+handed to another request carries nothing of its last holder."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from producer.wire.params import SamplingParams
+from worker.sampling import SampleRequest, uniform
+from worker.sampling.randomness import as_int64, uniforms
+from worker.sampling.rows import DRAW, NO_TOKEN, TEMPERATURE, TOP_P, SamplingRows
+from worker.sampling.sampler import step_rows
+
+CPU = torch.device("cpu")
+
+
+def test_vectorised_draws_equal_the_per_row_function_bit_for_bit():
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(64) for _ in range(2000)] + [0, (1 << 63) - 1, 1 << 63, 2**64 - 1]
+    indices = [rng.getrandbits(rng.choice([4, 32, 64])) for _ in seeds]
+    got = uniforms(torch.tensor([as_int64(s) for s in seeds]),
+                   torch.tensor([as_int64(i) for i in indices]))
+    assert got.tolist() == [uniform(s, i) for s, i in zip(seeds, indices, strict=True)]
+
+
+def _tokens(t: torch.Tensor) -> list[int]:
+    return [v for v in t.tolist() if v != NO_TOKEN]
+
+
+def test_a_penalised_request_keeps_its_row_and_gains_only_its_new_tokens():
+    state = SamplingRows(num_rows=1)
+    params = SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5, seed=3)
+    prompt, output = [5, 9, 5, 2], []
+    rows_seen = set()
+    for step in range(5):
+        req = SampleRequest(params, 3, len(output), prompt, output)
+        got = step_rows(state, ["a"], [req], CPU)
+        rows_seen.add(state.rows["a"])
+        assert got.values[0, TEMPERATURE] == 0.7 and got.values[0, TOP_P] == 0.9
+        assert got.values[0, DRAW].item() == uniform(3, len(output))
+        assert _tokens(got.penalties.prompt_ids[0]) == [2, 5, 9]  # distinct, once
+        assert _tokens(got.penalties.output_ids[0]) == output
+        output.append(step * 10)  # what the engine appends after the step
+    assert len(rows_seen) == 1
+
+
+def test_a_released_row_goes_to_the_next_request_clean():
+    state = SamplingRows(num_rows=1)
+    penalised = SamplingParams(temperature=1.0, repetition_penalty=1.3)
+    step_rows(state, ["old"], [SampleRequest(penalised, 1, 3, [1, 2, 3, 4, 5], [6, 7, 8])],
+              CPU)
+    row = state.rows["old"]
+    state.release("old")
+    got = step_rows(state, ["new", "other"], [
+        SampleRequest(penalised, 2, 0, [9], []),
+        SampleRequest(SamplingParams(temperature=0.5), 4, 0, [1], []),
+    ], CPU)
+    assert state.rows["new"] == row and len(state.rows) == 2  # reused, then grown
+    assert got.penalties.rows == [0]
+    assert _tokens(got.penalties.prompt_ids[0]) == [9]
+    assert _tokens(got.penalties.output_ids[0]) == []
+    assert got.values[:, TEMPERATURE].tolist() == [1.0, 0.5]
+
+
+def test_an_output_cut_back_on_resumption_is_laid_out_again():
+    state = SamplingRows()
+    params = SamplingParams(temperature=1.0, frequency_penalty=0.2)
+    step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU)
+    got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU)
+    assert _tokens(got.penalties.output_ids[0]) == [7, 8]

@@ -116,7 +116,9 @@ def _decoding_on(client: Client, worker: str, ids: list[str]) -> int:
 
 def test_sigkill_of_a_decode_worker_mid_stream_loses_nothing(redis_url, tiny_llama, tmp_path):
     rng = random.Random(3)
-    work = [([rng.randrange(2, 1000) for _ in range(rng.randint(20, 200))], 300)
+    # Long outputs: each decode outlasts the hand-ons of the rest, so both decode workers
+    # hold several at once however fast decoding runs.
+    work = [([rng.randrange(2, 1000) for _ in range(rng.randint(20, 200))], 800)
             for _ in range(12)]
     reference = _reference(tiny_llama, work)
     client = Client(redis_url)

@@ -85,10 +85,12 @@ _NO_BIAS = torch.empty(0, device="cpu")
 def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's tensors in the order csrc/decode_layers.cpp reads them."""
     attn, mlp = layer.self_attn, layer.mlp
-    out = [layer.input_layernorm.weight]
+    # .contiguous() costs nothing on the usual weights and keeps an odd checkpoint's view
+    # from failing the kernel's checks mid-step.
+    out = [layer.input_layernorm.weight.contiguous()]
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
         out += (proj.weight, _NO_BIAS if proj.bias is None else proj.bias)
-    out.append(layer.post_attention_layernorm.weight)
+    out.append(layer.post_attention_layernorm.weight.contiguous())
     for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         out += (proj.weight, _NO_BIAS if proj.bias is None else proj.bias)
     return out

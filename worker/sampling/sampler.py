@@ -92,7 +92,9 @@ class Sampler:
         """Draw one token per row; ``values``: the rows' [n, 4] from StepRows."""
         vocab = logits.shape[-1]
         values = values.to(logits.dtype)
-        x = logits / values[:, TEMPERATURE, None]
+        temperature = values[:, TEMPERATURE, None]
+        # x / 1.0 is x: skip a pass over the batch's logits at the default temperature.
+        x = logits if bool((temperature == 1.0).all()) else logits / temperature
         probs = torch.softmax(x, dim=-1)
         floor = floors(x, [p.top_k for p in params], [p.top_p for p in params],
                        [p.min_p for p in params])

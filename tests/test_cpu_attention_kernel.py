@@ -1,4 +1,4 @@
-"""The CPU decode kernel (worker/attention/csrc/paged_decode.cpp) against the torch path:
+"""The CPU decode kernel (worker/csrc/paged_decode.cpp) against the torch path:
 the same attention over the same paged cache, free blocks full of NaN, ragged lengths,
 grouped query heads; and the engine's greedy tokens with the kernel on and off."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.attention.cpu_kernel import paged_decode_kernel
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.torch_backend import TorchAttention
+from worker.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernel")

@@ -8,7 +8,7 @@ import pytest
 from hf_reference import Reference, hf_greedy
 
 from worker import Engine, SamplingParams
-from worker.attention.cpu_kernel import decode_layers_kernel
+from worker.cpu_kernels import decode_layers_kernel
 
 NUM_PROMPTS = 24
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 
+import worker.cpu_kernels as kernel_loader
 from kvstore.kv_tensors import PagedKVCache
-from worker.attention import cpu_kernel
-from worker.attention.cpu_kernel import cpu_kernels, decode_layers_kernel
 from worker.attention.metadata import AttentionMetadata
+from worker.cpu_kernels import cpu_kernels, decode_layers_kernel
 from worker.models import CausalLM, load_model
 from worker.models.native_decode import ENV_SWITCH
 
@@ -152,7 +152,7 @@ def test_the_lm_head_of_a_few_rows_takes_the_skinny_matmul(checkpoints, monkeypa
             calls.append(args[0].shape[0])
             return module.skinny_linear(*args)
 
-    monkeypatch.setattr(cpu_kernel, "cpu_kernels", lambda: Spy)
+    monkeypatch.setattr(kernel_loader, "cpu_kernels", lambda: Spy)
     for rows in (3, module.SKINNY_MAX_ROWS + 1):
         hidden = torch.randn(rows, model.config.hidden_size)
         with torch.inference_mode():

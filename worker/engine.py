@@ -53,7 +53,7 @@ class Engine:
         self.dtype = engine_dtype(cfg, self.device)
         if self.device.type == "cpu":
             # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
-            from worker.attention.cpu_kernel import paged_decode_kernel
+            from worker.cpu_kernels import paged_decode_kernel
 
             paged_decode_kernel()
         self.model_dir = Path(model_dir)

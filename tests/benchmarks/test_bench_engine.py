@@ -10,10 +10,10 @@ import random
 import pytest
 
 from worker import Engine, SamplingParams
-from worker.attention.cpu_kernel import decode_layers_kernel
 from worker.bench.decode_step import matmul_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
 from worker.bench.step_overhead import HostStep, busy_scheduler
+from worker.cpu_kernels import decode_layers_kernel
 from worker.models.native_decode import ENV_SWITCH
 
 

@@ -203,7 +203,7 @@ def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) \
             or flat_k.dtype != q.dtype:
         return None
-    from worker.attention.cpu_kernel import paged_decode_kernel
+    from worker.cpu_kernels import paged_decode_kernel
 
     return paged_decode_kernel()
 

@@ -50,7 +50,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
     where the native path does not apply (the caller then runs the Python layers)."""
     if not applies(x, kv_cache, meta):
         return None
-    from worker.attention.cpu_kernel import decode_layers_kernel
+    from worker.cpu_kernels import decode_layers_kernel
 
     kernel = decode_layers_kernel()
     if kernel is None:
@@ -70,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     faster, else ``F.linear``."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.dim() == 2 and weight.is_contiguous() and enabled()):
-        from worker.attention.cpu_kernel import cpu_kernels
+        from worker.cpu_kernels import cpu_kernels
 
         module = cpu_kernels()
         if module is not None and x.shape[0] <= module.SKINNY_MAX_ROWS:

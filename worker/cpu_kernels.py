@@ -1,15 +1,16 @@
-"""The CPU kernels (csrc/): decode attention and whole decode steps, built on first use.
+"""The CPU kernels (worker/csrc/), built on first use: decode attention over the paged
+cache, a decode step's layers in one call, and the skinny matmul of small batches.
 
-    python -m worker.attention.cpu_kernel      # build it now (scripts/setup.sh does)
+    python -m worker.cpu_kernels      # build them now (scripts/setup.sh does)
 
-torch's C++ extension loader compiles it once per machine into torch's extensions folder
+torch's C++ extension loader compiles them once per machine into torch's extensions folder
 (``$TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``) and loads the cached build
 afterwards. The build is named by a hash of the source, its path and the CPU's
 instruction-set flags (it is compiled for the CPU it runs on), so a shared cache never
 hands one CPU another's build. A CPU engine loads it when it starts, not in its first
 step. Where it cannot be built (no C++ compiler, no ninja), or with
-``CONVEYOR_CPU_ATTENTION_KERNEL=0``, :func:`paged_decode_kernel` returns None, says why
-once in the log, and attention keeps to the torch path.
+``CONVEYOR_CPU_ATTENTION_KERNEL=0``, every function here returns None, says why once in
+the log, and the engine keeps to torch ops (the same results, slower).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _build() -> Any | None:
         log.debug("cpu kernels ready", seconds=round(time.monotonic() - started, 1))
         return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        log.warning("cpu attention kernel unavailable; decodes use the torch path",
+        log.warning("cpu kernels unavailable; decodes use torch ops",
                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return None
 
@@ -122,8 +123,8 @@ def _clear_stale_lock(folder: Path) -> None:
 
 def main() -> int:
     kernel = paged_decode_kernel()
-    print("cpu attention kernel: " + ("ready" if kernel is not None else
-                                      "unavailable (the torch path is used)"))
+    print("cpu kernels: " + ("ready" if kernel is not None else
+                             "unavailable (decodes use torch ops)"))
     return 0
 
 

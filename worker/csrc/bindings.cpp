@@ -1,4 +1,4 @@
-// Python names of the CPU kernels (loaded by worker/attention/cpu_kernel.py).
+// Python names of the CPU kernels (loaded by worker/cpu_kernels.py).
 
 #include "kernels.h"
 #include "skinny_linear.h"

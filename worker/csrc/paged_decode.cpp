@@ -1,4 +1,4 @@
-// Decode attention straight from the paged KV cache, on the CPU (worker/attention/cpu_kernel.py):
+// Decode attention straight from the paged KV cache, on the CPU (worker/cpu_kernels.py):
 // one query token per sequence, one task per sequence (paged_attention.h does the work).
 
 #include "kernels.h"

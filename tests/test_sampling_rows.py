@@ -71,3 +71,18 @@ def test_an_output_cut_back_on_resumption_is_laid_out_again():
     step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU)
     got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU)
     assert _tokens(got.penalties.output_ids[0]) == [7, 8]
+
+
+def test_an_aborted_request_gives_its_rows_back_even_when_nothing_runs_next(tiny_llama):
+    from worker import Engine
+
+    engine = Engine(tiny_llama, dtype="float32", num_kv_blocks=64)
+    rid = engine.add_request([5, 6, 7], SamplingParams(temperature=1.0, seed=1,
+                                                         presence_penalty=0.3, max_tokens=50))
+    engine.step()
+    engine.step()
+    runner = engine.runner
+    assert rid in runner.sampling_rows.rows and rid in runner.block_tables.rows  # it sampled
+    engine.abort(rid)
+    assert engine.step() == []  # the step schedules nothing
+    assert rid not in runner.sampling_rows.rows and rid not in runner.block_tables.rows

@@ -245,6 +245,7 @@ class Engine:
         expired = self._expire_overdue()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.runner.release(sched)
             return expired
         rows = {c.request_id: self._sample_request(c.request_id, c.output_index)
                 for c in sched.chunks if c.sample}

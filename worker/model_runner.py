@@ -32,7 +32,7 @@ class ModelRunner:
         # Each running request's block table, kept across steps (pinned on CUDA).
         self.block_tables = BlockTableRows(pin=device.type == "cuda")
         # Each sampling request's parameters, seed and penalty tokens, kept across steps.
-        self.sampling_rows = SamplingRows(pin=device.type == "cuda")
+        self.sampling_rows = SamplingRows()
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0
@@ -43,9 +43,8 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
         """Compute every chunk of the step; sample a token for each chunk that asks for one."""
         self._swap(out)
+        self.release(out)
         rows_of_chunks = self.block_tables.apply(out)
-        for request_id in (*out.finished_ids, *out.preempted_ids):
-            self.sampling_rows.release(request_id)
         chunks = out.chunks
         if not chunks:
             return {}, {}
@@ -75,6 +74,13 @@ class ModelRunner:
         step = step_rows(self.sampling_rows, ids_out, sample_rows, logits.device)
         tokens, logprobs = self.sampler(logits, sample_rows, step)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
+
+    def release(self, out: SchedulerOutput) -> None:
+        """Give back the rows of the step's finished and preempted requests (also for a step
+        that computes nothing: otherwise their rows would stay taken)."""
+        for request_id in (*out.finished_ids, *out.preempted_ids):
+            self.block_tables.release(request_id)
+            self.sampling_rows.release(request_id)
 
     def _swap(self, out: SchedulerOutput) -> None:
         """Save preempted KV to the host, then restore swapped-in KV, before the forward."""

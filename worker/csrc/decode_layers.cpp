@@ -34,7 +34,7 @@ constexpr int64_t kRowGrain = 16;
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (x.size(0) <= kSkinnyMaxRows && weight.is_contiguous() &&
-      weight.scalar_type() == at::kFloat) {
+      weight.scalar_type() == at::kFloat && (bias.numel() == 0 || bias.is_contiguous())) {
     return skinny_linear(x, weight, bias);
   }
   return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);

@@ -7,9 +7,10 @@ Here a request's parameters and seed go into its row once, when it first samples
 distinct prompt tokens once, when it is penalised; its output tokens as they come (one a
 step). A step gathers its rows with one index, draws every uniform with one vectorised hash
 (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
-and moves the per-row values to the logits' device in one copy (from pinned memory on
-CUDA). The runner releases a row when its request finishes or is preempted, as it does the
-request's block table.
+and moves the per-row values to the logits' device in one copy (pinned on CUDA). Token ids
+are kept for penalised requests only, in buffers that grow with that request alone. The
+runner releases a row when its request finishes or is preempted, as it does the request's
+block table.
 """
 
 from __future__ import annotations
@@ -51,25 +52,27 @@ class StepRows:
 
 
 class SamplingRows:
-    """Per-request sampling rows on the host; they grow (doubling) as needed."""
+    """Per-request sampling rows on the host; the value rows grow (doubling) as needed."""
 
-    def __init__(self, num_rows: int = 16, *, pin: bool = False) -> None:
-        self.pin = pin
+    def __init__(self, num_rows: int = 16) -> None:
         self.rows: dict[str, int] = {}
         self._free: list[int] = []
         self._params: list[SamplingParams | None] = []
+        self.values = torch.zeros(0, 3, dtype=torch.float64, device="cpu")
+        self.seeds = torch.zeros(0, dtype=torch.int64, device="cpu")
+        # Penalised rows only: distinct prompt ids, and output ids (a buffer with room to
+        # grow, of which the first _num_outputs[row] are the request's).
+        self._prompt_ids: list[torch.Tensor | None] = []
+        self._output_ids: list[torch.Tensor | None] = []
         self._num_outputs: list[int] = []
-        self._prompt_lens: list[int] = []
-        self.values = self._alloc((0, 3), torch.float64)
-        self.seeds = self._alloc((0,), torch.int64)
-        self.prompt_ids = self._alloc((0, 1), torch.int64, NO_TOKEN)
-        self.output_ids = self._alloc((0, 1), torch.int64, NO_TOKEN)
         self._grow_rows(max(1, num_rows))
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self._params[row] = None
+            self._prompt_ids[row] = self._output_ids[row] = None
+            self._num_outputs[row] = 0
             self._free.append(row)
 
     def step(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
@@ -97,8 +100,8 @@ class SamplingRows:
         positions = torch.tensor([as_int64(i) for i in output_indices], dtype=torch.int64,
                                  device="cpu")
         packed[:, DRAW] = uniforms(self.seeds.index_select(0, rows), positions)
-        return StepRows(list(params), _to(packed, device, self.pin),
-                        self._penalty_tokens(rows, penalised, device))
+        return StepRows(list(params), _to(packed, device),
+                        self._penalty_tokens([index[i] for i in penalised], penalised, device))
 
     def _admit(self, request_id: str, params: SamplingParams, seed: int) -> int:
         self.release(request_id)
@@ -109,74 +112,68 @@ class SamplingRows:
         self.values[row] = torch.tensor([params.temperature, params.top_p, params.min_p],
                                         dtype=torch.float64, device="cpu")
         self.seeds[row] = as_int64(seed)
-        # The row's last holder may have left token ids behind.
-        if self._num_outputs[row] or self._prompt_lens[row]:
-            self.prompt_ids[row].fill_(NO_TOKEN)
-            self.output_ids[row].fill_(NO_TOKEN)
-        self._num_outputs[row] = self._prompt_lens[row] = 0
         return row
 
     def _sync_tokens(self, row: int, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Bring a penalised row's token ids up to date: its distinct prompt ids once, the
         output ids it has not seen yet."""
-        if self._prompt_lens[row] == 0 and prompt:
-            distinct = torch.unique(torch.tensor(list(prompt), dtype=torch.int64, device="cpu"))
-            self._ensure_width("prompt_ids", distinct.numel())
-            self.prompt_ids[row, :distinct.numel()] = distinct
-            self._prompt_lens[row] = distinct.numel()
-        have, now = self._num_outputs[row], len(output)
+        if self._prompt_ids[row] is None:
+            self._prompt_ids[row] = torch.unique(
+                torch.tensor(list(prompt), dtype=torch.int64, device="cpu"))
+        buffer, have, now = self._output_ids[row], self._num_outputs[row], len(output)
         if now < have:  # the request's output was cut back (it resumed): start over
-            self.output_ids[row].fill_(NO_TOKEN)
             have = 0
         if now > have:
-            self._ensure_width("output_ids", now)
-            self.output_ids[row, have:now] = torch.tensor(list(output[have:now]),
-                                                          dtype=torch.int64, device="cpu")
+            if buffer is None or buffer.numel() < now:
+                grown = torch.empty(max(16, 2 * now), dtype=torch.int64, device="cpu")
+                if buffer is not None:
+                    grown[:have] = buffer[:have]
+                buffer = self._output_ids[row] = grown
+            buffer[have:now] = torch.tensor(list(output[have:now]), dtype=torch.int64,
+                                            device="cpu")
         self._num_outputs[row] = now
 
-    def _penalty_tokens(self, rows: torch.Tensor, penalised: list[int],
+    def _penalty_tokens(self, rows: list[int], positions: list[int],
                         device: torch.device) -> PenaltyTokens | None:
-        if not penalised:
+        """The penalised rows' ids, NO_TOKEN-padded to the longest of this step."""
+        if not rows:
             return None
-        chosen = rows.index_select(0, torch.tensor(penalised, dtype=torch.int64, device="cpu"))
-        picked = chosen.tolist()
-        prompt_width = max(1, max(self._prompt_lens[r] for r in picked))
-        output_width = max(1, max(self._num_outputs[r] for r in picked))
-        return PenaltyTokens(
-            penalised,
-            self.prompt_ids[:, :prompt_width].index_select(0, chosen).to(device),
-            self.output_ids[:, :output_width].index_select(0, chosen).to(device))
+        prompts = [self._prompt_ids[r] for r in rows]
+        outputs = [self._output_ids[r] for r in rows]
+        counts = [self._num_outputs[r] for r in rows]
+        prompt_ids = _padded(prompts, None)
+        output_ids = _padded(outputs, counts)
+        return PenaltyTokens(positions, prompt_ids.to(device), output_ids.to(device))
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
-        self.values = self._grown(self.values, (rows, 3))
-        self.seeds = self._grown(self.seeds, (rows,))
-        self.prompt_ids = self._grown(self.prompt_ids, (rows, self.prompt_ids.shape[1]),
-                                      NO_TOKEN)
-        self.output_ids = self._grown(self.output_ids, (rows, self.output_ids.shape[1]),
-                                      NO_TOKEN)
+        values = torch.zeros(rows, 3, dtype=torch.float64, device="cpu")
+        values[:old] = self.values
+        seeds = torch.zeros(rows, dtype=torch.int64, device="cpu")
+        seeds[:old] = self.seeds
+        self.values, self.seeds = values, seeds
         self._params += [None] * (rows - old)
+        self._prompt_ids += [None] * (rows - old)
+        self._output_ids += [None] * (rows - old)
         self._num_outputs += [0] * (rows - old)
-        self._prompt_lens += [0] * (rows - old)
         self._free += list(range(rows - 1, old - 1, -1))
 
-    def _ensure_width(self, name: str, width: int) -> None:
-        t = getattr(self, name)
-        if width > t.shape[1]:
-            setattr(self, name, self._grown(t, (t.shape[0], max(width, 2 * t.shape[1])),
-                                            NO_TOKEN))
 
-    def _grown(self, t: torch.Tensor, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
-        new = self._alloc(shape, t.dtype, fill)
-        new[tuple(slice(0, n) for n in t.shape)] = t
-        return new
-
-    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
-        t = torch.full(shape, fill, dtype=dtype, device="cpu")
-        return t.pin_memory() if self.pin and t.numel() else t
+def _padded(parts: list[torch.Tensor | None], counts: list[int] | None) -> torch.Tensor:
+    """Rows of ``parts`` (the first ``counts[i]`` of each, or all of it) in one
+    ``[len(parts), longest]`` tensor padded with NO_TOKEN."""
+    lengths = [0 if t is None else (t.numel() if counts is None else counts[i])
+               for i, t in enumerate(parts)]
+    out = torch.full((len(parts), max(1, max(lengths))), NO_TOKEN, dtype=torch.int64,
+                     device="cpu")
+    for i, (t, n) in enumerate(zip(parts, lengths, strict=True)):
+        if n:
+            out[i, :n] = t[:n]
+    return out
 
 
-def _to(t: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """On the CPU as it is; to an accelerator in one copy from pinned memory."""
     if device.type == "cpu":
         return t
-    return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+    return t.pin_memory().to(device, non_blocking=True)

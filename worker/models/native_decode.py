@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from worker.models.llama import CausalLM, DecoderLayer
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
+# What the kernels take for "no bias" (on the CPU, where they run).
+_NO_BIAS = torch.empty(0, device="cpu")
 
 
 def enabled() -> bool:
@@ -77,9 +79,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return module.skinny_linear(x.contiguous(), weight, _NO_BIAS)
     return F.linear(x, weight)
 
-
-# What the kernels take for "no bias" (on the CPU, where they run).
-_NO_BIAS = torch.empty(0, device="cpu")
 
 
 def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:

@@ -25,11 +25,12 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     flat = logits.view(-1)
     chosen = [params[i] for i in tokens.rows]
     base = torch.tensor(tokens.rows, dtype=torch.int64, device=device)[:, None] * vocab
-    repeat = torch.tensor([p.repetition_penalty != 1.0 for p in chosen], device=device)
-    if any(p.repetition_penalty != 1.0 for p in chosen):
+    repeated = [p.repetition_penalty != 1.0 for p in chosen]
+    if any(repeated):
         ids = torch.cat((tokens.prompt_ids, tokens.output_ids), dim=1)
+        wanted = torch.tensor(repeated, device=device)[:, None]
         # Every distinct (row, token) of prompt and output, once.
-        seen = torch.unique((base + ids)[(ids != NO_TOKEN) & repeat[:, None]])
+        seen = torch.unique((base + ids)[(ids != NO_TOKEN) & wanted])
         penalty = _per_row(logits, [p.repetition_penalty for p in params])[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)

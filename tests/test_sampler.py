@@ -10,15 +10,32 @@ from collections import Counter
 import pytest
 import torch
 
+import worker.cpu_kernels as kernel_loader
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
+from worker.cpu_kernels import sample_rows_kernel
 from worker.sampling import Sampler, SampleRequest
-from worker.sampling.filters import BINS_PER_NAT, top_p_keep
+from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, top_p_keep
 from worker.sampling.penalties import apply_penalties
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
 
 DRAWS = 4000
+kernel = sample_rows_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernels")
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def draw_path(request, monkeypatch):
+    """Float32 CPU rows are drawn by the kernel (csrc/sample_rows.cpp) where it is built and
+    by torch ops elsewhere (CUDA, or with the kernels off): both follow one definition."""
+    if request.param == "kernel":
+        if kernel is None:
+            pytest.skip("no C++ toolchain to build the kernels")
+    else:
+        monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")
+        assert sample_rows_kernel() is None
+    return request.param
 
 
 def row(seed: int = 0, index: int = 0, prompt=(), output=(), **params) -> SampleRequest:
@@ -69,7 +86,7 @@ LOGITS = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
     {"temperature": 1.0, "min_p": 0.2},
     {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
 ], ids=str)
-def test_draws_follow_the_filtered_distribution(params):
+def test_draws_follow_the_filtered_distribution(params, draw_path):
     want = reference_distribution(LOGITS, **params)
     got = empirical(LOGITS, **params)
     for token, (p, f) in enumerate(zip(want, got, strict=True)):
@@ -96,6 +113,61 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_its_near_ties(top_p):
         if extra.any():
             assert float(x[r][exact].min() - x[r][extra].min()) < 1 / BINS_PER_NAT
         assert int(extra.sum()) <= 0.001 * 32000
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
+@pytest.mark.parametrize("vocab", [5, 1000, 32003])
+def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, vocab):
+    """Against float64 torch: the kept set is top_p_keep's cut and the floor, and the pick is
+    the token whose CDF interval holds the draw (to rounding)."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 48
+    x = torch.randn(rows, vocab, generator=generator) * scale
+    x[::5, 1::2] = float("-inf")  # some rows with half their tokens banned
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.tensor([[1.0, 0.9, 0.5, 0.05, 0.999, 1e-9][r % 6] for r in range(rows)],
+                         dtype=torch.float64)
+    floor = torch.full((rows,), float("-inf"))
+    floor[1::4] = x[1::4].amax(dim=-1) - 2.0  # a min-p-like floor on some rows
+    draws = torch.rand(rows, generator=generator, dtype=torch.float64)
+    picks = kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS).tolist()
+
+    x64, p64 = x.double(), probs.double()
+    keep = top_p_keep(x64, p64, top_p) & (x64 >= floor.double()[:, None])
+    kept = p64 * keep
+    cdf = kept.cumsum(dim=-1)
+    for r, pick in enumerate(picks):
+        assert keep[r, pick] and kept[r, pick] > 0, (r, pick)
+        total = float(cdf[r, -1])
+        target, tol = float(draws[r]) * total, 1e-6 * total
+        assert float(cdf[r, pick]) - float(kept[r, pick]) <= target + tol, (r, pick)
+        assert float(cdf[r, pick]) >= target - tol, (r, pick)
+    # A tiny top-p keeps the best token alone (and its near-ties, of which random rows have
+    # none).
+    tiny = [r for r in range(rows) if top_p[r] < 1e-6 and floor[r] == float("-inf")]
+    assert tiny and all(picks[r] == int(x[r].argmax()) for r in tiny)
+
+
+@needs_kernel
+def test_the_draw_kernel_is_the_same_for_a_row_alone_and_in_a_batch():
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(33, 32000, generator=generator) * 4
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.full((33,), 0.9, dtype=torch.float64)
+    floor = torch.full((33,), float("-inf"))
+    draws = torch.rand(33, generator=generator, dtype=torch.float64)
+    batch = kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS)
+    for r in (0, 17, 32):
+        alone = kernel(x[r:r + 1], probs[r:r + 1], top_p[r:r + 1], floor[r:r + 1],
+                       draws[r:r + 1], BINS_PER_NAT, NUM_BINS)
+        assert int(alone) == int(batch[r])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert torch.equal(kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_penalties_match_a_plain_reference():
@@ -148,7 +220,7 @@ def test_logit_bias_bans_and_forces_tokens_and_logprobs_stay_the_models():
     assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
 
 
-def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(draw_path):
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(6, 500, generator=generator)
     mine = row(seed=42, index=9, temperature=0.9, top_p=0.8, top_k=40,

@@ -1,5 +1,6 @@
 """The CPU kernels (worker/csrc/), built on first use: decode attention over the paged
-cache, a decode step's layers in one call, and the skinny matmul of small batches.
+cache, a decode step's layers in one call, the skinny matmul of small batches, and the
+sampler's filter-and-draw.
 
     python -m worker.cpu_kernels      # build them now (scripts/setup.sh does)
 
@@ -10,7 +11,9 @@ instruction-set flags (it is compiled for the CPU it runs on), so a shared cache
 hands one CPU another's build. A CPU engine loads it when it starts, not in its first
 step. Where it cannot be built (no C++ compiler, no ninja), or with
 ``CONVEYOR_CPU_ATTENTION_KERNEL=0``, every function here returns None, says why once in
-the log, and the engine keeps to torch ops (the same results, slower).
+the log, and the engine keeps to torch ops: the same results, slower (a sampled draw is
+the same definition, summed in another order: where it lands within rounding of a token
+boundary, the neighbouring token may be picked).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
-                                         "skinny_linear.cpp", "bindings.cpp")]
+                                         "skinny_linear.cpp", "sample_rows.cpp",
+                                         "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
@@ -54,6 +58,13 @@ def decode_layers_kernel() -> Any | None:
     where the kernels are switched off or cannot be built."""
     module = cpu_kernels()
     return None if module is None else module.decode_layers
+
+
+def sample_rows_kernel() -> Any | None:
+    """The compiled ``sample_rows`` function (the sampler's filter-and-draw for float32
+    CPU logits), or None where the kernels are switched off or cannot be built."""
+    module = cpu_kernels()
+    return None if module is None else module.sample_rows
 
 
 def cpu_kernels() -> Any | None:

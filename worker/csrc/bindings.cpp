@@ -13,5 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &conveyor::skinny_linear,
         "x @ weight.T (+ bias) for a few rows of x, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("sample_rows", &conveyor::sample_rows,
+        "one token per row from filtered probabilities, float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("SKINNY_MAX_ROWS") = conveyor::kSkinnyMaxRows;
 }

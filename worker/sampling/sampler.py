@@ -7,6 +7,8 @@ token is drawn by inverse CDF, in token-id order, at one uniform number per row 
 pure function of (seed, output index): a seeded request gets the same tokens alone, in any
 batch, and after resuming at any token. Per-row values (temperature, top-p, min-p, the
 draw) and penalty tokens come from rows kept across steps (worker/sampling/rows.py).
+Float32 CPU rows are cut and drawn by one native kernel (csrc/sample_rows.cpp), each row's
+passes in cache: on the torch path top-p alone took ten passes over the batch's logits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from producer.wire.completion import TokenLogprob
 from producer.wire.params import SamplingParams
-from worker.sampling.filters import floors, top_p_keep
+from worker.cpu_kernels import sample_rows_kernel
+from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
 
@@ -91,6 +94,7 @@ class Sampler:
                 values: torch.Tensor) -> list[int]:
         """Draw one token per row; ``values``: the rows' [n, 4] from StepRows."""
         vocab = logits.shape[-1]
+        exact = values  # float64: the kernel takes top-p and the draw unrounded
         values = values.to(logits.dtype)
         temperature = values[:, TEMPERATURE, None]
         # x / 1.0 is x: skip a pass over the batch's logits at the default temperature.
@@ -98,10 +102,20 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)
         floor = floors(x, [p.top_k for p in params], [p.top_p for p in params],
                        [p.min_p for p in params])
-        keep = None if floor is None else x >= floor
         # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
         nucleus = [i for i, p in enumerate(params)
                    if p.top_p < 1.0 and not 0 < p.top_k < vocab]
+        kernel = sample_rows_kernel() if x.device.type == "cpu" and x.dtype == torch.float32 \
+            else None
+        if kernel is not None:
+            # The same cut and draw, each row in one task whose passes stay in cache.
+            top_p = torch.ones(len(params), dtype=torch.float64)
+            top_p[nucleus] = exact[nucleus, TOP_P].cpu()
+            no_floor = torch.full((len(params),), float("-inf"), dtype=x.dtype)
+            return kernel(x, probs, top_p, no_floor if floor is None else floor[:, 0],
+                          exact[:, DRAW],
+                          BINS_PER_NAT, NUM_BINS).tolist()
+        keep = None if floor is None else x >= floor
         if nucleus:
             index = _subset(nucleus, x)
             cut = top_p_keep(_rows(x, index), _rows(probs, index),

@@ -35,18 +35,26 @@ def _paged_case(dtype, seed=0, heads=8, kv_heads=2, dim=64, block_size=16, block
     return q, k_cache, v_cache, tables, lens
 
 
+# (query heads, kv heads, head_dim): float32 takes the vector path at head_dim 32, 64 and
+# 128 (heads in runs of 16 / (head_dim / 16), across kv heads, then one by one), the plain
+# path at any other head_dim or past 64 query heads.
+SHAPES = [(8, 2, 64), (8, 8, 32), (12, 4, 128), (3, 3, 64), (7, 1, 32), (6, 2, 48), (80, 8, 16)]
+
+
 @needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_the_kernel_attends_like_the_torch_path(dtype, tol, monkeypatch):
-    q, k_cache, v_cache, tables, lens = _paged_case(dtype)
-    attn = TorchAttention(8, 2, 64, 64**-0.5)
+def test_the_kernel_attends_like_the_torch_path(dtype, tol, heads, kv_heads, dim, monkeypatch):
+    q, k_cache, v_cache, tables, lens = _paged_case(dtype, heads=heads, kv_heads=kv_heads,
+                                                    dim=dim)
+    attn = TorchAttention(heads, kv_heads, dim, dim**-0.5)
     results = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("CONVEYOR_CPU_ATTENTION_KERNEL", switch)
         # The new token of each sequence is its last context position; write it again.
         meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size=16)
-        flat_k = k_cache.view(-1, 2, 64)
-        k_new, v_new = flat_k[meta.slot_mapping].clone(), v_cache.view(-1, 2, 64)[
+        flat_k = k_cache.view(-1, kv_heads, dim)
+        k_new, v_new = flat_k[meta.slot_mapping].clone(), v_cache.view(-1, kv_heads, dim)[
             meta.slot_mapping].clone()
         results[switch] = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
         assert ("torch" in meta.backend_plans

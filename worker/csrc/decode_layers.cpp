@@ -192,11 +192,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
     float* out = attended.data_ptr<float>();
     const int64_t per_query = num_heads * head_dim;
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+      AttendScratch scratch;
       for (int64_t b = begin; b < end; ++b) {
-        attend_one<float>(qp + b * per_query, kc, vc, tables + b * attention.table_width,
-                          lens[b], attention, static_cast<float>(scale), out + b * per_query,
-                          scores);
+        attend_one_f32(qp + b * per_query, kc, vc, tables + b * attention.table_width, lens[b],
+                       attention, static_cast<float>(scale), out + b * per_query, scratch);
       }
     });
     at::Tensor o = project(attended, w[kO], w[kOBias]);

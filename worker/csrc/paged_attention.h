@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace conveyor {
 
 // Independent partial sums: without them the compiler may not reorder a floating-point
@@ -75,6 +77,148 @@ void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       for (int64_t d = 0; d < s.head_dim; ++d) o[d] += w * vh[d];
     }
   }
+}
+
+// What attend_one_vec keeps between sequences of one task.
+struct AttendScratch {
+  std::vector<float> scores;
+  std::vector<int64_t> rows;  // the cache offset of each context position's slot
+};
+
+namespace detail {
+
+// Context positions ahead of the one being read whose cache row is prefetched: blocks sit
+// anywhere in the cache, so the hardware prefetcher loses the stream at every block's end,
+// and a row asked for this early arrives while the rows before it are computed with.
+constexpr int64_t kAhead = 16;
+
+inline void prefetch_row(const float* p, int64_t floats) {
+  for (int64_t f = 0; f < floats; f += kWidth) __builtin_prefetch(p + f);
+}
+
+
+inline float lane_sum(vec v) {
+  float total = 0;
+  for (int64_t l = 0; l < kWidth; ++l) total += v[l];
+  return total;
+}
+
+// Query heads [h0, h0 + G) against the context's V rows: G * C accumulators stay in
+// registers while the rows stream past once, each read front to back over the heads' span.
+template <int C, int G>
+void weigh_values(const float* v_cache, const int64_t* rows, int64_t len, int64_t row, int64_t h0,
+                  int64_t group, const float* weights, int64_t stride, const float* inv,
+                  float* out, int64_t head_dim) {
+  vec acc[G][C] = {};
+  int64_t offset[G];
+  for (int g = 0; g < G; ++g) offset[g] = ((h0 + g) / group) * head_dim;
+  for (int64_t p = 0; p < len; ++p) {
+    const float* v = v_cache + rows[p];
+    if (h0 == 0 && p + kAhead < len) prefetch_row(v_cache + rows[p + kAhead], row);
+    for (int g = 0; g < G; ++g) {
+      const vec w = broadcast(weights[g * stride + p]);
+      const float* vh = v + offset[g];
+      for (int c = 0; c < C; ++c) acc[g][c] += w * load(vh + c * kWidth);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) store(out + g * head_dim + c * kWidth, acc[g][c] * inv[g]);
+  }
+}
+
+// attend_one for float32 with head_dim = C * kWidth, vectorised: each block of kWidth
+// positions is scored for every query head while its K rows sit in L1, the dots' lane sums
+// coming out as one vector (lane_sums16); the softmax's exp is vexp; V rows are read once
+// per pair of query heads sharing them.
+template <int C>
+void attend_vec(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+                int64_t len, const Shape& s, float scale, float* out, AttendScratch& scratch) {
+  const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * s.head_dim;
+  const int64_t padded = (len + kWidth - 1) / kWidth * kWidth;
+  scratch.scores.resize(s.num_heads * padded);
+  scratch.rows.resize(len);
+  int64_t* rows = scratch.rows.data();
+  for (int64_t p = 0; p < len; ++p) {
+    rows[p] = (table[p / s.block_size] * s.block_size + p % s.block_size) * row;
+  }
+  float* scores = scratch.scores.data();
+  const vec scaled = broadcast(scale);
+  const vec none = broadcast(-std::numeric_limits<float>::infinity());
+  vec partial[64][kWidth];  // [query head][position in the block]: the dots' lane vectors
+  for (int64_t p0 = 0; p0 < len; p0 += kWidth) {
+    const int64_t n = std::min(kWidth, len - p0);
+    // Each K row is read front to back once, every query head scored against it.
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = k_cache + rows[p0 + i];
+      if (p0 + i + kAhead < len) prefetch_row(k_cache + rows[p0 + i + kAhead], row);
+      for (int64_t h = 0; h < s.num_heads; ++h) {
+        const float* qh = q + h * s.head_dim;
+        const float* kh = k + (h / group) * s.head_dim;
+        vec a = load(qh) * load(kh);
+        for (int c = 1; c < C; ++c) a += load(qh + c * kWidth) * load(kh + c * kWidth);
+        partial[h][i] = a;
+      }
+    }
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      for (int64_t i = n; i < kWidth; ++i) partial[h][i] = vec{};
+      vec dots = lane_sums16(partial[h]) * scaled;
+      if (n < kWidth) {  // past the context: no weight at all
+        for (int64_t i = n; i < kWidth; ++i) dots[i] = none[i];
+      }
+      store(scores + h * padded + p0, dots);
+    }
+  }
+  float inv[64];
+  for (int64_t h = 0; h < s.num_heads; ++h) {  // softmax, its maximum subtracted first
+    float* w = scores + h * padded;
+    vec top = none;
+    for (int64_t p = 0; p < padded; p += kWidth) {
+      const vec x = load(w + p);
+      top = x > top ? x : top;
+    }
+    float best = top[0];
+    for (int64_t l = 1; l < kWidth; ++l) best = std::max(best, top[l]);
+    vec total = {};
+    for (int64_t p = 0; p < padded; p += kWidth) {
+      const vec e = vexp(load(w + p) - broadcast(best));
+      store(w + p, e);
+      total += e;
+    }
+    inv[h] = 1.0f / lane_sum(total);
+  }
+  // Heads in runs of G (16 accumulators), the last ones one by one.
+  constexpr int G = 16 / C;
+  int64_t h = 0;
+  for (; h + G <= s.num_heads; h += G) {
+    weigh_values<C, G>(v_cache, rows, len, row, h, group, scores + h * padded, padded, inv + h,
+                       out + h * s.head_dim, s.head_dim);
+  }
+  for (; h < s.num_heads; ++h) {
+    weigh_values<C, 1>(v_cache, rows, len, row, h, group, scores + h * padded, padded, inv + h,
+                       out + h * s.head_dim, s.head_dim);
+  }
+}
+
+}  // namespace detail
+
+// The float32 attention of one sequence: vectorised where head_dim is 32, 64 or 128 and the
+// query heads number at most 64, else attend_one.
+inline void attend_one_f32(const float* q, const float* k_cache, const float* v_cache,
+                           const int64_t* table, int64_t len, const Shape& s, float scale,
+                           float* out, AttendScratch& scratch) {
+  if (s.num_heads <= 64) {
+    switch (s.head_dim) {
+      case 2 * kWidth:
+        return detail::attend_vec<2>(q, k_cache, v_cache, table, len, s, scale, out, scratch);
+      case 4 * kWidth:
+        return detail::attend_vec<4>(q, k_cache, v_cache, table, len, s, scale, out, scratch);
+      case 8 * kWidth:
+        return detail::attend_vec<8>(q, k_cache, v_cache, table, len, s, scale, out, scratch);
+      default:
+        break;
+    }
+  }
+  attend_one<float>(q, k_cache, v_cache, table, len, s, scale, out, scratch.scores);
 }
 
 }  // namespace conveyor

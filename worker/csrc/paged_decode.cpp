@@ -7,6 +7,24 @@
 #include <ATen/Parallel.h>
 
 namespace conveyor {
+namespace {
+
+// One sequence's attention: the vectorised float32 path, or the plain one for other types.
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+            const int64_t* table, int64_t len, const Shape& s, scalar_t scale, scalar_t* out,
+            std::vector<scalar_t>& scores, AttendScratch&) {
+  attend_one<scalar_t>(q, k_cache, v_cache, table, len, s, scale, out, scores);
+}
+
+template <>
+void attend<float>(const float* q, const float* k_cache, const float* v_cache,
+                   const int64_t* table, int64_t len, const Shape& s, float scale, float* out,
+                   std::vector<float>&, AttendScratch& scratch) {
+  attend_one_f32(q, k_cache, v_cache, table, len, s, scale, out, scratch);
+}
+
+}  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -45,9 +63,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int64_t per_query = s.num_heads * s.head_dim;
     at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> scores;
+      AttendScratch scratch;
       for (int64_t b = begin; b < end; ++b) {
-        attend_one<scalar_t>(qp + b * per_query, kp, vp, tables + b * s.table_width, lens[b], s,
-                             static_cast<scalar_t>(scale), op + b * per_query, scores);
+        attend(qp + b * per_query, kp, vp, tables + b * s.table_width, lens[b], s,
+               static_cast<scalar_t>(scale), op + b * per_query, scores, scratch);
       }
     });
   });

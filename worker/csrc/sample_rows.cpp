@@ -19,6 +19,7 @@
 // paths may pick neighbouring tokens: a given build always picks the same one.
 
 #include "kernels.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -31,20 +32,10 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kWidth = 16;  // floats per vector
-typedef float vec __attribute__((vector_size(kWidth * sizeof(float))));
-typedef int32_t mask __attribute__((vector_size(kWidth * sizeof(int32_t))));
+typedef ivec mask;
 // Tokens per block of the draw's first level: the scan of one block is all the sequential
 // work a draw does.
 constexpr int64_t kBlock = 256;
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vec broadcast(float f) { return vec{} + f; }
 
 inline float lane_max(vec v) {
   float m = v[0];

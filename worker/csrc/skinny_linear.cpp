@@ -1,6 +1,7 @@
 // A matmul for a few rows of x (skinny_linear.h says why and how).
 
 #include "skinny_linear.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -10,54 +11,12 @@
 namespace conveyor {
 namespace {
 
-constexpr int64_t kWidth = 16;  // floats per vector
-typedef float vec __attribute__((vector_size(kWidth * sizeof(float))));
 // A register tile: 4 rows of W times up to 4 rows of x, 16 vector accumulators (whose lane
 // sums lane_sums16 takes in one go).
 constexpr int64_t kTileRows = 4;
 constexpr int64_t kGroupRows = 4;
 // Rows of W per task: enough work to be worth handing to a thread.
 constexpr int64_t kTaskRows = 64;
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// The lane sums of 16 vectors as one vector (lane i: the sum of acc[i]), in 15 shuffle-and-add
-// steps of a fixed tree instead of 240 scalar adds: at these shapes reducing a tile's
-// accumulators one lane at a time costs as much as the tile's multiplications.
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else  // GCC 11 and older: the same selection from the concatenation of a and b
-typedef int32_t lanes __attribute__((vector_size(kWidth * sizeof(int32_t))));
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, lanes{__VA_ARGS__})
-#endif
-
-inline vec pair8(vec a, vec b) {  // [a0..7 + a8..15, b0..7 + b8..15]
-  return SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                 31);
-}
-inline vec pair4(vec a, vec b) {  // halves of 8 partial sums each -> quarters of 4
-  return SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-inline vec pair2(vec a, vec b) {  // quarters of 4 -> eighths of 2
-  return SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-inline vec pair1(vec a, vec b) {  // eighths of 2 -> one sum a lane
-  return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-inline vec lane_sums16(const vec* acc) {
-  vec t[8], u[4];
-  for (int i = 0; i < 8; ++i) t[i] = pair8(acc[2 * i], acc[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) u[i] = pair4(t[2 * i], t[2 * i + 1]);
-  return pair1(pair2(u[0], u[1]), pair2(u[2], u[3]));
-}
 
 // out[g * R + r] = dot(w row r, x row g) for R rows of W and G rows of x (both of K floats).
 template <int R, int G>

@@ -109,9 +109,9 @@ class Sampler:
             else None
         if kernel is not None:
             # The same cut and draw, each row in one task whose passes stay in cache.
-            top_p = torch.ones(len(params), dtype=torch.float64)
-            top_p[nucleus] = exact[nucleus, TOP_P].cpu()
-            no_floor = torch.full((len(params),), float("-inf"), dtype=x.dtype)
+            top_p = torch.ones(len(params), dtype=torch.float64, device=x.device)
+            top_p[nucleus] = exact[nucleus, TOP_P]
+            no_floor = torch.full((len(params),), float("-inf"), dtype=x.dtype, device=x.device)
             return kernel(x, probs, top_p, no_floor if floor is None else floor[:, 0],
                           exact[:, DRAW],
                           BINS_PER_NAT, NUM_BINS).tolist()

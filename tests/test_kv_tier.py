@@ -138,8 +138,10 @@ class _FilledSinceItsCheck(RedisKVTier):
 def test_a_write_redis_refuses_is_refused_not_raised_raw(redis_client):
     tier = _FilledSinceItsCheck(redis_client)
     used = int(redis_client.info("memory")["used_memory"])
-    redis_client.config_set("maxmemory", str(used + 1024))
+    # Already past the limit, as after other writers filled it: Redis refuses the first
+    # write (a limit just above the use let a small write through when the use fell).
     redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", str(used // 2))
     try:
         refused_before = _refused_writes(redis_client)
         with pytest.raises(TierRefused, match="refused"):

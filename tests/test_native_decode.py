@@ -14,6 +14,8 @@ from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.cpu_kernels import cpu_kernels, decode_layers_kernel
 from worker.models import CausalLM, load_model
+from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
+from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
 
 BLOCK_SIZE = 8
@@ -66,7 +68,7 @@ def _prefilled(model: CausalLM, lens: list[int], seed: int):
 
 @needs_kernel
 @pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
-                         # Past SKINNY_MAX_ROWS the step's matmuls are at::linear's.
+                         # Past SKINNY_MAX_ROWS the step's matmuls are oneDNN's.
                          + [("llama_tied_bias", 40), ("qwen2", 40)])
 def test_native_decode_steps_match_the_python_layers(kind, batch, checkpoints, monkeypatch):
     model = load_model(checkpoints / kind, dtype=torch.float32)
@@ -140,23 +142,54 @@ def test_the_skinny_matmul_equals_the_blas(rows, bias):
 
 
 @needs_kernel
-def test_the_lm_head_of_a_few_rows_takes_the_skinny_matmul(checkpoints, monkeypatch):
+def test_every_projection_and_the_lm_head_take_the_kernels_matmul(checkpoints, monkeypatch):
+    """The Python layers' matmuls (prefill, mixed steps) and the LM head's are the kernels'
+    ``linear``, as the native step's are; ``CONVEYOR_CPU_MATMUL=blas`` keeps them on
+    ``F.linear``."""
     model = load_model(checkpoints / "llama", dtype=torch.float32)
     module, calls = cpu_kernels(), []
 
     class Spy:
-        SKINNY_MAX_ROWS = module.SKINNY_MAX_ROWS
+        def __getattr__(self, name):
+            return getattr(module, name)
 
-        @staticmethod
-        def skinny_linear(*args):
+        def linear(self, *args):
             calls.append(args[0].shape[0])
-            return module.skinny_linear(*args)
+            return module.linear(*args)
 
-    monkeypatch.setattr(kernel_loader, "cpu_kernels", lambda: Spy)
-    for rows in (3, module.SKINNY_MAX_ROWS + 1):
-        hidden = torch.randn(rows, model.config.hidden_size)
-        with torch.inference_mode():
-            logits = model.compute_logits(hidden)
-        torch.testing.assert_close(logits, hidden @ model.lm_head.weight.T, rtol=1e-5,
-                                   atol=1e-5)
-    assert calls == [3]
+    spy = Spy()
+    monkeypatch.setattr(kernel_loader, "cpu_kernels", lambda: spy)
+    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 30)]
+    cache = _cache(model)
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    _step(model, cache, seqs, tables, [5, 30])
+    layers = model.config.num_hidden_layers
+    # q k v o gate up down per layer, then the head (over every token _step feeds)
+    assert calls == [35] * (7 * layers + 1)
+    calls.clear()
+    monkeypatch.setenv(MATMUL_SWITCH, "blas")
+    _step(model, cache, seqs, tables, [5, 30])
+    assert calls == []
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 12, 13, 64, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernels_matmul_equals_the_blas_to_rounding(rows, bias, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(70, 96, generator=gen)
+    b = torch.randn(70, generator=gen) if bias else None
+    want = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(linear(x, w, b), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.view(1, rows, 96), w, b), want[None], rtol=1e-5,
+                               atol=1e-5)
+    monkeypatch.setenv(MATMUL_SWITCH, "blas")
+    assert torch.equal(linear(x, w, b), want)
+
+
+@needs_kernel
+def test_onednn_is_found_where_torch_has_it():
+    # Past SKINNY_MAX_ROWS the matmuls are oneDNN's; a build that lost the op would fall back to
+    # the BLAS without a word.
+    assert cpu_kernels().HAS_ONEDNN_LINEAR == torch.backends.mkldnn.is_available()

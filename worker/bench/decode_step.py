@@ -6,10 +6,12 @@ Measures, in one process and at one thread count, in interleaved rounds so that 
 of every ratio see the same machine: the greedy decode step at ``batch`` requests of
 128-token prompts on the small preset, once with the native decode layers
 (worker/models/native_decode.py) and once with the Python layers, and the same step's
-weight matmuls alone (q/k/v/o and gate/up/down of every layer plus the LM head,
-``F.linear`` on random inputs of the step's shapes). Steps are medians over ``--steps``
-rounds; matmuls are the best round. step / matmuls is 1.0 where attention, norms, rope,
-sampling and Python cost nothing. ``--profile`` adds torch.profiler's operator table.
+weight matmuls alone (q/k/v/o and gate/up/down of every layer plus the LM head, on random
+inputs of the step's shapes), twice: as ``F.linear`` (the BLAS torch's CPU build calls,
+the issue's yardstick) and as the step makes them (worker/models/linear.py: the skinny
+kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls are the
+best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
+nothing. ``--profile`` adds torch.profiler's operator table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
+from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
 
 
@@ -39,12 +42,13 @@ def weight_shapes(config) -> list[tuple[int, int]]:
     return layer * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
-def matmul_seconds(weights: list[torch.Tensor], x: dict[int, torch.Tensor]) -> float:
+def matmul_seconds(weights: list[torch.Tensor], x: dict[int, torch.Tensor],
+                   matmul=F.linear) -> float:
     """One run of the step's weight matmuls."""
     with torch.inference_mode():
         start = time.perf_counter()
         for w in weights:
-            F.linear(x[w.shape[1]], w)
+            matmul(x[w.shape[1]], w)
         return time.perf_counter() - start
 
 
@@ -64,13 +68,16 @@ def measure(engine, batch: int, rounds: int) -> dict[str, float]:
     dtype = engine.dtype
     weights = [torch.randn(o, i, dtype=dtype) for o, i in weight_shapes(engine.model_config)]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-    times: dict[str, list[float]] = {"native": [], "python": [], "matmuls": []}
+    times: dict[str, list[float]] = {"native": [], "python": [], "matmuls": [],
+                                     "kernel_matmuls": []}
     for _ in range(rounds):
         times["native"].append(step_seconds(engine, native=True))
         times["python"].append(step_seconds(engine, native=False))
         times["matmuls"].append(matmul_seconds(weights, x))
+        times["kernel_matmuls"].append(matmul_seconds(weights, x, linear))
     return {"native": statistics.median(times["native"]),
             "python": statistics.median(times["python"]), "matmuls": min(times["matmuls"]),
+            "kernel_matmuls": min(times["kernel_matmuls"]),
             "native_steps": engine.model.num_native_steps}
 
 
@@ -96,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                              args.threads)
     before = engine.model.num_native_steps
     got = measure(engine, args.batch, args.steps)
-    mm = got["matmuls"]
+    mm, km = got["matmuls"], got["kernel_matmuls"]
     print(f"batch {args.batch}, {args.threads} threads, {args.steps} rounds: weight matmuls "
-          f"{mm * 1e3:.2f} ms (best round)")
+          f"{mm * 1e3:.2f} ms as F.linear, {km * 1e3:.2f} ms as the step makes them "
+          f"(best round)")
     for path in ("native", "python"):
         step = got[path]
         print(f"  {path + ' layers:':15} step {step * 1e3:6.2f} ms (median), "
-              f"step / matmuls {step / mm:.2f}x, matmul efficiency {mm / step:.2f}")
+              f"step / F.linear matmuls {step / mm:.2f}x (matmul efficiency {mm / step:.2f}), "
+              f"step / its own matmuls {step / km:.2f}x")
     if got["native_steps"] == before:
         print("  (the native layers did not run: kernels unavailable or switched off)")
     if args.profile:

@@ -1,11 +1,12 @@
-"""The skinny matmul kernel against ``F.linear`` at a decode step's shapes, by batch size.
+"""The CPU matmuls at a decode step's shapes, by batch size: the skinny kernel and oneDNN's
+matmul against ``F.linear``.
 
     python -m worker.bench.skinny_linear [--threads 2] [--rounds 7]
 
 For each batch size, every weight matmul of one decode step of the small preset
-(worker.bench.decode_step.weight_shapes) through both, rounds interleaved, best round each:
-where the ratio crosses 1 is where csrc/skinny_linear.h's ``kSkinnyMaxRows`` belongs on this
-machine.
+(worker.bench.decode_step.weight_shapes) through each, rounds interleaved, best round each:
+where skinny stops beating oneDNN is where csrc/skinny_linear.h's ``kSkinnyMaxRows``
+belongs on this machine (csrc/linear.h picks between them by it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from worker.bench.decode_step import weight_shapes
 from worker.cpu_kernels import cpu_kernels
 from worker.modelgen.presets import PRESETS
 
-BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 
 def _seconds(fn, weights: list[torch.Tensor], x: dict[int, torch.Tensor]) -> float:
@@ -55,14 +56,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{module.SKINNY_MAX_ROWS} rows")
     for batch in BATCHES:
         x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
-        blas, skinny = float("inf"), float("inf")
+        blas, skinny, onednn = float("inf"), float("inf"), float("inf")
         with torch.inference_mode():
             for _ in range(args.rounds):
                 blas = min(blas, _seconds(F.linear, weights, x))
                 skinny = min(skinny, _seconds(
                     lambda a, w: module.skinny_linear(a, w, no_bias), weights, x))
+                if module.HAS_ONEDNN_LINEAR:
+                    onednn = min(onednn, _seconds(
+                        lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [],
+                                                                        None), weights, x))
         print(f"  batch {batch:3}: F.linear {blas * 1e3:6.2f} ms, skinny {skinny * 1e3:6.2f} ms "
-              f"({weight_bytes / skinny / 1e9:5.1f} GB/s), skinny / F.linear {skinny / blas:.2f}")
+              f"({weight_bytes / skinny / 1e9:5.1f} GB/s), oneDNN {onednn * 1e3:6.2f} ms; "
+              f"skinny / F.linear {skinny / blas:.2f}, oneDNN / F.linear {onednn / blas:.2f}")
     return 0
 
 

@@ -1,6 +1,7 @@
 // Python names of the CPU kernels (loaded by worker/cpu_kernels.py).
 
 #include "kernels.h"
+#include "linear.h"
 #include "skinny_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,5 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &conveyor::sample_rows,
         "one token per row from filtered probabilities, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &conveyor::linear,
+        "x @ weight.T (+ bias), float32 (CPU): the skinny kernel, oneDNN or the BLAS",
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("HAS_ONEDNN_LINEAR") = conveyor::has_onednn_linear();
   m.attr("SKINNY_MAX_ROWS") = conveyor::kSkinnyMaxRows;
 }

@@ -3,9 +3,8 @@
 //
 // A decode step at batch 64 is ~250 small torch ops between its matmuls; from Python each
 // costs a dispatch and often an allocation and a thread-team start, several milliseconds a
-// step in all. Here the matmuls are the ATen calls the Python path makes (at::linear), or
-// skinny_linear for a small batch, where it streams the weights twice as fast, and
-// everything between them is a handful of fused loops: residual add + RMSNorm, rope +
+// step in all. Here the matmuls are the ones the Python path makes (linear.h: the skinny
+// kernel for a small batch, else oneDNN's), and everything between them is a handful of fused loops: residual add + RMSNorm, rope +
 // the cache write, attention (paged_attention.h), SiLU * up. The numerics follow the Python
 // path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
@@ -13,7 +12,7 @@
 
 #include "kernels.h"
 #include "paged_attention.h"
-#include "skinny_linear.h"
+#include "linear.h"
 
 #include <ATen/Parallel.h>
 
@@ -31,14 +30,6 @@ enum Weight : int64_t {
 // Rows per task of the elementwise loops: a row is a few hundred floats, so smaller tasks
 // would cost more to hand out than to run.
 constexpr int64_t kRowGrain = 16;
-
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (x.size(0) <= kSkinnyMaxRows && weight.is_contiguous() &&
-      weight.scalar_type() == at::kFloat && (bias.numel() == 0 || bias.is_contiguous())) {
-    return skinny_linear(x, weight, bias);
-  }
-  return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
-}
 
 // x += delta (when given), then out = weight * (x * rsqrt(mean(x^2) + eps)), row by row.
 void add_rms_norm(float* x, const float* delta, const float* weight, float* out, int64_t rows,
@@ -161,7 +152,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            double eps, double scale) {
+                            double eps, double scale, bool blas_only) {
   const StepShape s{x.size(0), num_heads, num_kv_heads, head_dim};
   check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, k_caches,
                v_caches, s, block_size);
@@ -179,9 +170,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
     add_rms_norm(x.data_ptr<float>(), down.defined() ? down.data_ptr<float>() : nullptr,
                  w[kInputNorm].data_ptr<float>(), normed.data_ptr<float>(), batch, hidden,
                  epsilon);
-    at::Tensor q = project(normed, w[kQ], w[kQBias]);
-    at::Tensor k = project(normed, w[kK], w[kKBias]);
-    at::Tensor v = project(normed, w[kV], w[kVBias]);
+    at::Tensor q = linear(normed, w[kQ], w[kQBias], blas_only);
+    at::Tensor k = linear(normed, w[kK], w[kKBias], blas_only);
+    at::Tensor v = linear(normed, w[kV], w[kVBias], blas_only);
     rope_and_cache(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                    positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
                    cos.data_ptr<float>(), sin.data_ptr<float>(), k_caches[l].data_ptr<float>(),
@@ -198,13 +189,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                        attention, static_cast<float>(scale), out + b * per_query, scratch);
       }
     });
-    at::Tensor o = project(attended, w[kO], w[kOBias]);
+    at::Tensor o = linear(attended, w[kO], w[kOBias], blas_only);
     add_rms_norm(x.data_ptr<float>(), o.data_ptr<float>(), w[kPostNorm].data_ptr<float>(),
                  normed.data_ptr<float>(), batch, hidden, epsilon);
-    at::Tensor gate = project(normed, w[kGate], w[kGateBias]);
-    at::Tensor up = project(normed, w[kUp], w[kUpBias]);
+    at::Tensor gate = linear(normed, w[kGate], w[kGateBias], blas_only);
+    at::Tensor up = linear(normed, w[kUp], w[kUpBias], blas_only);
     silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), batch, gate.size(1));
-    down = project(gate, w[kDown], w[kDownBias]);
+    down = linear(gate, w[kDown], w[kDownBias], blas_only);
   }
   float* xp = x.data_ptr<float>();
   const float* dp = down.data_ptr<float>();

@@ -21,7 +21,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            double eps, double scale);
+                            double eps, double scale, bool blas_only);
 
 // One token per row by inverse CDF over what top-p (a histogram cut) and the floor keep
 // (sample_rows.cpp): x, probs [rows, vocab] float32; top_p, floor, draws [rows].

@@ -93,7 +93,7 @@ namespace detail {
 constexpr int64_t kAhead = 16;
 
 inline void prefetch_row(const float* p, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += kWidth) __builtin_prefetch(p + f);
+  for (int64_t f = 0; f < floats; f += kWidth) __builtin_prefetch(p + f, 0, 2);
 }
 
 

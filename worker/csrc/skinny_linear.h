@@ -15,11 +15,11 @@
 
 namespace conveyor {
 
-// Up to this many rows of x, skinny_linear beats at::linear on the CPU this was tuned on
-// (AVX-512, 2 cores, the small preset's shapes: 0.36-0.52x its time at 1-4 rows, 0.78x at
-// 16, 0.93x at 32, 1.0x near 48); past it the BLAS wins. `python -m
-// worker.bench.skinny_linear` measures it again.
-constexpr int64_t kSkinnyMaxRows = 32;
+// Up to this many rows of x, linear.h takes skinny_linear: on the CPU this was tuned on
+// (AVX-512, 2 cores, the small preset's shapes) it takes 0.35-0.61x at::linear's time at
+// 1-8 rows, and oneDNN's matmul catches up with it at 12-16 rows (0.70-0.75x); past that
+// oneDNN wins. `python -m worker.bench.skinny_linear` measures it again.
+constexpr int64_t kSkinnyMaxRows = 12;
 
 // x [M, K] contiguous, weight [N, K] contiguous, bias [N] or empty; returns [M, N].
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);

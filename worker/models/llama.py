@@ -17,6 +17,7 @@ from worker.attention import get_attention_backend
 from worker.attention.metadata import AttentionMetadata
 from worker.models import native_decode
 from worker.models.config import ModelConfig
+from worker.models.linear import Linear, linear
 from worker.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -42,9 +43,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -60,10 +61,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden = config.hidden_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_width, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_width, hidden, bias=config.o_bias)
+        self.q_proj = Linear(hidden, q_width, bias=config.qkv_bias)
+        self.k_proj = Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.v_proj = Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.o_proj = Linear(q_width, hidden, bias=config.o_bias)
         scale = self.head_dim**-0.5
         self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, scale)
 
@@ -160,4 +161,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project ``hidden [N, hidden]`` to ``[N, vocab]`` logits."""
-        return native_decode.linear(hidden, self.lm_head.weight)
+        return linear(hidden, self.lm_head.weight)

@@ -8,9 +8,9 @@ are not queued behind the engine's ops either.
 It applies to a step whose every sequence brings one token, on the CPU, with float32
 activations, weights and cache, where the CPU kernels are built; anything else (prefill
 chunks in the step, another dtype or device) runs the Python layers, which compute the same
-thing. With a small batch its matmuls, and the LM head's (:func:`linear`), use the skinny
-kernel (csrc/skinny_linear.cpp), which streams the weights about twice as fast as the BLAS
-at these shapes. ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches all of it off (to compare).
+thing. Its matmuls are worker/models/linear.py's (the skinny kernel for a small batch,
+oneDNN's past it, the BLAS with ``CONVEYOR_CPU_MATMUL=blas``).
+``CONVEYOR_CPU_DECODE_LAYERS=0`` switches the native call off (to compare).
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn import functional as F
 
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
+from worker.models.linear import NO_BIAS, blas_only
 
 if TYPE_CHECKING:
     from worker.models.llama import CausalLM, DecoderLayer
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
-# What the kernels take for "no bias" (on the CPU, where they run).
-_NO_BIAS = torch.empty(0, device="cpu")
 
 
 def enabled() -> bool:
@@ -64,21 +62,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights, kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        meta.block_size, config.rms_norm_eps, config.head_dim**-0.5)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T``: the skinny kernel for a few float32 CPU rows where it is built and
-    faster, else ``F.linear``."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.dim() == 2 and weight.is_contiguous() and enabled()):
-        from worker.cpu_kernels import cpu_kernels
-
-        module = cpu_kernels()
-        if module is not None and x.shape[0] <= module.SKINNY_MAX_ROWS:
-            return module.skinny_linear(x.contiguous(), weight, _NO_BIAS)
-    return F.linear(x, weight)
-
+        meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
 
 
 def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:
@@ -88,8 +72,8 @@ def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     # from failing the kernel's checks mid-step.
     out = [layer.input_layernorm.weight.contiguous()]
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-        out += (proj.weight, _NO_BIAS if proj.bias is None else proj.bias)
+        out += (proj.weight, NO_BIAS if proj.bias is None else proj.bias)
     out.append(layer.post_attention_layernorm.weight.contiguous())
     for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        out += (proj.weight, _NO_BIAS if proj.bias is None else proj.bias)
+        out += (proj.weight, NO_BIAS if proj.bias is None else proj.bias)
     return out

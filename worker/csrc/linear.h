@@ -1,0 +1,24 @@
+// y = x @ W^T (+ bias) for the model's projections on the CPU, float32: the fastest of the
+// matmuls at hand for the number of rows.
+//
+// - Up to kSkinnyMaxRows rows: skinny_linear (W streamed once from memory, skinny_linear.h).
+// - Past it: oneDNN's matmul, the op torch's own compiler emits for CPU linears
+//   (mkldnn::_linear_pointwise), which on the CPU these were measured on takes 0.76-0.90x
+//   the time of at::linear (the BLAS torch's CPU build calls, which repacks W on every
+//   call) from 32 to 512 rows; `python -m worker.bench.skinny_linear` measures it again.
+// - at::linear where the build of torch has no oneDNN, or when `blas_only` asks for it.
+
+#pragma once
+
+#include <torch/extension.h>
+
+namespace conveyor {
+
+// x [..., K] float32, weight [N, K] float32, bias [N] or empty; returns [..., N].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                  bool blas_only);
+
+// Whether this build of torch has oneDNN's matmul.
+bool has_onednn_linear();
+
+}  // namespace conveyor

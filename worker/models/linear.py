@@ -1,0 +1,45 @@
+"""The matmul of every projection and of the LM head: ``y = x @ weight.T (+ bias)``.
+
+On a CPU in float32, where the kernels are built (worker/cpu_kernels.py), it is the
+kernels' ``linear`` (csrc/linear.h): the skinny kernel for up to 12 rows, oneDNN's matmul
+past that, both faster here than the BLAS ``F.linear`` calls (0.4-0.9x its time by the
+row count). The results agree with ``F.linear``'s to float32 rounding (another order of
+additions). ``CONVEYOR_CPU_MATMUL=blas`` keeps every matmul on ``F.linear`` (to compare);
+anything else runs ``F.linear`` too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ENV_SWITCH = "CONVEYOR_CPU_MATMUL"
+# What the kernels take for "no bias" (on the CPU, where they run).
+NO_BIAS = torch.empty(0, device="cpu")
+
+
+def blas_only() -> bool:
+    """Whether ``CONVEYOR_CPU_MATMUL=blas`` keeps the CPU matmuls on the BLAS."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() == "blas"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32) and not blas_only()):
+        from worker.cpu_kernels import cpu_kernels
+
+        module = cpu_kernels()
+        if module is not None:
+            return module.linear(x, weight, NO_BIAS if bias is None else bias, False)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters and state dict) whose matmul is :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -12,6 +12,7 @@
 
 #include "kernels.h"
 #include "paged_attention.h"
+#include "vec.h"
 #include "linear.h"
 
 #include <ATen/Parallel.h>
@@ -81,12 +82,17 @@ void rope_and_cache(float* q, float* k, const float* v, const int64_t* positions
   });
 }
 
-// out[i] = silu(gate[i]) * up[i], in place in gate; silu(x) = x / (1 + exp(-x)) as torch has it.
+// out[i] = silu(gate[i]) * up[i], in place in gate; silu(x) = x / (1 + exp(-x)) as torch has
+// it, with vexp (a batch-64 step of the small preset takes 720,000 of them).
 void silu_mul(float* gate, const float* up, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * width; i < end * width; ++i) {
-      gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    int64_t i = begin * width;
+    const vec one = broadcast(1.0f);
+    for (; i + kWidth <= end * width; i += kWidth) {
+      const vec g = load(gate + i);
+      store(gate + i, g / (one + vexp(-g)) * load(up + i));
     }
+    for (; i < end * width; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   });
 }
 

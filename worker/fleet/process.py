@@ -38,6 +38,7 @@ from worker.fleet.registration import (
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
 from worker.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
+from worker.openmp import release_thread_pool
 
 log = structlog.get_logger(__name__)
 
@@ -238,6 +239,9 @@ class Worker:
             self.threads.append(self.queue_poller)
         self.state = "serving"
         self.heartbeat.beat()
+        # The engine was built on this thread; its steps run on the loop's, which must be
+        # the process's only OpenMP team (worker/openmp.py says why).
+        release_thread_pool()
         for thread in self.threads:
             thread.start()
         self.cancels.subscribed.wait(timeout=5)

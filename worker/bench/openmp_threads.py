@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.put(times["other thread, main pool released"])
         done.acquire()
     jobs.put(None)
+    thread.join()
     print(f"batch {args.batch}, {args.threads} threads, {args.rounds} rounds of "
           f"{STEPS_PER_ROUND} steps (pool released: {released})")
     for name, values in times.items():

@@ -189,6 +189,22 @@ def test_the_kernels_matmul_equals_the_blas_to_rounding(rows, bias, monkeypatch)
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [4, 40])
+def test_the_kernels_matmul_takes_strided_and_expanded_biases(rows):
+    x, w = torch.randn(rows, 64), torch.randn(48, 64)
+    for bias in (torch.randn(96)[::2], torch.tensor(0.5).expand(48)):
+        torch.testing.assert_close(linear(x, w, bias), torch.nn.functional.linear(x, w, bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_matmul_autograd_must_see_stays_differentiable():
+    w = torch.randn(48, 64, requires_grad=True)
+    linear(torch.randn(40, 64), w).sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+@needs_kernel
 def test_onednn_is_found_where_torch_has_it():
     # Past SKINNY_MAX_ROWS the matmuls are oneDNN's; a build that lost the op would fall back to
     # the BLAS without a word.

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from worker.openmp import loaded_libgomp, release_thread_pool
+from worker.openmp import loaded_libgomps, release_thread_pool
 
-needs_libgomp = pytest.mark.skipif(loaded_libgomp() is None,
+needs_libgomp = pytest.mark.skipif(not loaded_libgomps(),
                                    reason="torch's OpenMP runtime here is not libgomp")
 
 

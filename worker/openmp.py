@@ -23,32 +23,35 @@ log = structlog.get_logger(__name__)
 OMP_PAUSE_HARD = 2
 
 
-def loaded_libgomp() -> str | None:
-    """The path of the libgomp this process has loaded (torch's own), or None."""
+def loaded_libgomps() -> list[str]:
+    """The libgomp files this process has loaded (torch's own, and any other: a wheel may
+    bring its own copy beside the system's)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
+        return []
+    found: list[str] = []
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if "/libgomp" in path and ".so" in path:
-            return path
-    return None
+        fields = line.split()
+        path = fields[-1] if len(fields) >= 6 else ""
+        if "/libgomp" in path and ".so" in path and path not in found:
+            found.append(path)
+    return found
 
 
 def release_thread_pool() -> bool:
-    """Free the OpenMP threads this thread's parallel regions have kept (they are made again
-    if it runs another); False where the runtime is not libgomp or cannot."""
-    path = loaded_libgomp()
-    if path is None:
-        return False
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return False
-    pause.argtypes = (ctypes.c_int,)
-    pause.restype = ctypes.c_int
-    released = pause(OMP_PAUSE_HARD) == 0
+    """Free the OpenMP threads this thread's parallel regions have kept, in every libgomp
+    loaded (they are made again if it runs another region); False where none could."""
+    released = False
+    for path in loaded_libgomps():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes = (ctypes.c_int,)
+        pause.restype = ctypes.c_int
+        # Each call frees this thread's pool in that runtime only; -1 inside a region.
+        released = pause(OMP_PAUSE_HARD) == 0 or released
     if not released:
-        log.debug("openmp threads kept: called inside a parallel region")
+        log.debug("openmp threads kept: no libgomp, or called inside a parallel region")
     return released

@@ -39,19 +39,22 @@ at::Tensor onednn_linear(const c10::OperatorHandle& op, const at::Tensor& x,
 
 bool has_onednn_linear() { return onednn_op() != nullptr; }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& given_bias,
                   bool blas_only) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
                   weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   x.size(-1) == weight.size(1),
               "x [..., K] and weight [N, K], float32 on the CPU");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.dim() == 1 &&
-                                    bias.size(0) == weight.size(0)),
+  TORCH_CHECK(given_bias.numel() == 0 ||
+                  (given_bias.scalar_type() == at::kFloat && given_bias.dim() == 1 &&
+                   given_bias.size(0) == weight.size(0)),
               "bias is empty or float32 [N]");
+  // oneDNN and the skinny kernel read a bias as packed floats: a strided or expanded one
+  // is packed first.
+  const at::Tensor& bias = given_bias.numel() ? given_bias.contiguous() : given_bias;
   if (blas_only) return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  if (rows > 0 && rows <= kSkinnyMaxRows && weight.is_contiguous() &&
-      (bias.numel() == 0 || bias.is_contiguous())) {
+  if (rows > 0 && rows <= kSkinnyMaxRows && weight.is_contiguous()) {
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     return skinny_linear(x.reshape({rows, x.size(-1)}).contiguous(), weight, bias).view(sizes);

@@ -79,10 +79,11 @@ void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   }
 }
 
-// What attend_one_vec keeps between sequences of one task.
+// What attend_one_f32 keeps between sequences of one task.
 struct AttendScratch {
   std::vector<float> scores;
   std::vector<int64_t> rows;  // the cache offset of each context position's slot
+  std::vector<vec> partial;   // [query head][position in a block]: the dots' lane vectors
 };
 
 namespace detail {
@@ -144,7 +145,8 @@ void attend_vec(const float* q, const float* k_cache, const float* v_cache, cons
   float* scores = scratch.scores.data();
   const vec scaled = broadcast(scale);
   const vec none = broadcast(-std::numeric_limits<float>::infinity());
-  vec partial[64][kWidth];  // [query head][position in the block]: the dots' lane vectors
+  scratch.partial.resize(s.num_heads * kWidth);
+  vec* partial = scratch.partial.data();
   for (int64_t p0 = 0; p0 < len; p0 += kWidth) {
     const int64_t n = std::min(kWidth, len - p0);
     // Each K row is read front to back once, every query head scored against it.
@@ -156,12 +158,12 @@ void attend_vec(const float* q, const float* k_cache, const float* v_cache, cons
         const float* kh = k + (h / group) * s.head_dim;
         vec a = load(qh) * load(kh);
         for (int c = 1; c < C; ++c) a += load(qh + c * kWidth) * load(kh + c * kWidth);
-        partial[h][i] = a;
+        partial[h * kWidth + i] = a;
       }
     }
     for (int64_t h = 0; h < s.num_heads; ++h) {
-      for (int64_t i = n; i < kWidth; ++i) partial[h][i] = vec{};
-      vec dots = lane_sums16(partial[h]) * scaled;
+      for (int64_t i = n; i < kWidth; ++i) partial[h * kWidth + i] = vec{};
+      vec dots = lane_sums16(partial + h * kWidth) * scaled;
       if (n < kWidth) {  // past the context: no weight at all
         for (int64_t i = n; i < kWidth; ++i) dots[i] = none[i];
       }

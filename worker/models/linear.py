@@ -5,7 +5,7 @@ kernels' ``linear`` (csrc/linear.h): the skinny kernel for up to 12 rows, oneDNN
 past that, both faster here than the BLAS ``F.linear`` calls (0.4-0.9x its time by the
 row count). The results agree with ``F.linear``'s to float32 rounding (another order of
 additions). ``CONVEYOR_CPU_MATMUL=blas`` keeps every matmul on ``F.linear`` (to compare);
-anything else runs ``F.linear`` too.
+anything else, and anything autograd must differentiate, runs ``F.linear`` too.
 """
 
 from __future__ import annotations
@@ -29,13 +29,20 @@ def blas_only() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and (bias is None or bias.dtype == torch.float32) and not blas_only()):
+            and (bias is None or bias.dtype == torch.float32) and not blas_only()
+            and not _needs_grad(x, weight, bias)):
         from worker.cpu_kernels import cpu_kernels
 
         module = cpu_kernels()
         if module is not None:
             return module.linear(x, weight, NO_BIAS if bias is None else bias, False)
     return F.linear(x, weight, bias)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must see this matmul: the kernels have no backward (serving runs
+    under inference mode, where this is never so)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class Linear(nn.Linear):

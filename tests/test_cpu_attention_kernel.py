@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_fixtures import needs_kernel
 
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.torch_backend import TorchAttention
 from worker.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernel")
 
 
 def _paged_case(dtype, seed=0, heads=8, kv_heads=2, dim=64, block_size=16, blocks=64):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 
 import worker.cpu_kernels as kernel_loader
@@ -21,7 +22,6 @@ from worker.models.native_decode import ENV_SWITCH
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
 kernel = decode_layers_kernel()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernels")
 
 
 @pytest.fixture(scope="module")

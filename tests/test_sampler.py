@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from kernel_fixtures import kernels_missing, needs_kernel
 
 import worker.cpu_kernels as kernel_loader
 from producer.wire.params import SamplingParams
@@ -22,7 +23,6 @@ from worker.sampling.sampler import step_rows
 
 DRAWS = 4000
 kernel = sample_rows_kernel()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernels")
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -31,7 +31,7 @@ def draw_path(request, monkeypatch):
     by torch ops elsewhere (CUDA, or with the kernels off): both follow one definition."""
     if request.param == "kernel":
         if kernel is None:
-            pytest.skip("no C++ toolchain to build the kernels")
+            kernels_missing()
     else:
         monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")
         assert sample_rows_kernel() is None

@@ -4,8 +4,9 @@
 // A decode step at batch 64 is ~250 small torch ops between its matmuls; from Python each
 // costs a dispatch and often an allocation and a thread-team start, several milliseconds a
 // step in all. Here the matmuls are the ones the Python path makes (linear.h: the skinny
-// kernel for a small batch, else oneDNN's), and everything between them is a handful of fused loops: residual add + RMSNorm, rope +
-// the cache write, attention (paged_attention.h), SiLU * up. The numerics follow the Python
+// kernel for a small batch, else oneDNN's), and everything between them is a handful of
+// fused loops: residual add + RMSNorm, rope + the cache write, attention
+// (paged_attention.h), SiLU * up. The numerics follow the Python
 // path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
 // additions inside a sum may differ, as in any kernel.

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 
 namespace conveyor {
 namespace {

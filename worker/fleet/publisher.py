@@ -1,14 +1,19 @@
 """The publisher thread: writes each step's output entries, then acknowledges finished requests.
 
 A request entry is acknowledged only after every entry it needs is in Redis: the writes go
-in one round trip as one MULTI/EXEC per key (each transaction touches one key, as Redis
-Cluster requires), then the acknowledgements, owner-checked, in a second round trip. A
-write Redis refuses (out of memory, read-only after a failover) aborts its key's whole
-transaction, so no output stream ever gets a later entry without an earlier one; nothing
-of a batch with a refusal is acknowledged, and the supervisor retries what was not
-written after a backoff. Entry ids derived from token indexes
-make a repeated XADD fail harmlessly; a final that was already there is checked to be a
-final before its request is acknowledged.
+in one round trip, the commands of each key as one MULTI/EXEC where there are several
+(each transaction touches one key, as Redis Cluster requires), then the acknowledgements,
+owner-checked, in a second round trip. A write Redis refuses (out of memory, read-only
+after a failover) aborts its key's whole transaction, so no output stream ever gets a later
+entry without an earlier one; nothing of a batch with a refusal is acknowledged, and the
+supervisor retries what was not written after a backoff. Entry ids derived from token
+indexes make a repeated XADD fail harmlessly; a final that was already there is checked to
+be a final before its request is acknowledged.
+
+A decoding request's step usually costs one command, its XADD: the stream's TTL is renewed
+only when less than the full TTL is left (to the TTL plus a slack, so it always outlives
+its last write by the TTL), and the final sets it to exactly the TTL. On a 2-core machine
+the publisher shares the cores with the engine: every command it saves is engine time.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class Command:
     kind: str  # "chunk", "final", "expire" or "dead"
     key: str
     args: tuple[Any, ...]
+    # An "expire" of a growing stream: on the publisher's clock, the stream lives until then.
+    lives_until: float | None = None
 
 
 class Publisher(SupervisedThread):
@@ -141,6 +148,10 @@ class Publisher(SupervisedThread):
         self._owed: list[Publication | Rejection | HandOn | SharePrefix] | None = None
         self._closing = False
         self.owned = OwnedEntries(client, worker_id)
+        # Growing output streams whose TTL this publisher set, by request id: until when
+        # (publisher's clock) each surely lives. Renewed when less than the TTL is left.
+        self._lives_until: dict[str, float] = {}
+        self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
         self.published_entries = 0
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
@@ -206,6 +217,7 @@ class Publisher(SupervisedThread):
                 self.text.track(item)
             elif isinstance(item, Forget):
                 self.text.forget(item)
+                self._lives_until.pop(item.request_id, None)
             elif isinstance(item, HandOn):
                 if not self.text.stopped(item.request_id):
                     ready.append(item)
@@ -223,14 +235,15 @@ class Publisher(SupervisedThread):
                 if not item.written and not isinstance(item, HandOn | SharePrefix)]
         if todo:
             commands: list[Command] = []
+            now = self.clock.monotonic()
             for item in todo:
                 if isinstance(item, Rejection):
                     self._add_rejection(commands, item)
                 else:
-                    self._add_publication(commands, item)
-            outcomes: dict[int, list[tuple[str, object]]] = {id(item): [] for item in todo}
+                    self._add_publication(commands, item, now)
+            outcomes: dict[int, list[tuple[Command, object]]] = {id(item): [] for item in todo}
             for command, result in zip(commands, self._transact(commands), strict=True):
-                outcomes[id(command.item)].append((command.kind, result))
+                outcomes[id(command.item)].append((command, result))
             refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
             if refused:
                 self.refused_writes += len(refused)
@@ -247,8 +260,9 @@ class Publisher(SupervisedThread):
         self._acknowledge([item for item in batch if not isinstance(item, HandOn | SharePrefix)])
 
     def _transact(self, commands: list[Command]) -> list[object]:
-        """Run ``commands`` as one MULTI/EXEC per key, all in one round trip; each command's
-        result (an exception where Redis refused it, or refused its whole transaction).
+        """Run ``commands`` as one MULTI/EXEC per key (a key's lone command as it is: atomic
+        already), all in one round trip; each command's result (an exception where Redis
+        refused it, or refused its whole transaction).
 
         One key per transaction: a stream never gets a later entry without an earlier one
         (a refusal aborts everything written to that key in this batch), and every atomic
@@ -259,6 +273,9 @@ class Publisher(SupervisedThread):
             by_key.setdefault(command.key, []).append(i)
         pipe = self.client.pipeline(transaction=False)
         for indexes in by_key.values():
+            if len(indexes) == 1:
+                pipe.execute_command(*commands[indexes[0]].args)
+                continue
             pipe.execute_command("MULTI")
             for i in indexes:
                 pipe.execute_command(*commands[i].args)
@@ -266,6 +283,9 @@ class Publisher(SupervisedThread):
         replies = iter(pipe.execute(raise_on_error=False))
         results: list[object] = [None] * len(commands)
         for indexes in by_key.values():
+            if len(indexes) == 1:
+                results[indexes[0]] = next(replies)
+                continue
             queued = [next(replies) for _ in range(len(indexes) + 1)]  # MULTI, then each
             done = next(replies)
             if isinstance(done, Exception) or not isinstance(done, list):
@@ -279,20 +299,25 @@ class Publisher(SupervisedThread):
         return results
 
     def _settle(self, item: Publication | Rejection,
-                results: list[tuple[str, object]]) -> object | None:
+                results: list[tuple[Command, object]]) -> object | None:
         """Record what of ``item`` is now in Redis; the first refusal, if any."""
         refusal = None
-        for kind, r in results:
+        for command, r in results:
+            kind = command.kind
             if not isinstance(r, Exception):
                 if kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
                     self.dead_letters += 1
+                elif kind == "expire" and command.lives_until is not None and item.request_id:
+                    self._lives_until[item.request_id] = command.lives_until
             elif kind in ("chunk", "final") and already_written(r):
                 if kind == "final" and isinstance(item, Publication):
                     item.final_existed = True
             elif refusal is None:
                 refusal = r
         item.written = refusal is None
+        if item.written and isinstance(item, Publication) and item.final is not None:
+            self._lives_until.pop(item.request_id, None)
         if refusal is not None:
             log.warning("redis refused a write; the batch will be retried", error=str(refusal))
         return refusal
@@ -322,13 +347,18 @@ class Publisher(SupervisedThread):
                         request_id=item.request_id)
         return bool(found)
 
-    def _add_publication(self, commands: list[Command], item: Publication) -> None:
+    def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
         key = self.keys.output(item.request_id)
         for kind, entry in (("chunk", item.chunk), ("final", item.final)):
             if entry is not None:
                 commands.append(Command(item, kind, key, (
                     "XADD", key, entry.entry_id, FIELD, entry.encode())))
-        commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
+        if item.final is not None:  # an ended stream lives exactly the TTL past its end
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
+        elif self._lives_until.get(item.request_id, now) - now < self.output_ttl_s:
+            ttl = self.output_ttl_s + self.ttl_renew_slack_s
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, ttl),
+                                    lives_until=now + ttl))
 
     def _add_rejection(self, commands: list[Command], item: Rejection) -> None:
         if not item.dead_lettered:

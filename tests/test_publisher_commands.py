@@ -1,0 +1,130 @@
+"""What the publisher sends Redis for a step: one XADD for a decoding request, the stream's TTL
+renewed only when less than the full TTL is left, several commands of one key in one
+MULTI/EXEC; and the TTL guarantee holds throughout: a stream outlives its last write by the
+TTL, and lives exactly the TTL past its final."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from producer.clock import ManualClock
+from producer.wire.keys import Keys
+from producer.wire.protocol import FinalEntry, OutputChunk
+from worker.fleet.publisher import Publication, Publisher
+from worker.fleet.text_stage import Forget, TextStage
+
+KEYS = Keys()
+TTL_S = 800  # renewed to TTL + TTL / 8 = 900 s
+
+
+def calls(r: redis.Redis, command: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+class Counts:
+    """Calls of the commands a step may send, since the last look."""
+
+    NAMES = ("xadd", "expire", "multi", "exec")
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.last = {n: calls(r, n) for n in self.NAMES}
+
+    def since(self) -> dict[str, int]:
+        now = {n: calls(self.r, n) for n in self.NAMES}
+        diff = {n: now[n] - self.last[n] for n in self.NAMES}
+        self.last = now
+        return {n: d for n, d in diff.items() if d}
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def publisher(redis_client, clock) -> Publisher:
+    return Publisher(redis_client, KEYS, "w-commands", TTL_S, TextStage(None, lambda rid: None),
+                     clock=clock)
+
+
+def publish(pub: Publisher, *items) -> None:
+    """What one engine step hands over, written as the publisher thread writes it."""
+    pub.publish(list(items))
+    pub.tick()
+    assert pub._owed is None  # written, not left owed to a retry
+
+
+def chunk(rid: str, index: int) -> Publication:
+    return Publication(rid, OutputChunk(index, [100 + index]))
+
+
+def test_a_decoding_stream_costs_one_xadd_a_step_and_its_ttl_is_renewed_when_due(
+        redis_client, publisher, clock):
+    key = KEYS.output("r1")
+    counts = Counts(redis_client)
+    slack = publisher.ttl_renew_slack_s
+    assert slack == TTL_S // 8
+
+    publish(publisher, chunk("r1", 0))  # the stream's first write sets its TTL, past the TTL
+    assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
+    assert TTL_S < redis_client.ttl(key) <= TTL_S + slack
+
+    for i in range(1, 4):  # more than the TTL left: the XADD alone, no transaction
+        clock.advance(slack / 4)
+        publish(publisher, chunk("r1", i))
+        assert counts.since() == {"xadd": 1}
+    clock.advance(slack / 4 + 1)  # now less than the TTL is left: renewed with the next write
+    publish(publisher, chunk("r1", 4))
+    assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
+    assert TTL_S < redis_client.ttl(key) <= TTL_S + slack
+
+    publish(publisher, Publication("r1", OutputChunk(5, [7]),
+                                   FinalEntry("length", 6, {"completion_tokens": 6})))
+    assert counts.since() == {"xadd": 2, "expire": 1, "multi": 1, "exec": 1}
+    assert TTL_S - 5 <= redis_client.ttl(key) <= TTL_S  # exactly the TTL past its end
+    assert redis_client.xlen(key) == 7
+    assert "r1" not in publisher._lives_until  # ended: nothing kept for it
+
+
+def test_many_requests_in_one_step_cost_one_command_each(redis_client, publisher, clock):
+    rids = [f"m{i}" for i in range(16)]
+    counts = Counts(redis_client)
+    publish(publisher, *(chunk(rid, 0) for rid in rids))
+    assert counts.since() == {"xadd": 16, "expire": 16, "multi": 16, "exec": 16}
+    publish(publisher, *(chunk(rid, 1) for rid in rids))
+    assert counts.since() == {"xadd": 16}
+    assert all(redis_client.xlen(KEYS.output(rid)) == 2 for rid in rids)
+    assert all(redis_client.ttl(KEYS.output(rid)) > TTL_S for rid in rids)
+
+
+def test_a_stream_forgotten_here_is_renewed_again_if_it_comes_back(
+        redis_client, publisher, clock):
+    # Handed to another worker (Forget), then back: its TTL is not this publisher's to trust.
+    publish(publisher, chunk("r2", 0))
+    publish(publisher, Forget("r2"))
+    assert "r2" not in publisher._lives_until
+    redis_client.persist(KEYS.output("r2"))  # as if another writer had left it without one
+    counts = Counts(redis_client)
+    publish(publisher, chunk("r2", 1))
+    assert counts.since()["expire"] == 1
+    assert redis_client.ttl(KEYS.output("r2")) > TTL_S
+
+
+def test_a_refused_renewal_is_not_taken_for_done(redis_client, publisher, clock):
+    """Redis refusing the first write (out of memory) leaves no renewal recorded: the retry
+    sends the EXPIRE again with the XADD."""
+    redis_client.config_set("maxmemory", "1")
+    try:
+        publisher.publish([chunk("r3", 0)])
+        with pytest.raises(redis.ResponseError):
+            publisher.tick()
+        assert publisher._owed and "r3" not in publisher._lives_until  # refused, owed
+    finally:
+        redis_client.config_set("maxmemory", "0")
+    counts = Counts(redis_client)
+    publisher.tick()  # the supervisor's retry
+    assert publisher._owed is None
+    assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
+    assert redis_client.ttl(KEYS.output("r3")) > TTL_S

@@ -15,7 +15,7 @@ from worker.fleet.publisher import Publication, Publisher
 from worker.fleet.text_stage import Forget, TextStage
 
 KEYS = Keys()
-TTL_S = 800  # renewed to TTL + TTL / 8 = 900 s
+TTL_S = 800  # renewed to TTL + TTL / 8 = 900 s once less than 850 s are left
 
 
 def calls(r: redis.Redis, command: str) -> int:
@@ -71,11 +71,11 @@ def test_a_decoding_stream_costs_one_xadd_a_step_and_its_ttl_is_renewed_when_due
     assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
     assert TTL_S < redis_client.ttl(key) <= TTL_S + slack
 
-    for i in range(1, 4):  # more than the TTL left: the XADD alone, no transaction
-        clock.advance(slack / 4)
+    for i in range(1, 4):  # more than TTL + slack / 2 left: the XADD alone, no transaction
+        clock.advance(slack / 8)
         publish(publisher, chunk("r1", i))
         assert counts.since() == {"xadd": 1}
-    clock.advance(slack / 4 + 1)  # now less than the TTL is left: renewed with the next write
+    clock.advance(slack / 8 + 1)  # now less is left: renewed with the next write
     publish(publisher, chunk("r1", 4))
     assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
     assert TTL_S < redis_client.ttl(key) <= TTL_S + slack
@@ -110,6 +110,23 @@ def test_a_stream_forgotten_here_is_renewed_again_if_it_comes_back(
     publish(publisher, chunk("r2", 1))
     assert counts.since()["expire"] == 1
     assert redis_client.ttl(KEYS.output("r2")) > TTL_S
+
+
+def test_a_request_handed_on_leaves_no_ttl_behind(redis_client, publisher, clock):
+    """A prefill worker publishes a request's first chunk and forgets it in one batch."""
+    publish(publisher, chunk("h1", 0), Forget("h1"))
+    assert redis_client.ttl(KEYS.output("h1")) > TTL_S  # the chunk's write renewed it
+    assert "h1" not in publisher._lives_until
+
+
+def test_entries_of_streams_no_longer_written_are_pruned(redis_client, publisher, clock,
+                                                         monkeypatch):
+    monkeypatch.setattr("worker.fleet.publisher.PRUNE_EVERY_BATCHES", 1)
+    publish(publisher, chunk("p1", 0))
+    assert "p1" in publisher._lives_until
+    clock.advance(publisher.ttl_renew_slack_s)  # due for renewal: the entry is worth nothing
+    publish(publisher, chunk("p2", 0))
+    assert set(publisher._lives_until) == {"p2"}
 
 
 def test_a_refused_renewal_is_not_taken_for_done(redis_client, publisher, clock):

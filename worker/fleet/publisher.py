@@ -11,8 +11,10 @@ indexes make a repeated XADD fail harmlessly; a final that was already there is 
 be a final before its request is acknowledged.
 
 A decoding request's step usually costs one command, its XADD: the stream's TTL is renewed
-only when less than the full TTL is left (to the TTL plus a slack, so it always outlives
-its last write by the TTL), and the final sets it to exactly the TTL. On a 2-core machine
+(to the TTL plus a slack of an eighth) only once less than the TTL plus half the slack is
+left, so it outlives its last write by the TTL, and the final sets it to exactly the TTL.
+A stream that Redis lost (a restart without persistence) and an XADD made again gets its
+TTL back within half the slack, or with its final. On a 2-core machine
 the publisher shares the cores with the engine: every command it saves is engine time.
 """
 
@@ -44,6 +46,8 @@ DEAD_LETTER_RAW_BYTES = 4096
 # Engine steps whose output may wait for the publisher; past it the engine loop stops
 # stepping (Redis refusing writes must not make output pile up without limit).
 MAX_BACKLOG_STEPS = 256
+# How often (in batches) the publisher forgets the TTLs of streams it no longer writes.
+PRUNE_EVERY_BATCHES = 1000
 
 
 class WriteRefused(redis.ResponseError):
@@ -152,6 +156,9 @@ class Publisher(SupervisedThread):
         # (publisher's clock) each surely lives. Renewed when less than the TTL is left.
         self._lives_until: dict[str, float] = {}
         self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
+        # Requests forgotten in the batch being written; batches written (for pruning).
+        self._forgotten: list[str] = []
+        self._batches = 0
         self.published_entries = 0
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
@@ -183,8 +190,22 @@ class Publisher(SupervisedThread):
         if self._owed:
             self._write(self._owed)
         self._owed = None
+        # After the writes: a forgotten request's last chunk may be in the same batch.
+        for request_id in self._forgotten:
+            self._lives_until.pop(request_id, None)
+        self._forgotten.clear()
+        self._batches += 1
+        if self._batches % PRUNE_EVERY_BATCHES == 0:
+            self._prune_lives_until()
         if self._closing:
             self.stopping.set()
+
+    def _prune_lives_until(self) -> None:
+        """Drop entries that are due for renewal anyway (a missing entry means the same):
+        whatever way a stream stopped being written here, its entry does not outlive it
+        by more than the slack."""
+        due = self.clock.monotonic() + self.output_ttl_s + self.ttl_renew_slack_s / 2
+        self._lives_until = {rid: t for rid, t in self._lives_until.items() if t >= due}
 
     def _take(self) -> list[Item] | None:
         """The next queued items, coalesced: one round trip for several steps when behind."""
@@ -217,7 +238,7 @@ class Publisher(SupervisedThread):
                 self.text.track(item)
             elif isinstance(item, Forget):
                 self.text.forget(item)
-                self._lives_until.pop(item.request_id, None)
+                self._forgotten.append(item.request_id)
             elif isinstance(item, HandOn):
                 if not self.text.stopped(item.request_id):
                     ready.append(item)
@@ -355,7 +376,10 @@ class Publisher(SupervisedThread):
                     "XADD", key, entry.entry_id, FIELD, entry.encode())))
         if item.final is not None:  # an ended stream lives exactly the TTL past its end
             commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
-        elif self._lives_until.get(item.request_id, now) - now < self.output_ttl_s:
+        elif (self._lives_until.get(item.request_id, now) - now
+              < self.output_ttl_s + self.ttl_renew_slack_s / 2):
+            # Renewed with half the slack still in hand: that half covers the time until
+            # this batch reaches Redis (a busy core, a busy Redis).
             ttl = self.output_ttl_s + self.ttl_renew_slack_s
             commands.append(Command(item, "expire", key, ("EXPIRE", key, ttl),
                                     lives_until=now + ttl))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Stands for a token that a step still running samples (overlapped scheduling): the runner
+# feeds the real one, known by the time the next step computes.
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -48,6 +52,9 @@ class SchedulerOutput:
     # (device block, host block) pairs to save, then (host block, device block) to restore.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Scheduled without preemption (overlapped), and a running request did not fit: the
+    # next step is scheduled with the previous one finished, so it may preempt.
+    starved: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

@@ -65,6 +65,11 @@ class Request:
     preloaded: PrefixHit | None = None
     # Tokens whose imported KV it adopted at admission (usage.kv_transferred_tokens).
     num_transferred_tokens: int = 0
+    # Overlapped steps (Scheduler.advance): the newest output token is PENDING_TOKEN, sampled
+    # by a step still running; and, when that token reaches a length limit, the request is
+    # not scheduled again (it finishes once the token is known).
+    pending_token: bool = False
+    finishing: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,7 +10,12 @@ from kvstore import KVCacheManager
 from producer.wire.completion import FinishReason
 from producer.wire.stopping import stop_reason
 from scheduler.config import SchedulerConfig
-from scheduler.output import RequestUpdate, ScheduledChunk, SchedulerOutput
+from scheduler.output import (
+    PENDING_TOKEN,
+    RequestUpdate,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from scheduler.request import Request, RequestStatus
 
 
@@ -40,6 +45,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Waiting requests holding imported KV (Request.preloaded).
         self._num_holding = 0
+        # False while a step is scheduled beside a running one (schedule(may_preempt=False)).
+        self._may_preempt = True
 
     # ----- queue -----
 
@@ -94,10 +101,15 @@ class Scheduler:
 
     # ----- one step -----
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's chunks within the token budget."""
+    def schedule(self, may_preempt: bool = True) -> SchedulerOutput:
+        """Choose this step's chunks within the token budget.
+
+        ``may_preempt`` False (a step scheduled while the previous one runs): a running
+        request that cannot grow waits instead, and the output says it starved.
+        """
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        self._may_preempt = may_preempt
         scheduled: dict[str, ScheduledChunk] = {}
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
         if not out.preempted_ids:
@@ -140,11 +152,67 @@ class Scheduler:
                                          req.num_transferred_tokens))
         return updates
 
+    # ----- overlapped steps: a step's progress first, its sampled tokens later -----
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Apply a step that is still running, as far as it is known without its tokens:
+        progress, and a PENDING_TOKEN in place of each token it samples, so the next step
+        can be scheduled now. ``resolve`` brings the tokens. A request whose pending token
+        reaches a length limit is not scheduled again; it finishes in ``resolve``."""
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or not req.status.running:
+                continue  # finished (a stop string, a cancel) since it was scheduled
+            req.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            req.output_token_ids.append(PENDING_TOKEN)
+            req.pending_token = True
+            req.status = RequestStatus.RUNNING_GEN
+            req.finishing = self._stop_reason(req, PENDING_TOKEN) is not None
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Apply the tokens of a step ``advance`` applied before (the step after it may have
+        been scheduled meanwhile): each pending token becomes the real one, full blocks go
+        into the prefix cache, and requests stop as ``update`` would stop them."""
+        updates = []
+        caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or not req.status.running:
+                continue
+            before = chunk.start_position
+            after = before + len(chunk.token_ids)
+            if before < len(req.prompt_token_ids):
+                self.counters["prompt_tokens_computed"] += \
+                    min(after, len(req.prompt_token_ids)) - before
+            if chunk.sample:
+                token = sampled[chunk.request_id]
+                req.output_token_ids[chunk.output_index] = token
+                req.pending_token = False
+            # Every token up to `after` is known now (the input this step read in place of a
+            # pending token was resolved with the step before).
+            crossed = after // block_size > before // block_size
+            if caching and (chunk.num_known_blocks == 0 or crossed):
+                self.kv.cache_computed(req.request_id, after, req.all_token_ids,
+                                       req.block_hashes)
+            if not chunk.sample:
+                continue
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            updates.append(RequestUpdate(req.request_id, [token], reason is not None,
+                                         reason and str(reason), req.num_cached_tokens,
+                                         req.num_transferred_tokens))
+        return updates
+
     # ----- the three sources of work -----
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
                           out: SchedulerOutput) -> int:
-        decodes = [r for r in self.running if r.status is RequestStatus.RUNNING_GEN]
+        decodes = [r for r in self.running
+                   if r.status is RequestStatus.RUNNING_GEN and not r.finishing]
         prefills = [r for r in self.running if r.status is RequestStatus.RUNNING_CTX]
         block_capacity = self.kv.block_size
         for req in decodes + prefills:
@@ -260,6 +328,9 @@ class Scheduler:
         """
         given_back = 0
         while not self.kv.can_append_slots(req.request_id, req.num_computed_tokens + n):
+            if not self._may_preempt:
+                out.starved = True
+                return False, given_back
             victim = max(self.running, key=Request.urgency_key)
             dropped = scheduled.pop(victim.request_id, None)
             given_back += dropped.num_tokens if dropped else 0

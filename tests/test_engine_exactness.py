@@ -34,6 +34,10 @@ PATHS = {
     "chunked-shuffled-nan": (
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, **POOL), "together"),
     "arriving-between-steps": (dict(max_num_batched_tokens=64, **POOL), "staggered"),
+    # Step N+1 scheduled while step N runs (worker/step_pipeline.py), its inputs pending.
+    "overlapped-chunked-nan": (
+        dict(max_num_batched_tokens=64, block_shuffle_seed=7, async_scheduling=True, **POOL),
+        "staggered"),
 }
 
 
@@ -71,8 +75,8 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
     step_kinds: list[list[bool]] = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(**kwargs):
+        out = schedule(**kwargs)
         step_kinds.append([c.is_decode for c in out.chunks])
         return out
 
@@ -110,7 +114,10 @@ def test_greedy_float64_equals_transformers(model_factory, variant, path):
     assert len(forwards) == engine.num_steps > 0  # one forward per step
     if settings["max_num_batched_tokens"] == 64:
         assert result["mixed_steps"] > 0  # decodes shared steps with prefill chunks
+    if settings.get("async_scheduling"):
+        assert engine.num_overlapped_steps > engine.num_steps // 2
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    engine.close()
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])

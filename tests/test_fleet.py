@@ -29,9 +29,11 @@ def pending(client: Client) -> int:
     return settled_pending(client.redis)
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["plain", "overlapped-steps"])
 def test_results_equal_the_offline_engine_and_requests_are_acked(redis_url, tiny_llama,
-                                                                 start_worker):
-    start_worker()
+                                                                 start_worker, overlapped):
+    worker = start_worker(async_scheduling=overlapped)
+    assert worker.engine.async_scheduling is overlapped
     client = Client(redis_url)
     prompts = [prompt(n, seed=n) for n in (3, 40, 120)] + ["The old library"]
     ids = [client.submit(p, model=MODEL, max_tokens=12, temperature=0) for p in prompts]
@@ -45,6 +47,7 @@ def test_results_equal_the_offline_engine_and_requests_are_acked(redis_url, tiny
         assert got.finish_reason == want.finish_reason
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
     assert pending(client) == 0
+    assert (worker.engine.num_overlapped_steps > 0) is overlapped
 
 
 def test_stream_yields_each_token_index_once_and_can_resume(redis_url, start_worker):

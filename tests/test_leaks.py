@@ -26,6 +26,8 @@ def idle_sizes(worker) -> dict[str, int]:
         "scheduler requests": len(engine.scheduler.requests),
         "scheduler waiting heap": len(engine.scheduler._waiting),
         "publisher text states": worker.publisher.text.num_followed,
+        "publisher stream TTLs": len(worker.publisher._lives_until),
+        "engine steps under way": int(engine._inflight is not None) + len(engine._ready),
         "engine loop ends and drops": len(loop._ends) + len(loop._drops),
     }
 

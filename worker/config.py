@@ -57,6 +57,11 @@ class EngineConfig:
     detokenize: bool = True
     # Hand out KV blocks in a scrambled order (tests use it to prove order never matters).
     block_shuffle_seed: int | None = None
+    # Overlapped steps: schedule step N+1 while step N runs on a runner thread
+    # (worker/step_pipeline.py). None: on for CUDA, where the device would otherwise wait
+    # for the host between steps; off on a CPU, where the host work and the forward share
+    # the same cores (docs/benchmarks.md measures both).
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, values: dict[str, Any]) -> EngineConfig:

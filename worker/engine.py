@@ -6,6 +6,7 @@ import functools
 import heapq
 import itertools
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_request_id, validate_token_ids
-from scheduler import Request, Scheduler, SchedulerConfig
+from scheduler import Request, RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.config import EngineConfig
 from worker.device import engine_device, engine_dtype
 from worker.host_allocator import keep_large_allocations_in_heap
@@ -29,6 +30,7 @@ from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
 from worker.sampling import SampleRequest, fresh_seed
+from worker.step_pipeline import RunnerThread, StepResult
 from worker.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -90,6 +92,20 @@ class Engine:
             self.kv,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
+        # Overlapped steps (worker/step_pipeline.py): on by default on CUDA only.
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._pipeline = RunnerThread(self.runner, self.device) if self.async_scheduling else None
+        # The step running on the runner thread (scheduled, advanced, tokens not applied).
+        self._inflight: tuple[SchedulerOutput, Future[StepResult]] | None = None
+        # Outputs of a step finished outside step() (to read KV or tokens): the next step's.
+        self._ready: list[StepOutput] = []
+        # The last step scheduled beside a running one left a request out for lack of
+        # blocks: schedule the next with nothing running, so that it may preempt.
+        self._sync_next = False
+        # Live requests with penalties: they read every output token, so no step of theirs
+        # is scheduled before the step before it has its tokens.
+        self._num_penalized = 0
         self._outputs: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
         # (deadline, tie-break, request id, its output state): the state tells a live entry
@@ -99,6 +115,8 @@ class Engine:
         # of finished requests are dropped (the heap must not grow with every request).
         self._with_deadline: set[str] = set()
         self.num_steps = 0
+        # Steps scheduled while the step before them ran (overlapped steps only).
+        self.num_overlapped_steps = 0
 
     # ----- requests -----
 
@@ -148,6 +166,7 @@ class Engine:
             output_token_ids=list(generated),
         )
         if kv is not None:
+            self._settle()  # the runner thread must not be writing blocks we are about to fill
             req.preloaded = self._hold_imported_kv(kv, len(prompt_ids) + len(generated))
         seed = params.seed if params.seed is not None else fresh_seed()
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
@@ -162,6 +181,8 @@ class Engine:
                 self.kv.release_hold(req.preloaded)
             raise
         self._outputs[request_id] = state
+        if params.penalized:
+            self._num_penalized += 1
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._ids), request_id, state))
             self._with_deadline.add(request_id)
@@ -169,6 +190,7 @@ class Engine:
 
     def token_ids(self, request_id: str) -> list[int]:
         """The request's prompt and output token ids so far (a copy)."""
+        self._settle()
         req = self.scheduler.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} is not known here")
@@ -177,6 +199,7 @@ class Engine:
     def export_kv(self, request_id: str) -> KVHandoff:
         """The KV of every token of ``request_id`` computed so far (after the step that
         sampled its first token: the whole prompt), for another engine to continue from."""
+        self._settle()
         req = self.scheduler.requests.get(request_id)
         if req is None or not req.status.running:
             raise ValueError(f"request {request_id!r} is not running here")
@@ -187,6 +210,7 @@ class Engine:
     def export_prefix_blocks(self, request_id: str) -> list[tuple[bytes, bytes]]:
         """(chain hash, bytes) of every full block of the request's prompt computed so far,
         for the fleet tier's prefix sharing (the hash names the whole prefix to that block)."""
+        self._settle()
         req = self.scheduler.requests.get(request_id)
         if req is None or not req.status.running:
             raise ValueError(f"request {request_id!r} is not running here")
@@ -236,23 +260,78 @@ class Engine:
         return self._final_output(request_id, [], reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
+
+    def close(self) -> None:
+        """Stop the runner thread of overlapped steps (after the step it runs, if any)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     # ----- one step -----
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward, sample; returns what each advanced request gained."""
+        """Schedule, run one forward, sample; returns what each advanced request gained.
+
+        With overlapped steps (``async_scheduling``) the forward runs on the runner thread,
+        and a call returns what the step before it gained, once it has handed its own step
+        over: outputs come one call later, and a last call with nothing left to schedule
+        returns the last step's.
+        """
+        if self._pipeline is not None:
+            return self._step_overlapped(self._pipeline)
         expired = self._expire_overdue()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.release(sched)
             return expired
-        rows = {c.request_id: self._sample_request(c.request_id, c.output_index)
-                for c in sched.chunks if c.sample}
+        rows = self._sample_rows(sched)
         tokens, logprobs = self.runner.execute(sched, rows)
         self.num_steps += 1
+        return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
+
+    def _step_overlapped(self, pipeline: RunnerThread) -> list[StepOutput]:
+        outputs, self._ready = self._ready + self._expire_overdue(), []
+        if self._inflight is not None and (self._sync_next or self._num_penalized):
+            outputs += self._finish_inflight()
+        before = self._inflight
+        sched = self.scheduler.schedule(may_preempt=before is None)
+        self._sync_next = sched.starved
+        if sched.is_empty:
+            pipeline.submit(self.runner.release, sched)  # after the running step, in order
+            return outputs + (self._finish_inflight() if before is not None else [])
+        future = pipeline.submit_step(sched, self._sample_rows(sched),
+                                      before[1] if before is not None else None)
+        self.num_steps += 1
+        if before is not None:
+            self.num_overlapped_steps += 1
+            outputs += self._finish_inflight()
+        # After the running step's tokens: a request they finished gets no pending token.
+        self.scheduler.advance(sched)
+        self._inflight = (sched, future)
+        return outputs
+
+    def _finish_inflight(self) -> list[StepOutput]:
+        """Wait for the running step's tokens and apply them."""
+        assert self._inflight is not None
+        sched, future = self._inflight
+        self._inflight = None
+        tokens, logprobs = future.result()
+        return self._step_outputs(self.scheduler.resolve(sched, tokens), logprobs)
+
+    def _settle(self) -> None:
+        """Finish the running step, if any (its outputs come with the next step()): its
+        KV and tokens are then what the scheduler says they are."""
+        if self._inflight is not None:
+            self._ready += self._finish_inflight()
+
+    def _sample_rows(self, sched: SchedulerOutput) -> dict[str, SampleRequest]:
+        return {c.request_id: self._sample_request(c.request_id, c.output_index)
+                for c in sched.chunks if c.sample}
+
+    def _step_outputs(self, updates: list[RequestUpdate],
+                      logprobs: dict[str, Any]) -> list[StepOutput]:
         results = []
-        for upd in self.scheduler.update(sched, tokens):
+        for upd in updates:
             state = self._outputs[upd.request_id]
             state.num_cached_tokens = upd.num_cached_tokens
             state.num_transferred_tokens = upd.num_transferred_tokens
@@ -270,7 +349,7 @@ class Engine:
                                           state.take_delta(final=False),
                                           logprobs=[lp] if lp else None,
                                           num_cached_tokens=state.num_cached_tokens))
-        return expired + results
+        return results
 
     def generate(
         self,
@@ -339,6 +418,8 @@ class Engine:
     def _final_output(self, request_id: str, new_ids: list[int], reason: FinishReason,
                       logprob: Any = None) -> StepOutput:
         state = self._outputs.pop(request_id)
+        if state.params.penalized:
+            self._num_penalized -= 1
         self._with_deadline.discard(request_id)
         if len(self._deadlines) > 2 * len(self._with_deadline):
             self._deadlines = [d for d in self._deadlines if self._outputs.get(d[2]) is d[3]]
@@ -360,9 +441,13 @@ class Engine:
 
     def _sample_request(self, request_id: str, output_index: int) -> SampleRequest:
         state, req = self._outputs[request_id], self.scheduler.requests[request_id]
-        # The request's own token lists (read by penalties only), not copies.
+        # The request's own token lists (read by penalties only), not copies; a copy of the
+        # output where the runner thread reads it while this thread appends to it.
+        outputs = req.output_token_ids
+        if self._pipeline is not None and state.params.penalized:
+            outputs = list(outputs)
         return SampleRequest(state.params, state.seed, output_index,
-                             req.prompt_token_ids, req.output_token_ids)
+                             req.prompt_token_ids, outputs)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -8,7 +8,7 @@ import torch
 
 from kvstore.kv_tensors import PagedKVCache, copy_blocks
 from producer.wire.completion import TokenLogprob
-from scheduler.output import SchedulerOutput
+from scheduler.output import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.block_table_rows import BlockTableRows
 from worker.sampling import Sampler, SampleRequest
@@ -39,9 +39,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, rows: dict[str, SampleRequest]
+        self, out: SchedulerOutput, rows: dict[str, SampleRequest],
+        pending: dict[str, int] | None = None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
-        """Compute every chunk of the step; sample a token for each chunk that asks for one."""
+        """Compute every chunk of the step; sample a token for each chunk that asks for one.
+
+        ``pending``: the tokens the step before sampled, by request (overlapped steps): a
+        chunk's PENDING_TOKEN input is that request's.
+        """
         self._swap(out)
         self.release(out)
         rows_of_chunks = self.block_tables.apply(out)
@@ -49,6 +54,8 @@ class ModelRunner:
         if not chunks:
             return {}, {}
         ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        if pending is not None:
+            fill_pending(ids, chunks, pending)
         seq_lens = [c.start_position + c.num_tokens for c in chunks]
         block_size = self.kv_cache.block_size
         width = -(-max(seq_lens) // block_size)
@@ -91,3 +98,13 @@ class ModelRunner:
         copy_blocks(self.host_cache, self.kv_cache, out.swap_in, self.swap_stream)
         if self.swap_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.swap_stream)
+
+
+def fill_pending(ids: list[int], chunks: list[ScheduledChunk], sampled: dict[str, int]) -> None:
+    """Put in ``ids`` (the step's inputs, chunk after chunk) the token each PENDING_TOKEN
+    stands for: a decode's input, which the step before sampled."""
+    at = 0
+    for chunk in chunks:
+        at += len(chunk.token_ids)
+        if chunk.token_ids[-1] == PENDING_TOKEN:
+            ids[at - 1] = sampled[chunk.request_id]

@@ -60,9 +60,13 @@ class Worker:
         self.keys = Keys(config.namespace)
         self.model = config.model_name
         self.clock = clock or (engine.clock if engine is not None else SYSTEM_CLOCK)
-        # Text is made on the publisher thread (TextStage), not in the engine loop.
-        self.engine = engine or Engine(config.model_dir, clock=self.clock,
-                                       **{**config.engine, "detokenize": False})
+        # Text is made on the publisher thread (TextStage), not in the engine loop. A prefill
+        # worker hands a request on right after its first token, with the KV of exactly its
+        # prompt: no step of it may be under way beside that (worker/step_pipeline.py).
+        settings = {**config.engine, "detokenize": False}
+        if config.role == "prefill":
+            settings["async_scheduling"] = False
+        self.engine = engine or Engine(config.model_dir, clock=self.clock, **settings)
         self.chat_template = load_chat_template(config.model_dir, self.clock)
         self.redis_url = resolve_url(config.redis_url)
         self.client: redis.Redis = connect(self.redis_url)

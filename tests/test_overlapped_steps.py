@@ -1,0 +1,170 @@
+"""Overlapped steps (``async_scheduling``, worker/step_pipeline.py): step N+1 is scheduled
+while step N runs on the runner thread, with pending tokens as its inputs. Every output must
+be what the plain engine produces, on every path: sampling, seeds, penalties, stop tokens,
+preemption by swap and recompute, cancellation, deadlines, KV exports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_memory_pressure import blocks_needed, pressure_workload, run
+
+from producer.clock import ManualClock
+from producer.wire.completion import FinishReason
+from scheduler.output import PENDING_TOKEN
+from worker import Engine, SamplingParams
+
+
+def mixed_params(n: int, seed: int = 0, penalties: bool = False) -> list[SamplingParams]:
+    """Greedy, seeded top-p, min-p, top-k with stop tokens, logprobs (and penalties)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 5
+        kw: dict = {"max_tokens": rng.randint(1, 40), "seed": i}
+        if kind == 0:
+            kw.update(temperature=0, ignore_eos=True)
+        elif kind == 1:
+            kw.update(temperature=1.0, top_p=0.9)
+        elif kind == 2 and penalties:
+            kw.update(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3,
+                      repetition_penalty=1.2)
+        elif kind == 2:
+            kw.update(temperature=0.9, min_p=0.1)
+        elif kind == 3:  # stop tokens that end some requests early, mid-flight
+            kw.update(temperature=0.7, top_k=20,
+                      stop_token_ids=[rng.randrange(2, 1000) for _ in range(64)])
+        else:
+            kw.update(temperature=0, logprobs=2)
+        out.append(SamplingParams(**kw))
+    return out
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, 1000) for _ in range(40)]  # prefix-cache hits too
+    return [shared[:rng.choice([0, 16, 33, 40])]
+            + [rng.randrange(2, 1000) for _ in range(rng.randint(1, 50))] for _ in range(n)]
+
+
+def completions(engine: Engine, ps, params):
+    done = engine.generate(ps, params)
+    return [(c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs or []])
+            for c in done]
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sampled_seeded_and_stopped_requests_match_the_plain_engine(tiny_llama, penalties):
+    ps, params = prompts(30), mixed_params(30, penalties=penalties)
+    plain = Engine(tiny_llama, dtype="float64", num_kv_blocks=400)
+    overlapped = Engine(tiny_llama, dtype="float64", num_kv_blocks=400, async_scheduling=True)
+    want = completions(plain, ps, params)
+    got = completions(overlapped, ps, params)
+    assert got == want
+    assert any(reason == FinishReason.STOP for _, reason, _ in want)  # stop tokens did stop
+    assert overlapped.num_overlapped_steps > 0
+    if not penalties:
+        assert overlapped.num_overlapped_steps >= overlapped.num_steps - 2
+    assert overlapped.block_pool.num_free == overlapped.block_pool.num_blocks
+    overlapped.close()
+
+
+@pytest.mark.parametrize(("mode", "swap_blocks"), [("swap", 400), ("recompute", 0),
+                                                   ("auto", 12)])
+def test_under_memory_pressure_outputs_match_and_preemption_still_happens(tiny_llama, mode,
+                                                                         swap_blocks):
+    work = pressure_workload()
+    expected = run(Engine(tiny_llama, dtype="float64", num_kv_blocks=blocks_needed(work) + 16,
+                          max_num_seqs=64, max_num_batched_tokens=512), work)
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=blocks_needed(work) // 4,
+                    swap_blocks=swap_blocks, preemption_mode=mode, max_num_seqs=64,
+                    max_num_batched_tokens=512, block_shuffle_seed=3, async_scheduling=True)
+    starved = []
+    schedule = engine.scheduler.schedule
+
+    def recording(**kwargs):
+        out = schedule(**kwargs)
+        starved.append(out.starved)
+        return out
+
+    engine.scheduler.schedule = recording
+    assert run(engine, work) == expected
+    stats = engine.stats()
+    # The pressure was real: overlapped steps left requests out, plain ones preempted.
+    assert any(starved) and stats["preemptions"] > 0
+    assert engine.num_overlapped_steps > 0
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    engine.block_pool.check_invariants()
+    engine.close()
+
+
+def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_final(tiny_llama):
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    keep, drop = engine.add_request([5, 6, 7], params), engine.add_request([8, 9], params)
+    got: dict[str, list] = {keep: [], drop: []}
+    for _ in range(6):
+        for out in engine.step():
+            got[out.request_id].append(out)
+    assert engine._inflight is not None  # a step with both requests is under way
+    final = engine.abort(drop)
+    assert final is not None and final.finish_reason == FinishReason.CANCELLED
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    assert not got[drop] or not got[drop][-1].finished  # its only final is the abort's
+    whole = [t for o in got[drop] for t in o.new_token_ids]
+    assert final.completion.token_ids == whole
+    assert got[keep][-1].finished and len([t for o in got[keep] for t in o.new_token_ids]) == 50
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    engine.close()
+
+
+def test_a_deadline_ends_a_request_between_overlapped_steps(tiny_llama):
+    clock = ManualClock()
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True,
+                    clock=clock)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=100, temperature=0,
+                                                       ignore_eos=True),
+                             deadline=clock.time() + 10)
+    outs = []
+    for _ in range(5):
+        outs += engine.step()
+    clock.advance(11)
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].request_id == rid and outs[-1].finish_reason == FinishReason.EXPIRED
+    assert outs[-1].completion.token_ids == [t for o in outs for t in o.new_token_ids]
+    engine.close()
+
+
+def test_tokens_and_kv_read_from_outside_are_settled_first(tiny_llama):
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
+    plain = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for e in (engine, plain):
+        e.add_request([5, 6, 7, 8] * 5, params, request_id="r")
+    seen = []
+    for _ in range(8):
+        seen += engine.step()
+    assert engine._inflight is not None
+    tokens = engine.token_ids("r")  # finishes the running step first
+    assert PENDING_TOKEN not in tokens and engine._inflight is None
+    kv = engine.export_kv("r")
+    assert kv.num_tokens == len(tokens) - 1  # every token but the newest is computed
+    for _ in range(8):  # the plain engine, as many steps on
+        plain.step()
+    assert plain.token_ids("r") == tokens
+    assert plain.export_kv("r") == kv  # the same KV bytes
+    # The settled step's output is not lost: it comes with the next step.
+    while engine.has_unfinished():
+        seen += engine.step()
+    want = Engine(tiny_llama, dtype="float64").generate([[5, 6, 7, 8] * 5], params)[0]
+    assert [t for o in seen for t in o.new_token_ids] == want.token_ids
+    engine.close()
+
+
+def test_it_is_on_by_default_only_on_cuda(tiny_llama):
+    engine = Engine(tiny_llama, dtype="float32", num_kv_blocks=16)
+    assert engine.device.type == "cpu" and engine.async_scheduling is False

@@ -263,7 +263,8 @@ class Engine:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
 
     def close(self) -> None:
-        """Stop the runner thread of overlapped steps (after the step it runs, if any)."""
+        """Stop the runner thread of overlapped steps (after the step it runs, if any); the
+        engine steps no more after this."""
         if self._pipeline is not None:
             self._pipeline.close()
 

@@ -48,28 +48,34 @@ def small_model(model_factory):
 
 
 @pytest.mark.parametrize("batch, layers", [(1, "native"), (16, "native"), (64, "native"),
-                                           (64, "python")])
+                                           (64, "python"), (1, "native-overlapped"),
+                                           (64, "native-overlapped")])
 def test_bench_decode_small(benchmark, monkeypatch, small_model, batch, layers):
     """One decode step of `batch` requests with 128-token prompts on the small preset, its
-    layers in one native call (the default on CPU) or in Python."""
-    monkeypatch.setenv(ENV_SWITCH, "1" if layers == "native" else "0")
+    layers in one native call (the default on CPU) or in Python; "overlapped": each step
+    scheduled while the one before runs (async_scheduling; off by default on CPU)."""
+    monkeypatch.setenv(ENV_SWITCH, "0" if layers == "python" else "1")
     # Two threads to measure; one for the smoke run, which shares the cores with the suite.
     engine = Engine(small_model, dtype="float32", max_num_seqs=batch,
                     num_threads=1 if benchmark.disabled else 2,
-                    max_num_batched_tokens=max(1024, 128 * batch))
+                    max_num_batched_tokens=max(1024, 128 * batch),
+                    async_scheduling=layers.endswith("overlapped"))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(2, 8000) for _ in range(128)], params)
+    # Until every request decodes (overlapped: the step that gave the first tokens is over).
     while engine.scheduler.num_waiting or any(
         r.num_output_tokens == 0 for r in engine.scheduler.running
-    ):
+    ) or engine.num_steps < 3:
         engine.step()
 
     outputs = benchmark(engine.step)
+    engine.close()  # the last step handed over (overlapped) has run
     assert len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs)
-    assert (engine.model.num_native_steps > 0) == (layers == "native"
+    assert (engine.model.num_native_steps > 0) == (layers != "python"
                                                    and decode_layers_kernel() is not None)
+    assert (engine.num_overlapped_steps > 0) == layers.endswith("overlapped")
     benchmark.extra_info["tokens_per_step"] = batch
 
 

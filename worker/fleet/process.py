@@ -66,6 +66,7 @@ class Worker:
         settings = {**config.engine, "detokenize": False}
         if config.role == "prefill":
             settings["async_scheduling"] = False
+        self._owns_engine = engine is None
         self.engine = engine or Engine(config.model_dir, clock=self.clock, **settings)
         self.chat_template = load_chat_template(config.model_dir, self.clock)
         self.redis_url = resolve_url(config.redis_url)
@@ -274,6 +275,8 @@ class Worker:
             thread.stop()
         drained = not failed and self.inflight.wait_empty(timeout)
         self.loop.stop()
+        if self._owns_engine:
+            self.engine.close()  # its runner thread, if it steps overlapped
         if not self.publisher.close(PUBLISHER_FLUSH_TIMEOUT_S):
             log.warning("output could not be flushed to redis; its requests are handed back "
                         "and resume from what was published")

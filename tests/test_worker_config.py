@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from worker.cli import build_parser
+from worker.commands import worker_config
 from worker.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
 
@@ -44,6 +45,15 @@ def test_worker_flags_default_to_the_config_dataclasses():
         assert getattr(args, flag) == field_default(WorkerConfig, name), flag
     bench = build_parser().parse_args(["bench"])
     assert bench.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
+
+
+@pytest.mark.parametrize(("flag", "setting"), [("auto", None), ("on", True), ("off", False)])
+def test_async_scheduling_flag_reaches_the_engine_settings(tiny_llama, flag, setting):
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
+                                      "--async-scheduling", flag])
+    engine = worker_config(args).engine
+    assert engine.get("async_scheduling") is setting  # absent: the device decides
+    assert EngineConfig.from_kwargs(engine).async_scheduling is setting
 
 
 def test_conveyor_worker_with_a_bad_setting_exits_2_with_the_reason(tiny_llama):

@@ -92,6 +92,10 @@ def _add_serve_parser(subparsers: Any) -> None:
                    "model's max length)")
     p.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="schedule each step while the one before runs: auto is on for CUDA "
+                   "and off on a CPU, where it was measured slower; a prefill worker never "
+                   "does (default: %(default)s)")
     p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
                    metavar="S", help="seconds between heartbeats (status and load in Redis; "
                    "default: %(default)s)")
@@ -194,6 +198,11 @@ def generate_cmd(args: argparse.Namespace) -> int:
 def worker_cmd(args: argparse.Namespace) -> int:
     from worker.fleet.process import Worker
 
+    return Worker(worker_config(args)).run_until_signalled()
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig `conveyor worker`'s flags ask for (the model made if missing)."""
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
               args.max_num_batched_tokens, "dtype": args.dtype}
     if args.num_kv_blocks:
@@ -204,6 +213,8 @@ def worker_cmd(args: argparse.Namespace) -> int:
         engine["enable_chunked_prefill"] = False
     if args.max_prefill_chunk:
         engine["max_prefill_chunk"] = args.max_prefill_chunk
+    if args.async_scheduling != "auto":
+        engine["async_scheduling"] = args.async_scheduling == "on"
     config = WorkerConfig(model_dir=ensure_model(args.model),
                           served_model_name=args.served_model_name,
                           redis_url=args.redis, namespace=args.namespace,
@@ -215,7 +226,7 @@ def worker_cmd(args: argparse.Namespace) -> int:
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
                           handoff_max_waiting=args.handoff_max_waiting,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
-    return Worker(config).run_until_signalled()
+    return config
 
 
 def demo_cmd(args: argparse.Namespace) -> int:

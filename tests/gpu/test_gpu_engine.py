@@ -85,3 +85,24 @@ def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype):
     assert stats["preemptions_swap"] > 0 and stats["swapped_in_blocks"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
     assert got == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_overlapped_steps_are_the_default_and_match_plain_steps(tiny_llama, dtype):
+    """Steps scheduled while the step before runs (on by default on CUDA) give exactly the
+    tokens of plain steps: sampled, seeded, under swaps and starved steps."""
+    rng = random.Random(1)
+    work = [[rng.randrange(2, 1000) for _ in range(rng.randint(8, 120))] for _ in range(32)]
+    params = [SamplingParams(max_tokens=rng.randint(8, 48), ignore_eos=True, seed=i,
+                             temperature=0.0 if i % 2 else 0.8, top_p=0.95) for i in range(32)]
+    settings = dict(device="cuda", dtype=dtype, num_kv_blocks=80, swap_blocks=400,
+                    preemption_mode="auto", max_num_batched_tokens=256)
+    overlapped, plain = Engine(tiny_llama, **settings), Engine(tiny_llama, async_scheduling=False,
+                                                              **settings)
+    assert overlapped.async_scheduling and not plain.async_scheduling
+    want = [c.token_ids for c in plain.generate(work, params)]
+    got = [c.token_ids for c in overlapped.generate(work, params)]
+    assert overlapped.num_overlapped_steps > 0 and overlapped.stats()["preemptions"] > 0
+    assert got == want
+    assert overlapped.block_pool.num_free == overlapped.block_pool.num_blocks
+    overlapped.close()

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # Scheduled without preemption (overlapped), and a running request did not fit: the
     # next step is scheduled with the previous one finished, so it may preempt.
     starved: bool = False
+    # Set by Scheduler.advance: each chunk's request as it was then (None: it had ended),
+    # so that resolve never applies a step to a later request that reuses the id.
+    advanced: list = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

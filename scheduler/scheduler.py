@@ -159,10 +159,13 @@ class Scheduler:
         progress, and a PENDING_TOKEN in place of each token it samples, so the next step
         can be scheduled now. ``resolve`` brings the tokens. A request whose pending token
         reaches a length limit is not scheduled again; it finishes in ``resolve``."""
+        out.advanced = advanced = []
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or not req.status.running:
+                advanced.append(None)
                 continue  # finished (a stop string, a cancel) since it was scheduled
+            advanced.append(req)
             req.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
             if not chunk.sample:
                 continue
@@ -177,8 +180,8 @@ class Scheduler:
         into the prefix cache, and requests stop as ``update`` would stop them."""
         updates = []
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
-        for chunk in out.chunks:
-            req = self.requests.get(chunk.request_id)
+        for chunk, req in zip(out.chunks, out.advanced, strict=True):
+            # Ended since (its id may name a new request by now: not this step's).
             if req is None or not req.status.running:
                 continue
             before = chunk.start_position

@@ -168,3 +168,34 @@ def test_tokens_and_kv_read_from_outside_are_settled_first(tiny_llama):
 def test_it_is_on_by_default_only_on_cuda(tiny_llama):
     engine = Engine(tiny_llama, dtype="float32", num_kv_blocks=16)
     assert engine.device.type == "cpu" and engine.async_scheduling is False
+
+
+def test_an_id_reused_while_its_stopped_request_is_still_in_a_step(tiny_llama):
+    """A stop token ends "r" when its next step is already under way; "r" is then reused by
+    a new request, which must get nothing of the old one's step (tokens, KV, cache)."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    plain = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
+    first = plain.generate([[5, 6, 7]], SamplingParams(max_tokens=20, **greedy))[0].token_ids
+    stop_at = first[4]
+    new_prompt = [11, 12, 13] * 12  # two full blocks: the prefix cache is at stake too
+    want = plain.generate([new_prompt, new_prompt + [40, 41]],
+                          SamplingParams(max_tokens=10, **greedy))
+
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
+    engine.add_request([9, 10], SamplingParams(max_tokens=40, **greedy))  # keeps steps going
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, stop_token_ids=[stop_at],
+                                                 **greedy), request_id="r")
+    while not any(o.request_id == "r" and o.finished for o in engine.step()):
+        pass
+    # The step after the one that stopped it is under way, with the old "r" in it.
+    assert engine._inflight is not None
+    assert "r" in {c.request_id for c in engine._inflight[0].chunks}
+    engine.add_request(new_prompt, SamplingParams(max_tokens=10, **greedy), request_id="r")
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == "r" for t in o.new_token_ids]
+    assert tokens == want[0].token_ids
+    again = engine.generate([new_prompt + [40, 41]], SamplingParams(max_tokens=10, **greedy))
+    assert again[0].token_ids == want[1].token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0  # it read the new r's blocks
+    engine.close()

@@ -199,3 +199,20 @@ def test_an_id_reused_while_its_stopped_request_is_still_in_a_step(tiny_llama):
     assert again[0].token_ids == want[1].token_ids
     assert engine.stats()["prefix_cache_hit_tokens"] > 0  # it read the new r's blocks
     engine.close()
+
+
+def test_the_runner_thread_of_a_cuda_engine_takes_its_device_by_index(monkeypatch):
+    """torch.cuda.set_device refuses a device without an index ("cuda", what "auto" picks):
+    the runner thread is given the index. Checked here by recording the calls, since this
+    machine has no GPU (tests/gpu runs it for real)."""
+    import torch
+
+    from worker.step_pipeline import RunnerThread
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    thread = RunnerThread(runner=None, device=torch.device("cuda"))  # type: ignore[arg-type]
+    assert thread.submit(lambda: "ran").result() == "ran"
+    thread.close()
+    assert calls == [3]

@@ -42,8 +42,11 @@ class RunnerThread:
         self.runner = runner
         init: Callable[[], None] | None = None
         if device.type == "cuda":  # the thread's current device is the engine's
+            # set_device needs an index: "cuda" alone means this thread's current device.
+            index = device.index if device.index is not None else torch.cuda.current_device()
+
             def init() -> None:
-                torch.cuda.set_device(device)
+                torch.cuda.set_device(index)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-runner", initializer=init)
 
     def submit_step(self, out: SchedulerOutput, rows: dict[str, SampleRequest],

@@ -79,6 +79,10 @@ class ModelRunner:
         ids_out = [chunks[i].request_id for i in sampling]
         sample_rows = [rows[i] for i in ids_out]
         step = step_rows(self.sampling_rows, ids_out, sample_rows, logits.device)
+        if self.device.type == "cuda":
+            # Wait for the forward here, where the wait lets go of the GIL (the sampler's
+            # reads of its results would hold it): overlapped steps schedule meanwhile.
+            torch.cuda.current_stream(self.device).synchronize()
         tokens, logprobs = self.sampler(logits, sample_rows, step)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
 

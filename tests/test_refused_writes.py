@@ -74,7 +74,10 @@ def test_while_writes_are_refused_the_engine_stops_instead_of_buffering(
     rid = client.submit([5, 6, 7], model=MODEL, max_tokens=1500, temperature=0, ignore_eos=True)
     next(client.stream(rid, timeout=60))
     full_redis(True)
-    eventually(lambda: worker.publisher.backlogged, "output backed up behind refused writes")
+    # Backed up behind a refusal, not only behind a publisher slower than the engine (that
+    # backlog would clear at its next batch, and the engine would step again).
+    eventually(lambda: worker.publisher.refused_writes > 0 and worker.publisher.backlogged,
+               "output backed up behind refused writes")
     ticks = worker.loop.ticks
     eventually(lambda: worker.loop.ticks >= ticks + 2, "a step under way has ended")
     steps = worker.engine.num_steps

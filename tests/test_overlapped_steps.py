@@ -114,53 +114,112 @@ def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_final(ti
         for out in engine.step():
             got[out.request_id].append(out)
     assert not got[drop] or not got[drop][-1].finished  # its only final is the abort's
-    whole = [t for o in got[drop] for t in o.new_token_ids]
-    assert final.completion.token_ids == whole
+    # Every token computed for it, the running step's in the final itself.
+    whole = [t for o in [*got[drop], final] for t in o.new_token_ids]
+    assert final.completion.token_ids == whole and final.new_token_ids
     assert got[keep][-1].finished and len([t for o in got[keep] for t in o.new_token_ids]) == 50
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     engine.close()
 
 
-def test_a_deadline_ends_a_request_between_overlapped_steps(tiny_llama):
-    clock = ManualClock()
-    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True,
-                    clock=clock)
-    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=100, temperature=0,
-                                                       ignore_eos=True),
-                             deadline=clock.time() + 10)
-    outs = []
-    for _ in range(5):
-        outs += engine.step()
-    clock.advance(11)
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("calls", [1, 2, 5])
+def test_a_deadline_ends_a_request_with_what_plain_steps_give_it(tiny_llama, calls):
+    """The same calls on both engines, then the deadline passes: the same completion (the
+    running step's token is kept, not thrown away)."""
+    finals = {}
+    for overlapped in (False, True):
+        clock = ManualClock()
+        engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, clock=clock,
+                        async_scheduling=overlapped)
+        rid = engine.add_request([5, 6, 7], greedy(100), deadline=clock.time() + 10)
+        outs = []
+        for _ in range(calls):
+            outs += engine.step()
+        clock.advance(11)
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+        assert outs[-1].request_id == rid and outs[-1].finish_reason == FinishReason.EXPIRED
+        assert outs[-1].completion.token_ids == [t for o in outs for t in o.new_token_ids]
+        finals[overlapped] = outs[-1].completion.token_ids
+        engine.close()
+    assert finals[True] == finals[False] and len(finals[False]) == calls
+
+
+def test_a_cancel_after_a_settled_step_gets_its_tokens_in_the_final(tiny_llama):
+    """A step finished early (a KV import settles it) holds its outputs for the next step();
+    a cancel then must bring them in its final, and nothing may follow that final."""
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
+    source = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
+    source.add_request([20, 21, 22, 23], greedy(5), request_id="s")
+    source.step()  # its prompt's KV, to import
+    kv = source.export_kv("s")
+    rid = engine.add_request([5, 6, 7], greedy(50))
+    seen = []
+    for _ in range(4):
+        seen += engine.step()
+    assert engine._inflight is not None
+    engine.add_request(source.token_ids("s"), greedy(3), kv=kv)  # settles the running step
+    assert engine._inflight is None and any(o.request_id == rid for o in engine._ready)
+    final = engine.abort(rid)
+    assert final is not None and final.finished and final.new_token_ids
+    seen.append(final)
     while engine.has_unfinished():
-        outs += engine.step()
-    assert outs[-1].request_id == rid and outs[-1].finish_reason == FinishReason.EXPIRED
-    assert outs[-1].completion.token_ids == [t for o in outs for t in o.new_token_ids]
+        seen += engine.step()
+    mine = [o for o in seen if o.request_id == rid]
+    assert mine[-1] is final  # nothing after the final
+    assert final.completion.token_ids == [t for o in mine for t in o.new_token_ids]
     engine.close()
 
 
-def test_tokens_and_kv_read_from_outside_are_settled_first(tiny_llama):
+def test_prefix_blocks_are_exported_beside_a_running_step_even_if_it_ends_the_request(
+        tiny_llama):
+    """What a worker sharing prefixes does right after a request's first token; the step
+    running then may be the request's last (max_tokens=2)."""
     engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
     plain = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompt = list(range(30, 70))  # two full blocks and a partial one
     for e in (engine, plain):
-        e.add_request([5, 6, 7, 8] * 5, params, request_id="r")
+        e.add_request(prompt, greedy(2), request_id="p")
+    firsts = []
+    while not firsts:
+        firsts = [o for o in engine.step() if o.request_id == "p"]
+    assert engine._inflight is not None  # its second (last) token is being computed
+    blocks = engine.export_prefix_blocks("p")
+    assert engine._inflight is not None  # it did not have to wait for that step
+    plain.step()
+    assert blocks == plain.export_prefix_blocks("p") and len(blocks) == 2
+    engine.close()
+
+
+def test_tokens_and_kv_read_from_outside(tiny_llama):
+    """token_ids: what steps returned so far, the running step's token not among them;
+    export_kv: finishes the running step first, so tokens and KV agree."""
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=200, async_scheduling=True)
+    plain = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
+    for e in (engine, plain):
+        e.add_request([5, 6, 7, 8] * 5, greedy(30), request_id="r")
     seen = []
     for _ in range(8):
         seen += engine.step()
-    assert engine._inflight is not None
-    tokens = engine.token_ids("r")  # finishes the running step first
-    assert PENDING_TOKEN not in tokens and engine._inflight is None
-    kv = engine.export_kv("r")
-    assert kv.num_tokens == len(tokens) - 1  # every token but the newest is computed
-    for _ in range(8):  # the plain engine, as many steps on
+    for _ in range(7):  # the plain engine, to the steps the overlapped one returned
         plain.step()
-    assert plain.token_ids("r") == tokens
+    assert engine._inflight is not None
+    tokens = engine.token_ids("r")
+    assert PENDING_TOKEN not in tokens and tokens == plain.token_ids("r")
+    kv = engine.export_kv("r")  # finishes the running step first
+    assert engine._inflight is None
+    plain.step()
     assert plain.export_kv("r") == kv  # the same KV bytes
+    assert engine.token_ids("r") == plain.token_ids("r")
     # The settled step's output is not lost: it comes with the next step.
     while engine.has_unfinished():
         seen += engine.step()
-    want = Engine(tiny_llama, dtype="float64").generate([[5, 6, 7, 8] * 5], params)[0]
+    want = Engine(tiny_llama, dtype="float64").generate([[5, 6, 7, 8] * 5], greedy(30))[0]
     assert [t for o in seen for t in o.new_token_ids] == want.token_ids
     engine.close()
 

@@ -189,12 +189,13 @@ class Engine:
         return request_id
 
     def token_ids(self, request_id: str) -> list[int]:
-        """The request's prompt and output token ids so far (a copy)."""
-        self._settle()
+        """The request's prompt and output token ids so far (a copy; overlapped, without
+        the token of the step still running)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} is not known here")
-        return req.all_token_ids()
+        tokens = req.all_token_ids()
+        return tokens[:-1] if req.pending_token else tokens
 
     def export_kv(self, request_id: str) -> KVHandoff:
         """The KV of every token of ``request_id`` computed so far (after the step that
@@ -209,8 +210,8 @@ class Engine:
 
     def export_prefix_blocks(self, request_id: str) -> list[tuple[bytes, bytes]]:
         """(chain hash, bytes) of every full block of the request's prompt computed so far,
-        for the fleet tier's prefix sharing (the hash names the whole prefix to that block)."""
-        self._settle()
+        for the fleet tier's prefix sharing (the hash names the whole prefix to that block).
+        A step still running never writes these blocks: no need to wait for it."""
         req = self.scheduler.requests.get(request_id)
         if req is None or not req.status.running:
             raise ValueError(f"request {request_id!r} is not running here")
@@ -254,10 +255,33 @@ class Engine:
 
     def abort(self, request_id: str,
               reason: FinishReason = FinishReason.CANCELLED) -> StepOutput | None:
-        """End a request now; returns its final output, or None if it is unknown."""
-        if self.scheduler.finish_request(request_id, reason) is None:
+        """End a request now; returns its final output, or None if it is unknown.
+
+        Overlapped: the running step is finished first, so the request keeps every token
+        computed for it, as with plain steps; what that step gave it not yet returned by
+        ``step()`` comes in this final output instead.
+        """
+        if request_id not in self.scheduler.requests:
             return None
-        return self._final_output(request_id, [], reason)
+        self._settle()
+        earlier = [o for o in self._ready if o.request_id == request_id]
+        if earlier:
+            self._ready = [o for o in self._ready if o.request_id != request_id]
+        if self.scheduler.finish_request(request_id, reason) is None:
+            # The running step ended it: its final, held for the next step(), is the answer.
+            return self._merged(earlier) if earlier and earlier[-1].finished else None
+        final = self._final_output(request_id, [], reason)
+        return self._merged([*earlier, final]) if earlier else final
+
+    @staticmethod
+    def _merged(outputs: list[StepOutput]) -> StepOutput:
+        """Several outputs of one request as one (the last one's ending)."""
+        last = outputs[-1]
+        logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
+        return StepOutput(last.request_id, [t for o in outputs for t in o.new_token_ids],
+                          "".join(o.text_delta for o in outputs), last.finished,
+                          last.finish_reason, logprobs or None, last.completion,
+                          last.num_cached_tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
@@ -291,7 +315,8 @@ class Engine:
         return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
 
     def _step_overlapped(self, pipeline: RunnerThread) -> list[StepOutput]:
-        outputs, self._ready = self._ready + self._expire_overdue(), []
+        expired = self._expire_overdue()  # (each expiry finishes the running step first)
+        outputs, self._ready = self._ready + expired, []
         if self._inflight is not None and (self._sync_next or self._num_penalized):
             outputs += self._finish_inflight()
         before = self._inflight

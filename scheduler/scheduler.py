@@ -143,14 +143,18 @@ class Scheduler:
             token = sampled[chunk.request_id]
             req.output_token_ids.append(token)
             req.status = RequestStatus.RUNNING_GEN
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            updates.append(RequestUpdate(req.request_id, [token], reason is not None,
-                                         reason and str(reason), req.num_cached_tokens,
-                                         req.num_transferred_tokens))
+            updates.append(self._took_token(req, token))
         return updates
+
+    def _took_token(self, req: Request, token: int) -> RequestUpdate:
+        """A running request's newest output token is ``token``: stop it if that ends it."""
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+        return RequestUpdate(req.request_id, [token], reason is not None,
+                             reason and str(reason), req.num_cached_tokens,
+                             req.num_transferred_tokens)
 
     # ----- overlapped steps: a step's progress first, its sampled tokens later -----
 
@@ -199,15 +203,8 @@ class Scheduler:
             if caching and (chunk.num_known_blocks == 0 or crossed):
                 self.kv.cache_computed(req.request_id, after, req.all_token_ids,
                                        req.block_hashes)
-            if not chunk.sample:
-                continue
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            updates.append(RequestUpdate(req.request_id, [token], reason is not None,
-                                         reason and str(reason), req.num_cached_tokens,
-                                         req.num_transferred_tokens))
+            if chunk.sample:
+                updates.append(self._took_token(req, token))
         return updates
 
     # ----- the three sources of work -----

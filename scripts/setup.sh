@@ -30,6 +30,17 @@ if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
   fi
 fi
 
+# The TLS tests make their certificates with the openssl command: the same switches install
+# it where missing.
+if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+    && ! command -v openssl >/dev/null 2>&1; then
+  echo "setup: installing openssl (test certificates)" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl \
+    >/dev/null) || echo "setup: could not install openssl; the TLS tests will be skipped" \
+    "(or fail, under CI=true)" >&2
+fi
+
 # The Node.js client in the tests (tests/node_client) is required under CI=true. With the
 # same switches, as root with apt, install node and npm where missing, then the client's
 # packages as package-lock.json pins them (npm ci, only when node_modules differs). Elsewhere

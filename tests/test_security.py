@@ -22,7 +22,7 @@ import pytest
 import redis
 import torch
 from fleet_fixtures import MODEL, settled_pending
-from redis_fixtures import redis_binary, tls_redis_binary
+from redis_fixtures import missing, redis_binary, tls_redis_binary
 from tcp_proxy import TcpProxy
 
 from producer.acl import ROLES, acl_rules, setuser_args
@@ -402,7 +402,7 @@ def tls_server(tmp_path_factory):
     """A TLS-only (no plain TCP) redis-server; client certificates optional but verified."""
     binary = tls_redis_binary()
     if shutil.which("openssl") is None:
-        pytest.skip("no openssl command to make test certificates with")
+        missing("no openssl command to make test certificates with")
     certs = make_certificates(tmp_path_factory.mktemp("certs"))
     port = free_port()
     config = {"tls-port": port, "tls-cert-file": certs / "server.crt",

@@ -11,12 +11,12 @@ tokens). Reports output tokens/s and the median step, and on / off for each.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
 
+from worker.bench.sampling_steps import decoding_engine
 from worker.bench.workloads import w1_heavy_tailed
 from worker.commands import ensure_model
 from worker.engine import Engine
@@ -41,23 +41,12 @@ def w1_tokens_per_s(model_dir, overlap: bool, threads: int) -> float:
 
 
 def decode_step_ms(model_dir, overlap: bool, threads: int, batch: int, steps: int) -> float:
-    rng = random.Random(0)
-    engine = Engine(model_dir, num_threads=threads, async_scheduling=overlap)
-    for i in range(batch):
-        engine.add_request([rng.randrange(2, 8000) for _ in range(128)],
-                           {"max_tokens": steps + 20, "temperature": 0, "ignore_eos": True},
-                           request_id=f"d-{i}")
-    for _ in range(8):  # prefill, then decoding
-        engine.step()
+    engine = decoding_engine(model_dir, "greedy", batch, threads, async_scheduling=overlap)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    for rid in list(engine.scheduler.requests):
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
     engine.close()
     return statistics.median(times) * 1e3
 

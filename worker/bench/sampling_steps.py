@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,10 +36,11 @@ PROMPT_TOKENS = 128
 
 
 def decoding_engine(model_dir: Path, mode: str, batch: int, threads: int,
-                    prompt_tokens: int = PROMPT_TOKENS) -> Engine:
-    """An engine whose ``batch`` requests (sampled as ``mode`` says) all decode."""
+                    prompt_tokens: int = PROMPT_TOKENS, **settings: Any) -> Engine:
+    """An engine whose ``batch`` requests (sampled as ``mode`` says) all decode; ``settings``:
+    more engine settings."""
     engine = Engine(model_dir, dtype="float32", max_num_seqs=batch, num_threads=threads,
-                    max_num_batched_tokens=max(1024, prompt_tokens * batch))
+                    max_num_batched_tokens=max(1024, prompt_tokens * batch), **settings)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     for i in range(batch):

@@ -153,7 +153,7 @@ class Publisher(SupervisedThread):
         self._closing = False
         self.owned = OwnedEntries(client, worker_id)
         # Growing output streams whose TTL this publisher set, by request id: until when
-        # (publisher's clock) each surely lives. Renewed when less than the TTL is left.
+        # (publisher's clock) each surely lives. Renewed once that is due (_renewal_due).
         self._lives_until: dict[str, float] = {}
         self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
         # Requests forgotten in the batch being written; batches written (for pruning).
@@ -204,8 +204,14 @@ class Publisher(SupervisedThread):
         """Drop entries that are due for renewal anyway (a missing entry means the same):
         whatever way a stream stopped being written here, its entry does not outlive it
         by more than the slack."""
-        due = self.clock.monotonic() + self.output_ttl_s + self.ttl_renew_slack_s / 2
-        self._lives_until = {rid: t for rid, t in self._lives_until.items() if t >= due}
+        now = self.clock.monotonic()
+        self._lives_until = {rid: t for rid, t in self._lives_until.items()
+                             if not self._renewal_due(t, now)}
+
+    def _renewal_due(self, lives_until: float, now: float) -> bool:
+        """Less than the TTL plus half the slack left: renew with the next write. That half
+        covers the time until the batch reaches Redis (a busy core, a busy Redis)."""
+        return lives_until - now < self.output_ttl_s + self.ttl_renew_slack_s / 2
 
     def _take(self) -> list[Item] | None:
         """The next queued items, coalesced: one round trip for several steps when behind."""
@@ -376,10 +382,7 @@ class Publisher(SupervisedThread):
                     "XADD", key, entry.entry_id, FIELD, entry.encode())))
         if item.final is not None:  # an ended stream lives exactly the TTL past its end
             commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
-        elif (self._lives_until.get(item.request_id, now) - now
-              < self.output_ttl_s + self.ttl_renew_slack_s / 2):
-            # Renewed with half the slack still in hand: that half covers the time until
-            # this batch reaches Redis (a busy core, a busy Redis).
+        elif self._renewal_due(self._lives_until.get(item.request_id, now), now):
             ttl = self.output_ttl_s + self.ttl_renew_slack_s
             commands.append(Command(item, "expire", key, ("EXPIRE", key, ttl),
                                     lives_until=now + ttl))

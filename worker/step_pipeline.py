@@ -14,8 +14,10 @@ another took is written in step order, on the CPU as on a CUDA stream).
 What cannot be done without the running step's tokens makes the engine finish that step
 first: preemption (a step scheduled beside a running one never preempts; it reports a
 request that did not fit, and the next step is scheduled after the running one ends),
-penalties (they read every output token), and reading or writing a request's KV or
-tokens from outside (exports, imports, ``Engine.token_ids``).
+penalties (they read every output token), reading or writing a request's KV from outside
+(``Engine.export_kv``, ``add_request(kv=...)``), and ending a request (``Engine.abort``: it
+keeps every token computed for it). ``export_prefix_blocks`` need not wait (the running
+step never writes full prompt blocks); ``token_ids`` gives what steps returned so far.
 """
 
 from __future__ import annotations

@@ -20,11 +20,16 @@ class StreamFollower:
         self.client = client
         self.keys = keys
         self._trackers: dict[str, OutputTracker] = {}
+        # Each request's stream key, made once: a poll of 64 streams would otherwise spend
+        # most of its own time building and checking the same 64 key names again.
+        self._key_of: dict[str, str] = {}
         self._by_key: dict[str, str] = {}
 
     def add(self, request_id: str) -> None:
+        key = self.keys.output(request_id)
         self._trackers[request_id] = OutputTracker()
-        self._by_key[self.keys.output(request_id)] = request_id
+        self._key_of[request_id] = key
+        self._by_key[key] = request_id
 
     def __len__(self) -> int:
         return len(self._trackers)
@@ -38,7 +43,7 @@ class StreamFollower:
         events: list[tuple[str, StreamEvent]] = []
         for start in range(0, len(ids), FOLLOW_MANY_KEYS):
             group = ids[start:start + FOLLOW_MANY_KEYS]
-            streams = {self.keys.output(rid): self._trackers[rid].last_id for rid in group}
+            streams = {self._key_of[rid]: self._trackers[rid].last_id for rid in group}
             reply = self.client.xread(streams, count=READ_COUNT,
                                       block=max(1, block_ms) if start == 0 else None)
             for stream, entries in reply or []:
@@ -56,5 +61,5 @@ class StreamFollower:
                 events.append((rid, event))
             if tracker.done:
                 del self._trackers[rid]
-                del self._by_key[self.keys.output(rid)]
+                del self._by_key[self._key_of.pop(rid)]
                 tracker = None

@@ -205,7 +205,8 @@ def test_worker_verb_takes_the_chunked_prefill_flags():
 # ----- quick end-to-end runs -----
 
 RUN_KEYS = {"settings", "duration_s", "requests", "completed", "errors", "output_tokens",
-            "throughput", "latency_ms", "goodput", "tokens_per_s_over_time", "kv", "cpu_s"}
+            "throughput", "latency_ms", "goodput", "tokens_per_s_over_time", "kv", "cpu_s",
+            "preempted"}
 
 
 def _check_outputs(out_dir, runs: set[str]) -> dict:
@@ -247,6 +248,9 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     assert set(results["plots"]) == {"latency_cdf.png", "tokens_per_s.png", "kv_usage.png"}
     assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
     assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
+    # How often the engine's threads lost their core, from /proc: the worker's, the bench's.
+    assert results["runs"]["fleet"]["preempted"]["worker"] >= 0
+    assert results["runs"]["offline"]["preempted"]["bench"] >= 0
     whats = [row["what"] for row in results["comparisons"]]
     assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"] \
         + [f"output tokens/s, {name} / physical limit" for name in results["runs"]]
@@ -258,6 +262,7 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     assert "aim" not in offline  # a quick run measures nothing real
     printed = capsys.readouterr().out
     assert "fleet / hf-static" in printed and "results.json" in printed
+    assert "threads preempted: worker" in printed
 
 
 def test_quick_w2_compares_chunked_prefill_on_and_off_through_a_given_redis(

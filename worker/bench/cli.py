@@ -181,7 +181,8 @@ def _median_run(repeats: list[RunResult]) -> RunResult:
 
 def _repeat_row(run: RunResult) -> dict[str, Any]:
     return {"duration_s": round(run.duration_s, 3),
-            **metrics.throughput(run.records, run.duration_s), "cpu_s": run.cpu_s}
+            **metrics.throughput(run.records, run.duration_s), "cpu_s": run.cpu_s,
+            "preempted": run.preempted}
 
 
 def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: tuple,

@@ -1,4 +1,5 @@
-"""CPU seconds the processes of a run used: says where a 2-core machine's time went."""
+"""CPU seconds the processes of a run used, and how often their threads were preempted:
+says where a 2-core machine's time went."""
 
 from __future__ import annotations
 
@@ -18,6 +19,30 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def process_preemptions(pid: int) -> int | None:
+    """Times the OS took a core from a thread of process ``pid`` that could still run
+    (involuntary context switches, summed over its threads; Linux /proc); None when unknown.
+
+    An engine's OpenMP team is as fast as its slowest thread: each time another process or
+    thread takes a core from one of them, the others wait at the next barrier. This count is
+    how often that happened (the fleet's worker against the offline engine, same steps).
+    """
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        for line in status.splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
 def redis_cpu_s(client: redis.Redis) -> float | None:
     """User + system CPU seconds of the Redis server so far; None when INFO is refused."""
     try:
@@ -29,3 +54,7 @@ def redis_cpu_s(client: redis.Redis) -> float | None:
 
 def delta(before: float | None, after: float | None) -> float | None:
     return round(after - before, 3) if before is not None and after is not None else None
+
+
+def count_delta(before: int | None, after: int | None) -> int | None:
+    return after - before if before is not None and after is not None else None

@@ -136,6 +136,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "tokens_per_s_over_time": tokens_over_time(recs, run.duration_s),
         "kv": kv_summary(run),
         "cpu_s": run.cpu_s,
+        "preempted": run.preempted,
         "notes": run.notes,
     }
     if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)

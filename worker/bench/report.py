@@ -147,8 +147,11 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
     for name, s in summaries.items():
         used = ", ".join(f"{who} {v:.1f}" for who, v in s.get("cpu_s", {}).items()
                          if v is not None)
+        preempted = ", ".join(f"{who} {n:,}" for who, n in s.get("preempted", {}).items()
+                              if n is not None)
         if used:
-            lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)")
+            lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)"
+                         + (f"; threads preempted: {preempted}" if preempted else ""))
     return "\n".join(lines)
 
 

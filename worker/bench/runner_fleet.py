@@ -59,9 +59,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         if len(workers) > 1:
             time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's transfers reach a heartbeat
         moved_before = _transfers(client, workers)
-        before = _cpu_now(client, workers)
+        before, preempted_before = _cpu_now(client, workers), _preemptions(workers)
         records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
         after = _cpu_now(client, workers)
+        preempted = {"worker": cpu.count_delta(preempted_before, _preemptions(workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
         moved = {}
         if len(workers) > 1:
@@ -69,7 +70,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
             moved_after = _transfers(client, workers)
             moved = {k: moved_after[k] - moved_before[k] for k in moved_after}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
-    return RunResult(name, settings, records, duration, kv, used,
+    return RunResult(name, settings, records, duration, kv, used, preempted,
                      notes=[f"client in the bench process, {where}"], transfers=moved)
 
 
@@ -104,6 +105,11 @@ def _cpu_now(client: Client, workers: list[WorkerProcess]) -> dict[str, float | 
     seconds = [cpu.process_cpu_s(w.proc.pid) if w.proc else None for w in workers]
     return {"worker": None if None in seconds else sum(seconds),  # type: ignore[arg-type]
             "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
+
+
+def _preemptions(workers: list[WorkerProcess]) -> int | None:
+    counts = [cpu.process_preemptions(w.proc.pid) if w.proc else None for w in workers]
+    return None if None in counts else sum(counts)  # type: ignore[arg-type]
 
 
 def _warm_up(client: Client, model: str, worker: _Group) -> None:

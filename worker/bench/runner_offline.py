@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from worker.bench import cpu
 from worker.bench.arrivals import ArrivalPlan
 from worker.bench.records import KVSample, RequestRecord, RunResult
 from worker.bench.workloads import WorkItem
@@ -23,13 +25,15 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         engine = Engine(model_dir, **engine_settings)
         engine.generate([list(range(2, 10)), list(range(2, 66))],
                         {"max_tokens": 4, "temperature": 0, "ignore_eos": True})  # warm-up
-        before = time.process_time()
+        before, preempted_before = time.process_time(), cpu.process_preemptions(os.getpid())
         records, kv, duration = _drive(engine, items, ArrivalPlan(items, concurrency), timeout_s)
         used = {"bench": round(time.process_time() - before, 3)}
+        preempted = {"bench": cpu.count_delta(preempted_before,
+                                              cpu.process_preemptions(os.getpid()))}
     finally:
         torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process
     return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
-                     notes=["engine in the bench process, no Redis"])
+                     preempted, notes=["engine in the bench process, no Redis"])
 
 
 def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: float

@@ -202,6 +202,14 @@ def test_worker_verb_takes_the_chunked_prefill_flags():
     assert build_parser().parse_args(["worker", "--model", "m"]).chunked_prefill is True
 
 
+def test_an_out_path_that_is_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    assert main(["bench", "--quick", "--out", str(taken)]) == 2  # a usage error
+    assert f"--out {taken} is a file" in capsys.readouterr().err
+    assert taken.read_text() == "not a folder"
+
+
 # ----- quick end-to-end runs -----
 
 RUN_KEYS = {"settings", "duration_s", "requests", "completed", "errors", "output_tokens",

@@ -208,6 +208,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file: give a folder for the results")
 
 
 @contextmanager

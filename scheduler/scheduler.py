@@ -122,10 +122,11 @@ class Scheduler:
         """Apply a step's results: advance progress, append sampled tokens, finish requests."""
         updates = []
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
+        gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
+        requests, took_token = self.requests, self._took_token
         for chunk in out.chunks:
-            req = self.requests.get(chunk.request_id)
-            if req is None or (req.status is not RequestStatus.RUNNING_GEN
-                               and req.status is not RequestStatus.RUNNING_CTX):
+            req = requests.get(chunk.request_id)
+            if req is None or (req.status is not gen and req.status is not ctx):
                 continue  # finished (e.g. cancelled) while the step ran
             before = req.num_computed_tokens
             req.num_computed_tokens = before + len(chunk.token_ids)
@@ -142,8 +143,8 @@ class Scheduler:
                 continue
             token = sampled[chunk.request_id]
             req.output_token_ids.append(token)
-            req.status = RequestStatus.RUNNING_GEN
-            updates.append(self._took_token(req, token))
+            req.status = gen
+            updates.append(took_token(req, token))
         return updates
 
     def _took_token(self, req: Request, token: int) -> RequestUpdate:
@@ -211,20 +212,21 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
                           out: SchedulerOutput) -> int:
-        decodes = [r for r in self.running
-                   if r.status is RequestStatus.RUNNING_GEN and not r.finishing]
-        prefills = [r for r in self.running if r.status is RequestStatus.RUNNING_CTX]
+        gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
+        decodes = [r for r in self.running if r.status is gen and not r.finishing]
+        prefills = [r for r in self.running if r.status is ctx]
         block_capacity = self.kv.block_size
+        block_table, decode_chunk = self.kv.block_table, self._decode_chunk
         for req in decodes + prefills:
             if budget == 0:
                 break
             status = req.status
-            if status is RequestStatus.RUNNING_GEN:
-                table = self.kv.block_table(req.request_id)
+            if status is gen:
+                table = block_table(req.request_id)
                 if len(table) * block_capacity > req.num_computed_tokens:
                     # The common decode: its next token fits in a block it holds, so
                     # nothing to allocate and nobody to preempt (the checks below pass).
-                    scheduled[req.request_id] = self._decode_chunk(req, table)
+                    scheduled[req.request_id] = decode_chunk(req, table)
                     budget -= 1
                     continue
             if not status.running:
@@ -412,7 +414,10 @@ class Scheduler:
         self._num_waiting += 1
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        return stop_reason(token, req.num_output_tokens, req.num_tokens,
+        # Lengths taken directly, not through Request's properties: this runs for every
+        # decoding request every step.
+        num_output = len(req.output_token_ids)
+        return stop_reason(token, num_output, len(req.prompt_token_ids) + num_output,
                            max_tokens=req.max_tokens, max_model_len=self.config.max_model_len,
                            stop_token_ids=req.stop_token_ids, eos_token_ids=req.eos_token_ids,
                            ignore_eos=req.ignore_eos)

@@ -37,7 +37,15 @@ class BlockTableRows:
         """Bring the rows up to date with one scheduling step; the row of each chunk."""
         for request_id in (*out.finished_ids, *out.preempted_ids):
             self.release(request_id)
-        return [self._update(chunk) for chunk in out.chunks]
+        rows, num_blocks, refresh = self.rows, self.num_blocks, self._refresh
+        placed = []
+        for chunk in out.chunks:  # every running request, every step: kept lean
+            row = rows.get(chunk.request_id)
+            if (row is None or chunk.new_block_ids
+                    or not chunk.num_known_blocks == num_blocks[row] != 0):
+                row = refresh(chunk, row)
+            placed.append(row)  # else most decodes: nothing changed
+        return placed
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -45,11 +53,8 @@ class BlockTableRows:
             self.num_blocks[row] = 0
             self._free.append(row)
 
-    def _update(self, chunk: ScheduledChunk) -> int:
-        row = self.rows.get(chunk.request_id)
-        if (row is not None and not chunk.new_block_ids
-                and chunk.num_known_blocks == self.num_blocks[row] != 0):
-            return row  # most decodes: nothing changed
+    def _refresh(self, chunk: ScheduledChunk, row: int | None) -> int:
+        """Take a row for a new request, or write the blocks its request gained."""
         if row is None:
             row = self.rows[chunk.request_id] = self._take_row()
         have = chunk.num_known_blocks

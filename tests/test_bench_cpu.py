@@ -37,7 +37,7 @@ def test_a_process_sharing_its_cpu_with_a_busy_one_is_preempted():
         for p in procs:
             assert p.stdout.readline() == b"spun\n"
         # Both are alive and idle now: their counts hold the spinning's preemptions.
-        counts = [cpu.count_delta(b, cpu.process_preemptions(p.pid))
+        counts = [cpu.delta(b, cpu.process_preemptions(p.pid))
                   for p, b in zip(procs, before, strict=True)]
     finally:
         for p in procs:
@@ -48,4 +48,4 @@ def test_a_process_sharing_its_cpu_with_a_busy_one_is_preempted():
 
 def test_an_unknown_process_has_no_count():
     assert cpu.process_preemptions(2**22 + 12345) is None  # above Linux's largest pid
-    assert cpu.count_delta(None, 3) is None and cpu.count_delta(2, 5) == 3
+    assert cpu.delta(None, 3) is None and cpu.delta(2, 5) == 3 and isinstance(cpu.delta(2, 5), int)

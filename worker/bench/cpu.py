@@ -53,8 +53,6 @@ def redis_cpu_s(client: redis.Redis) -> float | None:
 
 
 def delta(before: float | None, after: float | None) -> float | None:
+    """``after - before`` (to the millisecond for seconds; counts stay ints); None when
+    either is unknown."""
     return round(after - before, 3) if before is not None and after is not None else None
-
-
-def count_delta(before: int | None, after: int | None) -> int | None:
-    return after - before if before is not None and after is not None else None

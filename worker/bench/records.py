@@ -63,7 +63,7 @@ class RunResult:
     cpu_s: dict[str, float | None] = field(default_factory=dict)
     # Times the threads of the engine's process were preempted during the run ("worker" or
     # "bench": see worker.bench.cpu.process_preemptions).
-    preempted: dict[str, int | None] = field(default_factory=dict)
+    preempted: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # Of a disaggregated run: KV moved through the tier during the run, summed over the
     # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).

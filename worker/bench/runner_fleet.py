@@ -62,7 +62,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         before, preempted_before = _cpu_now(client, workers), _preemptions(workers)
         records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
         after = _cpu_now(client, workers)
-        preempted = {"worker": cpu.count_delta(preempted_before, _preemptions(workers))}
+        preempted = {"worker": cpu.delta(preempted_before, _preemptions(workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
         moved = {}
         if len(workers) > 1:

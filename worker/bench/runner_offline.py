@@ -28,7 +28,7 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         before, preempted_before = time.process_time(), cpu.process_preemptions(os.getpid())
         records, kv, duration = _drive(engine, items, ArrivalPlan(items, concurrency), timeout_s)
         used = {"bench": round(time.process_time() - before, 3)}
-        preempted = {"bench": cpu.count_delta(preempted_before,
+        preempted = {"bench": cpu.delta(preempted_before,
                                               cpu.process_preemptions(os.getpid()))}
     finally:
         torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process

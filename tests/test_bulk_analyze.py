@@ -326,6 +326,7 @@ def test_a_chunk_whose_worker_is_killed_is_resubmitted_and_the_job_finishes(
                     for h in held
                     for _, fields in redis_client.xrange(KEYS.requests(MODEL, "batch"),
                                                          h["message_id"], h["message_id"])}
+        assert lost_ids  # the requests of the entries it holds
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(10)
         start_worker(**FAST)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,19 @@ class _Group:
 
 
 def _cpu_now(client: Client, workers: list[WorkerProcess]) -> dict[str, float | None]:
-    seconds = [cpu.process_cpu_s(w.proc.pid) if w.proc else None for w in workers]
-    return {"worker": None if None in seconds else sum(seconds),  # type: ignore[arg-type]
+    return {"worker": _over_workers(cpu.process_cpu_s, workers),
             "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
 
 
-def _preemptions(workers: list[WorkerProcess]) -> int | None:
-    counts = [cpu.process_preemptions(w.proc.pid) if w.proc else None for w in workers]
-    return None if None in counts else sum(counts)  # type: ignore[arg-type]
+def _preemptions(workers: list[WorkerProcess]) -> float | None:
+    return _over_workers(cpu.process_preemptions, workers)
+
+
+def _over_workers(measure: Callable[[int], float | None],
+                  workers: list[WorkerProcess]) -> float | None:
+    """``measure`` of each worker process, summed; None when one of them is unknown."""
+    values = [measure(w.proc.pid) if w.proc else None for w in workers]
+    return None if None in values else sum(values)  # type: ignore[arg-type]
 
 
 def _warm_up(client: Client, model: str, worker: _Group) -> None:

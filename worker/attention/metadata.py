@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -88,28 +89,32 @@ class AttentionMetadata:
         sequence i's blocks first (what follows them is never read). Unchecked: the
         runner's persistent rows (worker.block_table_rows) call this every step."""
         # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
-        # no Python loop over tokens or block-table entries.
+        # no Python loop over tokens or block-table entries. The arithmetic is numpy's on
+        # views of the same memory: at a few hundred entries torch's per-op dispatch would
+        # cost more than the work (tens of microseconds an op against a few).
         num_seqs, num_tokens = len(query_lens), sum(query_lens)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
+        s_lens = np.array(seq_lens, dtype=np.int64)
+        tables = block_tables.numpy()
         if num_tokens == num_seqs:
             # Decodes only (the steady state): token i is sequence i's newest.
-            starts = torch.arange(num_seqs + 1, device="cpu")
+            starts = np.arange(num_seqs + 1, dtype=np.int64)
             positions = s_lens - 1
-            slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] \
-                * block_size + positions % block_size
+            owner = starts[:-1]
         else:
-            q_lens = torch.tensor(query_lens, dtype=torch.int64, device="cpu")
-            starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device="cpu")
-            torch.cumsum(q_lens, 0, out=starts[1:])
+            q_lens = np.array(query_lens, dtype=np.int64)
+            starts = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=starts[1:])
             # Token t of sequence i sits at position seq_len - query_len + (t - start of i).
-            owner = torch.repeat_interleave(torch.arange(num_seqs, device="cpu"), q_lens)
-            positions = (s_lens - q_lens)[owner] + torch.arange(num_tokens, device="cpu") \
+            owner = np.repeat(np.arange(num_seqs, dtype=np.int64), q_lens)
+            positions = (s_lens - q_lens)[owner] + np.arange(num_tokens, dtype=np.int64) \
                 - starts[:-1][owner]
-            slots = block_tables[owner, positions // block_size] * block_size \
-                + positions % block_size
-        parts = [starts, s_lens, block_tables, slots, positions]
+        block_index, offset = np.divmod(positions, block_size)
+        slots = tables[owner, block_index] * block_size + offset
+        arrays = [starts, s_lens, slots, positions]
         if input_ids is not None:  # the step's tokens ride along in the same copy
-            parts.append(torch.tensor(input_ids, dtype=torch.int64, device="cpu"))
+            arrays.append(np.array(input_ids, dtype=np.int64))
+        parts = [torch.from_numpy(a) for a in arrays]
+        parts.insert(2, block_tables)
         on_device = _to_device(parts, device)
         return cls(
             query_start_loc=on_device[0],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockPool
@@ -62,6 +62,12 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    @property
+    def block_tables(self) -> Mapping[str, list[int]]:
+        """Every request's device block table, by request id: read it, never change it
+        (the scheduler reads it for every running request every step)."""
+        return self._tables
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables or request_id in self._host_tables

@@ -120,41 +120,58 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append sampled tokens, finish requests."""
+        # Runs for every scheduled request every step: attributes and lengths are read
+        # directly, once each, not through Request's properties.
         updates = []
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
-        requests, took_token = self.requests, self._took_token
+        requests, counters = self.requests, self.counters
+        max_model_len = self.config.max_model_len
         for chunk in out.chunks:
-            req = requests.get(chunk.request_id)
+            request_id = chunk.request_id
+            req = requests.get(request_id)
             if req is None or (req.status is not gen and req.status is not ctx):
                 continue  # finished (e.g. cancelled) while the step ran
             before = req.num_computed_tokens
-            req.num_computed_tokens = before + len(chunk.token_ids)
-            if before < len(req.prompt_token_ids):  # prefill (or recompute) of the prompt
-                self.counters["prompt_tokens_computed"] += \
-                    min(req.num_computed_tokens, len(req.prompt_token_ids)) - before
+            after = req.num_computed_tokens = before + len(chunk.token_ids)
+            num_prompt = len(req.prompt_token_ids)
+            if before < num_prompt:  # prefill (or recompute) of the prompt
+                counters["prompt_tokens_computed"] += min(after, num_prompt) - before
             # Blocks become full only when a chunk crosses a block boundary; a fresh table
             # (admission, swap-in) may also have full blocks not yet registered.
             if caching and (chunk.num_known_blocks == 0
-                            or req.num_computed_tokens // block_size > before // block_size):
-                self.kv.cache_computed(req.request_id, req.num_computed_tokens,
-                                       req.all_token_ids, req.block_hashes)
+                            or after // block_size > before // block_size):
+                self.kv.cache_computed(request_id, after, req.all_token_ids, req.block_hashes)
             if not chunk.sample:
                 continue
-            token = sampled[chunk.request_id]
-            req.output_token_ids.append(token)
+            token = sampled[request_id]
+            outputs = req.output_token_ids
+            outputs.append(token)
             req.status = gen
-            updates.append(took_token(req, token))
+            num_output = len(outputs)
+            reason = stop_reason(token, num_output, num_prompt + num_output,
+                                 max_tokens=req.max_tokens, max_model_len=max_model_len,
+                                 stop_token_ids=req.stop_token_ids,
+                                 eos_token_ids=req.eos_token_ids, ignore_eos=req.ignore_eos)
+            updates.append(
+                RequestUpdate(request_id, [token], False, None, req.num_cached_tokens,
+                              req.num_transferred_tokens)
+                if reason is None else self._stopped(req, token, reason))
         return updates
 
     def _took_token(self, req: Request, token: int) -> RequestUpdate:
         """A running request's newest output token is ``token``: stop it if that ends it."""
         reason = self._stop_reason(req, token)
-        if reason is not None:
-            self.running.remove(req)
-            self._finish(req, reason)
-        return RequestUpdate(req.request_id, [token], reason is not None,
-                             reason and str(reason), req.num_cached_tokens,
+        if reason is None:
+            return RequestUpdate(req.request_id, [token], False, None, req.num_cached_tokens,
+                                 req.num_transferred_tokens)
+        return self._stopped(req, token, reason)
+
+    def _stopped(self, req: Request, token: int, reason: FinishReason) -> RequestUpdate:
+        """``token`` ended the running request ``req`` for ``reason``: finish it."""
+        self.running.remove(req)
+        self._finish(req, reason)
+        return RequestUpdate(req.request_id, [token], True, str(reason), req.num_cached_tokens,
                              req.num_transferred_tokens)
 
     # ----- overlapped steps: a step's progress first, its sampled tokens later -----
@@ -212,24 +229,40 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
                           out: SchedulerOutput) -> int:
+        # One pass serves the common decode (its next token fits in a block it holds, so
+        # nothing to allocate and nobody to preempt) inline: this runs for every running
+        # request every step. The rest (a decode that needs a block, then partial
+        # prefills) takes the general path after it.
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
-        decodes = [r for r in self.running if r.status is gen and not r.finishing]
-        prefills = [r for r in self.running if r.status is ctx]
+        tables = self.kv.block_tables
         block_capacity = self.kv.block_size
-        block_table, decode_chunk = self.kv.block_table, self._decode_chunk
-        for req in decodes + prefills:
+        growing, prefills = [], []
+        for req in self.running:
+            status = req.status
+            if status is ctx:
+                prefills.append(req)
+                continue
+            if status is not gen or req.finishing:
+                continue
+            request_id = req.request_id
+            table = tables.get(request_id, ())
+            num_blocks = len(table)
+            if num_blocks * block_capacity <= req.num_computed_tokens:
+                growing.append(req)
+                continue
+            if budget == 0:
+                return budget
+            # ScheduledChunk of the one newest token, from which a token is sampled.
+            known, req.num_blocks_sent = req.num_blocks_sent, num_blocks
+            outputs = req.output_token_ids
+            scheduled[request_id] = ScheduledChunk(
+                request_id, [outputs[-1] if outputs else req.prompt_token_ids[-1]],
+                req.num_computed_tokens, table[known:], known, True, len(outputs))
+            budget -= 1
+        for req in itertools.chain(growing, prefills):
             if budget == 0:
                 break
-            status = req.status
-            if status is gen:
-                table = block_table(req.request_id)
-                if len(table) * block_capacity > req.num_computed_tokens:
-                    # The common decode: its next token fits in a block it holds, so
-                    # nothing to allocate and nobody to preempt (the checks below pass).
-                    scheduled[req.request_id] = decode_chunk(req, table)
-                    budget -= 1
-                    continue
-            if not status.running:
+            if not req.status.running:
                 continue  # preempted earlier in this loop
             n = self._tokens_to_schedule(req, budget)
             if n == 0:
@@ -398,16 +431,6 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             output_index=req.num_output_tokens,
         )
-
-    def _decode_chunk(self, req: Request, table: list[int]) -> ScheduledChunk:
-        """``_chunk(req, 1)`` for a decoding request, without the general case's work: its
-        one token is the newest, and a token is sampled from it."""
-        known, req.num_blocks_sent = req.num_blocks_sent, len(table)
-        outputs = req.output_token_ids
-        return ScheduledChunk(req.request_id,
-                              [outputs[-1] if outputs else req.prompt_token_ids[-1]],
-                              req.num_computed_tokens, table[known:], known, True,
-                              len(outputs))
 
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self._waiting, (req.priority, req.arrival, req))

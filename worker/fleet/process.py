@@ -37,6 +37,7 @@ from worker.fleet.registration import (
 )
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import TextStage
+from worker.long_lived import freeze_long_lived_objects
 from worker.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
 from worker.openmp import release_thread_pool
 
@@ -307,6 +308,8 @@ class Worker:
         if self.config.gil_switch_interval_s is not None:
             # This process is the worker's own: its threads are ours to tune.
             sys.setswitchinterval(self.config.gil_switch_interval_s)
+        # The engine is built: what the process holds now, it holds for good.
+        freeze_long_lived_objects()
         return self.serve(stop)
 
     def _thread_failed(self, thread: SupervisedThread) -> None:

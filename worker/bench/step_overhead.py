@@ -20,6 +20,7 @@ from kvstore import BlockPool, KVCacheManager
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.attention.metadata import AttentionMetadata
 from worker.block_table_rows import BlockTableRows
+from worker.long_lived import freeze_long_lived_objects
 
 BLOCK_SIZE = 16
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
     step = HostStep(busy_scheduler(args.running, args.waiting))
+    freeze_long_lived_objects()  # as a worker process does once its engine is built
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -74,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.running} running, {args.waiting} waiting: scheduler + block tables + "
           f"metadata {statistics.median(times) * 1e3:.3f} ms a step (median of {args.steps}), "
           f"best {min(times) * 1e3:.3f} ms")
+    # This host's speed wanders by up to 2x within seconds (a pure-Python loop shows it
+    # too): the medians of successive windows show the quick and the slow phases apart.
+    window = max(1, min(100, args.steps // 5))
+    medians = [statistics.median(times[i:i + window]) * 1e3
+               for i in range(0, len(times) - window + 1, window)]
+    print(f"medians of each {window} steps: {min(medians):.3f} to {max(medians):.3f} ms")
     return 0
 
 

@@ -7,6 +7,7 @@ it, so "the thread is retrying right now" is a state the test holds, not a race 
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -149,3 +150,16 @@ def test_a_thread_that_fails_for_good_hands_work_back_and_the_worker_exits_1(
     start_worker("heir")
     done = client.result(rid, timeout=60)
     assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 6
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this OS")
+@pytest.mark.parametrize("batch", [True, False])
+def test_io_threads_wait_for_a_free_core_and_the_engine_loop_does_not(batch, start_worker):
+    worker = start_worker("policy", metrics_port=0, config={"batch_io_threads": batch})
+    io_threads = [t for t in worker.threads if t is not worker.loop]
+    assert {t.name for t in io_threads} == set(THREADS)  # every I/O thread is looked at
+    want = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    # Each thread sets its own policy as it starts running.
+    eventually(lambda: all(t.native_id is not None and os.sched_getscheduler(t.native_id) == want
+                           for t in io_threads), "every I/O thread runs under its policy")
+    assert os.sched_getscheduler(worker.loop.native_id) == os.SCHED_OTHER

@@ -64,6 +64,10 @@ class WorkerConfig:
     # the publisher or intake thread was encoding, and W1 ran ~15% slower through the fleet
     # (docs/benchmarks.md, "The worker's threads").
     gil_switch_interval_s: float | None = 0.0005
+    # Run the worker's I/O threads (intake, publisher, leases, heartbeat...) under
+    # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
+    # (worker/fleet/thread_policy.py; docs/benchmarks.md, "The worker's threads").
+    batch_io_threads: bool = True
     # prefill: compute prompts and hand requests on after their first token; decode: take
     # handed-on requests only; both: serve whole requests, and take handed-on ones too.
     role: str = "both"

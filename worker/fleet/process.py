@@ -249,6 +249,7 @@ class Worker:
         # the process's only OpenMP team (worker/openmp.py says why).
         release_thread_pool()
         for thread in self.threads:
+            thread.yields_to_compute = self.config.batch_io_threads and thread is not self.loop
             thread.start()
         self.cancels.subscribed.wait(timeout=5)
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,

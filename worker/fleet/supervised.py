@@ -20,6 +20,7 @@ import structlog
 
 from producer.clock import Clock
 from producer.logging import bind_thread_context
+from worker.fleet.thread_policy import yield_to_computing_threads
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +63,9 @@ class SupervisedThread(threading.Thread):
         self._attempt = 0  # transient failures in a row, for the backoff
         self.ticks = 0  # ticks that returned normally
         self._rng = random.Random()
+        # Run under SCHED_BATCH (worker.fleet.thread_policy): set for the I/O threads, so
+        # that they never preempt the engine's computing threads when they wake up.
+        self.yields_to_compute = False
 
     def tick(self) -> None:
         raise NotImplementedError
@@ -87,6 +91,8 @@ class SupervisedThread(threading.Thread):
 
     def run(self) -> None:
         bind_thread_context(worker_id=self.worker_id)
+        if self.yields_to_compute:
+            yield_to_computing_threads()
         while not self.stopping.is_set():
             try:
                 self.tick()

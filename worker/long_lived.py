@@ -3,7 +3,7 @@
 After torch, transformers and the model are loaded a worker process holds ~300,000
 objects that the collector tracks (functions, modules, dicts). Python runs a full
 collection whenever the objects that survived into its oldest generation grew by a quarter,
-and a full collection walks all of them: 60-150 ms here, with the GIL held, so every thread
+and a full collection walks all of them: 70-140 ms here, with the GIL held, so every thread
 of the worker (the engine loop between steps, the publisher) stalls that long. Requests
 make such survivors all the time (their state lives for thousands of steps), so a serving
 worker would meet that stall again and again. ``gc.freeze()`` moves everything alive now

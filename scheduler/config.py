@@ -42,6 +42,13 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_preemption_mode(self.preemption_mode)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request decodes one token a step: a smaller budget would leave
+            # some of them out of every step, and which ones would depend on their order.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): a step holds one token of every "
+                "running request")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -30,7 +30,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def test_budget_is_never_exceeded_and_decodes_come_first():
-    s = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=32)
     rng = random.Random(0)
     for i in range(20):
         s.add_request(request(f"r{i}", rng.randint(1, 90), max_tokens=rng.randint(1, 20)))
@@ -47,7 +47,7 @@ def test_budget_is_never_exceeded_and_decodes_come_first():
 
 
 def test_long_prompt_is_prefilled_in_chunks_that_advance():
-    s = make_scheduler(max_num_batched_tokens=16)
+    s = make_scheduler(max_num_batched_tokens=16, max_num_seqs=16)
     s.add_request(request("long", 50, max_tokens=2))
     starts = []
     for _ in range(4):
@@ -70,7 +70,7 @@ def test_prefill_chunk_cap_limits_one_request_but_not_the_step():
 
 
 def test_state_machine_waiting_ctx_gen_finished():
-    s = make_scheduler(max_num_batched_tokens=4)
+    s = make_scheduler(max_num_batched_tokens=4, max_num_seqs=4)
     req = request("r", 6, max_tokens=2)
     s.add_request(req)
     assert req.status is RequestStatus.WAITING
@@ -182,6 +182,12 @@ def test_chunked_prefill_off_schedules_whole_prompts():
 def test_chunked_prefill_off_needs_a_budget_of_max_model_len():
     with pytest.raises(ValueError, match="max_model_len"):
         SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_chunked_prefill=False)
+
+
+def test_a_budget_below_one_token_per_running_request_is_refused():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16)
+    SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=16)  # one token each: enough
 
 
 def test_duplicate_request_id_is_rejected():

@@ -83,7 +83,8 @@ def _add_serve_parser(subparsers: Any) -> None:
                    help="requests running at once (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=engine("max_num_batched_tokens"),
-                   help="token budget of a step (default: %(default)s)")
+                   help="token budget of a step, at least --max-num-seqs "
+                   "(default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="device KV pool in blocks (default: sized from 0.5 GiB, capped at "
                    "what --max-num-seqs full-length sequences use)")

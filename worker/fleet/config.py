@@ -62,11 +62,11 @@ class WorkerConfig:
     # whole process by `conveyor worker` (None: keep Python's 5 ms). The engine thread
     # needs the GIL between its torch ops; with Python's 5 ms it waited that long whenever
     # the publisher or intake thread was encoding, and W1 ran ~15% slower through the fleet
-    # (docs/benchmarks.md, "The worker's threads").
+    # (docs/benchmarks.md, "Fleet vs `--offline` throughput").
     gil_switch_interval_s: float | None = 0.0005
     # Run the worker's I/O threads (intake, publisher, leases, heartbeat...) under
     # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
-    # (worker/fleet/thread_policy.py; docs/benchmarks.md, "The worker's threads").
+    # (worker/fleet/thread_policy.py; docs/benchmarks.md, "Fleet vs `--offline` throughput").
     batch_io_threads: bool = True
     # prefill: compute prompts and hand requests on after their first token; decode: take
     # handed-on requests only; both: serve whole requests, and take handed-on ones too.

@@ -4,7 +4,8 @@ Linux's scheduler lets a thread that wakes up (a publisher handed a step's token
 intake whose XREAD returned) preempt a thread that is computing, because the sleeper has
 run less. On a CPU engine whose OpenMP team has a thread on every core, each such
 preemption stalls the whole team at its next barrier: the worker's threads cost the
-engine far more than their own CPU time (docs/benchmarks.md, "The worker's threads").
+engine far more than their own CPU time (docs/benchmarks.md, "Fleet vs `--offline`
+throughput").
 SCHED_BATCH keeps a thread's fair share of the CPU but gives up that wake-up preemption,
 so I/O threads run when a core frees up or the current time slice ends, a few ms at most.
 """

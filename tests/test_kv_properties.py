@@ -59,7 +59,8 @@ def simulate(specs, num_blocks, host_blocks, mode, budget, seed) -> set[str]:
     host = BlockPool(host_blocks) if host_blocks else None
     kv = KVCacheManager(pool, BLOCK, host_pool=host, enable_prefix_caching=True,
                         watermark_blocks=1)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
+    # At most one running request per token of the budget (SchedulerConfig's rule).
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=min(8, budget),
                                   max_model_len=128, preemption_mode=mode), kv)
     pending = sorted(enumerate(specs), key=lambda x: x[1][3])
     step = 0

@@ -60,10 +60,12 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         if len(workers) > 1:
             time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's transfers reach a heartbeat
         moved_before = _transfers(client, workers)
-        before, preempted_before = _cpu_now(client, workers), _preemptions(workers)
+        before = _cpu_now(client, workers)
+        preempted_before = _over_workers(cpu.process_preemptions, workers)
         records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
         after = _cpu_now(client, workers)
-        preempted = {"worker": cpu.delta(preempted_before, _preemptions(workers))}
+        preempted = {"worker": cpu.delta(preempted_before,
+                                         _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
         moved = {}
         if len(workers) > 1:
@@ -105,10 +107,6 @@ class _Group:
 def _cpu_now(client: Client, workers: list[WorkerProcess]) -> dict[str, float | None]:
     return {"worker": _over_workers(cpu.process_cpu_s, workers),
             "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
-
-
-def _preemptions(workers: list[WorkerProcess]) -> float | None:
-    return _over_workers(cpu.process_preemptions, workers)
 
 
 def _over_workers(measure: Callable[[int], float | None],

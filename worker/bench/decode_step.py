@@ -11,7 +11,9 @@ inputs of the step's shapes), twice: as ``F.linear`` (the BLAS torch's CPU build
 the issue's yardstick) and as the step makes them (worker/models/linear.py: the skinny
 kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls are the
 best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
-nothing. ``--profile`` adds torch.profiler's operator table.
+nothing. The engine's objects are kept off the garbage collector while it runs, as a
+worker process keeps them (worker/long_lived.py). ``--profile`` adds torch.profiler's
+operator table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
+from worker.long_lived import long_lived_frozen
 from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
 
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = decoding_engine(model_with_vocab(8192, args.models), "greedy", args.batch,
                              args.threads)
     before = engine.model.num_native_steps
-    got = measure(engine, args.batch, args.steps)
+    with long_lived_frozen():  # as a worker process is once its engine is built
+        got = measure(engine, args.batch, args.steps)
     mm, km = got["matmuls"], got["kernel_matmuls"]
     print(f"batch {args.batch}, {args.threads} threads, {args.steps} rounds: weight matmuls "
           f"{mm * 1e3:.2f} ms as F.linear, {km * 1e3:.2f} ms as the step makes them "

@@ -6,6 +6,8 @@ One engine per mode, each with ``batch`` requests of 128-token prompts decoding 
 small preset (random weights; another vocabulary size gets its own checkpoint, without a
 tokenizer); the steps of all modes are interleaved, so a slower moment of the machine
 weighs on every mode alike, and each mode's median is printed with its ratio to greedy.
+The engines' objects are kept off the garbage collector meanwhile, as a worker process
+keeps them (worker/long_lived.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from worker import Engine, SamplingParams
+from worker.long_lived import long_lived_frozen
 from worker.modelgen import make_model
 
 MODES: dict[str, dict[str, object]] = {
@@ -65,11 +68,12 @@ def measure(model_dir: Path, batch: int, threads: int, rounds: int) -> dict[str,
     """Median step seconds per mode, steps interleaved across modes."""
     engines = {mode: decoding_engine(model_dir, mode, batch, threads) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for _ in range(rounds):
-        for mode, engine in engines.items():
-            start = time.perf_counter()
-            engine.step()
-            times[mode].append(time.perf_counter() - start)
+    with long_lived_frozen():  # as a worker process is once its engine is built
+        for _ in range(rounds):
+            for mode, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                times[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(t) for mode, t in times.items()}
 
 

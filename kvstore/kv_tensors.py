@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kvstore.huge_pages import HUGE_PAGE, zeroed_buffer
 
 
 class PagedKVCache:
@@ -26,10 +30,8 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                  for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                  for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device, pin_memory) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device, pin_memory) for _ in range(num_layers)]
 
     @property
     def num_layers(self) -> int:
@@ -54,6 +56,17 @@ class PagedKVCache:
         """Bytes one block costs across all layers, K and V together."""
         itemsize = dtype.itemsize
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+           pin_memory: bool) -> torch.Tensor:
+    """A zeroed pool; in pageable CPU memory, on huge pages where the OS grants them
+    (kvstore/huge_pages.py says why). Its pages are faulted in here, at start-up, as
+    ``torch.zeros`` does: a machine that cannot hold the pool fails now, not mid-step."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or pin_memory or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    return torch.frombuffer(zeroed_buffer(nbytes), dtype=dtype).view(shape).zero_()
 
 
 def copy_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: list[tuple[int, int]],

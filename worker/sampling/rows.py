@@ -40,13 +40,17 @@ class PenaltyTokens:
     output_ids: torch.Tensor
 
 
+# The values of an all-greedy step: argmax reads none (never indexed, so its device is moot).
+NO_VALUES = torch.empty(0, 4, dtype=torch.float64, device="cpu")
+
+
 @dataclass
 class StepRows:
     """What one step samples with, row i for the batch's row i."""
 
     params: list[SamplingParams]
     # [n, 4] float64 on the logits' device: temperature, top_p, min_p and the row's uniform
-    # draw for this output index.
+    # draw for this output index; NO_VALUES in a step where every row is greedy.
     values: torch.Tensor
     penalties: PenaltyTokens | None
 
@@ -94,14 +98,16 @@ class SamplingRows:
             if params[i].penalized:
                 self._sync_tokens(row, prompts[i], outputs[i])
                 penalised.append(i)
+        penalties = self._penalty_tokens([index[i] for i in penalised], penalised, device)
+        if all(p.greedy for p in params):  # an argmax reads none of the values
+            return StepRows(list(params), NO_VALUES, penalties)
         rows = torch.tensor(index, dtype=torch.int64, device="cpu")
         packed = torch.empty(len(index), 4, dtype=torch.float64, device="cpu")
         packed[:, :3] = self.values.index_select(0, rows)
         positions = torch.tensor([as_int64(i) for i in output_indices], dtype=torch.int64,
                                  device="cpu")
         packed[:, DRAW] = uniforms(self.seeds.index_select(0, rows), positions)
-        return StepRows(list(params), _to(packed, device),
-                        self._penalty_tokens([index[i] for i in penalised], penalised, device))
+        return StepRows(list(params), _to(packed, device), penalties)
 
     def _admit(self, request_id: str, params: SamplingParams, seed: int) -> int:
         self.release(request_id)

@@ -23,10 +23,13 @@
 namespace conveyor {
 namespace {
 
-// The tensors of one layer, in this order; an absent bias is an empty tensor.
+// The tensors of one layer, in this order; an absent bias is an empty tensor. q/k/v come
+// as one [q + 2 kv, hidden] matrix and gate/up as one [2 inter, hidden] (views of weights
+// the loader laid out back to back): one matmul each, whose output rows hold q, k, v (or
+// gate, up) side by side.
 enum Weight : int64_t {
-  kInputNorm, kQ, kQBias, kK, kKBias, kV, kVBias, kO, kOBias,
-  kPostNorm, kGate, kGateBias, kUp, kUpBias, kDown, kDownBias, kWeightsPerLayer
+  kInputNorm, kQKV, kQKVBias, kO, kOBias,
+  kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kWeightsPerLayer
 };
 
 // Rows per task of the elementwise loops: a row is a few hundred floats, so smaller tasks
@@ -62,38 +65,49 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
 
 struct StepShape {
   int64_t batch, num_heads, num_kv_heads, head_dim;
+  int64_t q_width() const { return num_heads * head_dim; }
+  int64_t kv_width() const { return num_kv_heads * head_dim; }
+  int64_t qkv_width() const { return q_width() + 2 * kv_width(); }
 };
 
-// Rope on q and k in place, then k and v into the cache at each token's slot.
-void rope_and_cache(float* q, float* k, const float* v, const int64_t* positions,
-                    const int64_t* slots, const float* cos, const float* sin, float* k_cache,
-                    float* v_cache, const StepShape& s) {
-  const int64_t half = s.head_dim / 2, kv_row = s.num_kv_heads * s.head_dim;
+// Rope on q and k in place, then k and v into the cache at each token's slot; row b of
+// ``qkv`` holds that token's q, k and v side by side.
+void rope_and_cache(float* qkv, const int64_t* positions, const int64_t* slots,
+                    const float* cos, const float* sin, float* k_cache, float* v_cache,
+                    const StepShape& s) {
+  const int64_t half = s.head_dim / 2, kv_row = s.kv_width();
   at::parallel_for(0, s.batch, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* c = cos + positions[b] * half;
       const float* sn = sin + positions[b] * half;
-      float* qb = q + b * s.num_heads * s.head_dim;
+      float* qb = qkv + b * s.qkv_width();
       for (int64_t h = 0; h < s.num_heads; ++h) rotate(qb + h * s.head_dim, c, sn, half);
-      float* kb = k + b * kv_row;
+      float* kb = qb + s.q_width();
       for (int64_t h = 0; h < s.num_kv_heads; ++h) rotate(kb + h * s.head_dim, c, sn, half);
+      const float* vb = kb + kv_row;
       std::copy(kb, kb + kv_row, k_cache + slots[b] * kv_row);
-      std::copy(v + b * kv_row, v + (b + 1) * kv_row, v_cache + slots[b] * kv_row);
+      std::copy(vb, vb + kv_row, v_cache + slots[b] * kv_row);
     }
   });
 }
 
-// out[i] = silu(gate[i]) * up[i], in place in gate; silu(x) = x / (1 + exp(-x)) as torch has
-// it, with vexp (a batch-64 step of the small preset takes 720,000 of them).
-void silu_mul(float* gate, const float* up, int64_t rows, int64_t width) {
+// out[r] = silu(gate[r]) * up[r] for row r of ``gate_up`` [rows, 2 width], which holds gate
+// then up; silu(x) = x / (1 + exp(-x)) as torch has it, with vexp (a batch-64 step of the
+// small preset takes 720,000 of them).
+void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    int64_t i = begin * width;
     const vec one = broadcast(1.0f);
-    for (; i + kWidth <= end * width; i += kWidth) {
-      const vec g = load(gate + i);
-      store(gate + i, g / (one + vexp(-g)) * load(up + i));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * width;
+      const float* up = gate + width;
+      float* o = out + r * width;
+      int64_t i = 0;
+      for (; i + kWidth <= width; i += kWidth) {
+        const vec g = load(gate + i);
+        store(o + i, g / (one + vexp(-g)) * load(up + i));
+      }
+      for (; i < width; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
-    for (; i < end * width; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   });
 }
 
@@ -124,12 +138,17 @@ void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Te
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % 2 == 0,
               "query heads group over kv heads; an even head_dim");
   for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     for (const int64_t i : {kInputNorm, kPostNorm}) {
-      const at::Tensor& norm = weights[l * kWeightsPerLayer + i];
-      TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
-                      norm.numel() == x.size(1),
+      TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].is_contiguous() &&
+                      w[i].numel() == x.size(1),
                   "float32 norm weights of the hidden size");
     }
+    TORCH_CHECK(w[kQKV].dim() == 2 && w[kQKV].size(0) == s.qkv_width(),
+                "one q/k/v matrix of q + 2 kv rows");
+    TORCH_CHECK(w[kGateUp].dim() == 2 && w[kGateUp].size(0) % 2 == 0 &&
+                    w[kDown].dim() == 2 && w[kGateUp].size(0) == 2 * w[kDown].size(1),
+                "one gate/up matrix of twice the down projection's inputs");
   }
   const int64_t slots = k_caches[0].numel() / (s.num_kv_heads * s.head_dim);
   for (int64_t l = 0; l < layers; ++l) {
@@ -170,39 +189,39 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
 
   at::Tensor normed = at::empty_like(x);
-  at::Tensor attended = at::empty({batch, num_heads * head_dim}, x.options());
-  at::Tensor down;  // the previous layer's MLP output, added to x at the next norm
+  at::Tensor attended = at::empty({batch, s.q_width()}, x.options());
+  at::Tensor activated;  // silu(gate) * up, the down projection's input
+  at::Tensor down;       // the previous layer's MLP output, added to x at the next norm
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     add_rms_norm(x.data_ptr<float>(), down.defined() ? down.data_ptr<float>() : nullptr,
                  w[kInputNorm].data_ptr<float>(), normed.data_ptr<float>(), batch, hidden,
                  epsilon);
-    at::Tensor q = linear(normed, w[kQ], w[kQBias], blas_only);
-    at::Tensor k = linear(normed, w[kK], w[kKBias], blas_only);
-    at::Tensor v = linear(normed, w[kV], w[kVBias], blas_only);
-    rope_and_cache(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                   positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-                   cos.data_ptr<float>(), sin.data_ptr<float>(), k_caches[l].data_ptr<float>(),
+    at::Tensor qkv = linear(normed, w[kQKV], w[kQKVBias], blas_only);
+    rope_and_cache(qkv.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                   slot_mapping.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), k_caches[l].data_ptr<float>(),
                    v_caches[l].data_ptr<float>(), s);
-    const float* qp = q.data_ptr<float>();
+    const float* qp = qkv.data_ptr<float>();
     const float* kc = k_caches[l].data_ptr<float>();
     const float* vc = v_caches[l].data_ptr<float>();
     float* out = attended.data_ptr<float>();
-    const int64_t per_query = num_heads * head_dim;
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       AttendScratch scratch;
       for (int64_t b = begin; b < end; ++b) {
-        attend_one_f32(qp + b * per_query, kc, vc, tables + b * attention.table_width, lens[b],
-                       attention, static_cast<float>(scale), out + b * per_query, scratch);
+        attend_one_f32(qp + b * s.qkv_width(), kc, vc, tables + b * attention.table_width,
+                       lens[b], attention, static_cast<float>(scale), out + b * s.q_width(),
+                       scratch);
       }
     });
     at::Tensor o = linear(attended, w[kO], w[kOBias], blas_only);
     add_rms_norm(x.data_ptr<float>(), o.data_ptr<float>(), w[kPostNorm].data_ptr<float>(),
                  normed.data_ptr<float>(), batch, hidden, epsilon);
-    at::Tensor gate = linear(normed, w[kGate], w[kGateBias], blas_only);
-    at::Tensor up = linear(normed, w[kUp], w[kUpBias], blas_only);
-    silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), batch, gate.size(1));
-    down = linear(gate, w[kDown], w[kDownBias], blas_only);
+    at::Tensor gate_up = linear(normed, w[kGateUp], w[kGateUpBias], blas_only);
+    const int64_t inner = gate_up.size(1) / 2;
+    if (!activated.defined()) activated = at::empty({batch, inner}, x.options());
+    silu_mul(gate_up.data_ptr<float>(), activated.data_ptr<float>(), batch, inner);
+    down = linear(activated, w[kDown], w[kDownBias], blas_only);
   }
   float* xp = x.data_ptr<float>();
   const float* dp = down.data_ptr<float>();

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from worker.device import resolve_dtype
 from worker.models.config import ModelConfig
 from worker.models.llama import CausalLM
+from worker.models.weight_arena import place_in_arena
 
 # Checkpoint tensors we knowingly drop: old exports saved the rope frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -38,6 +39,9 @@ def load_model(
         model = CausalLM(config, attention_backend=attention_backend)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
+    if torch.device(device).type == "cpu":
+        # One buffer on huge pages, q/k/v and gate/up back to back (fused matmul views).
+        place_in_arena(model)
     _copy_checkpoint(model, model_dir)
     return model.eval()
 

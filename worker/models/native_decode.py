@@ -9,7 +9,9 @@ It applies to a step whose every sequence brings one token, on the CPU, with flo
 activations, weights and cache, where the CPU kernels are built; anything else (prefill
 chunks in the step, another dtype or device) runs the Python layers, which compute the same
 thing. Its matmuls are worker/models/linear.py's (the skinny kernel for a small batch,
-oneDNN's past it, the BLAS with ``CONVEYOR_CPU_MATMUL=blas``).
+oneDNN's past it, the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), five a layer: q/k/v as one
+matrix and gate/up as one, views that the loader's weight arena makes possible
+(worker/models/weight_arena.py); a model whose weights do not lie so runs the Python layers.
 ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches the native call off (to compare).
 """
 
@@ -24,14 +26,15 @@ import torch
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.models.linear import NO_BIAS, blas_only
+from worker.models.weight_arena import joined
 
 if TYPE_CHECKING:
-    from worker.models.llama import CausalLM, DecoderLayer
+    from worker.models.llama import CausalLM
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
 
-# Each model's layer tensors in the kernel's order (_layer_weights), by model.
-_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor]] = (
+# Each model's layer tensors in the kernel's order (_model_weights), or None, by model.
+_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] = (
     weakref.WeakKeyDictionary())
 
 
@@ -62,12 +65,13 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         return None
     config = model.config
     cos, sin = model.rotary.tables(x.device, x.dtype)
-    weights = _WEIGHTS.get(model)
-    if weights is None:
+    if model not in _WEIGHTS:
         # Gathered once: reading ~130 tensors through nn.Module attributes every step cost
         # ~0.35 ms. The loader fills the parameters in place, so the list stays true.
-        weights = _WEIGHTS[model] = [w for layer in model.model.layers
-                                     for w in _layer_weights(layer)]
+        _WEIGHTS[model] = _model_weights(model)
+    weights = _WEIGHTS[model]
+    if weights is None:
+        return None
     return kernel(
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights, kv_cache.k,
@@ -75,15 +79,29 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
 
 
-def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:
-    """One layer's tensors in the order csrc/decode_layers.cpp reads them."""
-    attn, mlp = layer.self_attn, layer.mlp
-    # .contiguous() costs nothing on the usual weights and keeps an odd checkpoint's view
-    # from failing the kernel's checks mid-step.
-    out = [layer.input_layernorm.weight.contiguous()]
-    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-        out += (proj.weight, NO_BIAS if proj.bias is None else proj.bias)
-    out.append(layer.post_attention_layernorm.weight.contiguous())
-    for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        out += (proj.weight, NO_BIAS if proj.bias is None else proj.bias)
-    return out
+def _model_weights(model: CausalLM) -> list[torch.Tensor] | None:
+    """Every layer's tensors in the order csrc/decode_layers.cpp reads them; None where a
+    layer's q/k/v or gate/up weights do not lie back to back (a model that
+    worker/models/loader.py did not lay out), which the kernel needs."""
+    out: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        # .contiguous() costs nothing on the usual weights and keeps an odd checkpoint's
+        # view from failing the kernel's checks mid-step.
+        out.append(layer.input_layernorm.weight.contiguous())
+        for projections in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,)):
+            out += _fused(projections)
+        out.append(layer.post_attention_layernorm.weight.contiguous())
+        for projections in ((mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
+            out += _fused(projections)
+    return None if any(w is None for w in out) else out
+
+
+def _fused(projections: tuple[torch.nn.Linear, ...]) -> list[torch.Tensor | None]:
+    """The projections' weights as one matrix and their biases as one vector (views)."""
+    weight = joined([p.weight for p in projections])
+    if all(p.bias is None for p in projections):
+        return [weight, NO_BIAS]
+    if any(p.bias is None for p in projections):
+        return [None, None]  # the checkpoint has some of the biases only: no kernel for that
+    return [weight, joined([p.bias for p in projections])]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
@@ -65,9 +66,10 @@ class SamplingRows:
         self.values = torch.zeros(0, 3, dtype=torch.float64, device="cpu")
         self.seeds = torch.zeros(0, dtype=torch.int64, device="cpu")
         # Penalised rows only: distinct prompt ids, and output ids (a buffer with room to
-        # grow, of which the first _num_outputs[row] are the request's).
-        self._prompt_ids: list[torch.Tensor | None] = []
-        self._output_ids: list[torch.Tensor | None] = []
+        # grow, of which the first _num_outputs[row] are the request's); numpy arrays,
+        # whose small writes cost a tenth of torch's.
+        self._prompt_ids: list[np.ndarray | None] = []
+        self._output_ids: list[np.ndarray | None] = []
         self._num_outputs: list[int] = []
         self._grow_rows(max(1, num_rows))
 
@@ -124,19 +126,17 @@ class SamplingRows:
         """Bring a penalised row's token ids up to date: its distinct prompt ids once, the
         output ids it has not seen yet."""
         if self._prompt_ids[row] is None:
-            self._prompt_ids[row] = torch.unique(
-                torch.tensor(list(prompt), dtype=torch.int64, device="cpu"))
+            self._prompt_ids[row] = np.unique(np.asarray(prompt, dtype=np.int64))
         buffer, have, now = self._output_ids[row], self._num_outputs[row], len(output)
         if now < have:  # the request's output was cut back (it resumed): start over
             have = 0
         if now > have:
-            if buffer is None or buffer.numel() < now:
-                grown = torch.empty(max(16, 2 * now), dtype=torch.int64, device="cpu")
+            if buffer is None or len(buffer) < now:
+                grown = np.empty(max(16, 2 * now), dtype=np.int64)
                 if buffer is not None:
                     grown[:have] = buffer[:have]
                 buffer = self._output_ids[row] = grown
-            buffer[have:now] = torch.tensor(list(output[have:now]), dtype=torch.int64,
-                                            device="cpu")
+            buffer[have:now] = output[have:now]
         self._num_outputs[row] = now
 
     def _penalty_tokens(self, rows: list[int], positions: list[int],
@@ -165,17 +165,18 @@ class SamplingRows:
         self._free += list(range(rows - 1, old - 1, -1))
 
 
-def _padded(parts: list[torch.Tensor | None], counts: list[int] | None) -> torch.Tensor:
+def _padded(parts: list[np.ndarray | None], counts: list[int] | None) -> torch.Tensor:
     """Rows of ``parts`` (the first ``counts[i]`` of each, or all of it) in one
     ``[len(parts), longest]`` tensor padded with NO_TOKEN."""
-    lengths = [0 if t is None else (t.numel() if counts is None else counts[i])
+    lengths = [0 if t is None else (len(t) if counts is None else counts[i])
                for i, t in enumerate(parts)]
-    out = torch.full((len(parts), max(1, max(lengths))), NO_TOKEN, dtype=torch.int64,
-                     device="cpu")
+    # numpy: a row's copy costs ~0.5 us here against ~5 us for a torch slice assignment,
+    # and a step copies two rows per penalised request.
+    out = np.full((len(parts), max(1, max(lengths))), NO_TOKEN, dtype=np.int64)
     for i, (t, n) in enumerate(zip(parts, lengths, strict=True)):
         if n:
             out[i, :n] = t[:n]
-    return out
+    return torch.from_numpy(out)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -220,6 +220,26 @@ def test_logit_bias_bans_and_forces_tokens_and_logprobs_stay_the_models():
     assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
 
 
+def test_scratch_logits_take_penalties_in_place_unless_logprobs_are_asked_for():
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 50, generator=generator)
+    rows = [row(output=[7, 7], temperature=0, frequency_penalty=0.7, logit_bias={3: 2.0}),
+            row(seed=1, output=[9], temperature=0.8, presence_penalty=0.5),
+            row(output=[1], temperature=0)]
+    kept = logits.clone()
+    want, _ = Sampler()(kept, rows)
+    assert torch.equal(kept, logits)  # not scratch: the caller's logits are left alone
+    scratch = logits.clone()
+    assert Sampler()(scratch, rows, scratch=True)[0] == want
+    assert not torch.equal(scratch, logits)  # penalised where they lay, no copy made
+    asking = [*rows[:2], row(output=[1], temperature=0, logprobs=0)]
+    scratch = logits.clone()
+    tokens, logprobs = Sampler()(scratch, asking, scratch=True)
+    assert tokens == want and torch.equal(scratch, logits)
+    assert logprobs[2].logprob == pytest.approx(
+        float(torch.log_softmax(logits[2], -1)[want[2]]))
+
+
 def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(draw_path):
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(6, 500, generator=generator)

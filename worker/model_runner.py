@@ -83,7 +83,7 @@ class ModelRunner:
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.
             torch.cuda.current_stream(self.device).synchronize()
-        tokens, logprobs = self.sampler(logits, sample_rows, step)
+        tokens, logprobs = self.sampler(logits, sample_rows, step, scratch=True)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
 
     def release(self, out: SchedulerOutput) -> None:

@@ -11,8 +11,9 @@ inputs of the step's shapes), twice: as ``F.linear`` (the BLAS torch's CPU build
 the issue's yardstick) and as the step makes them (worker/models/linear.py: the skinny
 kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls are the
 best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
-nothing. The engine's objects are kept off the garbage collector while it runs, as a
-worker process keeps them (worker/long_lived.py). ``--profile`` adds torch.profiler's
+nothing. The step is measured as a worker runs it: the engine's objects kept off the
+garbage collector (worker/long_lived.py), and no detokenizing (a worker's publisher thread
+does that, off the engine's thread). ``--profile`` adds torch.profiler's
 operator table.
 """
 
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Detokenizing is the publisher's work in a worker, on its own thread, not the step's.
     engine = decoding_engine(model_with_vocab(8192, args.models), "greedy", args.batch,
-                             args.threads)
+                             args.threads, detokenize=False)
     before = engine.model.num_native_steps
     with long_lived_frozen():  # as a worker process is once its engine is built
         got = measure(engine, args.batch, args.steps)

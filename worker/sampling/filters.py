@@ -47,7 +47,10 @@ def floors(x: torch.Tensor, top_k: list[int], top_p: list[float],
         index = torch.tensor(ranked, dtype=torch.long, device=device)
         ks = torch.tensor([top_k[i] for i in ranked], dtype=torch.long, device=device)
         width = max(top_k[i] for i in ranked)
-        largest = torch.topk(x.index_select(0, index), width, dim=-1, sorted=True).values
+        # Every row ranked (the usual batch): no gathered copy of the logits (8 MB at
+        # 64 x 32,000).
+        ranks = x if len(ranked) == rows else x.index_select(0, index)
+        largest = torch.topk(ranks, width, dim=-1, sorted=True).values
         # Columns past a row's own k are out of its top-k.
         outside = torch.arange(width, device=device)[None, :] >= ks[:, None]
         largest = largest.masked_fill(outside, float("-inf"))
@@ -63,7 +66,8 @@ def floors(x: torch.Tensor, top_k: list[int], top_p: list[float],
         index = torch.tensor(cut, dtype=torch.long, device=device)
         ratio = torch.tensor([min_p[i] for i in cut], dtype=x.dtype, device=device)[:, None]
         # At least min_p times the most likely token's probability.
-        relative = x.index_select(0, index).amax(dim=-1, keepdim=True) + torch.log(ratio)
+        best = x if len(cut) == rows else x.index_select(0, index)
+        relative = best.amax(dim=-1, keepdim=True) + torch.log(ratio)
         floor.index_copy_(0, index, torch.maximum(floor.index_select(0, index), relative))
     return floor
 

@@ -53,12 +53,14 @@ class Sampler:
     """Picks one token per row; a row's result never depends on its neighbours."""
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SampleRequest], step: StepRows | None = None
+        self, logits: torch.Tensor, rows: list[SampleRequest], step: StepRows | None = None,
+        scratch: bool = False,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Returns the chosen token per row and, where asked for, its logprobs.
 
         ``step`` holds the rows' values from the runner's persistent rows; without it they
-        are laid out for this call alone.
+        are laid out for this call alone. ``scratch``: the caller drops ``logits`` after
+        the call, so penalties may change them in place (unless a row wants logprobs).
         """
         if step is None:
             step = step_rows(SamplingRows(len(rows)), [str(i) for i in range(len(rows))], rows,
@@ -66,7 +68,11 @@ class Sampler:
         raw = logits
         params = step.params
         if any(p.penalized or p.logit_bias for p in params):
-            logits = logits.clone()  # logprobs stay those of the model's own distribution
+            # Logprobs stay those of the model's own distribution: kept apart where a row
+            # asks for them or the caller still needs the logits (a copy of 64 x 32,000
+            # floats is ~1 ms here).
+            if not scratch or any(p.logprobs is not None for p in params):
+                logits = logits.clone()
             apply_penalties(logits, params, step.penalties)
             apply_logit_bias(logits, params)
         greedy = [i for i, p in enumerate(params) if p.greedy]

@@ -34,7 +34,7 @@ SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "linear.cpp", "sample_rows.cpp",
                                          "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
-                                         "linear.h", "vec.h")]
+                                         "linear.h", "vec.h", "each_sequence.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
 STALE_LOCK_S = 600.0

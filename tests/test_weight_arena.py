@@ -87,3 +87,32 @@ def test_a_model_whose_projections_lie_apart_takes_the_python_layers(biased, mon
         k.weight.data = k.weight.detach().clone()
     torch.testing.assert_close(decode(apart, [1, 2, 3]), native, rtol=1e-4, atol=1e-4)
     assert apart.num_native_steps == 0
+
+
+@needs_kernel
+def test_a_model_cast_after_its_first_native_step_gathers_its_weights_again(biased,
+                                                                            monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    model = load_model(biased, dtype=torch.float32)
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 8, 8, c.num_key_value_heads, c.head_dim,
+                         torch.float32)
+
+    def decode() -> torch.Tensor:
+        meta = AttentionMetadata.build([3], [3], [[0]], 8)
+        meta.positions = torch.arange(3)
+        with torch.inference_mode():
+            model(torch.tensor([1, 2, 3]), meta.positions, cache, meta)
+            meta = AttentionMetadata.build([1], [4], [[0]], 8)
+            meta.positions = torch.tensor([3])
+            return model.compute_logits(model(torch.tensor([4]), meta.positions, cache, meta))
+
+    before = decode()
+    assert model.num_native_steps == 1
+    model.double().float()  # new memory for every parameter, the same values
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
+    after = decode()
+    # Its projections no longer join (no arena): the Python layers ran, on the new weights.
+    assert model.num_native_steps == 1
+    assert not torch.allclose(after, before, rtol=1e-4, atol=1e-4)

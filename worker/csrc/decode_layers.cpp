@@ -147,9 +147,11 @@ void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Te
     }
     TORCH_CHECK(w[kQKV].dim() == 2 && w[kQKV].size(0) == s.qkv_width(),
                 "one q/k/v matrix of q + 2 kv rows");
-    TORCH_CHECK(w[kGateUp].dim() == 2 && w[kGateUp].size(0) % 2 == 0 &&
-                    w[kDown].dim() == 2 && w[kGateUp].size(0) == 2 * w[kDown].size(1),
-                "one gate/up matrix of twice the down projection's inputs");
+    TORCH_CHECK(w[kGateUp].dim() == 2 && w[kDown].dim() == 2 &&
+                    w[kGateUp].size(0) == 2 * w[kDown].size(1) &&
+                    w[kDown].size(1) == weights[kDown].size(1),
+                "one gate/up matrix of twice the down projection's inputs, alike in every "
+                "layer");
   }
   const int64_t slots = k_caches[0].numel() / (s.num_kv_heads * s.head_dim);
   for (int64_t l = 0; l < layers; ++l) {

@@ -11,27 +11,39 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <exception>
 
 namespace conveyor {
 
-// f(i, scratch) for i in [0, n): ``Scratch`` is default-constructed once per thread.
+// f(i, scratch) for i in [0, n): ``Scratch`` is default-constructed once per thread. An
+// exception thrown by f is rethrown here, after the region, as at::parallel_for does.
 template <typename Scratch, typename F>
 void for_each_sequence(int64_t n, const F& f) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1 || at::in_parallel_region()) {
+  if (n <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
     Scratch scratch;
     for (int64_t i = 0; i < n; ++i) f(i, scratch);
     return;
   }
-  // The same OpenMP runtime as torch's own parallel regions (one libgomp in the process).
-#pragma omp parallel num_threads(static_cast<int>(threads))
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  std::exception_ptr error;
+  // The whole team, as torch's own regions use it (one libgomp in the process): a
+  // num_threads clause below the team's size would make libgomp end the spare threads and
+  // start them again at the next full region. Threads past the batch find no work.
+#pragma omp parallel
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) f(i, scratch);
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        f(i, scratch);
+      } catch (...) {
+        if (!failed.test_and_set()) error = std::current_exception();
+      }
+    }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace conveyor

@@ -132,6 +132,12 @@ class CausalLM(nn.Module):
         # Steps whose layers ran in one native call (worker/models/native_decode.py).
         self.num_native_steps = 0
 
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - nn.Module's signature
+        # .to(), .float(), .cuda() and the like re-point the parameters: the native decode
+        # step's list of them (views of the old memory) must be gathered again.
+        native_decode.forget(self)
+        return super()._apply(fn, *args, **kwargs)
+
     def tie_weights(self) -> None:
         """Share the embedding table with the LM head if the config says so (again after moves)."""
         if self.config.tie_word_embeddings:

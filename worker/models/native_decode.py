@@ -67,7 +67,8 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
     cos, sin = model.rotary.tables(x.device, x.dtype)
     if model not in _WEIGHTS:
         # Gathered once: reading ~130 tensors through nn.Module attributes every step cost
-        # ~0.35 ms. The loader fills the parameters in place, so the list stays true.
+        # ~0.35 ms. The loader fills the parameters in place, so the list stays true; a
+        # model moved or cast (nn.Module._apply) forgets it (CausalLM._apply).
         _WEIGHTS[model] = _model_weights(model)
     weights = _WEIGHTS[model]
     if weights is None:
@@ -77,6 +78,11 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights, kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
+
+
+def forget(model: torch.nn.Module) -> None:
+    """Drop the model's gathered weights (its parameters are about to be moved or cast)."""
+    _WEIGHTS.pop(model, None)
 
 
 def _model_weights(model: CausalLM) -> list[torch.Tensor] | None:

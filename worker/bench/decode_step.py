@@ -13,8 +13,7 @@ kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls a
 best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
 nothing. The step is measured as a worker runs it: the engine's objects kept off the
 garbage collector (worker/long_lived.py), and no detokenizing (a worker's publisher thread
-does that, off the engine's thread). ``--profile`` adds torch.profiler's
-operator table.
+does that, off the engine's thread). ``--profile`` adds torch.profiler's operator table.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ ALIGN_BYTES = 64
 
 def fused_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """The parameters that must lie back to back: per layer q/k/v weights, their biases,
-    gate/up weights and their biases (empty groups left out)."""
+    gate/up weights and their biases (a bias group only where every projection has one)."""
     groups = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_fixtures import needs_kernel
-from model_fixtures import VOCAB, write_checkpoint
+from model_fixtures import write_checkpoint
 from safetensors.torch import load_file
 
 from kvstore.kv_tensors import PagedKVCache
@@ -61,31 +61,32 @@ def test_tensors_apart_do_not_join():
     assert joined([whole[:2], whole[2:5]]).shape == (5, 4)
 
 
+def _prefill_and_decode(model) -> torch.Tensor:
+    """Prefill tokens 1, 2, 3 into a fresh cache, then decode token 4 (a one-token step,
+    the native path's kind); that step's logits."""
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 8, 8, c.num_key_value_heads, c.head_dim,
+                         torch.float32)
+    meta = AttentionMetadata.build([3], [3], [[0]], 8)
+    meta.positions = torch.arange(3)
+    with torch.inference_mode():
+        model(torch.tensor([1, 2, 3]), meta.positions, cache, meta)
+        meta = AttentionMetadata.build([1], [4], [[0]], 8)
+        meta.positions = torch.tensor([3])
+        return model.compute_logits(model(torch.tensor([4]), meta.positions, cache, meta))
+
+
 @needs_kernel
 def test_a_model_whose_projections_lie_apart_takes_the_python_layers(biased, monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
     model = load_model(biased, dtype=torch.float32)
-    c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, 8, 8, c.num_key_value_heads, c.head_dim,
-                         torch.float32)
-
-    def decode(model, ids: list[int]) -> torch.Tensor:
-        meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 8)
-        meta.positions = torch.arange(len(ids))
-        with torch.inference_mode():
-            model(torch.tensor(ids), meta.positions, cache, meta)
-            meta = AttentionMetadata.build([1], [len(ids) + 1], [[0]], 8)
-            meta.positions = torch.tensor([len(ids)])
-            return model.compute_logits(model(torch.tensor([3 % VOCAB]), meta.positions,
-                                              cache, meta))
-
-    native = decode(model, [1, 2, 3])
+    native = _prefill_and_decode(model)
     assert model.num_native_steps == 1
     apart = load_model(biased, dtype=torch.float32)
     with torch.no_grad():  # k's weight moved to memory of its own: q/k/v no longer join
         k = apart.model.layers[0].self_attn.k_proj
         k.weight.data = k.weight.detach().clone()
-    torch.testing.assert_close(decode(apart, [1, 2, 3]), native, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_prefill_and_decode(apart), native, rtol=1e-4, atol=1e-4)
     assert apart.num_native_steps == 0
 
 
@@ -94,25 +95,12 @@ def test_a_model_cast_after_its_first_native_step_gathers_its_weights_again(bias
                                                                             monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
     model = load_model(biased, dtype=torch.float32)
-    c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, 8, 8, c.num_key_value_heads, c.head_dim,
-                         torch.float32)
-
-    def decode() -> torch.Tensor:
-        meta = AttentionMetadata.build([3], [3], [[0]], 8)
-        meta.positions = torch.arange(3)
-        with torch.inference_mode():
-            model(torch.tensor([1, 2, 3]), meta.positions, cache, meta)
-            meta = AttentionMetadata.build([1], [4], [[0]], 8)
-            meta.positions = torch.tensor([3])
-            return model.compute_logits(model(torch.tensor([4]), meta.positions, cache, meta))
-
-    before = decode()
+    before = _prefill_and_decode(model)
     assert model.num_native_steps == 1
     model.double().float()  # new memory for every parameter, the same values
     with torch.no_grad():
         model.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
-    after = decode()
+    after = _prefill_and_decode(model)
     # Its projections no longer join (no arena): the Python layers ran, on the new weights.
     assert model.num_native_steps == 1
     assert not torch.allclose(after, before, rtol=1e-4, atol=1e-4)

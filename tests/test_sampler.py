@@ -193,7 +193,7 @@ def test_penalties_match_a_plain_reference():
             want[r, t] = v
     penalized = logits.clone()
     step = step_rows(SamplingRows(), [str(i) for i in range(len(rows))], rows, logits.device)
-    apply_penalties(penalized, [r.params for r in rows], step.penalties)
+    apply_penalties(penalized, step.penalties)
     assert torch.allclose(penalized, want, rtol=0, atol=1e-12)
     assert not torch.equal(penalized[:2], logits[:2]) and torch.equal(penalized[2], logits[2])
 

@@ -1,17 +1,18 @@
 """Sampling rows kept across steps (worker/sampling/rows.py): the vectorised draws equal the
-per-row function bit for bit, a penalised request's tokens follow it step by step, and a row
-handed to another request carries nothing of its last holder."""
+per-row function bit for bit, a penalised request's distinct tokens and counts follow it step
+by step, and a row handed to another request carries nothing of its last holder."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import torch
 
 from producer.wire.params import SamplingParams
 from worker.sampling import SampleRequest, uniform
 from worker.sampling.randomness import as_int64, uniforms
-from worker.sampling.rows import DRAW, NO_TOKEN, TEMPERATURE, TOP_P, SamplingRows
+from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
 from worker.sampling.sampler import step_rows
 
 CPU = torch.device("cpu")
@@ -26,30 +27,41 @@ def test_vectorised_draws_equal_the_per_row_function_bit_for_bit():
     assert got.tolist() == [uniform(s, i) for s, i in zip(seeds, indices, strict=True)]
 
 
-def _tokens(t: torch.Tensor) -> list[int]:
-    return [v for v in t.tolist() if v != NO_TOKEN]
+def _context(got: StepRows, row: int) -> list[int]:
+    """The distinct ids the repetition penalty reaches in batch row ``row``, sorted."""
+    rows, ids = got.penalties.context.tolist()
+    return sorted(i for r, i in zip(rows, ids, strict=True) if r == row)
+
+
+def _outputs(got: StepRows, row: int) -> dict[int, float]:
+    """What presence and frequency take off each distinct output id of batch row ``row``."""
+    rows, ids = got.penalties.outputs.tolist()
+    deltas = got.penalties.output_deltas.tolist()
+    return {i: d for r, i, d in zip(rows, ids, deltas, strict=True) if r == row}
 
 
 def test_a_penalised_request_keeps_its_row_and_gains_only_its_new_tokens():
     state = SamplingRows(num_rows=1)
-    params = SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5, seed=3)
+    params = SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5,
+                            frequency_penalty=0.25, repetition_penalty=1.2, seed=3)
     prompt, output = [5, 9, 5, 2], []
     rows_seen = set()
-    for step in range(5):
+    for token in [7, 7, 3, 5, 7, 30]:
         req = SampleRequest(params, 3, len(output), prompt, output)
         got = step_rows(state, ["a"], [req], CPU)
         rows_seen.add(state.rows["a"])
         assert got.values[0, TEMPERATURE] == 0.7 and got.values[0, TOP_P] == 0.9
         assert got.values[0, DRAW].item() == uniform(3, len(output))
-        assert _tokens(got.penalties.prompt_ids[0]) == [2, 5, 9]  # distinct, once
-        assert _tokens(got.penalties.output_ids[0]) == output
-        output.append(step * 10)  # what the engine appends after the step
+        assert _context(got, 0) == sorted(set(prompt) | set(output))  # distinct, once
+        assert got.penalties.context_factors.tolist() == [1.2] * len(_context(got, 0))
+        assert _outputs(got, 0) == {t: 0.5 + 0.25 * n for t, n in Counter(output).items()}
+        output.append(token)  # what the engine appends after the step
     assert len(rows_seen) == 1
 
 
 def test_a_released_row_goes_to_the_next_request_clean():
     state = SamplingRows(num_rows=1)
-    penalised = SamplingParams(temperature=1.0, repetition_penalty=1.3)
+    penalised = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.1)
     step_rows(state, ["old"], [SampleRequest(penalised, 1, 3, [1, 2, 3, 4, 5], [6, 7, 8])],
               CPU)
     row = state.rows["old"]
@@ -59,9 +71,8 @@ def test_a_released_row_goes_to_the_next_request_clean():
         SampleRequest(SamplingParams(temperature=0.5), 4, 0, [1], []),
     ], CPU)
     assert state.rows["new"] == row and len(state.rows) == 2  # reused, then grown
-    assert got.penalties.rows == [0]
-    assert _tokens(got.penalties.prompt_ids[0]) == [9]
-    assert _tokens(got.penalties.output_ids[0]) == []
+    assert got.penalties.context.tolist() == [[0], [9]]  # batch row 0, token 9 alone
+    assert _outputs(got, 0) == {}
     assert got.values[:, TEMPERATURE].tolist() == [1.0, 0.5]
 
 
@@ -70,7 +81,8 @@ def test_an_output_cut_back_on_resumption_is_laid_out_again():
     params = SamplingParams(temperature=1.0, frequency_penalty=0.2)
     step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU)
     got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU)
-    assert _tokens(got.penalties.output_ids[0]) == [7, 8]
+    assert _outputs(got, 0) == {7: 0.2, 8: 0.2}
+    assert got.penalties.context.shape == (2, 0)  # no repetition penalty: nothing to reach
 
 
 def test_an_aborted_request_gives_its_rows_back_even_when_nothing_runs_next(tiny_llama):

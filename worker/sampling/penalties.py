@@ -12,44 +12,24 @@ from collections.abc import Sequence
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.sampling.rows import NO_TOKEN, PenaltyTokens
+from worker.sampling.rows import PenaltyTokens
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    tokens: PenaltyTokens | None) -> None:
-    """Change ``logits`` (one row per request, in place) for the penalised rows, from their
-    distinct prompt ids and output ids (worker/sampling/rows.py keeps them across steps)."""
-    if tokens is None or not tokens.rows:
+def apply_penalties(logits: torch.Tensor, tokens: PenaltyTokens | None) -> None:
+    """Change ``logits`` (one row per request, in place) at the penalised rows' distinct
+    tokens (worker/sampling/rows.py keeps them across steps): repetition first, then
+    presence and frequency."""
+    if tokens is None:
         return
-    device, vocab = logits.device, logits.shape[-1]
-    flat = logits.view(-1)
-    chosen = [params[i] for i in tokens.rows]
-    base = torch.tensor(tokens.rows, dtype=torch.int64, device=device)[:, None] * vocab
-    repeated = [p.repetition_penalty != 1.0 for p in chosen]
-    if any(repeated):
-        ids = torch.cat((tokens.prompt_ids, tokens.output_ids), dim=1)
-        wanted = torch.tensor(repeated, device=device)[:, None]
-        # Every distinct (row, token) of prompt and output, once.
-        seen = torch.unique((base + ids)[(ids != NO_TOKEN) & wanted])
-        penalty = _per_row(logits, [p.repetition_penalty for p in params])[seen // vocab]
-        values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    counted = [bool(p.presence_penalty or p.frequency_penalty) for p in chosen]
-    if any(counted):
-        ids = tokens.output_ids
-        wanted = torch.tensor(counted, device=device)[:, None]
-        occurrences = (base + ids)[(ids != NO_TOKEN) & wanted]
-        if occurrences.numel():
-            frequency = _per_row(logits, [p.frequency_penalty for p in params])
-            presence = _per_row(logits, [p.presence_penalty for p in params])
-            # Once per occurrence for frequency; once per distinct token for presence.
-            flat.index_add_(0, occurrences, -frequency[occurrences // vocab])
-            distinct = torch.unique(occurrences)
-            flat.index_add_(0, distinct, -presence[distinct // vocab])
-
-
-def _per_row(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    if tokens.context.shape[1]:
+        rows, ids = tokens.context
+        factor = tokens.context_factors.to(logits.dtype)
+        values = logits[rows, ids]
+        logits[rows, ids] = torch.where(values > 0, values / factor, values * factor)
+    if tokens.outputs.shape[1]:
+        rows, ids = tokens.outputs
+        # Each (row, id) once: a plain subtraction, no accumulation needed.
+        logits[rows, ids] -= tokens.output_deltas.to(logits.dtype)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

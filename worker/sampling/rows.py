@@ -3,14 +3,15 @@
 Rebuilding it every step cost time in proportion to the batch and, for penalties, to the
 whole context of every penalised request: a tensor of each parameter from Python lists, a
 draw per row by hashing in Python, and a flat Python list of every prompt and output token.
-Here a request's parameters and seed go into its row once, when it first samples; its
-distinct prompt tokens once, when it is penalised; its output tokens as they come (one a
-step). A step gathers its rows with one index, draws every uniform with one vectorised hash
-(:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
-and moves the per-row values to the logits' device in one copy (pinned on CUDA). Token ids
-are kept for penalised requests only, in buffers that grow with that request alone. The
-runner releases a row when its request finishes or is preempted, as it does the request's
-block table.
+Here a request's parameters and seed go into its row once, when it first samples. A
+penalised request's distinct tokens are kept with it (:class:`PenaltyRow`): its prompt's
+once, its output's as they come, one a step, with how often each was generated; a step then
+hands the penalties flat lists of (batch row, token, value) with nothing left to sort or
+deduplicate. A step gathers its rows with one index, draws every uniform with one vectorised
+hash (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
+and moves the per-row values to the logits' device in one copy (pinned on CUDA). The runner
+releases a row when its request finishes or is preempted, as it does the request's block
+table.
 """
 
 from __future__ import annotations
@@ -26,19 +27,76 @@ from worker.sampling.randomness import as_int64, uniforms
 
 # Columns of the per-row values (float64, as the parameters arrived).
 TEMPERATURE, TOP_P, MIN_P, DRAW = 0, 1, 2, 3
-# Padding of the token-id rows: past a row's own tokens.
-NO_TOKEN = -1
 
 
 @dataclass
 class PenaltyTokens:
-    """The step's penalised rows and their tokens, on the logits' device."""
+    """What the step's penalised rows do to their logits, as flat lists on the logits'
+    device: one entry per distinct (row, token), no padding and nothing to deduplicate."""
 
-    # Positions in the step's batch of the penalised rows.
-    rows: list[int]
-    # [len(rows), width] distinct prompt token ids and output token ids, NO_TOKEN-padded.
-    prompt_ids: torch.Tensor
-    output_ids: torch.Tensor
+    # Repetition: [2, n] the batch row and id of every distinct prompt or output token of a
+    # row with a repetition penalty; [n] that row's penalty (divides positive logits).
+    context: torch.Tensor
+    context_factors: torch.Tensor
+    # Presence and frequency: [2, m] every distinct output token of a row with either;
+    # [m] what comes off its logit (presence + frequency x occurrences).
+    outputs: torch.Tensor
+    output_deltas: torch.Tensor
+
+
+class _Growing:
+    """A numpy array that grows by doubling as values are appended one at a time."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.data = np.empty(max(16, 2 * len(values)), dtype=values.dtype)
+        self.data[:len(values)] = values
+        self.size = len(values)
+
+    def append(self, value: float) -> None:
+        if self.size == len(self.data):
+            grown = np.empty(2 * self.size, dtype=self.data.dtype)
+            grown[:self.size] = self.data
+            self.data = grown
+        self.data[self.size] = value
+        self.size += 1
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.data[:self.size]
+
+
+class PenaltyRow:
+    """A penalised request's distinct tokens, kept up to date one output token at a time.
+
+    Two torch.unique a step over every penalised row's whole context cost more than the
+    rest of sampling; here each new output token costs a set and a dict lookup.
+    """
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        distinct = np.unique(np.asarray(prompt, dtype=np.int64))
+        self._seen = set(distinct.tolist())
+        # Distinct prompt and output ids (repetition penalty).
+        self.context = _Growing(distinct)
+        # Distinct output ids, and how often each was generated (presence, frequency).
+        self._index: dict[int, int] = {}
+        self.outputs = _Growing(np.empty(0, dtype=np.int64))
+        self.counts = _Growing(np.empty(0, dtype=np.float64))
+        self.num_outputs = 0
+
+    def add(self, output: Sequence[int]) -> None:
+        """Take in ``output``'s tokens past the ones already seen."""
+        for token in output[self.num_outputs:]:
+            if token not in self._seen:
+                self._seen.add(token)
+                self.context.append(token)
+            i = self._index.get(token)
+            if i is None:
+                self._index[token] = self.outputs.size
+                self.outputs.append(token)
+                self.counts.append(1.0)
+            else:
+                self.counts.data[i] += 1.0
+        self.num_outputs = len(output)
 
 
 # The values of an all-greedy step: argmax reads none (never indexed, so its device is moot).
@@ -65,20 +123,15 @@ class SamplingRows:
         self._params: list[SamplingParams | None] = []
         self.values = torch.zeros(0, 3, dtype=torch.float64, device="cpu")
         self.seeds = torch.zeros(0, dtype=torch.int64, device="cpu")
-        # Penalised rows only: distinct prompt ids, and output ids (a buffer with room to
-        # grow, of which the first _num_outputs[row] are the request's); numpy arrays,
-        # whose small writes cost a tenth of torch's.
-        self._prompt_ids: list[np.ndarray | None] = []
-        self._output_ids: list[np.ndarray | None] = []
-        self._num_outputs: list[int] = []
+        # Penalised rows only: their distinct tokens.
+        self._penalties: list[PenaltyRow | None] = []
         self._grow_rows(max(1, num_rows))
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self._params[row] = None
-            self._prompt_ids[row] = self._output_ids[row] = None
-            self._num_outputs[row] = 0
+            self._penalties[row] = None
             self._free.append(row)
 
     def step(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
@@ -100,7 +153,8 @@ class SamplingRows:
             if params[i].penalized:
                 self._sync_tokens(row, prompts[i], outputs[i])
                 penalised.append(i)
-        penalties = self._penalty_tokens([index[i] for i in penalised], penalised, device)
+        penalties = self._penalty_tokens([index[i] for i in penalised], penalised,
+                                         [params[i] for i in penalised], device)
         if all(p.greedy for p in params):  # an argmax reads none of the values
             return StepRows(list(params), NO_VALUES, penalties)
         rows = torch.tensor(index, dtype=torch.int64, device="cpu")
@@ -123,33 +177,34 @@ class SamplingRows:
         return row
 
     def _sync_tokens(self, row: int, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """Bring a penalised row's token ids up to date: its distinct prompt ids once, the
-        output ids it has not seen yet."""
-        if self._prompt_ids[row] is None:
-            self._prompt_ids[row] = np.unique(np.asarray(prompt, dtype=np.int64))
-        buffer, have, now = self._output_ids[row], self._num_outputs[row], len(output)
-        if now < have:  # the request's output was cut back (it resumed): start over
-            have = 0
-        if now > have:
-            if buffer is None or len(buffer) < now:
-                grown = np.empty(max(16, 2 * now), dtype=np.int64)
-                if buffer is not None:
-                    grown[:have] = buffer[:have]
-                buffer = self._output_ids[row] = grown
-            buffer[have:now] = output[have:now]
-        self._num_outputs[row] = now
+        """Bring a penalised row's tokens up to date with its request's output."""
+        state = self._penalties[row]
+        if state is None or len(output) < state.num_outputs:
+            # New, or its output was cut back (it resumed): start over.
+            state = self._penalties[row] = PenaltyRow(prompt)
+        if len(output) > state.num_outputs:
+            state.add(output)
 
     def _penalty_tokens(self, rows: list[int], positions: list[int],
-                        device: torch.device) -> PenaltyTokens | None:
-        """The penalised rows' ids, NO_TOKEN-padded to the longest of this step."""
+                        params: list[SamplingParams], device: torch.device
+                        ) -> PenaltyTokens | None:
+        """The penalised rows' distinct tokens as flat lists (batch row, id, value)."""
         if not rows:
             return None
-        prompts = [self._prompt_ids[r] for r in rows]
-        outputs = [self._output_ids[r] for r in rows]
-        counts = [self._num_outputs[r] for r in rows]
-        prompt_ids = _padded(prompts, None)
-        output_ids = _padded(outputs, counts)
-        return PenaltyTokens(positions, prompt_ids.to(device), output_ids.to(device))
+        states = [self._penalties[r] for r in rows]
+        repeated = [(k, s, p.repetition_penalty)
+                    for k, s, p in zip(positions, states, params, strict=True)
+                    if p.repetition_penalty != 1.0]
+        counted = [(k, s, p) for k, s, p in zip(positions, states, params, strict=True)
+                   if p.presence_penalty or p.frequency_penalty]
+        context, lengths = _flat([(k, s.context.values) for k, s, _ in repeated])
+        factors = np.repeat(np.array([f for *_, f in repeated], dtype=np.float64), lengths)
+        outputs, lengths = _flat([(k, s.outputs.values) for k, s, _ in counted])
+        counts = np.concatenate([s.counts.values for _, s, _ in counted] or [np.empty(0)])
+        deltas = np.repeat(np.array([p.presence_penalty for *_, p in counted]), lengths)
+        deltas += np.repeat(np.array([p.frequency_penalty for *_, p in counted]), lengths) * counts
+        return PenaltyTokens(*(_to(torch.from_numpy(a), device)
+                               for a in (context, factors, outputs, deltas)))
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
@@ -159,24 +214,19 @@ class SamplingRows:
         seeds[:old] = self.seeds
         self.values, self.seeds = values, seeds
         self._params += [None] * (rows - old)
-        self._prompt_ids += [None] * (rows - old)
-        self._output_ids += [None] * (rows - old)
-        self._num_outputs += [0] * (rows - old)
+        self._penalties += [None] * (rows - old)
         self._free += list(range(rows - 1, old - 1, -1))
 
 
-def _padded(parts: list[np.ndarray | None], counts: list[int] | None) -> torch.Tensor:
-    """Rows of ``parts`` (the first ``counts[i]`` of each, or all of it) in one
-    ``[len(parts), longest]`` tensor padded with NO_TOKEN."""
-    lengths = [0 if t is None else (len(t) if counts is None else counts[i])
-               for i, t in enumerate(parts)]
-    # numpy: a row's copy costs ~0.5 us here against ~5 us for a torch slice assignment,
-    # and a step copies two rows per penalised request.
-    out = np.full((len(parts), max(1, max(lengths))), NO_TOKEN, dtype=np.int64)
-    for i, (t, n) in enumerate(zip(parts, lengths, strict=True)):
-        if n:
-            out[i, :n] = t[:n]
-    return torch.from_numpy(out)
+def _flat(parts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, list[int]]:
+    """[2, n] (batch row, id) of every id of ``parts`` (each a batch row and its ids), and
+    how many ids each part has."""
+    lengths = [len(ids) for _, ids in parts]
+    index = np.empty((2, sum(lengths)), dtype=np.int64)
+    if parts:
+        index[0] = np.repeat(np.array([k for k, _ in parts], dtype=np.int64), lengths)
+        np.concatenate([ids for _, ids in parts], out=index[1])
+    return index, lengths
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

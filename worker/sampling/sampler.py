@@ -73,7 +73,7 @@ class Sampler:
             # floats is ~1 ms here).
             if not scratch or any(p.logprobs is not None for p in params):
                 logits = logits.clone()
-            apply_penalties(logits, params, step.penalties)
+            apply_penalties(logits, step.penalties)
             apply_logit_bias(logits, params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]

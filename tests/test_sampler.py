@@ -16,7 +16,7 @@ from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
 from worker.cpu_kernels import sample_rows_kernel
 from worker.sampling import Sampler, SampleRequest
-from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, top_p_keep
+from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
@@ -119,8 +119,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_its_near_ties(top_p):
 @pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
 @pytest.mark.parametrize("vocab", [5, 1000, 32003])
 def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, vocab):
-    """Against float64 torch: the kept set is top_p_keep's cut and the floor, and the pick is
-    the token whose CDF interval holds the draw (to rounding)."""
+    """Against float64 torch: the kept set is top-k with top-p over it (filters.floors' floor)
+    or else top_p_keep's cut, and the floor; the pick is the token whose CDF interval holds
+    the draw (to rounding)."""
     generator = torch.Generator().manual_seed(vocab)
     rows = 48
     x = torch.randn(rows, vocab, generator=generator) * scale
@@ -130,11 +131,17 @@ def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, voca
                          dtype=torch.float64)
     floor = torch.full((rows,), float("-inf"))
     floor[1::4] = x[1::4].amax(dim=-1) - 2.0  # a min-p-like floor on some rows
+    # Top-k on some rows (7 is the whole row at vocab 5: no cut), with each row's top-p.
+    top_k = torch.tensor([[0, 0, 0, 50, 0, 1, 0, 7][r % 8] for r in range(rows)])
     draws = torch.rand(rows, generator=generator, dtype=torch.float64)
-    picks = kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS).tolist()
+    picks = kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS).tolist()
 
     x64, p64 = x.double(), probs.double()
-    keep = top_p_keep(x64, p64, top_p) & (x64 >= floor.double()[:, None])
+    ranked = (top_k > 0) & (top_k < vocab)
+    cut = floors(x64, top_k.tolist(), top_p.tolist(), [0.0] * rows)
+    nucleus = torch.where(ranked[:, None], x64 >= cut,
+                          top_p_keep(x64, p64, torch.where(ranked, 1.0, top_p)))
+    keep = nucleus & (x64 >= floor.double()[:, None])
     kept = p64 * keep
     cdf = kept.cumsum(dim=-1)
     for r, pick in enumerate(picks):
@@ -157,15 +164,17 @@ def test_the_draw_kernel_is_the_same_for_a_row_alone_and_in_a_batch():
     top_p = torch.full((33,), 0.9, dtype=torch.float64)
     floor = torch.full((33,), float("-inf"))
     draws = torch.rand(33, generator=generator, dtype=torch.float64)
-    batch = kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS)
+    top_k = torch.tensor([[0, 40][r % 2] for r in range(33)])
+    batch = kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS)
     for r in (0, 17, 32):
-        alone = kernel(x[r:r + 1], probs[r:r + 1], top_p[r:r + 1], floor[r:r + 1],
-                       draws[r:r + 1], BINS_PER_NAT, NUM_BINS)
+        alone = kernel(x[r:r + 1], probs[r:r + 1], top_p[r:r + 1], top_k[r:r + 1],
+                       floor[r:r + 1], draws[r:r + 1], BINS_PER_NAT, NUM_BINS)
         assert int(alone) == int(batch[r])
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        assert torch.equal(kernel(x, probs, top_p, floor, draws, BINS_PER_NAT, NUM_BINS), batch)
+        assert torch.equal(
+            kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS), batch)
     finally:
         torch.set_num_threads(threads)
 

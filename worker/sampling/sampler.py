@@ -106,21 +106,22 @@ class Sampler:
         # x / 1.0 is x: skip a pass over the batch's logits at the default temperature.
         x = logits if bool((temperature == 1.0).all()) else logits / temperature
         probs = torch.softmax(x, dim=-1)
-        floor = floors(x, [p.top_k for p in params], [p.top_p for p in params],
-                       [p.min_p for p in params])
-        # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
-        nucleus = [i for i, p in enumerate(params)
-                   if p.top_p < 1.0 and not 0 < p.top_k < vocab]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         kernel = sample_rows_kernel() if x.device.type == "cpu" and x.dtype == torch.float32 \
             else None
         if kernel is not None:
-            # The same cut and draw, each row in one task whose passes stay in cache.
-            top_p = torch.ones(len(params), dtype=torch.float64, device=x.device)
-            top_p[nucleus] = exact[nucleus, TOP_P]
-            no_floor = torch.full((len(params),), float("-inf"), dtype=x.dtype, device=x.device)
-            return kernel(x, probs, top_p, no_floor if floor is None else floor[:, 0],
-                          exact[:, DRAW],
-                          BINS_PER_NAT, NUM_BINS).tolist()
+            # The same cuts and draw, each row in one task whose passes stay in cache; top-k
+            # (and top-p over it) are cut there too, without a torch.topk of the batch.
+            floor = floors(x, [0] * len(params), [1.0] * len(params),
+                           [p.min_p for p in params])
+            if floor is None:
+                floor = torch.full((len(params), 1), float("-inf"), dtype=x.dtype,
+                                   device=x.device)
+            return kernel(x, probs, exact[:, TOP_P], torch.tensor(top_k, device=x.device),
+                          floor[:, 0], exact[:, DRAW], BINS_PER_NAT, NUM_BINS).tolist()
+        floor = floors(x, top_k, [p.top_p for p in params], [p.min_p for p in params])
+        # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
+        nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0 and not top_k[i]]
         keep = None if floor is None else x >= floor
         if nucleus:
             index = _subset(nucleus, x)

@@ -120,28 +120,30 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_its_near_ties(top_p):
 @pytest.mark.parametrize("vocab", [5, 1000, 32003])
 def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, vocab):
     """Against float64 torch: the kept set is top-k with top-p over it (filters.floors' floor)
-    or else top_p_keep's cut, and the floor; the pick is the token whose CDF interval holds
-    the draw (to rounding)."""
+    or else top_p_keep's cut, and min-p's floor, of the softmax at each row's temperature; the
+    pick is the token whose CDF interval holds the draw (to rounding)."""
     generator = torch.Generator().manual_seed(vocab)
     rows = 48
-    x = torch.randn(rows, vocab, generator=generator) * scale
-    x[::5, 1::2] = float("-inf")  # some rows with half their tokens banned
-    probs = torch.softmax(x, dim=-1)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    logits[::5, 1::2] = float("-inf")  # some rows with half their tokens banned
+    temperature = torch.tensor([[1.0, 0.7, 1.3][r % 3] for r in range(rows)],
+                               dtype=torch.float64)
     top_p = torch.tensor([[1.0, 0.9, 0.5, 0.05, 0.999, 1e-9][r % 6] for r in range(rows)],
                          dtype=torch.float64)
-    floor = torch.full((rows,), float("-inf"))
-    floor[1::4] = x[1::4].amax(dim=-1) - 2.0  # a min-p-like floor on some rows
     # Top-k on some rows (7 is the whole row at vocab 5: no cut), with each row's top-p.
     top_k = torch.tensor([[0, 0, 0, 50, 0, 1, 0, 7][r % 8] for r in range(rows)])
+    min_p = torch.tensor([[0.0, 0.1, 0.0, 0.0][r % 4] for r in range(rows)],
+                         dtype=torch.float64)
     draws = torch.rand(rows, generator=generator, dtype=torch.float64)
-    picks = kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS).tolist()
+    picks = kernel(logits, temperature, top_p, top_k, min_p, draws, BINS_PER_NAT,
+                   NUM_BINS).tolist()
 
-    x64, p64 = x.double(), probs.double()
+    x64 = (logits / temperature.float()[:, None]).double()  # scaled in float32, as torch does
+    p64 = torch.softmax(x64, dim=-1)
     ranked = (top_k > 0) & (top_k < vocab)
-    cut = floors(x64, top_k.tolist(), top_p.tolist(), [0.0] * rows)
-    nucleus = torch.where(ranked[:, None], x64 >= cut,
-                          top_p_keep(x64, p64, torch.where(ranked, 1.0, top_p)))
-    keep = nucleus & (x64 >= floor.double()[:, None])
+    cut = floors(x64, top_k.tolist(), top_p.tolist(), min_p.tolist())
+    nucleus = top_p_keep(x64, p64, torch.where(ranked, 1.0, top_p))
+    keep = (x64 >= cut) & torch.where(ranked[:, None], True, nucleus)
     kept = p64 * keep
     cdf = kept.cumsum(dim=-1)
     for r, pick in enumerate(picks):
@@ -152,31 +154,40 @@ def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, voca
         assert float(cdf[r, pick]) >= target - tol, (r, pick)
     # A tiny top-p keeps the best token alone (and its near-ties, of which random rows have
     # none).
-    tiny = [r for r in range(rows) if top_p[r] < 1e-6 and floor[r] == float("-inf")]
-    assert tiny and all(picks[r] == int(x[r].argmax()) for r in tiny)
+    tiny = [r for r in range(rows) if top_p[r] < 1e-6 and not ranked[r]]
+    assert tiny and all(picks[r] == int(logits[r].argmax()) for r in tiny)
 
 
 @needs_kernel
 def test_the_draw_kernel_is_the_same_for_a_row_alone_and_in_a_batch():
     generator = torch.Generator().manual_seed(5)
-    x = torch.randn(33, 32000, generator=generator) * 4
-    probs = torch.softmax(x, dim=-1)
-    top_p = torch.full((33,), 0.9, dtype=torch.float64)
-    floor = torch.full((33,), float("-inf"))
-    draws = torch.rand(33, generator=generator, dtype=torch.float64)
-    top_k = torch.tensor([[0, 40][r % 2] for r in range(33)])
-    batch = kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS)
+    logits = torch.randn(33, 32000, generator=generator) * 4
+    columns = (torch.full((33,), 0.8, dtype=torch.float64),  # temperature
+               torch.full((33,), 0.9, dtype=torch.float64),  # top-p
+               torch.tensor([[0, 40][r % 2] for r in range(33)]),  # top-k
+               torch.tensor([[0.0, 0.0, 0.05][r % 3] for r in range(33)],
+                            dtype=torch.float64),  # min-p
+               torch.rand(33, generator=generator, dtype=torch.float64))  # draws
+    batch = kernel(logits, *columns, BINS_PER_NAT, NUM_BINS)
     for r in (0, 17, 32):
-        alone = kernel(x[r:r + 1], probs[r:r + 1], top_p[r:r + 1], top_k[r:r + 1],
-                       floor[r:r + 1], draws[r:r + 1], BINS_PER_NAT, NUM_BINS)
+        alone = kernel(logits[r:r + 1], *(c[r:r + 1] for c in columns), BINS_PER_NAT,
+                       NUM_BINS)
         assert int(alone) == int(batch[r])
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        assert torch.equal(
-            kernel(x, probs, top_p, top_k, floor, draws, BINS_PER_NAT, NUM_BINS), batch)
+        assert torch.equal(kernel(logits, *columns, BINS_PER_NAT, NUM_BINS), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_the_draw_kernel_refuses_a_row_without_a_positive_temperature():
+    logits = torch.zeros(2, 10)
+    ones = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="positive temperature"):
+        kernel(logits, torch.tensor([1.0, 0.0], dtype=torch.float64), ones,
+               torch.zeros(2, dtype=torch.long), ones * 0, ones * 0.5, BINS_PER_NAT, NUM_BINS)
 
 
 def test_penalties_match_a_plain_reference():

@@ -24,10 +24,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             double eps, double scale, bool blas_only);
 
 // One token per row by inverse CDF over what top-k, top-p (over the top k, or a histogram
-// cut) and the floor keep (sample_rows.cpp): x, probs [rows, vocab] float32; top_p, top_k
-// (0: none), floor, draws [rows].
-torch::Tensor sample_rows(torch::Tensor x, torch::Tensor probs, torch::Tensor top_p,
-                          torch::Tensor top_k, torch::Tensor floor, torch::Tensor draws,
+// cut) and min-p keep of the row's softmax at its temperature (sample_rows.cpp): logits
+// [rows, vocab] float32; temperature (> 0), top_p, top_k (0: none), min_p, draws [rows].
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
+                          torch::Tensor top_k, torch::Tensor min_p, torch::Tensor draws,
                           double bins_per_nat, int64_t num_bins);
 
 }  // namespace conveyor

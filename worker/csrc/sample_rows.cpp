@@ -1,12 +1,15 @@
-// Draw one token per row from filtered probabilities, on the CPU (worker/sampling/sampler.py
-// calls it for float32 CPU logits).
+// Draw one token per row from its logits and sampling parameters, on the CPU
+// (worker/sampling/sampler.py calls it for float32 CPU logits).
 //
 // On the torch path a top-p row costs about ten passes over the batch's probabilities
 // (the histogram's bins, its scatter, the kept mask, the masked product, a cumulative sum
 // over the whole vocabulary, a search): ~6 ms for 64 rows of 32,000 tokens, a tenth of the
-// step. Here each row is one task and its passes stay in L2 (a 32,000-token row is 128 KB):
+// step; and temperature and softmax are two more passes over the whole batch before it.
+// Here each row is one task and its passes stay in L2 (a 32,000-token row is 128 KB):
 //
-//   1. the row's best scaled logit (vector max);
+//   1. the row's logits over its temperature, its best scaled logit (vector max), and its
+//      unnormalised probabilities e^(x - best) (vexp) with their sum; min-p's floor is
+//      best + log(min_p);
 //   2. top-k rows: the k largest values, from the maxima of groups of 64 tokens and a second
 //      look at the few groups that can hold them (torch.topk took ~0.8 ms for 64 rows of
 //      8,192 tokens); their floor is the k-th value, raised by top-p over those k values
@@ -112,6 +115,41 @@ int64_t last_kept_bin(const float* x, const float* p, int64_t vocab, float best,
   return last;
 }
 
+// x / t into `out` (vector division, as torch divides), and the largest value.
+float scale_row(const float* logits, float t, int64_t vocab, float* out) {
+  vec m = broadcast(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + kWidth <= vocab; j += kWidth) {
+    const vec v = load(logits + j) / broadcast(t);
+    store(out + j, v);
+    m = v > m ? v : m;
+  }
+  float best = lane_max(m);
+  for (; j < vocab; ++j) {
+    out[j] = logits[j] / t;
+    best = std::max(best, out[j]);
+  }
+  return best;
+}
+
+// e^(x - best) into `p`; returns their sum (a token at -inf gets 0).
+double exp_row(const float* x, float best, int64_t vocab, float* p) {
+  vec acc = {};
+  int64_t j = 0;
+  for (; j + kWidth <= vocab; j += kWidth) {
+    const vec e = vexp(load(x + j) - broadcast(best));
+    store(p + j, e);
+    acc += e;
+  }
+  double sum = 0.0;
+  for (int64_t l = 0; l < kWidth; ++l) sum += acc[l];
+  for (; j < vocab; ++j) {
+    p[j] = std::exp(x[j] - best);
+    sum += p[j];
+  }
+  return sum;
+}
+
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
 // The largest lane of `v`: the halves' maxima, down to one lane.
@@ -196,16 +234,36 @@ double block_mass(const float* x, const float* p, int64_t begin, int64_t end, co
   return sum;
 }
 
-int64_t draw_row(const float* x, const float* p, int64_t vocab, double top_p, int64_t top_k,
-                 float floor, double draw, float bins_per_nat, std::vector<float>& mass,
-                 std::vector<double>& blocks, std::vector<float>& maxima,
-                 std::vector<float>& kept, std::vector<float>& top) {
-  const float best = row_max(x, vocab);
+// Per-thread buffers of draw_row, sized once for the batch's rows.
+struct Scratch {
+  std::vector<float> scaled, probs, mass, maxima, kept, top;
+  std::vector<double> blocks;
+};
+
+int64_t draw_row(const float* logits, int64_t vocab, double temperature, double top_p,
+                 int64_t top_k, double min_p, double draw, float bins_per_nat, Scratch& s) {
+  // x / 1.0 is x: no pass at the default temperature.
+  const float* x = logits;
+  float best;
+  if (temperature == 1.0) {
+    best = row_max(x, vocab);
+  } else {
+    best = scale_row(logits, static_cast<float>(temperature), vocab, s.scaled.data());
+    x = s.scaled.data();
+  }
+  float* p = s.probs.data();
+  const double sum = exp_row(x, best, vocab, p);
+  // At least min_p times the most likely token's probability.
+  const float floor = min_p > 0.0 ? best + std::log(static_cast<float>(min_p))
+                                  : -std::numeric_limits<float>::infinity();
   Keep keep{best, floor, bins_per_nat, 0.0f, false};
+  std::vector<float>& mass = s.mass;
+  std::vector<double>& blocks = s.blocks;
   if (0 < top_k && top_k < vocab) {
-    keep.floor = std::max(floor, top_k_floor(x, vocab, top_k, top_p, maxima, kept, top));
+    keep.floor = std::max(floor, top_k_floor(x, vocab, top_k, top_p, s.maxima, s.kept, s.top));
   } else if (top_p < 1.0) {
-    const int64_t edge = last_kept_bin(x, p, vocab, best, bins_per_nat, top_p, mass);
+    // The histogram's mass is unnormalised: top_p of the row's sum.
+    const int64_t edge = last_kept_bin(x, p, vocab, best, bins_per_nat, top_p * sum, mass);
     // The last bin holds everything further down: cutting there keeps the whole row.
     keep.nucleus = edge < static_cast<int64_t>(mass.size()) - kSinks;
     keep.limit = static_cast<float>(edge + 1);
@@ -247,40 +305,44 @@ int64_t draw_row(const float* x, const float* p, int64_t vocab, double top_p, in
 
 }  // namespace
 
-torch::Tensor sample_rows(torch::Tensor x, torch::Tensor probs, torch::Tensor top_p,
-                          torch::Tensor top_k, torch::Tensor floor, torch::Tensor draws,
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
+                          torch::Tensor top_k, torch::Tensor min_p, torch::Tensor draws,
                           double bins_per_nat, int64_t num_bins) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "x is float32 [rows, vocab] on the CPU");
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == x.sizes(),
-              "probs is float32 and shaped like x");
-  const int64_t rows = x.size(0), vocab = x.size(1);
-  TORCH_CHECK(top_p.numel() == rows && top_k.numel() == rows && floor.numel() == rows &&
-                  draws.numel() == rows,
-              "one top_p, top_k, floor and draw per row");
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2,
+              "logits are float32 [rows, vocab] on the CPU");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(temperature.numel() == rows && top_p.numel() == rows && top_k.numel() == rows &&
+                  min_p.numel() == rows && draws.numel() == rows,
+              "one temperature, top_p, top_k, min_p and draw per row");
   TORCH_CHECK(num_bins >= 2 && bins_per_nat > 0, "a histogram of at least two bins");
   TORCH_CHECK(vocab > 0, "a row has at least one token");
-  x = x.contiguous();
-  probs = probs.contiguous();
+  logits = logits.contiguous();
+  temperature = temperature.to(at::kDouble).contiguous();
   top_p = top_p.to(at::kDouble).contiguous();
   top_k = top_k.to(at::kLong).contiguous();
-  floor = floor.to(at::kFloat).contiguous();
+  min_p = min_p.to(at::kDouble).contiguous();
   draws = draws.to(at::kDouble).contiguous();
-  torch::Tensor picks = torch::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  const float* pp = probs.data_ptr<float>();
-  const double* tp = top_p.data_ptr<double>();
+  torch::Tensor picks = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  const double* tp = temperature.data_ptr<double>();
+  const double* pp = top_p.data_ptr<double>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
-  const float* fp = floor.data_ptr<float>();
+  const double* mp = min_p.data_ptr<double>();
   const double* dp = draws.data_ptr<double>();
   int64_t* out = picks.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(tp[r] > 0.0, "a sampled row has a positive temperature");
+  }
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> mass(num_bins - 1 + kSinks);
-    std::vector<double> blocks((vocab + kBlock - 1) / kBlock);
-    std::vector<float> maxima, kept, top;
+    Scratch s;
+    s.scaled.resize(vocab);
+    s.probs.resize(vocab);
+    s.mass.resize(num_bins - 1 + kSinks);
+    s.blocks.resize((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r) {
-      out[r] = draw_row(xp + r * vocab, pp + r * vocab, vocab, tp[r], kp[r], fp[r], dp[r],
-                        static_cast<float>(bins_per_nat), mass, blocks, maxima, kept, top);
+      out[r] = draw_row(xp + r * vocab, vocab, tp[r], pp[r], kp[r], mp[r], dp[r],
+                        static_cast<float>(bins_per_nat), s);
     }
   });
   return picks;

@@ -44,59 +44,69 @@ class PenaltyTokens:
     output_deltas: torch.Tensor
 
 
-class _Growing:
-    """A numpy array that grows by doubling as values are appended one at a time."""
-
-    def __init__(self, values: np.ndarray) -> None:
-        self.data = np.empty(max(16, 2 * len(values)), dtype=values.dtype)
-        self.data[:len(values)] = values
-        self.size = len(values)
-
-    def append(self, value: float) -> None:
-        if self.size == len(self.data):
-            grown = np.empty(2 * self.size, dtype=self.data.dtype)
-            grown[:self.size] = self.data
-            self.data = grown
-        self.data[self.size] = value
-        self.size += 1
-
-    @property
-    def values(self) -> np.ndarray:
-        return self.data[:self.size]
-
-
 class PenaltyRow:
     """A penalised request's distinct tokens, kept up to date one output token at a time.
 
     Two torch.unique a step over every penalised row's whole context cost more than the
-    rest of sampling; here each new output token costs a set and a dict lookup.
+    rest of sampling; here each new output token costs a set and a dict lookup, and what
+    presence and frequency take off each distinct output token is kept as it changes.
     """
 
-    def __init__(self, prompt: Sequence[int]) -> None:
+    def __init__(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        self.repetition = params.repetition_penalty
+        self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         distinct = np.unique(np.asarray(prompt, dtype=np.int64))
         self._seen = set(distinct.tolist())
-        # Distinct prompt and output ids (repetition penalty).
-        self.context = _Growing(distinct)
-        # Distinct output ids, and how often each was generated (presence, frequency).
+        # Distinct prompt and output ids (repetition penalty): the first num_context.
+        self._context = np.empty(max(64, 2 * len(distinct)), dtype=np.int64)
+        self._context[:len(distinct)] = distinct
+        self.num_context = len(distinct)
+        # Distinct output ids and, beside each, presence + frequency x its occurrences:
+        # the first num_distinct.
         self._index: dict[int, int] = {}
-        self.outputs = _Growing(np.empty(0, dtype=np.int64))
-        self.counts = _Growing(np.empty(0, dtype=np.float64))
+        self._outputs = np.empty(64, dtype=np.int64)
+        self._deltas = np.empty(64, dtype=np.float64)
+        self.num_distinct = 0
         self.num_outputs = 0
+
+    @property
+    def context(self) -> np.ndarray:
+        return self._context[:self.num_context]
+
+    @property
+    def outputs(self) -> np.ndarray:
+        return self._outputs[:self.num_distinct]
+
+    @property
+    def deltas(self) -> np.ndarray:
+        return self._deltas[:self.num_distinct]
 
     def add(self, output: Sequence[int]) -> None:
         """Take in ``output``'s tokens past the ones already seen."""
         for token in output[self.num_outputs:]:
             if token not in self._seen:
                 self._seen.add(token)
-                self.context.append(token)
+                if self.num_context == len(self._context):
+                    self._context = _doubled(self._context)
+                self._context[self.num_context] = token
+                self.num_context += 1
             i = self._index.get(token)
             if i is None:
-                self._index[token] = self.outputs.size
-                self.outputs.append(token)
-                self.counts.append(1.0)
+                i = self._index[token] = self.num_distinct
+                if i == len(self._outputs):
+                    self._outputs, self._deltas = _doubled(self._outputs), _doubled(self._deltas)
+                self._outputs[i] = token
+                self._deltas[i] = self.presence + self.frequency
+                self.num_distinct += 1
             else:
-                self.counts.data[i] += 1.0
+                self._deltas[i] += self.frequency
         self.num_outputs = len(output)
+
+
+def _doubled(a: np.ndarray) -> np.ndarray:
+    grown = np.empty(2 * len(a), dtype=a.dtype)
+    grown[:len(a)] = a
+    return grown
 
 
 # The values of an all-greedy step: argmax reads none (never indexed, so its device is moot).
@@ -151,10 +161,9 @@ class SamplingRows:
                 row = self._admit(request_id, params[i], seeds[i])
             index.append(row)
             if params[i].penalized:
-                self._sync_tokens(row, prompts[i], outputs[i])
+                self._sync_tokens(row, params[i], prompts[i], outputs[i])
                 penalised.append(i)
-        penalties = self._penalty_tokens([index[i] for i in penalised], penalised,
-                                         [params[i] for i in penalised], device)
+        penalties = self._penalty_tokens([index[i] for i in penalised], penalised, device)
         if all(p.greedy for p in params):  # an argmax reads none of the values
             return StepRows(list(params), NO_VALUES, penalties)
         rows = torch.tensor(index, dtype=torch.int64, device="cpu")
@@ -176,33 +185,29 @@ class SamplingRows:
         self.seeds[row] = as_int64(seed)
         return row
 
-    def _sync_tokens(self, row: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+    def _sync_tokens(self, row: int, params: SamplingParams, prompt: Sequence[int],
+                     output: Sequence[int]) -> None:
         """Bring a penalised row's tokens up to date with its request's output."""
         state = self._penalties[row]
         if state is None or len(output) < state.num_outputs:
             # New, or its output was cut back (it resumed): start over.
-            state = self._penalties[row] = PenaltyRow(prompt)
+            state = self._penalties[row] = PenaltyRow(prompt, params)
         if len(output) > state.num_outputs:
             state.add(output)
 
-    def _penalty_tokens(self, rows: list[int], positions: list[int],
-                        params: list[SamplingParams], device: torch.device
+    def _penalty_tokens(self, rows: list[int], positions: list[int], device: torch.device
                         ) -> PenaltyTokens | None:
         """The penalised rows' distinct tokens as flat lists (batch row, id, value)."""
         if not rows:
             return None
-        states = [self._penalties[r] for r in rows]
-        repeated = [(k, s, p.repetition_penalty)
-                    for k, s, p in zip(positions, states, params, strict=True)
-                    if p.repetition_penalty != 1.0]
-        counted = [(k, s, p) for k, s, p in zip(positions, states, params, strict=True)
-                   if p.presence_penalty or p.frequency_penalty]
-        context, lengths = _flat([(k, s.context.values) for k, s, _ in repeated])
-        factors = np.repeat(np.array([f for *_, f in repeated], dtype=np.float64), lengths)
-        outputs, lengths = _flat([(k, s.outputs.values) for k, s, _ in counted])
-        counts = np.concatenate([s.counts.values for _, s, _ in counted] or [np.empty(0)])
-        deltas = np.repeat(np.array([p.presence_penalty for *_, p in counted]), lengths)
-        deltas += np.repeat(np.array([p.frequency_penalty for *_, p in counted]), lengths) * counts
+        states = [(k, self._penalties[r]) for k, r in zip(positions, rows, strict=True)]
+        repeated = [(k, s) for k, s in states if s.repetition != 1.0]
+        counted = [(k, s) for k, s in states if s.presence or s.frequency]
+        context, lengths = _flat([(k, s.context) for k, s in repeated])
+        factors = np.repeat(np.array([s.repetition for _, s in repeated], dtype=np.float64),
+                            lengths)
+        outputs, _ = _flat([(k, s.outputs) for k, s in counted])
+        deltas = np.concatenate([s.deltas for _, s in counted] or [np.empty(0)])
         return PenaltyTokens(*(_to(torch.from_numpy(a), device)
                                for a in (context, factors, outputs, deltas)))
 

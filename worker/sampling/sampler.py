@@ -7,8 +7,9 @@ token is drawn by inverse CDF, in token-id order, at one uniform number per row 
 pure function of (seed, output index): a seeded request gets the same tokens alone, in any
 batch, and after resuming at any token. Per-row values (temperature, top-p, min-p, the
 draw) and penalty tokens come from rows kept across steps (worker/sampling/rows.py).
-Float32 CPU rows are cut and drawn by one native kernel (csrc/sample_rows.cpp), each row's
-passes in cache: on the torch path top-p alone took ten passes over the batch's logits.
+Float32 CPU rows are scaled, cut and drawn by one native kernel (csrc/sample_rows.cpp), each
+row's passes in cache: on the torch path temperature, softmax and top-p took a dozen passes
+over the batch's logits.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from producer.wire.params import SamplingParams
 from worker.cpu_kernels import sample_rows_kernel
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
-from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
+from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
 
 
 @dataclass
@@ -100,25 +101,21 @@ class Sampler:
                 values: torch.Tensor) -> list[int]:
         """Draw one token per row; ``values``: the rows' [n, 4] from StepRows."""
         vocab = logits.shape[-1]
-        exact = values  # float64: the kernel takes top-p and the draw unrounded
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        kernel = sample_rows_kernel() if logits.device.type == "cpu" and \
+            logits.dtype == torch.float32 else None
+        if kernel is not None:
+            # Temperature, softmax, every cut and the draw, each row in one task whose passes
+            # stay in cache: no pass over the whole batch's logits here. Float64 values: the
+            # parameters and the draw as they arrived.
+            return kernel(logits, values[:, TEMPERATURE], values[:, TOP_P],
+                          torch.tensor(top_k, device=logits.device), values[:, MIN_P],
+                          values[:, DRAW], BINS_PER_NAT, NUM_BINS).tolist()
         values = values.to(logits.dtype)
         temperature = values[:, TEMPERATURE, None]
         # x / 1.0 is x: skip a pass over the batch's logits at the default temperature.
         x = logits if bool((temperature == 1.0).all()) else logits / temperature
         probs = torch.softmax(x, dim=-1)
-        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        kernel = sample_rows_kernel() if x.device.type == "cpu" and x.dtype == torch.float32 \
-            else None
-        if kernel is not None:
-            # The same cuts and draw, each row in one task whose passes stay in cache; top-k
-            # (and top-p over it) are cut there too, without a torch.topk of the batch.
-            floor = floors(x, [0] * len(params), [1.0] * len(params),
-                           [p.min_p for p in params])
-            if floor is None:
-                floor = torch.full((len(params), 1), float("-inf"), dtype=x.dtype,
-                                   device=x.device)
-            return kernel(x, probs, exact[:, TOP_P], torch.tensor(top_k, device=x.device),
-                          floor[:, 0], exact[:, DRAW], BINS_PER_NAT, NUM_BINS).tolist()
         floor = floors(x, top_k, [p.top_p for p in params], [p.min_p for p in params])
         # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
         nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0 and not top_k[i]]

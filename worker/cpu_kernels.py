@@ -6,22 +6,27 @@ sampler's filter-and-draw.
 
 torch's C++ extension loader compiles them once per machine into torch's extensions folder
 (``$TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``) and loads the cached build
-afterwards. The build is named by a hash of the source, its path and the CPU's
-instruction-set flags (it is compiled for the CPU it runs on), so a shared cache never
-hands one CPU another's build. A CPU engine loads it when it starts, not in its first
-step. Where it cannot be built (no C++ compiler, no ninja), or with
-``CONVEYOR_CPU_ATTENTION_KERNEL=0``, every function here returns None, says why once in
-the log, and the engine keeps to torch ops: the same results, slower (a sampled draw is
-the same definition, summed in another order: where it lands within rounding of a token
-boundary, the neighbouring token may be picked).
+afterwards. The build is named by a hash of the source, its path, the CPU's
+instruction-set flags (it is compiled for the CPU it runs on) and the ninja that builds it,
+so a shared cache never hands one CPU another's build. That ninja is the Python
+environment's own (the ``ninja`` package) wherever it has one, whatever PATH says. A CPU
+engine loads it when it starts, not in its first step. Where it cannot be built (no C++
+compiler, no ninja), or with ``CONVEYOR_CPU_ATTENTION_KERNEL=0``, every function here
+returns None, says why once in the log, and the engine keeps to torch ops: the same
+results, slower (a sampled draw is the same definition, summed in another order: where it
+lands within rounding of a token boundary, the neighbouring token may be picked).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +94,11 @@ def _build() -> Any | None:
         folder.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(folder)
         started = time.monotonic()
-        module = cpp_extension.load(
-            name, [str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        with _first_on_path(_ninja()):
+            module = cpp_extension.load(
+                name, [str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)
         log.debug("cpu kernels ready", seconds=round(time.monotonic() - started, 1))
         return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
@@ -108,7 +115,34 @@ def _build_key() -> str:
     # The source's path too: torch rebuilds whenever the path in its build file changes, so
     # two checkouts sharing one build folder would rebuild each other's kernel forever.
     digest.update(str(CSRC.resolve()).encode())
+    digest.update(str(_ninja()).encode())
     return digest.hexdigest()[:16]
+
+
+def _ninja() -> str | None:
+    """The ninja that builds the kernels: the Python environment's own where it has one.
+
+    torch runs the first ``ninja`` on PATH, and ninja versions hash their build log's
+    commands differently: a build made by the system's ninja read as "command line
+    changed" to the virtual environment's (and back), and was redone from scratch, ~100 s,
+    whenever a process with the other PATH loaded it.
+    """
+    own = Path(sys.executable).parent / "ninja"
+    return str(own) if own.is_file() else shutil.which("ninja")
+
+
+@contextmanager
+def _first_on_path(program: str | None) -> Iterator[None]:
+    """``program``'s folder first on PATH meanwhile (torch finds ninja by PATH alone)."""
+    if program is None:
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(program).parent), before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 def _cpu_flags() -> str:

@@ -98,3 +98,23 @@ def test_an_aborted_request_gives_its_rows_back_even_when_nothing_runs_next(tiny
     engine.abort(rid)
     assert engine.step() == []  # the step schedules nothing
     assert rid not in runner.sampling_rows.rows and rid not in runner.block_tables.rows
+
+
+def test_penalised_rows_that_outgrow_their_buffers_keep_every_token():
+    """A penalised row's buffers double as its distinct tokens outgrow them: its tokens
+    and counts survive each doubling, and its neighbour's stay its own."""
+    rng = random.Random(1)
+    state = SamplingRows(num_rows=2)
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5,
+                            frequency_penalty=0.25)
+    prompts = [[rng.randrange(5000) for _ in range(300)], [1, 2, 3]]
+    outputs: list[list[int]] = [[], []]
+    for _ in range(400):
+        reqs = [SampleRequest(params, 7, len(o), p, o)
+                for p, o in zip(prompts, outputs, strict=True)]
+        got = step_rows(state, ["long", "short"], reqs, CPU)
+        for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            assert _context(got, row) == sorted(set(prompt) | set(output))
+            assert _outputs(got, row) == {t: 0.5 + 0.25 * n for t, n in Counter(output).items()}
+        outputs[0].append(rng.randrange(5000))  # mostly new tokens: the buffers double
+        outputs[1].append(rng.randrange(4))  # a few tokens over and over

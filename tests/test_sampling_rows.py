@@ -7,11 +7,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
 from worker.sampling import SampleRequest, uniform
-from worker.sampling.randomness import as_int64, uniforms
+from worker.sampling.randomness import uniforms
 from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
 from worker.sampling.sampler import step_rows
 
@@ -22,8 +23,7 @@ def test_vectorised_draws_equal_the_per_row_function_bit_for_bit():
     rng = random.Random(0)
     seeds = [rng.getrandbits(64) for _ in range(2000)] + [0, (1 << 63) - 1, 1 << 63, 2**64 - 1]
     indices = [rng.getrandbits(rng.choice([4, 32, 64])) for _ in seeds]
-    got = uniforms(torch.tensor([as_int64(s) for s in seeds]),
-                   torch.tensor([as_int64(i) for i in indices]))
+    got = uniforms(np.array(seeds, dtype=np.uint64), np.array(indices, dtype=np.uint64))
     assert got.tolist() == [uniform(s, i) for s, i in zip(seeds, indices, strict=True)]
 
 

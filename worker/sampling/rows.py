@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.sampling.randomness import as_int64, uniforms
+from worker.sampling.randomness import uniforms
 
 # Columns of the per-row values (float64, as the parameters arrived).
 TEMPERATURE, TOP_P, MIN_P, DRAW = 0, 1, 2, 3
@@ -131,8 +131,9 @@ class SamplingRows:
         self.rows: dict[str, int] = {}
         self._free: list[int] = []
         self._params: list[SamplingParams | None] = []
-        self.values = torch.zeros(0, 3, dtype=torch.float64, device="cpu")
-        self.seeds = torch.zeros(0, dtype=torch.int64, device="cpu")
+        # numpy on the host: a step's gather and draws are a few small array ops.
+        self.values = np.zeros((0, 3), dtype=np.float64)
+        self.seeds = np.zeros(0, dtype=np.uint64)
         # Penalised rows only: their distinct tokens.
         self._penalties: list[PenaltyRow | None] = []
         self._grow_rows(max(1, num_rows))
@@ -166,13 +167,12 @@ class SamplingRows:
         penalties = self._penalty_tokens([index[i] for i in penalised], penalised, device)
         if all(p.greedy for p in params):  # an argmax reads none of the values
             return StepRows(list(params), NO_VALUES, penalties)
-        rows = torch.tensor(index, dtype=torch.int64, device="cpu")
-        packed = torch.empty(len(index), 4, dtype=torch.float64, device="cpu")
-        packed[:, :3] = self.values.index_select(0, rows)
-        positions = torch.tensor([as_int64(i) for i in output_indices], dtype=torch.int64,
-                                 device="cpu")
-        packed[:, DRAW] = uniforms(self.seeds.index_select(0, rows), positions)
-        return StepRows(list(params), _to(packed, device), penalties)
+        rows = np.asarray(index, dtype=np.int64)
+        packed = np.empty((len(index), 4), dtype=np.float64)
+        packed[:, :3] = self.values[rows]
+        # Output indices are never negative: as uint64 they are the same numbers.
+        packed[:, DRAW] = uniforms(self.seeds[rows], np.asarray(output_indices, dtype=np.uint64))
+        return StepRows(list(params), _to(torch.from_numpy(packed), device), penalties)
 
     def _admit(self, request_id: str, params: SamplingParams, seed: int) -> int:
         self.release(request_id)
@@ -180,9 +180,8 @@ class SamplingRows:
             self._grow_rows(2 * len(self._params))
         row = self.rows[request_id] = self._free.pop()
         self._params[row] = params
-        self.values[row] = torch.tensor([params.temperature, params.top_p, params.min_p],
-                                        dtype=torch.float64, device="cpu")
-        self.seeds[row] = as_int64(seed)
+        self.values[row] = (params.temperature, params.top_p, params.min_p)
+        self.seeds[row] = seed & ((1 << 64) - 1)
         return row
 
     def _sync_tokens(self, row: int, params: SamplingParams, prompt: Sequence[int],
@@ -213,9 +212,9 @@ class SamplingRows:
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
-        values = torch.zeros(rows, 3, dtype=torch.float64, device="cpu")
+        values = np.zeros((rows, 3), dtype=np.float64)
         values[:old] = self.values
-        seeds = torch.zeros(rows, dtype=torch.int64, device="cpu")
+        seeds = np.zeros(rows, dtype=np.uint64)
         seeds[:old] = self.seeds
         self.values, self.seeds = values, seeds
         self._params += [None] * (rows - old)

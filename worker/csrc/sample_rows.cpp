@@ -45,10 +45,15 @@ typedef ivec mask;
 // work a draw does.
 constexpr int64_t kBlock = 256;
 
-inline float lane_max(vec v) {
-  float m = v[0];
-  for (int64_t l = 1; l < kWidth; ++l) m = std::max(m, v[l]);
-  return m;
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+
+// The largest lane of `v`: the halves' maxima, down to one lane.
+inline float hmax(vec v) {
+  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  return v[0];
 }
 
 // What a row keeps: x >= floor, and, for a top-p row, a distance below the best of less
@@ -71,10 +76,9 @@ float row_max(const float* x, int64_t vocab) {
   vec m = broadcast(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + kWidth <= vocab; j += kWidth) {
-    const vec v = load(x + j);
-    m = v > m ? v : m;
+    m = vmax(load(x + j), m);
   }
-  float best = lane_max(m);
+  float best = hmax(m);
   for (; j < vocab; ++j) best = std::max(best, x[j]);
   return best;
 }
@@ -122,9 +126,9 @@ float scale_row(const float* logits, float t, int64_t vocab, float* out) {
   for (; j + kWidth <= vocab; j += kWidth) {
     const vec v = load(logits + j) / broadcast(t);
     store(out + j, v);
-    m = v > m ? v : m;
+    m = vmax(v, m);
   }
-  float best = lane_max(m);
+  float best = hmax(m);
   for (; j < vocab; ++j) {
     out[j] = logits[j] / t;
     best = std::max(best, out[j]);
@@ -148,17 +152,6 @@ double exp_row(const float* x, float best, int64_t vocab, float* p) {
     sum += p[j];
   }
   return sum;
-}
-
-inline vec vmax(vec a, vec b) { return a > b ? a : b; }
-
-// The largest lane of `v`: the halves' maxima, down to one lane.
-inline float hmax(vec v) {
-  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
-  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
-  v = vmax(v, CONVEYOR_SHUFFLE(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
-  return v[0];
 }
 
 // The k largest values of a row, sorted from the largest, into `top` (-inf past the row's

@@ -47,15 +47,21 @@ def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_writt
     ids = [client.submit(p, model=MODEL, **params.to_dict()) for p in prompts]
     for rid in ids:
         next(client.stream(rid, timeout=60))  # all four are generating
+    # Held mid-generation while Redis fills up: on a loaded machine a free-running engine
+    # could finish (and acknowledge) a request in the meantime.
+    worker.loop.pause()
+    stream = KEYS.requests(MODEL, "interactive")
+    assert all(output_entries(redis_client, rid)[1] == 0 for rid in ids)  # none finished
+    assert redis_client.xpending(stream, GROUP)["pending"] == 4
     refused_before = oom_refusals(redis_client)
     full_redis(True)
+    worker.loop.resume()
     # The engine finishes all four while Redis refuses their output and finals.
     eventually(lambda: len(worker.inflight) == 0, "the engine finished the four requests")
     assert worker.publisher.refused_writes > 0 and oom_refusals(redis_client) > refused_before
     sample = worker.metrics.registry.get_sample_value
     assert sample("conveyor_redis_refused_writes_total", {"model": MODEL}) > 0
     assert sample("conveyor_redis_retries_total", {"model": MODEL, "thread": "publisher"}) > 0
-    stream = KEYS.requests(MODEL, "interactive")
     assert redis_client.xpending(stream, GROUP)["pending"] == 4  # none acknowledged unwritten
     assert all(output_entries(redis_client, rid)[1] == 0 for rid in ids)  # no final got in
     full_redis(False)

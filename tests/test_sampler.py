@@ -14,7 +14,7 @@ from kernel_fixtures import kernels_missing, needs_kernel
 import worker.cpu_kernels as kernel_loader
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
-from worker.cpu_kernels import sample_rows_kernel
+from worker.cpu_kernels import penalize_kernel, sample_rows_kernel
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties
@@ -216,6 +216,47 @@ def test_penalties_match_a_plain_reference():
     apply_penalties(penalized, step.penalties)
     assert torch.allclose(penalized, want, rtol=0, atol=1e-12)
     assert not torch.equal(penalized[:2], logits[:2]) and torch.equal(penalized[2], logits[2])
+
+
+def penalty_rows(generator: torch.Generator, rows: int, vocab: int) -> list[SampleRequest]:
+    """Rows with every mix of penalties over random prompts and outputs (tokens repeat)."""
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+    kinds = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.4},
+             {"frequency_penalty": -0.3}, {},
+             {"repetition_penalty": 0.8, "presence_penalty": -1.0, "frequency_penalty": 0.7}]
+    return [row(prompt=tokens(1 + r % 7 * 5), output=tokens(r % 11 * 9), temperature=0,
+                **kinds[r % len(kinds)]) for r in range(rows)]
+
+
+@needs_kernel
+def test_the_penalty_kernel_changes_the_logits_as_the_torch_path_does(monkeypatch):
+    generator = torch.Generator().manual_seed(11)
+    rows = penalty_rows(generator, 40, 300)
+    step = step_rows(SamplingRows(), [str(i) for i in range(len(rows))], rows,
+                     torch.device("cpu"))
+    assert step.penalties.context.shape[1] > 300 and step.penalties.outputs.shape[1] > 300
+    logits = torch.randn(len(rows), 300, generator=generator) * 4
+    native = logits.clone()
+    apply_penalties(native, step.penalties)
+    monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")
+    assert penalize_kernel() is None
+    plain = logits.clone()
+    apply_penalties(plain, step.penalties)
+    assert torch.equal(native, plain)  # the same float32 arithmetic, bit for bit
+    assert not torch.equal(native, logits)
+
+
+@needs_kernel
+def test_the_penalty_kernel_refuses_a_token_outside_the_logits_and_changes_nothing():
+    logits = torch.zeros(2, 5)
+    inside = torch.tensor([[0, 1], [4, 2]])
+    for context, outputs in ((torch.tensor([[0, 2], [1, 1]]), inside),
+                             (inside, torch.tensor([[1, 1], [3, 5]]))):
+        with pytest.raises(RuntimeError, match="outside the logits"):
+            penalize_kernel()(logits, context, torch.full((2,), 2.0, dtype=torch.float64),
+                              outputs, torch.ones(2, dtype=torch.float64))
+        assert torch.equal(logits, torch.zeros(2, 5))
 
 
 def test_penalties_change_the_greedy_pick_as_defined():

@@ -37,7 +37,7 @@ log = structlog.get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "linear.cpp", "sample_rows.cpp",
-                                         "bindings.cpp")]
+                                         "penalize.cpp", "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "linear.h", "vec.h", "each_sequence.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
@@ -71,6 +71,14 @@ def sample_rows_kernel() -> Any | None:
     CPU logits), or None where the kernels are switched off or cannot be built."""
     module = cpu_kernels()
     return None if module is None else module.sample_rows
+
+
+def penalize_kernel() -> Any | None:
+    """The compiled ``penalize`` function (repetition, presence and frequency penalties in
+    place on float32 CPU logits), or None where the kernels are switched off or cannot be
+    built."""
+    module = cpu_kernels()
+    return None if module is None else module.penalize
 
 
 def cpu_kernels() -> Any | None:

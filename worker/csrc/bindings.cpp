@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &conveyor::sample_rows,
         "one token per row from filtered probabilities, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("penalize", &conveyor::penalize,
+        "repetition, presence and frequency penalties in place, float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear", &conveyor::linear,
         "x @ weight.T (+ bias), float32 (CPU): the skinny kernel, oneDNN or the BLAS",
         py::call_guard<py::gil_scoped_release>());

@@ -30,4 +30,11 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
                           torch::Tensor top_k, torch::Tensor min_p, torch::Tensor draws,
                           double bins_per_nat, int64_t num_bins);
 
+// Repetition, then presence and frequency penalties, in place (penalize.cpp): logits
+// [rows, vocab] float32; context [2, n] distinct (row, token) with a factor each (divides a
+// positive logit, multiplies the others); outputs [2, m] distinct (row, token) with what
+// comes off each.
+void penalize(torch::Tensor logits, torch::Tensor context, torch::Tensor context_factors,
+              torch::Tensor outputs, torch::Tensor output_deltas);
+
 }  // namespace conveyor

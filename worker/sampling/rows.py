@@ -155,16 +155,15 @@ class SamplingRows:
         read them, and only what is new since the last step.
         """
         index = []
-        penalised = []
+        penalised: list[tuple[int, PenaltyRow]] = []
         for i, request_id in enumerate(request_ids):
             row = self.rows.get(request_id)
             if row is None or self._params[row] is not params[i]:
                 row = self._admit(request_id, params[i], seeds[i])
             index.append(row)
             if params[i].penalized:
-                self._sync_tokens(row, params[i], prompts[i], outputs[i])
-                penalised.append(i)
-        penalties = self._penalty_tokens([index[i] for i in penalised], penalised, device)
+                penalised.append((i, self._sync_tokens(row, params[i], prompts[i], outputs[i])))
+        penalties = _penalty_tokens(penalised, device) if penalised else None
         if all(p.greedy for p in params):  # an argmax reads none of the values
             return StepRows(list(params), NO_VALUES, penalties)
         rows = np.asarray(index, dtype=np.int64)
@@ -185,30 +184,15 @@ class SamplingRows:
         return row
 
     def _sync_tokens(self, row: int, params: SamplingParams, prompt: Sequence[int],
-                     output: Sequence[int]) -> None:
-        """Bring a penalised row's tokens up to date with its request's output."""
+                     output: Sequence[int]) -> PenaltyRow:
+        """A penalised row's tokens, brought up to date with its request's output."""
         state = self._penalties[row]
         if state is None or len(output) < state.num_outputs:
             # New, or its output was cut back (it resumed): start over.
             state = self._penalties[row] = PenaltyRow(prompt, params)
         if len(output) > state.num_outputs:
             state.add(output)
-
-    def _penalty_tokens(self, rows: list[int], positions: list[int], device: torch.device
-                        ) -> PenaltyTokens | None:
-        """The penalised rows' distinct tokens as flat lists (batch row, id, value)."""
-        if not rows:
-            return None
-        states = [(k, self._penalties[r]) for k, r in zip(positions, rows, strict=True)]
-        repeated = [(k, s) for k, s in states if s.repetition != 1.0]
-        counted = [(k, s) for k, s in states if s.presence or s.frequency]
-        context, lengths = _flat([(k, s.context) for k, s in repeated])
-        factors = np.repeat(np.array([s.repetition for _, s in repeated], dtype=np.float64),
-                            lengths)
-        outputs, _ = _flat([(k, s.outputs) for k, s in counted])
-        deltas = np.concatenate([s.deltas for _, s in counted] or [np.empty(0)])
-        return PenaltyTokens(*(_to(torch.from_numpy(a), device)
-                               for a in (context, factors, outputs, deltas)))
+        return state
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
@@ -222,14 +206,37 @@ class SamplingRows:
         self._free += list(range(rows - 1, old - 1, -1))
 
 
-def _flat(parts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, list[int]]:
-    """[2, n] (batch row, id) of every id of ``parts`` (each a batch row and its ids), and
-    how many ids each part has."""
-    lengths = [len(ids) for _, ids in parts]
+def _penalty_tokens(states: list[tuple[int, PenaltyRow]], device: torch.device
+                    ) -> PenaltyTokens:
+    """The penalised rows' distinct tokens as flat lists (batch row, id, value), from each
+    row's batch position and its PenaltyRow: one pass over the rows, then a few array ops."""
+    context_rows, context_ids, factors = [], [], []
+    output_rows, output_ids, deltas = [], [], []
+    for k, state in states:
+        if state.repetition != 1.0:
+            context_rows.append(k)
+            context_ids.append(state.context)
+            factors.append(state.repetition)
+        if state.presence or state.frequency:
+            output_rows.append(k)
+            output_ids.append(state.outputs)
+            deltas.append(state.deltas)
+    context, lengths = _flat(context_rows, context_ids)
+    context_factors = np.repeat(np.asarray(factors, dtype=np.float64), lengths)
+    outputs, _ = _flat(output_rows, output_ids)
+    output_deltas = np.concatenate(deltas) if deltas else np.empty(0, dtype=np.float64)
+    return PenaltyTokens(*(_to(torch.from_numpy(a), device)
+                           for a in (context, context_factors, outputs, output_deltas)))
+
+
+def _flat(rows: list[int], ids: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """[2, n] (batch row, id) of every id of ``ids`` (row rows[i]'s ids are ids[i]), and how
+    many ids each row has."""
+    lengths = [len(a) for a in ids]
     index = np.empty((2, sum(lengths)), dtype=np.int64)
-    if parts:
-        index[0] = np.repeat(np.array([k for k, _ in parts], dtype=np.int64), lengths)
-        np.concatenate([ids for _, ids in parts], out=index[1])
+    if ids:
+        index[0] = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+        np.concatenate(ids, out=index[1])
     return index, lengths
 
 

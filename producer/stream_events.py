@@ -154,11 +154,16 @@ class OutputTracker:
         StreamGapError when the entry shows that tokens were lost; the tracker then stays
         where it was (``last_id`` is not moved past the bad entry).
         """
+        return self.feed_message(entry_id, fields.get(FIELD))
+
+    def feed_message(self, entry_id: bytes | str, message: object) -> StreamEvent | None:
+        """``feed`` for a reader that took the entry's message field out itself (a raw XREAD
+        reply): the same checks, without a dict per entry."""
         eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         if self.final is not None:
             self.last_id = eid
             return None
-        entry = decode_output(fields.get(FIELD))
+        entry = decode_output(message)
         if isinstance(entry, FinalEntry):
             if entry.num_tokens != self.next_index:
                 raise StreamGapError(self.request_id, eid, self.next_index, entry.num_tokens,
@@ -177,6 +182,10 @@ class OutputTracker:
         if chunk.index > self.next_index:
             raise StreamGapError(self.request_id, eid, self.next_index, chunk.index)
         skip = max(0, self.next_index - chunk.index)
+        if skip == 0 and chunk.logprobs is None:  # the usual entry: nothing to cut or convert
+            event = ChunkEvent(eid, chunk.index, chunk.token_ids, chunk.text)
+            self._record(end, chunk.text)
+            return event
         text = chunk.text if skip == 0 else self._strip_seen(chunk)
         logprobs = token_logprobs(chunk.token_ids, chunk.logprobs)
         event = ChunkEvent(eid, chunk.index + skip, list(chunk.token_ids[skip:]), text,

@@ -1,0 +1,84 @@
+"""The bench's follower (worker/bench/follower.py) reads raw XREAD replies: against a real
+Redis, over RESP2 and RESP3 connections, it yields what a Client's tracker yields for the
+same streams (chunks, an overlapping chunk cut, logprobs, finals), follows requests added
+while it reads, stops at a gap and refuses an entry without a message field."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from producer.stream_events import ChunkEvent, FinalEvent, OutputTracker, StreamGapError
+from producer.wire.keys import Keys
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, ProtocolError
+from worker.bench.follower import StreamFollower
+
+KEYS = Keys()
+
+
+@pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])
+def reader(request, redis_url):
+    client = redis.Redis.from_url(redis_url, protocol=request.param)
+    yield client
+    client.close()
+
+
+def write(r: redis.Redis, request_id: str, *entries: OutputChunk | FinalEntry) -> None:
+    for entry in entries:
+        r.xadd(KEYS.output(request_id), {FIELD: entry.encode()}, id=entry.entry_id)
+
+
+def drain(follower: StreamFollower) -> list:
+    events = []
+    while batch := follower.poll(1):
+        events.extend(batch)
+    return events
+
+
+def test_the_follower_yields_what_a_tracker_yields(reader, redis_client):
+    lp = [[-0.5, [[7, -0.5], [8, -1.5]]], [-0.25, [[9, -0.25]]]]
+    write(redis_client, "a", OutputChunk(0, [1, 2], "ab"), OutputChunk(2, [3], "c"),
+          FinalEntry("stop", 3, {"prompt_tokens": 4}, text="!"))
+    # A resumed request's stream repeats a token: the overlap is cut, as a Client cuts it.
+    write(redis_client, "b", OutputChunk(0, [5], "x"), OutputChunk(0, [5, 6], "xy"),
+          OutputChunk(2, [7, 9], "zw", lp), FinalEntry("length", 4))
+    follower = StreamFollower(reader, KEYS)
+    follower.add("a")
+    follower.add("b")
+    got = drain(follower)
+    assert len(follower) == 0  # both finals arrived: nothing left to follow
+    for rid in ("a", "b"):
+        tracker = OutputTracker()
+        want = [e for eid, f in redis_client.xrange(KEYS.output(rid))
+                if (e := tracker.feed(eid, f)) is not None]
+        assert [e for r, e in got if r == rid] == want
+    b = [e for r, e in got if r == "b"]
+    assert isinstance(b[1], ChunkEvent) and (b[1].index, b[1].token_ids, b[1].text) == (1, [6], "y")
+    assert b[2].logprobs is not None and b[2].logprobs[0].top == [(7, -0.5), (8, -1.5)]
+    assert isinstance(b[-1], FinalEvent) and b[-1].num_tokens == 4
+
+
+def test_a_request_added_while_reading_is_followed_from_its_start(reader, redis_client):
+    follower = StreamFollower(reader, KEYS)
+    follower.add("first")
+    write(redis_client, "first", OutputChunk(0, [1], "a"))
+    assert [r for r, _ in follower.poll(1)] == ["first"]
+    write(redis_client, "late", OutputChunk(0, [2], "b"), FinalEntry("stop", 1))
+    follower.add("late")
+    write(redis_client, "first", FinalEntry("stop", 1))
+    assert sorted((r, type(e).__name__) for r, e in drain(follower)) == [
+        ("first", "FinalEvent"), ("late", "ChunkEvent"), ("late", "FinalEvent")]
+
+
+def test_the_follower_stops_at_a_gap_and_refuses_an_entry_without_a_message(
+        reader, redis_client):
+    write(redis_client, "gap", OutputChunk(0, [1], "a"), OutputChunk(3, [4], "d"))
+    follower = StreamFollower(reader, KEYS)
+    follower.add("gap")
+    with pytest.raises(StreamGapError, match="expected token index 1"):
+        follower.poll(1)
+    redis_client.xadd(KEYS.output("odd"), {"other": b"x"}, id="1-0")
+    odd = StreamFollower(reader, KEYS)
+    odd.add("odd")
+    with pytest.raises(ProtocolError, match="no message field"):
+        odd.poll(1)

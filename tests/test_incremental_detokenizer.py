@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+import worker.tokenizer as tokenizer_module
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -24,8 +25,16 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama) -> Tokenizer:
+@pytest.fixture(scope="module", params=["decode-stream", "window"])
+def tokenizer(request, tiny_llama) -> Tokenizer:
+    """Each test runs with tokenizers' DecodeStream (0.21 and later) and with the window
+    decoded in Python (the path for an older tokenizers)."""
+    if request.param == "window":
+        saved = tokenizer_module.DecodeStream
+        tokenizer_module.DecodeStream = None
+        request.addfinalizer(lambda: setattr(tokenizer_module, "DecodeStream", saved))
+    elif tokenizer_module.DecodeStream is None:
+        pytest.skip("tokenizers < 0.21 has no DecodeStream")
     tok = Tokenizer.from_dir(tiny_llama)
     assert tok is not None
     return tok

@@ -158,7 +158,9 @@ def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
             rec = records[rid]
             if isinstance(event, ChunkEvent):
                 rec.chunks.append((t, len(event.token_ids)))
-                max_seen = max(max_seen, rec.output_tokens)
+                # The chunk's end is the tokens streamed so far (rec.output_tokens would sum
+                # every chunk again at every event).
+                max_seen = max(max_seen, event.index + len(event.token_ids))
             elif isinstance(event, FinalEvent):
                 rec.finish_s, rec.finish_reason, rec.error = t, event.finish_reason, event.error
                 finished += 1

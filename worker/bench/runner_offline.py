@@ -46,6 +46,7 @@ def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: flo
     kv: list[KVSample] = []
     start = time.perf_counter()
     max_seen, finished = 0, 0
+    streamed: dict[str, int] = {}  # tokens each request produced so far
     while finished < len(items):
         now = time.perf_counter() - start
         in_flight = len(records) - finished
@@ -67,7 +68,9 @@ def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: flo
             rec = records[out.request_id]
             if out.new_token_ids:
                 rec.chunks.append((t, len(out.new_token_ids)))
-                max_seen = max(max_seen, rec.output_tokens)
+                n = streamed[out.request_id] = streamed.get(out.request_id, 0) + len(
+                    out.new_token_ids)
+                max_seen = max(max_seen, n)
             if out.finished:
                 rec.finish_s, rec.finish_reason = t, str(out.finish_reason)
                 finished += 1

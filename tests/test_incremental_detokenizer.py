@@ -11,8 +11,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from tokenizers import AddedToken, decoders, models
+from tokenizers import Tokenizer as HFTokenizer
 
 import worker.tokenizer as tokenizer_module
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import OutputChunk
+from worker.fleet.publisher import Publication
+from worker.fleet.text_stage import TextStage, Track
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -26,7 +32,7 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module", params=["decode-stream", "window"])
-def tokenizer(request, tiny_llama) -> Tokenizer:
+def path(request) -> str:
     """Each test runs with tokenizers' DecodeStream (0.21 and later) and with the window
     decoded in Python (the path for an older tokenizers)."""
     if request.param == "window":
@@ -35,9 +41,32 @@ def tokenizer(request, tiny_llama) -> Tokenizer:
         request.addfinalizer(lambda: setattr(tokenizer_module, "DecodeStream", saved))
     elif tokenizer_module.DecodeStream is None:
         pytest.skip("tokenizers < 0.21 has no DecodeStream")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tokenizer(path, tiny_llama) -> Tokenizer:
     tok = Tokenizer.from_dir(tiny_llama)
     assert tok is not None
     return tok
+
+
+def byte_fallback_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
+    """A SentencePiece-style tokenizer (as Llama 2's): byte tokens <0x..> for what the
+    vocabulary lacks, decoded by ByteFallback + Fuse + Strip, where a run of bytes that is
+    not UTF-8 becomes U+FFFD and rewrites text already decoded."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["\u2581", "a", "b", "c", "\u2581a", "\u2581b", "ab", "\u2581ab", "\u00e9",
+                  "\u2581\u00e9", "hello", "\u2581hello"]:
+        vocab.setdefault(piece, len(vocab))
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True,
+                                fuse_unk=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return Tokenizer(hf), vocab
 
 
 def stream(tokenizer: Tokenizer, ids: list[int], rng: random.Random) -> tuple[list[str], str]:
@@ -67,3 +96,42 @@ def test_streamed_text_of_random_tokens_is_their_whole_decode(tokenizer):
         ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
         deltas, rest = stream(tokenizer, ids, rng)
         assert "".join(deltas) + rest == tokenizer.decode(ids)
+
+
+def test_bytes_that_are_not_utf8_never_stop_the_stream(path):
+    """DecodeStream raises when such bytes rewrite text it already emitted (here a newline
+    byte followed by a lone lead byte); the stream goes on with the window instead."""
+    tok, vocab = byte_fallback_tokenizer()
+    ids = [vocab["\u2581hello"], vocab["<0x0A>"], vocab["<0xE1>"], vocab["\u2581a"], vocab["b"]]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([t]) for t in ids]
+    assert deltas[:2] == ["hello", "\n"]
+    assert "".join(deltas).endswith("ab") and detok.text == "".join(deltas)
+    rng = random.Random(1)
+    for _ in range(500):  # random ids: byte runs cut anywhere, never an exception
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))]
+        deltas, _ = stream(tok, ids, rng)
+        assert not any(d.endswith("\ufffd") for d in deltas)
+
+
+def test_byte_fallback_text_streams_as_its_whole_decode(path):
+    tok, _ = byte_fallback_tokenizer()
+    for text in ["hello \u00e9 ab", "\u65e5\u672c hello", "emoji \U0001f600 ab", "a\nb  c"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        for seed in range(5):
+            deltas, rest = stream(tok, ids, random.Random(seed))
+            assert "".join(deltas) + rest == tok.decode(ids) == text
+
+
+def test_a_resumed_request_never_repeats_published_text(tokenizer):
+    """The earlier worker published the text of its tokens up to a character the last of
+    them only began: the next chunk carries the rest of the text, nothing twice."""
+    text = "ab \u65e5\u672c\u8a9e cd"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    published = tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+    stage = TextStage(tokenizer, on_stop=lambda rid: None)
+    stage.track(Track("r", SamplingParams(), 3, ("s", "1-0"), ids[:cut], published))
+    pub = Publication("r", OutputChunk(cut, ids[cut:]))
+    assert stage.apply(pub)
+    assert published + pub.chunk.text == text

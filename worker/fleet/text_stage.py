@@ -53,8 +53,10 @@ class TextStage:
         if item.published_token_ids:
             state.add_tokens(item.published_token_ids, None)
             # Text the earlier worker held back (a partial character, a possible stop string)
-            # was never published: emit from where its stream's text ends.
-            state.emitted = min(len(item.published_text), len(state.text))
+            # was never published: emit from where its stream's text ends, even where this
+            # detokenizer holds back more of it for now (the published tokens end inside a
+            # character): that text is out already, and is never sent twice.
+            state.emitted = len(item.published_text)
         self._states[item.request_id] = (state, item)
 
     def forget(self, item: Forget) -> None:

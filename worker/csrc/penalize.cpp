@@ -28,6 +28,17 @@ void check_list(const torch::Tensor& index, const torch::Tensor& values, const c
               what, ": one contiguous float64 value per (row, token)");
 }
 
+// f(logit, i) for entry i of a [2, n] (row, token) list, the entries split across threads.
+template <typename F>
+void each_entry(float* x, int64_t vocab, const torch::Tensor& index, const F& f) {
+  const int64_t n = index.size(1);
+  const int64_t* row = index.data_ptr<int64_t>();
+  const int64_t* token = row + n;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f(x[row[i] * vocab + token[i]], i);
+  });
+}
+
 }  // namespace
 
 void penalize(torch::Tensor logits, torch::Tensor context, torch::Tensor context_factors,
@@ -49,30 +60,13 @@ void penalize(torch::Tensor logits, torch::Tensor context, torch::Tensor context
                   "(row, token) (", row[i], ", ", token[i], ") is outside the logits");
     }
   }
-  {
-    const int64_t n = context.size(1);
-    const int64_t* row = context.data_ptr<int64_t>();
-    const int64_t* token = row + n;
-    const double* factor = context_factors.data_ptr<double>();
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float& v = x[row[i] * vocab + token[i]];
-        const float f = static_cast<float>(factor[i]);
-        v = v > 0 ? v / f : v * f;
-      }
-    });
-  }
-  {
-    const int64_t n = outputs.size(1);
-    const int64_t* row = outputs.data_ptr<int64_t>();
-    const int64_t* token = row + n;
-    const double* delta = output_deltas.data_ptr<double>();
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        x[row[i] * vocab + token[i]] -= static_cast<float>(delta[i]);
-      }
-    });
-  }
+  const double* factor = context_factors.data_ptr<double>();
+  each_entry(x, vocab, context, [&](float& v, int64_t i) {
+    const float f = static_cast<float>(factor[i]);
+    v = v > 0 ? v / f : v * f;
+  });
+  const double* delta = output_deltas.data_ptr<double>();
+  each_entry(x, vocab, outputs, [&](float& v, int64_t i) { v -= static_cast<float>(delta[i]); });
 }
 
 }  // namespace conveyor

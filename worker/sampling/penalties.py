@@ -25,7 +25,8 @@ def apply_penalties(logits: torch.Tensor, tokens: PenaltyTokens | None) -> None:
         return
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and \
             logits.is_contiguous() and (kernel := penalize_kernel()) is not None:
-        # Both lists in one native call, no temporaries: ~0.4 ms of index ops at batch 64.
+        # Both lists in one native call, no temporaries (the index ops below: ~0.4 ms at
+        # batch 64, against ~0.1 ms).
         kernel(logits, tokens.context, tokens.context_factors, tokens.outputs,
                tokens.output_deltas)
         return

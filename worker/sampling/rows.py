@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.sampling.randomness import uniforms
+from worker.sampling.randomness import MASK64, uniforms
 
 # Columns of the per-row values (float64, as the parameters arrived).
 TEMPERATURE, TOP_P, MIN_P, DRAW = 0, 1, 2, 3
@@ -87,14 +87,15 @@ class PenaltyRow:
             if token not in self._seen:
                 self._seen.add(token)
                 if self.num_context == len(self._context):
-                    self._context = _doubled(self._context)
+                    self._context = _grown(self._context, 2 * len(self._context))
                 self._context[self.num_context] = token
                 self.num_context += 1
             i = self._index.get(token)
             if i is None:
                 i = self._index[token] = self.num_distinct
                 if i == len(self._outputs):
-                    self._outputs, self._deltas = _doubled(self._outputs), _doubled(self._deltas)
+                    n = 2 * len(self._outputs)
+                    self._outputs, self._deltas = _grown(self._outputs, n), _grown(self._deltas, n)
                 self._outputs[i] = token
                 self._deltas[i] = self.presence + self.frequency
                 self.num_distinct += 1
@@ -103,8 +104,9 @@ class PenaltyRow:
         self.num_outputs = len(output)
 
 
-def _doubled(a: np.ndarray) -> np.ndarray:
-    grown = np.empty(2 * len(a), dtype=a.dtype)
+def _grown(a: np.ndarray, rows: int) -> np.ndarray:
+    """``a`` with ``rows`` rows: its own first, zeros after."""
+    grown = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
     grown[:len(a)] = a
     return grown
 
@@ -180,7 +182,7 @@ class SamplingRows:
         row = self.rows[request_id] = self._free.pop()
         self._params[row] = params
         self.values[row] = (params.temperature, params.top_p, params.min_p)
-        self.seeds[row] = seed & ((1 << 64) - 1)
+        self.seeds[row] = seed & MASK64
         return row
 
     def _sync_tokens(self, row: int, params: SamplingParams, prompt: Sequence[int],
@@ -196,11 +198,7 @@ class SamplingRows:
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
-        values = np.zeros((rows, 3), dtype=np.float64)
-        values[:old] = self.values
-        seeds = np.zeros(rows, dtype=np.uint64)
-        seeds[:old] = self.seeds
-        self.values, self.seeds = values, seeds
+        self.values, self.seeds = _grown(self.values, rows), _grown(self.seeds, rows)
         self._params += [None] * (rows - old)
         self._penalties += [None] * (rows - old)
         self._free += list(range(rows - 1, old - 1, -1))

@@ -77,7 +77,7 @@ def test_the_kernel_refuses_a_length_outside_its_table():
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_sequences_handed_to_any_number_of_threads_attend_alike(threads):
-    # csrc/each_sequence.h: sequences go to threads as they free up; with more threads than
+    # csrc/each_task.h: sequences go to threads as they free up; with more threads than
     # sequences some find no work, with one the loop runs serially. Same results every way.
     q, k_cache, v_cache, tables, lens = _paged_case(torch.float32, seed=3)
     width = max(len(t) for t in tables)

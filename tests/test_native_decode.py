@@ -68,9 +68,13 @@ def _prefilled(model: CausalLM, lens: list[int], seed: int):
 
 @needs_kernel
 @pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
-                         # Past SKINNY_MAX_ROWS the step's matmuls are oneDNN's.
+                         # Unpacked, past SKINNY_MAX_ROWS the step's matmuls are oneDNN's.
                          + [("llama_tied_bias", 40), ("qwen2", 40)])
-def test_native_decode_steps_match_the_python_layers(kind, batch, checkpoints, monkeypatch):
+# The step's matmuls on packed copies of the weights (the default), or without them.
+@pytest.mark.parametrize("matmul", ["", "unpacked"])
+def test_native_decode_steps_match_the_python_layers(kind, batch, matmul, checkpoints,
+                                                     monkeypatch):
+    monkeypatch.setenv(MATMUL_SWITCH, matmul)
     model = load_model(checkpoints / kind, dtype=torch.float32)
     lens = ([1, 7, 8, 9, 40, 100] * 7)[:batch]
     results = {}

@@ -1,6 +1,6 @@
 """The CPU kernels (worker/csrc/), built on first use: decode attention over the paged
-cache, a decode step's layers in one call, the skinny matmul of small batches, and the
-sampler's filter-and-draw.
+cache, a decode step's layers in one call, the packed and skinny matmuls of small batches,
+and the sampler's filter-and-draw.
 
     python -m worker.cpu_kernels      # build them now (scripts/setup.sh does)
 
@@ -36,10 +36,11 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
-                                         "skinny_linear.cpp", "linear.cpp", "sample_rows.cpp",
-                                         "penalize.cpp", "bindings.cpp")]
+                                         "skinny_linear.cpp", "packed_linear.cpp", "linear.cpp",
+                                         "sample_rows.cpp", "penalize.cpp", "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
-                                         "linear.h", "vec.h", "each_sequence.h")]
+                                         "packed_linear.h", "linear.h", "vec.h",
+                                         "each_task.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
 STALE_LOCK_S = 600.0

@@ -2,6 +2,7 @@
 
 #include "kernels.h"
 #include "linear.h"
+#include "packed_linear.h"
 #include "skinny_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,9 +21,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("penalize", &conveyor::penalize,
         "repetition, presence and frequency penalties in place, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear", &conveyor::packed_linear,
+        "x @ weight.T (+ bias) from pack_weight(weight), float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_weight", &conveyor::pack_weight,
+        "weight [N, K] in panels for packed_linear, float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear", &conveyor::linear,
-        "x @ weight.T (+ bias), float32 (CPU): the skinny kernel, oneDNN or the BLAS",
+        "x @ weight.T (+ bias), float32 (CPU): the packed or skinny kernel, oneDNN or the BLAS",
         py::call_guard<py::gil_scoped_release>());
   m.attr("HAS_ONEDNN_LINEAR") = conveyor::has_onednn_linear();
   m.attr("SKINNY_MAX_ROWS") = conveyor::kSkinnyMaxRows;
+  m.attr("PACKED_MAX_ROWS") = conveyor::kPackedMaxRows;
 }

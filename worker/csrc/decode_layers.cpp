@@ -6,12 +6,13 @@
 // step in all. Here the matmuls are the ones the Python path makes (linear.h: the skinny
 // kernel for a small batch, else oneDNN's), and everything between them is a handful of
 // fused loops: residual add + RMSNorm, rope + the cache write, attention
-// (paged_attention.h), SiLU * up. The numerics follow the Python
+// (paged_attention.h), SiLU * up. Where the caller gives packed copies of the projections'
+// weights (packed_linear.h), the matmuls take them. The numerics follow the Python
 // path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
 // additions inside a sum may differ, as in any kernel.
 
-#include "each_sequence.h"
+#include "each_task.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "vec.h"
@@ -32,6 +33,9 @@ enum Weight : int64_t {
   kInputNorm, kQKV, kQKVBias, kO, kOBias,
   kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kWeightsPerLayer
 };
+
+// The packed copies of one layer's projections, in this order, when given.
+enum Packed : int64_t { kPackedQKV, kPackedO, kPackedGateUp, kPackedDown, kPackedPerLayer };
 
 // Rows per task of the elementwise loops: a row is a few hundred floats, so smaller tasks
 // would cost more to hand out than to run.
@@ -115,7 +119,8 @@ void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width) {
 void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& slot_mapping,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                  const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& k_caches,
+                  const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packed,
+                  const std::vector<at::Tensor>& k_caches,
                   const std::vector<at::Tensor>& v_caches, const StepShape& s,
                   int64_t block_size) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
@@ -125,6 +130,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Te
   TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
                   static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "one K cache, one V cache and ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == layers * kPackedPerLayer,
+              "no packed weights, or ", kPackedPerLayer, " per layer");
   for (const auto* t : {&positions, &slot_mapping, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == s.batch,
                 "positions, slots and lengths are int64, one per token");
@@ -178,13 +185,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             torch::Tensor sin, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens,
                             std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> packed,
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             double eps, double scale, bool blas_only) {
   const StepShape s{x.size(0), num_heads, num_kv_heads, head_dim};
-  check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, k_caches,
-               v_caches, s, block_size);
+  check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
+               k_caches, v_caches, s, block_size);
   const int64_t batch = s.batch, hidden = x.size(1);
   const float epsilon = static_cast<float>(eps);
   const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
@@ -195,12 +203,16 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   at::Tensor attended = at::empty({batch, s.q_width()}, x.options());
   at::Tensor activated;  // silu(gate) * up, the down projection's input
   at::Tensor down;       // the previous layer's MLP output, added to x at the next norm
+  const at::Tensor none;
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    auto packed_of = [&](Packed i) -> const at::Tensor& {
+      return packed.empty() ? none : packed[l * kPackedPerLayer + i];
+    };
     add_rms_norm(x.data_ptr<float>(), down.defined() ? down.data_ptr<float>() : nullptr,
                  w[kInputNorm].data_ptr<float>(), normed.data_ptr<float>(), batch, hidden,
                  epsilon);
-    at::Tensor qkv = linear(normed, w[kQKV], w[kQKVBias], blas_only);
+    at::Tensor qkv = linear(normed, w[kQKV], w[kQKVBias], blas_only, packed_of(kPackedQKV));
     rope_and_cache(qkv.data_ptr<float>(), positions.data_ptr<int64_t>(),
                    slot_mapping.data_ptr<int64_t>(), cos.data_ptr<float>(),
                    sin.data_ptr<float>(), k_caches[l].data_ptr<float>(),
@@ -209,19 +221,20 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
     const float* kc = k_caches[l].data_ptr<float>();
     const float* vc = v_caches[l].data_ptr<float>();
     float* out = attended.data_ptr<float>();
-    for_each_sequence<AttendScratch>(batch, [&](int64_t b, AttendScratch& scratch) {
+    for_each_task<AttendScratch>(batch, [&](int64_t b, AttendScratch& scratch) {
       attend_one_f32(qp + b * s.qkv_width(), kc, vc, tables + b * attention.table_width,
                      lens[b], attention, static_cast<float>(scale), out + b * s.q_width(),
                      scratch);
     });
-    at::Tensor o = linear(attended, w[kO], w[kOBias], blas_only);
+    at::Tensor o = linear(attended, w[kO], w[kOBias], blas_only, packed_of(kPackedO));
     add_rms_norm(x.data_ptr<float>(), o.data_ptr<float>(), w[kPostNorm].data_ptr<float>(),
                  normed.data_ptr<float>(), batch, hidden, epsilon);
-    at::Tensor gate_up = linear(normed, w[kGateUp], w[kGateUpBias], blas_only);
+    at::Tensor gate_up = linear(normed, w[kGateUp], w[kGateUpBias], blas_only,
+                                 packed_of(kPackedGateUp));
     const int64_t inner = gate_up.size(1) / 2;
     if (!activated.defined()) activated = at::empty({batch, inner}, x.options());
     silu_mul(gate_up.data_ptr<float>(), activated.data_ptr<float>(), batch, inner);
-    down = linear(activated, w[kDown], w[kDownBias], blas_only);
+    down = linear(activated, w[kDown], w[kDownBias], blas_only, packed_of(kPackedDown));
   }
   float* xp = x.data_ptr<float>();
   const float* dp = down.data_ptr<float>();

@@ -13,11 +13,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor seq_lens,
                            int64_t block_size, double scale);
 
-// Every decoder layer of a decode-only step, in one call (decode_layers.cpp).
+// Every decoder layer of a decode-only step, in one call (decode_layers.cpp); ``packed``
+// holds pack_weight copies of each layer's q/k/v, o, gate/up and down weights, or nothing.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens,
-                            std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> weights, std::vector<torch::Tensor> packed,
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "packed_linear.h"
 #include "skinny_linear.h"
 
 namespace conveyor {
@@ -40,7 +41,7 @@ at::Tensor onednn_linear(const c10::OperatorHandle& op, const at::Tensor& x,
 bool has_onednn_linear() { return onednn_op() != nullptr; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& given_bias,
-                  bool blas_only) {
+                  bool blas_only, const at::Tensor& packed) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
                   weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   x.size(-1) == weight.size(1),
@@ -49,14 +50,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                   (given_bias.scalar_type() == at::kFloat && given_bias.dim() == 1 &&
                    given_bias.size(0) == weight.size(0)),
               "bias is empty or float32 [N]");
-  // oneDNN and the skinny kernel read a bias as packed floats: a strided or expanded one
+  // oneDNN and the native kernels read a bias as packed floats: a strided or expanded one
   // is packed first.
   const at::Tensor& bias = given_bias.numel() ? given_bias.contiguous() : given_bias;
   if (blas_only) return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  if (rows > 0 && rows <= kPackedMaxRows && packed.numel() > 0) {
+    return packed_linear(x.reshape({rows, x.size(-1)}).contiguous(), packed, weight.size(0),
+                         bias)
+        .view(sizes);
+  }
   if (rows > 0 && rows <= kSkinnyMaxRows && weight.is_contiguous()) {
-    auto sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
     return skinny_linear(x.reshape({rows, x.size(-1)}).contiguous(), weight, bias).view(sizes);
   }
   if (const c10::OperatorHandle* op = onednn_op(); op != nullptr && rows > 0) {

@@ -1,7 +1,10 @@
 // y = x @ W^T (+ bias) for the model's projections on the CPU, float32: the fastest of the
 // matmuls at hand for the number of rows.
 //
-// - Up to kSkinnyMaxRows rows: skinny_linear (W streamed once from memory, skinny_linear.h).
+// - Up to kPackedMaxRows rows, where a packed copy of W is given: packed_linear (W in panels,
+//   handed to the threads as they free up; packed_linear.h).
+// - Else up to kSkinnyMaxRows rows: skinny_linear (W streamed once from memory,
+//   skinny_linear.h).
 // - Past it: oneDNN's matmul, the op torch's own compiler emits for CPU linears
 //   (mkldnn::_linear_pointwise), which on the CPU these were measured on takes 0.76-0.90x
 //   the time of at::linear (the BLAS torch's CPU build calls, which repacks W on every
@@ -14,9 +17,10 @@
 
 namespace conveyor {
 
-// x [..., K] float32, weight [N, K] float32, bias [N] or empty; returns [..., N].
+// x [..., K] float32, weight [N, K] float32, bias [N] or empty, packed pack_weight(weight) or
+// empty; returns [..., N].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                  bool blas_only);
+                  bool blas_only, const at::Tensor& packed);
 
 // Whether this build of torch has oneDNN's matmul.
 bool has_onednn_linear();

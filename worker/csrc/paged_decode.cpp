@@ -1,8 +1,8 @@
 // Decode attention straight from the paged KV cache, on the CPU (worker/cpu_kernels.py):
 // one query token per sequence, one task per sequence, handed out as threads free up
-// (each_sequence.h; paged_attention.h does the work).
+// (each_task.h; paged_attention.h does the work).
 
-#include "each_sequence.h"
+#include "each_task.h"
 #include "kernels.h"
 #include "paged_attention.h"
 
@@ -67,7 +67,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       std::vector<scalar_t> scores;
       AttendScratch vectorised;
     };
-    for_each_sequence<Scratch>(q.size(0), [&](int64_t b, Scratch& scratch) {
+    for_each_task<Scratch>(q.size(0), [&](int64_t b, Scratch& scratch) {
       attend(qp + b * per_query, kp, vp, tables + b * s.table_width, lens[b], s,
              static_cast<scalar_t>(scale), op + b * per_query, scratch.scores,
              scratch.vectorised);

@@ -1,11 +1,13 @@
 """The matmul of every projection and of the LM head: ``y = x @ weight.T (+ bias)``.
 
 On a CPU in float32, where the kernels are built (worker/cpu_kernels.py), it is the
-kernels' ``linear`` (csrc/linear.h): the skinny kernel for up to 12 rows, oneDNN's matmul
-past that, both faster here than the BLAS ``F.linear`` calls (0.4-0.9x its time by the
-row count). The results agree with ``F.linear``'s to float32 rounding (another order of
-additions). ``CONVEYOR_CPU_MATMUL=blas`` keeps every matmul on ``F.linear`` (to compare);
-anything else, and anything autograd must differentiate, runs ``F.linear`` too.
+kernels' ``linear`` (csrc/linear.h): given a packed copy of the weight
+(worker/models/packed_weights.py), the packed kernel for up to 192 rows; else the skinny
+kernel for up to 12 rows; oneDNN's matmul past that; all faster here than the BLAS
+``F.linear`` calls (0.4-0.9x its time by the row count). The results agree with
+``F.linear``'s to float32 rounding (another order of additions). ``CONVEYOR_CPU_MATMUL=blas``
+keeps every matmul on ``F.linear`` (to compare), ``CONVEYOR_CPU_MATMUL=unpacked`` makes no
+packed copies; anything else, and anything autograd must differentiate, runs ``F.linear``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def blas_only() -> bool:
     return os.environ.get(ENV_SWITCH, "").strip().lower() == "blas"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``; ``packed`` is the weight's packed copy where it has one."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and not blas_only()
             and not _needs_grad(x, weight, bias)):
@@ -35,7 +38,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         module = cpu_kernels()
         if module is not None:
-            return module.linear(x, weight, NO_BIAS if bias is None else bias, False)
+            return module.linear(x, weight, NO_BIAS if bias is None else bias, False,
+                                 NO_BIAS if packed is None else packed)
     return F.linear(x, weight, bias)
 
 

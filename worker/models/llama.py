@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention import get_attention_backend
 from worker.attention.metadata import AttentionMetadata
-from worker.models import native_decode
+from worker.models import native_decode, packed_weights
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear, linear
 from worker.models.rope import RotaryEmbedding, apply_rotary
@@ -167,4 +167,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project ``hidden [N, hidden]`` to ``[N, vocab]`` logits."""
-        return linear(hidden, self.lm_head.weight)
+        weight = self.lm_head.weight
+        return linear(hidden, weight, packed=packed_weights.packed(weight))

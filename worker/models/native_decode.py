@@ -8,8 +8,9 @@ are not queued behind the engine's ops either.
 It applies to a step whose every sequence brings one token, on the CPU, with float32
 activations, weights and cache, where the CPU kernels are built; anything else (prefill
 chunks in the step, another dtype or device) runs the Python layers, which compute the same
-thing. Its matmuls are worker/models/linear.py's (the skinny kernel for a small batch,
-oneDNN's past it, the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), five a layer: q/k/v as one
+thing. Its matmuls are worker/models/linear.py's (the packed kernel on the packed copies of
+worker/models/packed_weights.py; without them the skinny kernel for a small batch, oneDNN's
+past it; the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), four a layer: q/k/v as one
 matrix and gate/up as one, views that the loader's weight arena makes possible
 (worker/models/weight_arena.py); a model whose weights do not lie so runs the Python layers.
 ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches the native call off (to compare).
@@ -25,6 +26,7 @@ import torch
 
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
+from worker.models import packed_weights
 from worker.models.linear import NO_BIAS, blas_only
 from worker.models.weight_arena import joined
 
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
     from worker.models.llama import CausalLM
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
+
+# A layer's tensors in _model_weights' list, and where its four projection weights lie in it.
+_PER_LAYER = 10
+_PROJECTIONS = (1, 3, 6, 8)
 
 # Each model's layer tensors in the kernel's order (_model_weights), or None, by model.
 _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] = (
@@ -75,9 +81,18 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         return None
     return kernel(
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
-        meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights, kv_cache.k,
+        meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights,
+        _packed_projections(weights), kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
+
+
+def _packed_projections(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The packed copies of each layer's q/k/v, o, gate/up and down weights, in the kernel's
+    order; none at all where any of them has none."""
+    copies = [packed_weights.packed(weights[i + offset])
+              for i in range(0, len(weights), _PER_LAYER) for offset in _PROJECTIONS]
+    return [] if any(c is None for c in copies) else copies
 
 
 def forget(model: torch.nn.Module) -> None:

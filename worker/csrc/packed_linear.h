@@ -1,0 +1,37 @@
+// y = x @ W^T (+ bias) for up to a few hundred rows of x, float32, on the CPU, from a copy of
+// W laid out for it: the matmuls of a decode step.
+//
+// W [N, K] is packed once into panels of 32 of its rows, transposed: panel p holds
+// W[32p .. 32p + 31, k] for k = 0 .. K - 1 as K runs of 32 floats, one contiguous stream
+// (the last panel padded with zeros). For each panel and each block of up to 12 rows of x,
+// the kernel keeps 12 x 2 vectors of partial sums in registers and, per k, loads two vectors
+// of the panel and broadcasts one float of each row: no horizontal sums, and the panel is
+// read from memory once per matmul (from L2 for the further row blocks). Panels go to the
+// threads as they free up (each_task.h), so a thread that loses its core mid-matmul to
+// another process leaves its panels to its partner instead of stalling the region.
+//
+// On the CPU this was tuned on (AVX-512, 2 cores, the small preset's decode shapes) it takes
+// 0.3-0.7x the time of the skinny kernel from 1 to 12 rows and 0.84-0.95x oneDNN's from 16
+// to 192 rows; at 256 rows oneDNN is ahead (`python -m worker.bench.skinny_linear`).
+
+#pragma once
+
+#include <torch/extension.h>
+
+namespace conveyor {
+
+// Output columns per panel: two 16-float vectors.
+constexpr int64_t kPanelWidth = 32;
+
+// Up to this many rows of x, linear.h takes packed_linear where a packed copy is given.
+constexpr int64_t kPackedMaxRows = 192;
+
+// W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded.
+at::Tensor pack_weight(const at::Tensor& weight);
+
+// x [M, K] contiguous, packed from pack_weight of a [N, K] weight, bias [N] or empty;
+// returns [M, N].
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const at::Tensor& bias);
+
+}  // namespace conveyor

@@ -27,6 +27,7 @@ from worker.host_allocator import keep_large_allocations_in_heap
 from worker.kv_handoff import KVHandoff
 from worker.model_fingerprint import model_fingerprint
 from worker.model_runner import ModelRunner
+from worker.models import native_decode
 from worker.models.loader import load_model
 from worker.output_processor import RequestOutputState, StepOutput
 from worker.sampling import SampleRequest, fresh_seed
@@ -60,6 +61,8 @@ class Engine:
             paged_decode_kernel()
         self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
+        if self.device.type == "cpu":
+            native_decode.prepare(self.model)  # the packed weights, now, not mid-step
         self.model_config = mc = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,

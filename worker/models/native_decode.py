@@ -71,12 +71,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         return None
     config = model.config
     cos, sin = model.rotary.tables(x.device, x.dtype)
-    if model not in _WEIGHTS:
-        # Gathered once: reading ~130 tensors through nn.Module attributes every step cost
-        # ~0.35 ms. The loader fills the parameters in place, so the list stays true; a
-        # model moved or cast (nn.Module._apply) forgets it (CausalLM._apply).
-        _WEIGHTS[model] = _model_weights(model)
-    weights = _WEIGHTS[model]
+    weights = _gathered(model)
     if weights is None:
         return None
     return kernel(
@@ -85,6 +80,24 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         _packed_projections(weights), kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
+
+
+def prepare(model: CausalLM) -> None:
+    """Make the packed copies a decode step multiplies by now (the decoder layers' and the
+    LM head's), so that the first step does not."""
+    weights = _gathered(model)
+    if weights is not None:
+        _packed_projections(weights)
+    packed_weights.packed(model.lm_head.weight)
+
+
+def _gathered(model: CausalLM) -> list[torch.Tensor] | None:
+    if model not in _WEIGHTS:
+        # Gathered once: reading ~130 tensors through nn.Module attributes every step cost
+        # ~0.35 ms. The loader fills the parameters in place, so the list stays true; a
+        # model moved or cast (nn.Module._apply) forgets it (CausalLM._apply).
+        _WEIGHTS[model] = _model_weights(model)
+    return _WEIGHTS[model]
 
 
 def _packed_projections(weights: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -105,6 +105,10 @@ def _add_serve_parser(subparsers: Any) -> None:
                    "bfloat16 or float16 (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for this process (default: torch's own choice)")
+    p.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU engine whose threads fill the process's CPUs (one to spare "
+                   "at most), pin each engine thread to a CPU and the I/O threads beside the "
+                   "last (worker/fleet/cpu_placement.py; default: on)")
     p.add_argument("--lease-ms", type=int, default=worker("lease_ms"),
                    help="in-flight entries idle this long are claimed by other workers "
                    "(default: %(default)s)")
@@ -224,6 +228,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           heartbeat_interval_s=args.heartbeat_interval,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           allow_eviction=args.allow_eviction, role=args.role,
+                          place_threads=args.place_threads,
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
                           handoff_max_waiting=args.handoff_max_waiting,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))

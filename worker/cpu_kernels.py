@@ -37,7 +37,8 @@ log = structlog.get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "packed_linear.cpp", "linear.cpp",
-                                         "sample_rows.cpp", "penalize.cpp", "bindings.cpp")]
+                                         "sample_rows.cpp", "penalize.cpp", "thread_placement.cpp",
+                                         "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "packed_linear.h", "linear.h", "vec.h",
                                          "each_task.h")]

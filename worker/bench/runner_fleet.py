@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from worker.bench.follower import StreamFollower
 from worker.bench.records import KVSample, RequestRecord, RunResult
 from worker.bench.worker_process import HEARTBEAT_INTERVAL_S, WorkerProcess
 from worker.bench.workloads import WorkItem
+from worker.fleet.cpu_placement import Placement
 
 # How often the worker's heartbeat hash is read for the KV plot.
 KV_SAMPLE_INTERVAL_S = 0.1
@@ -38,6 +39,10 @@ class FleetTarget:
     # More workers serving the same model, each with its flags (e.g. a decode worker
     # beside a prefill one); the first worker's heartbeat gives the KV samples.
     more_workers: tuple[tuple[str, ...], ...] = ()
+    # Where the worker places its threads (None: it does not); the client, and Redis when
+    # it is the bench's own, then run on its I/O CPUs for the measured run.
+    placement: Placement | None = None
+    own_redis: bool = False
 
 
 def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
@@ -60,10 +65,11 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         if len(workers) > 1:
             time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's transfers reach a heartbeat
         moved_before = _transfers(client, workers)
-        before = _cpu_now(client, workers)
-        preempted_before = _over_workers(cpu.process_preemptions, workers)
-        records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
-        after = _cpu_now(client, workers)
+        with _beside_the_worker(client, target):
+            before = _cpu_now(client, workers)
+            preempted_before = _over_workers(cpu.process_preemptions, workers)
+            records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
+            after = _cpu_now(client, workers)
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
@@ -73,8 +79,36 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
             moved_after = _transfers(client, workers)
             moved = {k: moved_after[k] - moved_before[k] for k in moved_after}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
+    notes = [f"client in the bench process, {where}"]
+    if target.placement is not None:
+        io = ",".join(map(str, sorted(target.placement.io)))
+        notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
+                     "worker's I/O CPUs")
     return RunResult(name, settings, records, duration, kv, used, preempted,
-                     notes=[f"client in the bench process, {where}"], transfers=moved)
+                     notes=notes, transfers=moved)
+
+
+@contextmanager
+def _beside_the_worker(client: Client, target: FleetTarget) -> Iterator[None]:
+    """The calling thread (the client), and Redis when it is the bench's own, on the
+    worker's I/O CPUs until the block ends; then back where they were."""
+    if target.placement is None:
+        yield
+        return
+    io = target.placement.io
+    threads = [0]  # the calling thread
+    if target.own_redis:
+        pid = int(client.redis.info("server")["process_id"])
+        threads += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    before = {t: os.sched_getaffinity(t) for t in threads}
+    for t in threads:
+        os.sched_setaffinity(t, io)
+    try:
+        yield
+    finally:
+        for t, cpus in before.items():
+            with suppress(OSError):  # a Redis thread that ended meanwhile
+                os.sched_setaffinity(t, cpus)
 
 
 TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "kv_get_s",

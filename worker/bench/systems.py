@@ -11,6 +11,7 @@ from typing import Any
 from worker.bench.records import RunResult
 from worker.bench.runner_fleet import FleetTarget, run_fleet
 from worker.bench.workloads import WorkItem
+from worker.fleet.cpu_placement import plan
 
 
 @dataclass
@@ -59,13 +60,20 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
            more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = ()) -> System:
     """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role."""
     flags = worker_flags(engine, args.threads)
+    # One worker places its threads (worker/fleet/cpu_placement.py), and the bench puts its
+    # client and its own Redis on the worker's I/O CPUs meanwhile, as a deployment on a
+    # shared machine would; several workers on these CPUs are left to the OS.
+    placement = plan(args.threads) if not more and len(roles) <= 1 else None
+    if placement is None:
+        flags.append("--no-place-threads")
     if roles:
         first, *rest = [[*flags, "--role", role] for role in roles]
         target = FleetTarget(model_dir, redis_url, args.namespace, first, out_dir,
-                             tuple(tuple(f) for f in rest))
+                             tuple(tuple(f) for f in rest), placement, args.redis is None)
         describe = " + ".join(f"a {role} worker" for role in roles)
     else:
-        target = FleetTarget(model_dir, redis_url, args.namespace, flags, out_dir, more)
+        target = FleetTarget(model_dir, redis_url, args.namespace, flags, out_dir, more,
+                             placement, args.redis is None)
         describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
             + ", this process the client"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)

@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &conveyor::linear,
         "x @ weight.T (+ bias), float32 (CPU): the packed or skinny kernel, oneDNN or the BLAS",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bind_team", &conveyor::bind_team,
+        "pin each thread of the calling thread's OpenMP team to a CPU of its own (Linux)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("HAS_ONEDNN_LINEAR") = conveyor::has_onednn_linear();
   m.attr("SKINNY_MAX_ROWS") = conveyor::kSkinnyMaxRows;
   m.attr("PACKED_MAX_ROWS") = conveyor::kPackedMaxRows;

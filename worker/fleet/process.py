@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import signal
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 
 import redis
 import structlog
+import torch
 
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.clock import SYSTEM_CLOCK, Clock
@@ -21,6 +23,7 @@ from producer.wire.keys import Keys
 from worker.engine import Engine
 from worker.fleet.cancellation import CancelListener
 from worker.fleet.config import WorkerConfig
+from worker.fleet.cpu_placement import Placement, pin_engine_team, pin_io_thread, plan
 from worker.fleet.engine_loop import EngineLoop
 from worker.fleet.handoff import HandoffReader, HandOnWriter
 from worker.fleet.heartbeat import Heartbeat
@@ -248,8 +251,12 @@ class Worker:
         # The engine was built on this thread; its steps run on the loop's, which must be
         # the process's only OpenMP team (worker/openmp.py says why).
         release_thread_pool()
+        placement = self._placement()
         for thread in self.threads:
             thread.yields_to_compute = self.config.batch_io_threads and thread is not self.loop
+            if placement is not None:
+                thread.on_start = functools.partial(
+                    pin_engine_team if thread is self.loop else pin_io_thread, placement)
             thread.start()
         self.cancels.subscribed.wait(timeout=5)
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
@@ -312,6 +319,18 @@ class Worker:
         # The engine is built: what the process holds now, it holds for good.
         freeze_long_lived_objects()
         return self.serve(stop)
+
+    def _placement(self) -> Placement | None:
+        """Where the threads go (worker/fleet/cpu_placement.py), or None to leave them to the
+        OS: placing is off, the engine is not on the CPU, or its team does not fill the
+        process's CPUs."""
+        if not self.config.place_threads or self.engine.device.type != "cpu":
+            return None
+        placement = plan(torch.get_num_threads())
+        if placement is not None:
+            log.info("threads placed", engine_cpus=list(placement.team),
+                     io_cpus=sorted(placement.io))
+        return placement
 
     def _thread_failed(self, thread: SupervisedThread) -> None:
         log.error("a worker thread failed: handing back in-flight requests and exiting",

@@ -66,6 +66,8 @@ class SupervisedThread(threading.Thread):
         # Run under SCHED_BATCH (worker.fleet.thread_policy): set for the I/O threads, so
         # that they never preempt the engine's computing threads when they wake up.
         self.yields_to_compute = False
+        # Called first thing on the thread (worker.fleet.cpu_placement pins it there).
+        self.on_start: Callable[[], object] | None = None
 
     def tick(self) -> None:
         raise NotImplementedError
@@ -93,6 +95,8 @@ class SupervisedThread(threading.Thread):
         bind_thread_context(worker_id=self.worker_id)
         if self.yields_to_compute:
             yield_to_computing_threads()
+        if self.on_start is not None:
+            self.on_start()
         while not self.stopping.is_set():
             try:
                 self.tick()

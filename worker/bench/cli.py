@@ -61,6 +61,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="prefix of every conveyor key: the fleet's namespace")
     s.add_argument("--threads", type=int, default=2,
                    help="torch threads of the worker, the offline engine and hf-static (default 2)")
+    s.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="a single worker pins its threads where its engine's fill the CPUs, and "
+                   "the client and the bench's own Redis run on its I/O CPUs "
+                   "(worker/fleet/cpu_placement.py; default: on)")
     s.add_argument("--max-num-seqs", type=int, default=field_default(EngineConfig, "max_num_seqs"),
                    help="requests a worker runs at once")
     s.add_argument("--max-num-batched-tokens", type=int,

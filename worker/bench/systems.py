@@ -63,7 +63,8 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
     # One worker places its threads (worker/fleet/cpu_placement.py), and the bench puts its
     # client and its own Redis on the worker's I/O CPUs meanwhile, as a deployment on a
     # shared machine would; several workers on these CPUs are left to the OS.
-    placement = plan(args.threads) if not more and len(roles) <= 1 else None
+    single = not more and len(roles) <= 1
+    placement = plan(args.threads) if args.place_threads and single else None
     if placement is None:
         flags.append("--no-place-threads")
     if roles:

@@ -14,8 +14,9 @@ So, where the team fills the process's CPUs (at most one CPU to spare), each tea
 is pinned to a CPU of its own, the master to the first, and the worker's I/O threads
 (publisher, intake, leases, heartbeat...) to the CPUs past the team, or, with none, to
 the team's last. W1 through the fleet on 2 cores (`conveyor bench --workload w1 --threads
-2 --offline --repeat 3`, docs/benchmarks.md): fleet / offline 0.94-1.02 placed against
-0.73-0.93 left to Linux, and the worker's CPU seconds fell to the offline engine's.
+2 --offline --repeat 3`, docs/benchmarks.md): fleet / offline 0.84-1.04 (median 0.96, ten
+invocations) placed against 0.73-0.93 (median 0.895, six) left to Linux; the engine's
+threads lost their cores ~800 times a run instead of ~1,100-1,450.
 A process with more room than that is left to Linux: several workers on one machine
 would otherwise pin their teams to the same CPUs (give each its own CPU set instead:
 `taskset`, Docker's `--cpuset-cpus`). Redis and clients on the same machine belong on the

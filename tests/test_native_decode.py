@@ -14,7 +14,7 @@ import worker.cpu_kernels as kernel_loader
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.cpu_kernels import cpu_kernels, decode_layers_kernel
-from worker.models import CausalLM, load_model
+from worker.models import CausalLM, load_model, native_decode
 from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
 from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
@@ -88,6 +88,9 @@ def test_native_decode_steps_match_the_python_layers(kind, batch, matmul, checkp
                 s.append((i * 31 + step * 7) % VOCAB)
             logits.append(_step(model, cache, seqs, tables, [1] * len(seqs)))
         assert model.num_native_steps - before == (4 if switch == "1" else 0)
+        if switch == "1":  # the packed copies were there for the native step, or not made
+            assert bool(native_decode._packed_projections(model, native_decode._gathered(model))) \
+                == (matmul == "")
         results[switch] = (torch.stack(logits), cache)
     (native, native_cache), (python, python_cache) = results["1"], results["0"]
     assert not native.isnan().any()
@@ -213,3 +216,22 @@ def test_onednn_is_found_where_torch_has_it():
     # Past SKINNY_MAX_ROWS the matmuls are oneDNN's; a build that lost the op would fall back to
     # the BLAS without a word.
     assert cpu_kernels().HAS_ONEDNN_LINEAR == torch.backends.mkldnn.is_available()
+
+
+@needs_kernel
+def test_a_fused_weights_packed_copy_is_made_again_when_any_of_its_parameters_is_written(
+        checkpoints, monkeypatch):
+    monkeypatch.delenv(MATMUL_SWITCH, raising=False)
+    model = load_model(checkpoints / "llama", dtype=torch.float32)
+    native_decode.prepare(model)
+    weights = native_decode._gathered(model)
+    qkv_before, o_before = native_decode._packed_projections(model, weights)[:2]
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)  # not the first of q/k/v: its own version counter moves
+    qkv_after, o_after = native_decode._packed_projections(model, weights)[:2]
+    assert qkv_after is not qkv_before and o_after is o_before
+    fused = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    x = torch.randn(3, fused.shape[1])
+    torch.testing.assert_close(linear(x, weights[1], packed=qkv_after), x @ fused.T,
+                               rtol=1e-5, atol=1e-5)

@@ -138,7 +138,14 @@ def test_a_thread_that_fails_for_good_hands_work_back_and_the_worker_exits_1(
         worker.loop.resume()
     else:
         monkeypatch.setattr(worker.leases, "renew_all", bug)
-        clock.advance(worker.leases.interval_s)
+
+        def keeper_ticked() -> bool:
+            # An interval at a time until the keeper ticks: one advance made before the
+            # keeper began its wait (a loaded machine) would be one it never sees.
+            clock.advance(worker.leases.interval_s)
+            return worker.leases.failure is not None
+
+        eventually(keeper_ticked, "the lease keeper ticked", poll_s=0.05)
     server.join(PATIENCE_S)
     assert exit_code == [1] and worker.failed.name == broken
     assert worker.state == "failed"

@@ -100,14 +100,16 @@ def _beside_the_worker(client: Client, target: FleetTarget) -> Iterator[None]:
     if target.own_redis:
         pid = int(client.redis.info("server")["process_id"])
         threads += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    before = {t: os.sched_getaffinity(t) for t in threads}
-    for t in threads:
-        os.sched_setaffinity(t, io)
+    before: dict[int, set[int]] = {}
     try:
+        for t in threads:
+            with suppress(OSError):  # a Redis thread that ended meanwhile
+                before[t] = os.sched_getaffinity(t)
+                os.sched_setaffinity(t, io)
         yield
     finally:
         for t, cpus in before.items():
-            with suppress(OSError):  # a Redis thread that ended meanwhile
+            with suppress(OSError):
                 os.sched_setaffinity(t, cpus)
 
 

@@ -67,6 +67,7 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
     placement = plan(args.threads) if args.place_threads and single else None
     if placement is None:
         flags.append("--no-place-threads")
+        more = tuple((*f, "--no-place-threads") for f in more)
     if roles:
         first, *rest = [[*flags, "--role", role] for role in roles]
         target = FleetTarget(model_dir, redis_url, args.namespace, first, out_dir,

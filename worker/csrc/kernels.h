@@ -38,8 +38,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
 void penalize(torch::Tensor logits, torch::Tensor context, torch::Tensor context_factors,
               torch::Tensor outputs, torch::Tensor output_deltas);
 
-// Pins thread i of the calling thread's OpenMP team (all of torch's threads) to cpus[i % n]
-// (thread_placement.cpp); returns how many threads took their CPU (0 off Linux).
+// Pins thread i of the calling thread's OpenMP team (torch's threads) to cpus[i], where the
+// team has one thread per CPU given (thread_placement.cpp); returns how many threads took
+// their CPU (0 off Linux, or where the team is of another size).
 int64_t bind_team(std::vector<int64_t> cpus);
 
 }  // namespace conveyor

@@ -57,7 +57,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
-  if (rows > 0 && rows <= kPackedMaxRows && packed.numel() > 0) {
+  if (rows > 0 && rows <= kPackedMaxRows && packed.defined() && packed.numel() > 0) {
     return packed_linear(x.reshape({rows, x.size(-1)}).contiguous(), packed, weight.size(0),
                          bias)
         .view(sizes);

@@ -70,13 +70,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(),
               "x is a contiguous float32 [M, K] CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat &&
+                  packed.dim() == 3 &&
                   packed.is_contiguous() && packed.size(1) == x.size(1) &&
                   packed.size(2) == kPanelWidth && n > (packed.size(0) - 1) * kPanelWidth &&
                   n <= packed.size(0) * kPanelWidth,
               "packed is pack_weight of a float32 [N, K] weight");
   TORCH_CHECK(bias.numel() == 0 ||
-                  (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
+                  (bias.device().is_cpu() && bias.scalar_type() == at::kFloat &&
+               bias.is_contiguous() && bias.numel() == n),
               "bias is empty or float32 [N]");
   const int64_t m_len = x.size(0), k_len = x.size(1);
   at::Tensor y = at::empty({m_len, n}, x.options());

@@ -13,14 +13,17 @@ step by the engine loop, lands on the master's core.
 So, where the team fills the process's CPUs (at most one CPU to spare), each team thread
 is pinned to a CPU of its own, the master to the first, and the worker's I/O threads
 (publisher, intake, leases, heartbeat...) to the CPUs past the team, or, with none, to
-the team's last. W1 through the fleet on 2 cores (`conveyor bench --workload w1 --threads
+the team's last (the main thread, which only waits, and the metrics server's thread are
+left where they are). W1 through the fleet on 2 cores (`conveyor bench --workload w1 --threads
 2 --offline --repeat 3`, docs/benchmarks.md): fleet / offline 0.84-1.04 (median 0.96, ten
 invocations) placed against 0.73-0.93 (median 0.895, six) left to Linux; the engine's
-threads lost their cores ~800 times a run instead of ~1,100-1,450.
-A process with more room than that is left to Linux: several workers on one machine
-would otherwise pin their teams to the same CPUs (give each its own CPU set instead:
-`taskset`, Docker's `--cpuset-cpus`). Redis and clients on the same machine belong on the
-I/O CPUs too (``taskset -p -c``); `conveyor bench` places its own there.
+threads lost their cores ~800 times a run instead of ~1,100-1,550.
+A process with more room than that, or a team of more than two threads (MAX_TEAM), is
+left to Linux. Several workers whose CPU sets overlap would pin their teams to the same
+CPUs: give each its own CPU set (`taskset`, Docker's `--cpuset-cpus`), or pass
+`--no-place-threads`; a CPU quota without a CPU set is not seen here either. Redis and
+clients on the same machine belong on the I/O CPUs too (``taskset -p -c``); `conveyor
+bench` places its own there.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from dataclasses import dataclass
 import structlog
 
 log = structlog.get_logger(__name__)
+
+
+# The largest team placed. torch runs a small region on fewer threads than the team; libgomp
+# then ends the threads left out and, at the next full region, makes new ones from the
+# master, on the master's one CPU. A team of two never shrinks that way (a one-thread region
+# leaves the pool alone); a larger one would end up on the master's CPU.
+MAX_TEAM = 2
 
 
 @dataclass(frozen=True)
@@ -46,9 +56,10 @@ class Placement:
 def plan(threads: int, cpus: Iterable[int] | None = None) -> Placement | None:
     """The placement for a team of ``threads`` on ``cpus`` (default: the CPUs this process
     may use), or None where there is nothing to place: fewer than two CPUs, more threads
-    than CPUs, or more than one CPU to spare."""
+    than CPUs, more than one CPU to spare, or a team of more than MAX_TEAM."""
     allowed = sorted(set(_allowed_cpus() if cpus is None else cpus))
-    if threads < 1 or len(allowed) < 2 or not len(allowed) - 1 <= threads <= len(allowed):
+    if (threads < 1 or threads > MAX_TEAM or len(allowed) < 2
+            or not len(allowed) - 1 <= threads <= len(allowed)):
         return None
     team = tuple(allowed[:threads])
     return Placement(team, frozenset(allowed[threads:]) or frozenset({team[-1]}))
@@ -63,9 +74,14 @@ def pin_engine_team(placement: Placement) -> bool:
     module = cpu_kernels()
     if module is None:
         return False
-    bound = module.bind_team(list(placement.team))
+    try:
+        bound = module.bind_team(list(placement.team))
+    except RuntimeError as exc:  # a CPU number the kernel cannot name
+        log.warning("engine threads not placed", error=str(exc))
+        return False
     if bound != len(placement.team):
-        log.warning("engine threads not all placed", bound=bound, cpus=placement.team)
+        # The team was not of the planned size (the kernel then pins none) or the OS refused.
+        log.warning("engine threads not placed", bound=bound, cpus=placement.team)
         return False
     return True
 

@@ -322,9 +322,12 @@ class Worker:
 
     def _placement(self) -> Placement | None:
         """Where the threads go (worker/fleet/cpu_placement.py), or None to leave them to the
-        OS: placing is off, the engine is not on the CPU, or its team does not fill the
-        process's CPUs."""
-        if not self.config.place_threads or self.engine.device.type != "cpu":
+        OS: placing is off, the engine is not on the CPU or steps overlapped, or its team
+        does not fit the plan."""
+        if (not self.config.place_threads or self.engine.device.type != "cpu"
+                or self.engine.async_scheduling):
+            # Overlapped steps run the forward on the engine's runner thread, which the loop
+            # makes later: it would inherit the loop's one CPU, its team with it.
             return None
         placement = plan(torch.get_num_threads())
         if placement is not None:

@@ -96,7 +96,10 @@ class SupervisedThread(threading.Thread):
         if self.yields_to_compute:
             yield_to_computing_threads()
         if self.on_start is not None:
-            self.on_start()
+            try:
+                self.on_start()
+            except Exception as exc:  # the thread serves where it is, as unplaced
+                log.warning("thread start hook failed", thread=self.name, error=repr(exc))
         while not self.stopping.is_set():
             try:
                 self.tick()

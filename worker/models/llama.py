@@ -134,8 +134,10 @@ class CausalLM(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - nn.Module's signature
         # .to(), .float(), .cuda() and the like re-point the parameters: the native decode
-        # step's list of them (views of the old memory) must be gathered again.
+        # step's list of them (views of the old memory) must be gathered again, and the LM
+        # head's packed copy goes with the memory it was made from.
         native_decode.forget(self)
+        packed_weights.forget(self.lm_head.weight)
         return super()._apply(fn, *args, **kwargs)
 
     def tie_weights(self) -> None:

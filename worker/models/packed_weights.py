@@ -2,17 +2,19 @@
 
 A decode step's matmuls read every projection weight once per step for a few dozen rows of
 activations. From W laid out in panels of 32 transposed rows, the kernel streams each panel
-once and keeps its partial sums in registers, at 0.3-0.7x the time of the skinny kernel and
-0.84-0.95x oneDNN's at 1 to 192 rows here; and its panels go to the threads as they free
-up, so a core lost to another process mid-matmul stalls nothing (the worker shares its
-cores with its I/O threads, Redis and clients).
+once and keeps its partial sums in registers, at 0.5-0.7x the time of the skinny kernel and
+0.4-0.9x oneDNN's at 1 to 192 rows here; and its panels go to the threads as they free
+up, so a thread that loses its core mid-matmul leaves its panels to the others (the worker
+shares its cores with its I/O threads, Redis and clients).
 
 The price is memory: a packed copy of each matrix it serves, the decoder layers' fused
 q/k/v, o, gate/up and down weights and the LM head, about as much again as the model's
 float32 weights. ``CONVEYOR_CPU_MATMUL=unpacked`` makes none (the matmuls are then the
 skinny kernel's and oneDNN's, as worker/models/linear.py says); so does
-``CONVEYOR_CPU_MATMUL=blas``. A copy is made at its weight's first use in a step and made
-again if the weight is written in place or given new data afterwards.
+``CONVEYOR_CPU_MATMUL=blas``. The copies are made when a CPU engine is built
+(worker/models/native_decode.py's ``prepare``), else at a weight's first use, and made again
+if the weight, or any parameter a fused weight was joined from, is written in place or given
+new data afterwards.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from worker.models.linear import ENV_SWITCH, blas_only
 # by tensors: tensors compare element by element.
 _ATTRIBUTE = "_conveyor_packed"
 
+# The attribute of a fused weight that lists the parameters it was joined from.
+SOURCES = "_conveyor_sources"
 
 
 def enabled() -> bool:
@@ -45,7 +49,9 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
             or not enabled()):
         return None
     entry = getattr(weight, _ATTRIBUTE, None)
-    version = (_version(weight), weight.data_ptr())
+    # A fused weight (q/k/v, gate/up) is a view of its parameters' memory, but each of them
+    # keeps a version counter of its own: all of them are checked.
+    version = tuple((_version(t), t.data_ptr()) for t in _sources(weight))
     if entry is not None and entry[0] == version:
         return entry[1]
     from worker.cpu_kernels import cpu_kernels
@@ -57,6 +63,17 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
         copy = module.pack_weight(weight.detach())
     setattr(weight, _ATTRIBUTE, (version, copy))
     return copy
+
+
+def versions(weights: list[torch.Tensor]) -> tuple[int, ...]:
+    """The version counters of every parameter ``weights`` were made from (each of a fused
+    weight's): what moves when one of them is written in place."""
+    return tuple(_version(t) for w in weights for t in _sources(w))
+
+
+def _sources(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The parameters a fused weight was joined from, or the weight itself."""
+    return getattr(weight, SOURCES, (weight,))
 
 
 def _version(weight: torch.Tensor) -> int:

@@ -152,7 +152,7 @@ def _model_weights(model: CausalLM) -> list[torch.Tensor] | None:
 def _fused(projections: tuple[torch.nn.Linear, ...]) -> list[torch.Tensor | None]:
     """The projections' weights as one matrix and their biases as one vector (views)."""
     weight = joined([p.weight for p in projections])
-    if len(projections) > 1:  # its packed copy checks each parameter's version
+    if weight is not None and len(projections) > 1:  # its packed copy checks each one's version
         setattr(weight, packed_weights.SOURCES, tuple(p.weight for p in projections))
     if all(p.bias is None for p in projections):
         return [weight, NO_BIAS]

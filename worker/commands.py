@@ -106,9 +106,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for this process (default: torch's own choice)")
     p.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a CPU engine whose threads fill the process's CPUs (one to spare "
-                   "at most), pin each engine thread to a CPU and the I/O threads beside the "
-                   "last (worker/fleet/cpu_placement.py; default: on)")
+                   help="on a CPU engine whose one or two threads fill the process's CPUs "
+                   "(one to spare at most), pin each engine thread to a CPU and the I/O "
+                   "threads beside the last (worker/fleet/cpu_placement.py; default: on)")
     p.add_argument("--lease-ms", type=int, default=worker("lease_ms"),
                    help="in-flight entries idle this long are claimed by other workers "
                    "(default: %(default)s)")

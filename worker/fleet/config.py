@@ -68,8 +68,8 @@ class WorkerConfig:
     # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
     # (worker/fleet/thread_policy.py; docs/benchmarks.md, "Fleet vs `--offline` throughput").
     batch_io_threads: bool = True
-    # On a CPU engine whose OpenMP threads fill the process's CPUs (one to spare at most),
-    # pin each to a CPU of its own and the I/O threads beside the last
+    # On a CPU engine whose one or two OpenMP threads fill the process's CPUs (one to spare
+    # at most), pin each to a CPU of its own and the I/O threads beside the last
     # (worker/fleet/cpu_placement.py). Off by default here, where several workers may share a
     # process (tests, embedding); `conveyor worker` turns it on (--no-place-threads: off).
     place_threads: bool = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_fixtures import BLOCK_SIZE, NUM_BLOCKS, cache_for, decode_step, prefilled
 from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 
@@ -14,13 +15,11 @@ import worker.cpu_kernels as kernel_loader
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.cpu_kernels import cpu_kernels, decode_layers_kernel
-from worker.models import CausalLM, load_model, native_decode
+from worker.models import load_model, native_decode
 from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
 from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
 
-BLOCK_SIZE = 8
-NUM_BLOCKS = 64
 kernel = decode_layers_kernel()
 
 
@@ -30,40 +29,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     for kind in KINDS:
         write_checkpoint(kind, root / kind)
     return root
-
-
-def _cache(model: CausalLM) -> PagedKVCache:
-    c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS * 4, BLOCK_SIZE, c.num_key_value_heads,
-                         c.head_dim, torch.float32)
-    cache.fill_(float("nan"))
-    return cache
-
-
-def _step(model: CausalLM, cache: PagedKVCache, seqs: list[list[int]], tables: list[list[int]],
-          new: list[int]) -> torch.Tensor:
-    """Feed the last ``new[i]`` tokens of each sequence; the logits of every fed token."""
-    meta = AttentionMetadata.build(new, [len(s) for s in seqs], tables, BLOCK_SIZE)
-    ids = torch.tensor([t for s, n in zip(seqs, new, strict=True) for t in s[-n:]])
-    positions = torch.tensor([p for s, n in zip(seqs, new, strict=True)
-                              for p in range(len(s) - n, len(s))])
-    meta.positions = positions
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, cache, meta))
-
-
-def _prefilled(model: CausalLM, lens: list[int], seed: int):
-    """Sequences of ``lens`` tokens prefilled into shuffled blocks (room for 4 more tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
-    order = torch.randperm(NUM_BLOCKS * 4, generator=gen).tolist()
-    tables = []
-    for n in lens:
-        need = -(-(n + 4) // BLOCK_SIZE)
-        tables.append([order.pop() for _ in range(need)])
-    cache = _cache(model)
-    _step(model, cache, seqs, tables, lens)
-    return seqs, tables, cache
 
 
 @needs_kernel
@@ -80,13 +45,13 @@ def test_native_decode_steps_match_the_python_layers(kind, batch, matmul, checkp
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(ENV_SWITCH, switch)
-        seqs, tables, cache = _prefilled(model, lens, seed=5)
+        seqs, tables, cache = prefilled(model, lens, seed=5)
         before = model.num_native_steps
         logits = []
         for step in range(4):  # teacher-forced next tokens, the same on both paths
             for i, s in enumerate(seqs):
                 s.append((i * 31 + step * 7) % VOCAB)
-            logits.append(_step(model, cache, seqs, tables, [1] * len(seqs)))
+            logits.append(decode_step(model, cache, seqs, tables, [1] * len(seqs)))
         assert model.num_native_steps - before == (4 if switch == "1" else 0)
         if switch == "1":  # the packed copies were there for the native step, or not made
             assert bool(native_decode._packed_projections(model, native_decode._gathered(model))) \
@@ -106,18 +71,18 @@ def test_steps_with_a_prefill_chunk_or_in_float64_take_the_python_layers(checkpo
                                                                          monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
     model = load_model(checkpoints / "llama", dtype=torch.float32)
-    seqs, tables, cache = _prefilled(model, [5, 12], seed=1)
+    seqs, tables, cache = prefilled(model, [5, 12], seed=1)
     assert model.num_native_steps == 0  # the prefill itself
     seqs[0].append(3)
     seqs[1] += [4, 5]
-    _step(model, cache, seqs, tables, [1, 2])
+    decode_step(model, cache, seqs, tables, [1, 2])
     assert model.num_native_steps == 0
     wide = load_model(checkpoints / "llama", dtype=torch.float64)
     c = wide.config
     cache64 = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads,
                            c.head_dim, torch.float64)
-    _step(wide, cache64, [[1, 2, 3]], [[0]], [3])
-    _step(wide, cache64, [[1, 2, 3, 4]], [[0]], [1])
+    decode_step(wide, cache64, [[1, 2, 3]], [[0]], [3])
+    decode_step(wide, cache64, [[1, 2, 3, 4]], [[0]], [1])
     assert wide.num_native_steps == 0
 
 
@@ -125,7 +90,7 @@ def test_steps_with_a_prefill_chunk_or_in_float64_take_the_python_layers(checkpo
 def test_the_native_step_refuses_a_slot_outside_the_cache(checkpoints, monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
     model = load_model(checkpoints / "llama", dtype=torch.float32)
-    seqs, tables, cache = _prefilled(model, [5], seed=2)
+    seqs, tables, cache = prefilled(model, [5], seed=2)
     seqs[0].append(1)
     meta = AttentionMetadata.build([1], [6], tables, BLOCK_SIZE)
     meta.positions = torch.tensor([5])
@@ -167,15 +132,15 @@ def test_every_projection_and_the_lm_head_take_the_kernels_matmul(checkpoints, m
     spy = Spy()
     monkeypatch.setattr(kernel_loader, "cpu_kernels", lambda: spy)
     seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 30)]
-    cache = _cache(model)
+    cache = cache_for(model)
     tables = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
-    _step(model, cache, seqs, tables, [5, 30])
+    decode_step(model, cache, seqs, tables, [5, 30])
     layers = model.config.num_hidden_layers
     # q k v o gate up down per layer, then the head (over every token _step feeds)
     assert calls == [35] * (7 * layers + 1)
     calls.clear()
     monkeypatch.setenv(MATMUL_SWITCH, "blas")
-    _step(model, cache, seqs, tables, [5, 30])
+    decode_step(model, cache, seqs, tables, [5, 30])
     assert calls == []
 
 

@@ -38,10 +38,10 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "packed_linear.cpp", "linear.cpp",
                                          "sample_rows.cpp", "penalize.cpp", "thread_placement.cpp",
-                                         "bindings.cpp")]
+                                         "step_team.cpp", "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "packed_linear.h", "linear.h", "vec.h",
-                                         "each_task.h")]
+                                         "each_task.h", "step_team.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 # A build lock older than this was left by a build that died: torch would wait on it forever.
 STALE_LOCK_S = 600.0

@@ -12,6 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &conveyor::decode_layers,
         "every decoder layer of a decode-only step, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("step_team_counts", &conveyor::step_team_counts,
+        "(tasks taken over, tasks partners published) by decode_layers' step team so far");
+  m.def("step_team_stall", &conveyor::step_team_stall,
+        "test hook: the step team's partners sleep micros before every every-th publication");
   m.def("skinny_linear", &conveyor::skinny_linear,
         "x @ weight.T (+ bias) for a few rows of x, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -11,16 +11,24 @@
 // path (worker/models/llama.py): RMSNorm in float32 as weight * (x * rsqrt(mean(x^2) + eps)),
 // rope as x * cos + rotate_half(x) * sin from the same float32 tables; only the order of
 // additions inside a sum may differ, as in any kernel.
+//
+// With every projection packed, the stages run as one parallel region whose master takes a
+// late thread's tasks over (team_step below, step_team.h); otherwise each matmul and loop
+// is a region of its own. Both compute the same bits.
 
 #include "each_task.h"
 #include "kernels.h"
-#include "paged_attention.h"
-#include "vec.h"
 #include "linear.h"
+#include "packed_linear.h"
+#include "paged_attention.h"
+#include "step_team.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 namespace conveyor {
 namespace {
@@ -58,13 +66,15 @@ void add_rms_norm(float* x, const float* delta, const float* weight, float* out,
   });
 }
 
-// Non-interleaved rotation of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), where the
-// table row holds head_dim / 2 values used for both halves.
-inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+// Non-interleaved rotation of one head from ``x`` into ``out`` (which may be ``x``):
+// (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), where the table row holds head_dim / 2 values
+// used for both halves.
+inline void rotate_into(const float* x, float* out, const float* cos, const float* sin,
+                        int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * cos[i] - x2 * sin[i];
-    x[i + half] = x2 * cos[i] + x1 * sin[i];
+    out[i] = x1 * cos[i] - x2 * sin[i];
+    out[i + half] = x2 * cos[i] + x1 * sin[i];
   }
 }
 
@@ -86,9 +96,13 @@ void rope_and_cache(float* qkv, const int64_t* positions, const int64_t* slots,
       const float* c = cos + positions[b] * half;
       const float* sn = sin + positions[b] * half;
       float* qb = qkv + b * s.qkv_width();
-      for (int64_t h = 0; h < s.num_heads; ++h) rotate(qb + h * s.head_dim, c, sn, half);
+      for (int64_t h = 0; h < s.num_heads; ++h) {
+        rotate_into(qb + h * s.head_dim, qb + h * s.head_dim, c, sn, half);
+      }
       float* kb = qb + s.q_width();
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) rotate(kb + h * s.head_dim, c, sn, half);
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        rotate_into(kb + h * s.head_dim, kb + h * s.head_dim, c, sn, half);
+      }
       const float* vb = kb + kv_row;
       std::copy(kb, kb + kv_row, k_cache + slots[b] * kv_row);
       std::copy(vb, vb + kv_row, v_cache + slots[b] * kv_row);
@@ -179,6 +193,264 @@ void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Te
   }
 }
 
+// ----- the step team (step_team.h): every layer's stages in one parallel region -----
+
+struct TeamScratch {
+  AttendScratch attend;
+};
+using TeamStage = Stage<TeamScratch>;
+
+// Tasks of up to kRowGrain rows each over ``rows`` rows.
+int64_t row_tasks(int64_t rows) { return (rows + kRowGrain - 1) / kRowGrain; }
+
+// Residual add + RMSNorm without writing in place: res_out = res_in + delta (when delta is
+// given; else the residual stays res_in), normed = weight * (res * rsqrt(mean(res^2) + eps)).
+TeamStage norm_stage(const float* res_in, const float* delta, float* res_out,
+                     const float* weight, float* normed, int64_t rows, int64_t width,
+                     float eps) {
+  TeamStage stage;
+  stage.tasks = row_tasks(rows);
+  stage.blocks = [=](int64_t i, Block* out) {
+    const int64_t r0 = i * kRowGrain, n = std::min(kRowGrain, rows - r0);
+    out[0] = Block{normed + r0 * width, n, width, width};
+    if (delta == nullptr) return 1;
+    out[1] = Block{res_out + r0 * width, n, width, width};
+    return 2;
+  };
+  stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
+    const int64_t r0 = i * kRowGrain;
+    for (int64_t r = 0; r < dst[0].rows; ++r) {
+      const float* res = res_in + (r0 + r) * width;
+      if (delta != nullptr) {
+        float* sum = dst[1].ptr + r * dst[1].ld;
+        const float* d = delta + (r0 + r) * width;
+        for (int64_t c = 0; c < width; ++c) sum[c] = res[c] + d[c];
+        res = sum;
+      }
+      const float scale = 1.0f / std::sqrt(dot(res, res, width) / width + eps);
+      float* o = dst[0].ptr + r * dst[0].ld;
+      for (int64_t c = 0; c < width; ++c) o[c] = weight[c] * (res[c] * scale);
+    }
+  };
+  return stage;
+}
+
+// y [rows, n] = x [rows, k] @ W^T (+ bias), a task per panel of the packed W.
+TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor& packed,
+                       int64_t n, const at::Tensor& bias, float* y) {
+  TeamStage stage;
+  stage.tasks = packed.size(0);
+  const float* panels = packed.data_ptr<float>();
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  stage.blocks = [=](int64_t p, Block* out) {
+    const int64_t col = p * kPanelWidth;
+    out[0] = Block{y + col, rows, std::min(kPanelWidth, n - col), n};
+    return 1;
+  };
+  stage.run = [=](int64_t p, const Block* dst, TeamScratch&) {
+    const int64_t col = p * kPanelWidth;
+    packed_panel(x, rows, k, panels + p * k * kPanelWidth, dst[0].cols,
+                 b ? b + col : nullptr, dst[0].ptr, dst[0].ld);
+  };
+  return stage;
+}
+
+// rotated = qkv with rope applied to its q and k parts (v as it is).
+TeamStage rope_stage(const float* qkv, const int64_t* positions, const float* cos,
+                     const float* sin, float* rotated, const StepShape& s) {
+  TeamStage stage;
+  stage.tasks = row_tasks(s.batch);
+  const int64_t width = s.qkv_width();
+  stage.blocks = [=](int64_t i, Block* out) {
+    const int64_t r0 = i * kRowGrain;
+    out[0] = Block{rotated + r0 * width, std::min(kRowGrain, s.batch - r0), width, width};
+    return 1;
+  };
+  stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
+    const int64_t half = s.head_dim / 2, r0 = i * kRowGrain;
+    for (int64_t r = 0; r < dst[0].rows; ++r) {
+      const int64_t b = r0 + r;
+      const float* c = cos + positions[b] * half;
+      const float* sn = sin + positions[b] * half;
+      const float* src = qkv + b * width;
+      float* o = dst[0].ptr + r * dst[0].ld;
+      for (int64_t h = 0; h < s.num_heads + s.num_kv_heads; ++h) {
+        rotate_into(src + h * s.head_dim, o + h * s.head_dim, c, sn, half);
+      }
+      const int64_t v = s.q_width() + s.kv_width();
+      std::copy(src + v, src + width, o + v);
+    }
+  };
+  return stage;
+}
+
+// Each token's rotated k and its v into the cache at its slot: scattered rows, written by
+// the master alone (a few KB a layer).
+TeamStage cache_stage(const float* rotated, const int64_t* slots, float* k_cache,
+                      float* v_cache, const StepShape& s) {
+  TeamStage stage;
+  stage.tasks = 1;
+  stage.master_only = true;
+  stage.blocks = [](int64_t, Block*) { return 0; };
+  stage.run = [=](int64_t, const Block*, TeamScratch&) {
+    const int64_t kv_row = s.kv_width();
+    for (int64_t b = 0; b < s.batch; ++b) {
+      const float* k = rotated + b * s.qkv_width() + s.q_width();
+      std::copy(k, k + kv_row, k_cache + slots[b] * kv_row);
+      std::copy(k + kv_row, k + 2 * kv_row, v_cache + slots[b] * kv_row);
+    }
+  };
+  return stage;
+}
+
+// Attention of each sequence, the longest contexts first (``order``): the tasks a stage
+// ends with are short, so the master's wait for a partner's last one is too.
+TeamStage attention_stage(const float* rotated, const float* k_cache, const float* v_cache,
+                          const int64_t* tables, const int64_t* lens, const int64_t* order,
+                          const Shape& shape, float scale, float* out, const StepShape& s) {
+  TeamStage stage;
+  stage.tasks = s.batch;
+  const int64_t width = s.q_width();
+  stage.blocks = [=](int64_t i, Block* blocks) {
+    blocks[0] = Block{out + order[i] * width, 1, width, width};
+    return 1;
+  };
+  stage.run = [=](int64_t i, const Block* dst, TeamScratch& scratch) {
+    const int64_t b = order[i];
+    attend_one_f32(rotated + b * s.qkv_width(), k_cache, v_cache,
+                   tables + b * shape.table_width, lens[b], shape, scale, dst[0].ptr,
+                   scratch.attend);
+  };
+  return stage;
+}
+
+// out = silu(gate) * up for each row of gate_up [rows, 2 width].
+TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t width) {
+  TeamStage stage;
+  stage.tasks = row_tasks(rows);
+  stage.blocks = [=](int64_t i, Block* blocks) {
+    const int64_t r0 = i * kRowGrain;
+    blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
+    return 1;
+  };
+  stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
+    const int64_t r0 = i * kRowGrain;
+    for (int64_t r = 0; r < dst[0].rows; ++r) {
+      silu_mul(gate_up + (r0 + r) * 2 * width, dst[0].ptr + r * dst[0].ld, 1, width);
+    }
+  };
+  return stage;
+}
+
+// out = a + b, row by row.
+TeamStage add_stage(const float* a, const float* b, float* out, int64_t rows, int64_t width) {
+  TeamStage stage;
+  stage.tasks = row_tasks(rows);
+  stage.blocks = [=](int64_t i, Block* blocks) {
+    const int64_t r0 = i * kRowGrain;
+    blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
+    return 1;
+  };
+  stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
+    const int64_t r0 = i * kRowGrain;
+    for (int64_t r = 0; r < dst[0].rows; ++r) {
+      const float* ar = a + (r0 + r) * width;
+      const float* br = b + (r0 + r) * width;
+      float* o = dst[0].ptr + r * dst[0].ld;
+      for (int64_t c = 0; c < width; ++c) o[c] = ar[c] + br[c];
+    }
+  };
+  return stage;
+}
+
+// The whole step by the step team: the same arithmetic as the per-region path below, with
+// the residual kept in two buffers in turn and rope writing a rotated copy, so that any task
+// can be computed again (step_team.h). Needs every projection packed.
+void team_step(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+               const at::Tensor& sin, const at::Tensor& slot_mapping,
+               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+               const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packed,
+               const std::vector<at::Tensor>& k_caches,
+               const std::vector<at::Tensor>& v_caches, const StepShape& s,
+               const Shape& attention, float eps, float scale) {
+  const int64_t batch = s.batch, hidden = x.size(1);
+  const int64_t inner = weights[kDown].size(1);
+  auto buffer = [&](int64_t width) { return at::empty({batch, width}, x.options()); };
+  at::Tensor normed = buffer(hidden), qkv = buffer(s.qkv_width()),
+             rotated = buffer(s.qkv_width()), attended = buffer(s.q_width()),
+             o = buffer(hidden), gate_up = buffer(2 * inner), activated = buffer(inner),
+             down = buffer(hidden), post = buffer(hidden), cur = buffer(hidden);
+  // Longest context first for attention.
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  float* xp = x.data_ptr<float>();
+  std::vector<TeamStage> stages;
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  stages.reserve(layers * 10 + 1);
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const at::Tensor* pk = packed.data() + l * kPackedPerLayer;
+    // The residual entering the layer: x itself, or the last one plus the MLP's output.
+    const float* res = l == 0 ? xp : cur.data_ptr<float>();
+    stages.push_back(norm_stage(l == 0 ? xp : post.data_ptr<float>(),
+                                l == 0 ? nullptr : down.data_ptr<float>(),
+                                cur.data_ptr<float>(), w[kInputNorm].data_ptr<float>(),
+                                normed.data_ptr<float>(), batch, hidden, eps));
+    stages.push_back(matmul_stage(normed.data_ptr<float>(), batch, hidden, pk[kPackedQKV],
+                                  s.qkv_width(), w[kQKVBias], qkv.data_ptr<float>()));
+    stages.push_back(rope_stage(qkv.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                                cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                rotated.data_ptr<float>(), s));
+    stages.push_back(cache_stage(rotated.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(),
+                                 k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(),
+                                 s));
+    stages.push_back(attention_stage(rotated.data_ptr<float>(), k_caches[l].data_ptr<float>(),
+                                     v_caches[l].data_ptr<float>(),
+                                     block_tables.data_ptr<int64_t>(), lens, order.data(),
+                                     attention, scale, attended.data_ptr<float>(), s));
+    stages.push_back(matmul_stage(attended.data_ptr<float>(), batch, s.q_width(), pk[kPackedO],
+                                  hidden, w[kOBias], o.data_ptr<float>()));
+    stages.push_back(norm_stage(res, o.data_ptr<float>(), post.data_ptr<float>(),
+                                w[kPostNorm].data_ptr<float>(), normed.data_ptr<float>(), batch,
+                                hidden, eps));
+    stages.push_back(matmul_stage(normed.data_ptr<float>(), batch, hidden, pk[kPackedGateUp],
+                                  2 * inner, w[kGateUpBias], gate_up.data_ptr<float>()));
+    stages.push_back(silu_stage(gate_up.data_ptr<float>(), activated.data_ptr<float>(), batch,
+                                inner));
+    stages.push_back(matmul_stage(activated.data_ptr<float>(), batch, inner, pk[kPackedDown],
+                                  hidden, w[kDownBias], down.data_ptr<float>()));
+  }
+  // x = the last residual + the last MLP output (x is read by the first layer only).
+  stages.push_back(add_stage(post.data_ptr<float>(), down.data_ptr<float>(), xp, batch, hidden));
+  run_stages(stages);
+}
+
+bool team_applies(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                  const std::vector<at::Tensor>& packed, int64_t layers) {
+  if (packed.empty() || x.size(0) > kPackedMaxRows) return false;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const at::Tensor* pk = packed.data() + l * kPackedPerLayer;
+    const std::pair<Weight, Packed> pairs[] = {
+        {kQKV, kPackedQKV}, {kO, kPackedO}, {kGateUp, kPackedGateUp}, {kDown, kPackedDown}};
+    for (const auto& [wi, pi] : pairs) {
+      const at::Tensor& p = pk[pi];
+      const int64_t n = w[wi].size(0);
+      if (!p.defined() || !p.device().is_cpu() || p.scalar_type() != at::kFloat ||
+          p.dim() != 3 || !p.is_contiguous() || p.size(1) != w[wi].size(1) ||
+          p.size(2) != kPanelWidth || p.size(0) != (n + kPanelWidth - 1) / kPanelWidth) {
+        return false;
+      }
+      const at::Tensor& bias = w[wi + 1];
+      if (bias.numel() && (!bias.is_contiguous() || bias.numel() != n)) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
@@ -189,13 +461,19 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            double eps, double scale, bool blas_only) {
+                            double eps, double scale, bool blas_only, bool team) {
   const StepShape s{x.size(0), num_heads, num_kv_heads, head_dim};
   check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
                k_caches, v_caches, s, block_size);
   const int64_t batch = s.batch, hidden = x.size(1);
   const float epsilon = static_cast<float>(eps);
   const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
+  if (team && !blas_only &&
+      team_applies(x, weights, packed, static_cast<int64_t>(k_caches.size()))) {
+    team_step(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
+              k_caches, v_caches, s, attention, epsilon, static_cast<float>(scale));
+    return x;
+  }
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
 

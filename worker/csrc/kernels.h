@@ -15,6 +15,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 // Every decoder layer of a decode-only step, in one call (decode_layers.cpp); ``packed``
 // holds pack_weight copies of each layer's q/k/v, o, gate/up and down weights, or nothing.
+// With ``team`` (and every projection packed) the step runs as one parallel region whose
+// master takes over a late partner's tasks (step_team.h); else a region per loop.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -22,7 +24,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            double eps, double scale, bool blas_only);
+                            double eps, double scale, bool blas_only, bool team);
+
+// The step team's counts so far (step_team.h): (tasks taken over, tasks partners published).
+std::tuple<int64_t, int64_t> step_team_counts();
+
+// Test hook: the step team's partners sleep ``micros`` before publishing every ``every``-th
+// task they compute (0: never), to make the master's take-over happen on demand.
+void step_team_stall(int64_t every, int64_t micros);
 
 // One token per row by inverse CDF over what top-k, top-p (over the top k, or a histogram
 // cut) and min-p keep of the row's softmax at its temperature (sample_rows.cpp): logits

@@ -51,6 +51,20 @@ int64_t block_rows(int64_t left, const float* x, int64_t ldx, const float* panel
 
 }  // namespace
 
+void packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* panel,
+                  int64_t cols, const float* bias, float* out, int64_t ld) {
+  alignas(64) float tile[kBlockRows * kPanelWidth];
+  for (int64_t m = 0; m < m_len;) {
+    const int64_t rows = block_rows(m_len - m, x + m * k_len, k_len, panel, k_len, tile);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + (m + r) * ld;
+      const float* t = tile + r * kPanelWidth;
+      for (int64_t c = 0; c < cols; ++c) o[c] = bias ? t[c] + bias[c] : t[c];
+    }
+    m += rows;
+  }
+}
+
 at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
                   weight.dim() == 2,
@@ -87,18 +101,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   for_each_task<NoScratch>(packed.size(0), [&](int64_t p, NoScratch&) {
-    const float* panel = wp + p * k_len * kPanelWidth;
-    const int64_t col = p * kPanelWidth, cols = std::min(kPanelWidth, n - col);
-    alignas(64) float tile[kBlockRows * kPanelWidth];
-    for (int64_t m = 0; m < m_len;) {
-      const int64_t rows = block_rows(m_len - m, xp + m * k_len, k_len, panel, k_len, tile);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = yp + (m + r) * n + col;
-        const float* t = tile + r * kPanelWidth;
-        for (int64_t c = 0; c < cols; ++c) out[c] = bp ? t[c] + bp[col + c] : t[c];
-      }
-      m += rows;
-    }
+    const int64_t col = p * kPanelWidth;
+    packed_panel(xp, m_len, k_len, wp + p * k_len * kPanelWidth, std::min(kPanelWidth, n - col),
+                 bp ? bp + col : nullptr, yp + col, n);
   });
   return y;
 }

@@ -36,4 +36,10 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const at::Tensor& bias);
 
+// One panel's columns of y: out[r][c] = x[r] . W[32p + c] (+ bias[c]) for r < m_len, c < cols
+// (the panel's real columns), row r at out + r * ld; x [m_len, k_len] contiguous, bias the
+// panel's own slice or null.
+void packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* panel,
+                  int64_t cols, const float* bias, float* out, int64_t ld);
+
 }  // namespace conveyor

@@ -14,6 +14,14 @@ past it; the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), four a layer: q/k/v as one
 matrix and gate/up as one, views that the loader's weight arena makes possible
 (worker/models/weight_arena.py); a model whose weights do not lie so runs the Python layers.
 ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches the native call off (to compare).
+
+Where every projection has its packed copy, the step's stages run as one parallel region
+whose master does not wait for a thread that lost its core: it computes that thread's late
+tasks itself and goes on (csrc/step_team.h). On a machine whose cores the engine shares
+with the worker's I/O, Redis and clients, that is where a step's time went: every time
+another process took a core from one thread of the team, the other waited at the next
+region's end for as long as it was gone. ``CONVEYOR_CPU_STEP_TEAM=0`` runs a region per
+loop instead (to compare); both compute the same bits.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ if TYPE_CHECKING:
     from worker.models.llama import CausalLM
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
+TEAM_SWITCH = "CONVEYOR_CPU_STEP_TEAM"
 
 # Each model's projection weights, their parameters' versions and their packed copies, as
 # _packed_projections last made them.
@@ -50,8 +59,17 @@ _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] 
     weakref.WeakKeyDictionary())
 
 
+def _on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _on(ENV_SWITCH)
+
+
+def team_enabled() -> bool:
+    """Whether the step runs as one region with take-overs (csrc/step_team.h)."""
+    return _on(TEAM_SWITCH)
 
 
 def applies(x: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
@@ -85,7 +103,8 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights,
         _packed_projections(model, weights), kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only())
+        meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only(),
+        team_enabled())
 
 
 @torch.no_grad()

@@ -1,0 +1,113 @@
+"""The decode step as one parallel region whose master takes over a late partner's tasks
+(csrc/step_team.h): the same bits as a region per loop, with and without take-overs, for
+every kind of checkpoint; the partner really computes tasks; steps without every projection
+packed keep a region per loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_fixtures import decode_step, prefilled
+from kernel_fixtures import needs_kernel
+from model_fixtures import KINDS, VOCAB, write_checkpoint
+
+from worker.cpu_kernels import cpu_kernels
+from worker.models import load_model
+from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
+from worker.models.native_decode import ENV_SWITCH, TEAM_SWITCH
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    for kind in KINDS:
+        write_checkpoint(kind, root / kind)
+    return root
+
+
+@pytest.fixture
+def team_of_two(monkeypatch):
+    """Two torch threads (a team with a partner) and the native step on, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.delenv(MATMUL_SWITCH, raising=False)
+    yield
+    torch.set_num_threads(threads)
+    cpu_kernels().step_team_stall(0, 0)
+
+
+def counts() -> tuple[int, int]:
+    """(tasks taken over, tasks partners published) so far."""
+    return cpu_kernels().step_team_counts()
+
+
+def run_steps(model, lens: list[int], steps: int = 3):
+    """Logits of ``steps`` teacher-forced decode steps after a prefill, and the cache."""
+    seqs, tables, cache = prefilled(model, lens, seed=11)
+    logits = []
+    for step in range(steps):
+        for i, s in enumerate(seqs):
+            s.append((i * 17 + step * 5) % VOCAB)
+        logits.append(decode_step(model, cache, seqs, tables, [1] * len(seqs)))
+    return torch.stack(logits), cache
+
+
+def assert_same_bits(a, b) -> None:
+    (logits_a, cache_a), (logits_b, cache_b) = a, b
+    assert not logits_a.isnan().any()
+    assert torch.equal(logits_a, logits_b)
+    for x, y in zip((*cache_a.k, *cache_a.v), (*cache_b.k, *cache_b.v), strict=True):
+        assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0))  # written slots and NaN ones
+
+
+@needs_kernel
+@pytest.mark.usefixtures("team_of_two")
+@pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
+                         + [("llama", 1), ("qwen2", 40), ("llama_tied_bias", 64)])
+def test_the_team_step_computes_the_bits_of_a_region_per_loop(kind, batch, checkpoints,
+                                                               monkeypatch):
+    model = load_model(checkpoints / kind, dtype=torch.float32)
+    lens = ([1, 7, 8, 9, 40, 100, 3] * 10)[:batch]
+    monkeypatch.setenv(TEAM_SWITCH, "0")
+    before = counts()
+    per_loop = run_steps(model, lens)
+    assert counts() == before  # no team ran
+    monkeypatch.setenv(TEAM_SWITCH, "1")
+    team = run_steps(model, lens)
+    if batch > 1:
+        assert counts()[1] > before[1]  # the partner computed and published tasks
+    assert model.num_native_steps >= 6
+    assert_same_bits(team, per_loop)
+
+
+@needs_kernel
+@pytest.mark.usefixtures("team_of_two")
+def test_a_partner_late_with_its_tasks_has_them_taken_over_and_the_bits_stay(checkpoints,
+                                                                          monkeypatch):
+    model = load_model(checkpoints / "llama_tied_bias", dtype=torch.float32)
+    lens = [1, 7, 8, 9, 40, 100, 3, 33] * 4
+    monkeypatch.setenv(TEAM_SWITCH, "0")
+    per_loop = run_steps(model, lens)
+    monkeypatch.setenv(TEAM_SWITCH, "1")
+    # Every third task a partner computes, it sleeps 3 ms before publishing it: far past the
+    # master's patience (about two of its own tasks), as a partner that lost its core is.
+    cpu_kernels().step_team_stall(3, 3000)
+    before = counts()
+    late = run_steps(model, lens)
+    taken, published = (a - b for a, b in zip(counts(), before, strict=True))
+    assert taken > 0  # the precondition: the master did take tasks over
+    assert published > 0  # and partners still published the others
+    assert_same_bits(late, per_loop)
+
+
+@needs_kernel
+@pytest.mark.usefixtures("team_of_two")
+def test_a_step_without_packed_weights_keeps_a_region_per_loop(checkpoints, monkeypatch):
+    monkeypatch.setenv(MATMUL_SWITCH, "unpacked")
+    monkeypatch.setenv(TEAM_SWITCH, "1")
+    model = load_model(checkpoints / "llama", dtype=torch.float32)
+    before = counts()
+    run_steps(model, [3, 9, 20])
+    assert model.num_native_steps >= 3
+    assert counts() == before

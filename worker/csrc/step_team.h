@@ -1,0 +1,260 @@
+// A decode step's stages run by the OpenMP team in one parallel region, where the master
+// never waits for a partner that lost its core: it takes the partner's task over.
+//
+// Why: on a machine whose cores the engine shares (the worker's publisher, Redis, clients),
+// another process takes a core from one of the team's threads at some moment of nearly every
+// step. With one parallel region per matmul or loop, the team's master then waits at that
+// region's barrier for as long as its partner is off its core, however few tasks the
+// partner held: the step loses the whole absence, not the partner's share of it. Here the
+// step's stages (norms, matmuls, rope, attention, ...) run in a single region; each stage's
+// tasks go to the threads as they free up, and when the master has nothing left of a stage
+// but tasks a partner is still on, it waits about the length of one of its own tasks, then
+// computes the late ones itself and goes on to the next stage. The partner, back on its
+// core, finds its task taken, drops what it computed, and joins the stage the master is in.
+//
+// How a task's output stays right: the master writes its tasks straight into the stage's
+// output. A partner computes into a scratch of its own, then claims the task's publication
+// (a compare-and-swap on the task's state) and copies the scratch out; a task the master
+// took over can no longer be claimed, so nothing of a partner's late result ever lands. So
+// that the master can compute any task again, each task must be a function of inputs the
+// stage does not write (decode_layers.cpp keeps its residual in two buffers in turn, and
+// rope writes rotated copies). A partner that lost its task may read inputs that later
+// stages overwrite meanwhile; that can only change the result it drops.
+//
+// The master waits at the region's end for the partners to leave it: once a step.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace conveyor {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// One output block of a task: rows x cols floats, row r at ptr + r * ld.
+struct Block {
+  float* ptr = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0;
+  int64_t size() const { return rows * cols; }
+};
+
+// A task writes at most this many blocks (a norm writes the new residual and its norm).
+constexpr int kMaxBlocks = 2;
+
+template <typename Scratch>
+struct Stage {
+  int64_t tasks = 0;
+  // The real output blocks of task i; returns how many.
+  std::function<int(int64_t i, Block* out)> blocks;
+  // Computes task i into dst[0..blocks), each with its own leading dimension.
+  std::function<void(int64_t i, const Block* dst, Scratch& scratch)> run;
+  // Run by the master alone, in one go (e.g. a scattered write no scratch can stand for).
+  bool master_only = false;
+};
+
+// What the team did in the calls so far (tests and the bench read them).
+struct TeamCounts {
+  std::atomic<int64_t> takeovers{0};     // tasks the master computed again for a late partner
+  std::atomic<int64_t> partner_tasks{0}; // tasks a partner computed and published
+};
+TeamCounts& team_counts();
+
+// Test hook: partners sleep ``micros`` before publishing every ``every``-th task they
+// compute (0: never), so that a test can make the take-over happen on demand.
+struct TeamStall {
+  std::atomic<int64_t> every{0}, micros{0};
+};
+TeamStall& team_stall();
+
+namespace detail {
+
+enum TaskState : uint8_t { kPending = 0, kDone = 1, kTakenOver = 2, kPublishing = 3 };
+
+struct alignas(64) StageSlot {
+  std::atomic<int64_t> next{0};  // the next unclaimed task
+};
+
+}  // namespace detail
+
+// Runs ``stages`` in order across the calling thread's OpenMP team (see the top of the file);
+// every stage is complete, its outputs written, when this returns. Where a region cannot be
+// opened (already inside one, or a team of one), the calling thread runs every task itself.
+template <typename Scratch>
+void run_stages(const std::vector<Stage<Scratch>>& stages) {
+  const int64_t count = static_cast<int64_t>(stages.size());
+  if (at::in_parallel_region() || at::get_num_threads() <= 1) {
+    Scratch scratch;
+    Block out[kMaxBlocks];
+    for (const auto& stage : stages) {
+      for (int64_t i = 0; i < stage.tasks; ++i) {
+        stage.blocks(i, out);
+        stage.run(i, out, scratch);
+      }
+    }
+    return;
+  }
+  std::vector<int64_t> first(count + 1, 0);  // each stage's first slot in ``slots``
+  for (int64_t s = 0; s < count; ++s) first[s + 1] = first[s] + stages[s].tasks;
+  // One byte a task: each is written once or twice in a task's time, so neighbours sharing a
+  // cache line cost nothing to speak of.
+  std::unique_ptr<std::atomic<uint8_t>[]> slots(new std::atomic<uint8_t>[first[count]]);
+  for (int64_t t = 0; t < first[count]; ++t) {
+    slots[t].store(detail::kPending, std::memory_order_relaxed);
+  }
+  std::unique_ptr<detail::StageSlot[]> claims(new detail::StageSlot[count]);
+  alignas(64) std::atomic<int64_t> open{-1};  // the stage the master has opened
+  alignas(64) std::atomic<bool> finished{false};
+  std::exception_ptr error;
+  TeamCounts& counts = team_counts();
+
+  // A partner's loop: claim tasks of the open stage, compute each into scratch, publish it
+  // unless the master took it over; until the master says the step is finished.
+  auto partner = [&]() {
+    Scratch scratch;
+    std::vector<float> buffer;
+    int64_t done_with = -1;  // the last stage this thread found nothing left in
+    const TeamStall& stall = team_stall();
+    int64_t computed = 0;
+    while (!finished.load(std::memory_order_acquire)) {
+      const int64_t s = open.load(std::memory_order_acquire);
+      if (s < 0 || s == done_with) {
+        cpu_relax();
+        continue;
+      }
+      const Stage<Scratch>& stage = stages[s];
+      const int64_t i = claims[s].next.fetch_add(1, std::memory_order_acq_rel);
+      if (i >= stage.tasks) {
+        done_with = s;
+        continue;
+      }
+      Block real[kMaxBlocks], mine[kMaxBlocks];
+      const int n = stage.blocks(i, real);
+      int64_t need = 0;
+      for (int b = 0; b < n; ++b) need += real[b].size();
+      if (static_cast<int64_t>(buffer.size()) < need) buffer.resize(need);
+      float* at = buffer.data();
+      for (int b = 0; b < n; ++b) {
+        mine[b] = Block{at, real[b].rows, real[b].cols, real[b].cols};
+        at += real[b].size();
+      }
+      stage.run(i, mine, scratch);
+      const int64_t every = stall.every.load(std::memory_order_relaxed);
+      if (every > 0 && ++computed % every == 0) {
+        std::this_thread::sleep_for(
+            std::chrono::microseconds(stall.micros.load(std::memory_order_relaxed)));
+      }
+      uint8_t expected = detail::kPending;
+      auto& state = slots[first[s] + i];
+      if (state.compare_exchange_strong(expected, detail::kPublishing,
+                                        std::memory_order_acq_rel)) {
+        for (int b = 0; b < n; ++b) {
+          for (int64_t r = 0; r < real[b].rows; ++r) {
+            std::memcpy(real[b].ptr + r * real[b].ld, mine[b].ptr + r * mine[b].ld,
+                        sizeof(float) * real[b].cols);
+          }
+        }
+        state.store(detail::kDone, std::memory_order_release);
+        counts.partner_tasks.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  };
+
+  // The master: open each stage, take tasks until none is left, then wait out the
+  // partners' tasks, taking over those that run late.
+  auto master = [&]() {
+    Scratch scratch;
+    using clock = std::chrono::steady_clock;
+    // How long a task of the last stage took the master: the wait before a take-over.
+    std::chrono::nanoseconds per_task{20'000};
+    for (int64_t s = 0; s < count; ++s) {
+      const Stage<Scratch>& stage = stages[s];
+      Block out[kMaxBlocks];
+      if (stage.master_only || stage.tasks < 2) {
+        claims[s].next.store(stage.tasks, std::memory_order_relaxed);
+        for (int64_t i = 0; i < stage.tasks; ++i) {
+          stage.blocks(i, out);
+          stage.run(i, out, scratch);
+        }
+        continue;  // the next stage's opening publishes these writes
+      }
+      open.store(s, std::memory_order_release);
+      const auto start = clock::now();
+      int64_t mine = 0;
+      for (;;) {
+        const int64_t i = claims[s].next.fetch_add(1, std::memory_order_acq_rel);
+        if (i >= stage.tasks) break;
+        stage.blocks(i, out);
+        stage.run(i, out, scratch);
+        slots[first[s] + i].store(detail::kDone, std::memory_order_release);
+        ++mine;
+      }
+      const auto ended = clock::now();
+      if (mine > 0) per_task = (ended - start) / mine;
+      const auto patience = 2 * per_task + std::chrono::microseconds(2);
+      for (int64_t i = 0; i < stage.tasks; ++i) {
+        auto& state = slots[first[s] + i];
+        uint8_t now = state.load(std::memory_order_acquire);
+        if (now == detail::kDone || now == detail::kTakenOver) continue;
+        const auto since = clock::now();
+        while (now == detail::kPending && clock::now() - since < patience) {
+          cpu_relax();
+          now = state.load(std::memory_order_acquire);
+        }
+        uint8_t expected = detail::kPending;
+        if (now == detail::kPending &&
+            state.compare_exchange_strong(expected, detail::kTakenOver,
+                                          std::memory_order_acq_rel)) {
+          stage.blocks(i, out);
+          stage.run(i, out, scratch);
+          counts.takeovers.fetch_add(1, std::memory_order_relaxed);
+          continue;
+        }
+        while (state.load(std::memory_order_acquire) == detail::kPublishing) cpu_relax();
+      }
+    }
+  };
+
+#pragma omp parallel
+  {
+    if (omp_get_thread_num() == 0) {
+      try {
+        master();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      finished.store(true, std::memory_order_release);
+    } else {
+      try {
+        partner();
+      } catch (...) {
+        // A partner that cannot go on (its scratch could not be allocated) leaves its
+        // claimed task pending: the master takes it over.
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace conveyor

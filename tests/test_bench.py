@@ -214,7 +214,7 @@ def test_an_out_path_that_is_a_file_is_refused_before_anything_runs(tmp_path, ca
 
 RUN_KEYS = {"settings", "duration_s", "requests", "completed", "errors", "output_tokens",
             "throughput", "latency_ms", "goodput", "tokens_per_s_over_time", "kv", "cpu_s",
-            "preempted"}
+            "preempted", "taken_over"}
 
 
 def _check_outputs(out_dir, runs: set[str]) -> dict:
@@ -259,6 +259,9 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     # How often the engine's threads lost their core, from /proc: the worker's, the bench's.
     assert results["runs"]["fleet"]["preempted"]["worker"] >= 0
     assert results["runs"]["offline"]["preempted"]["bench"] >= 0
+    # Decode-step tasks taken over from a late thread: the worker's heartbeat, the engine's.
+    assert results["runs"]["fleet"]["taken_over"]["worker"] >= 0
+    assert results["runs"]["offline"]["taken_over"]["bench"] >= 0
     whats = [row["what"] for row in results["comparisons"]]
     assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"] \
         + [f"output tokens/s, {name} / physical limit" for name in results["runs"]]
@@ -271,6 +274,7 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     printed = capsys.readouterr().out
     assert "fleet / hf-static" in printed and "results.json" in printed
     assert "threads preempted: worker" in printed
+    assert "step tasks taken over: worker" in printed
 
 
 def test_quick_w2_compares_chunked_prefill_on_and_off_through_a_given_redis(

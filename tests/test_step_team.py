@@ -1,7 +1,8 @@
 """The decode step as one parallel region whose master takes over a late partner's tasks
 (csrc/step_team.h): the same bits as a region per loop, with and without take-overs, for
-every kind of checkpoint; the partner really computes tasks; steps without every projection
-packed keep a region per loop."""
+every kind of checkpoint and a wide one (ragged panels, vectorised attention, three layers);
+the partner really computes tasks; steps without every projection packed keep a region per
+loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from decode_fixtures import decode_step, prefilled
 from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from worker.cpu_kernels import cpu_kernels
 from worker.models import load_model
@@ -22,6 +24,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("checkpoints")
     for kind in KINDS:
         write_checkpoint(kind, root / kind)
+    # Wide enough that every projection has several panels, the last one ragged (80 and 144
+    # columns), with biases; head_dim 32 takes the vectorised attention.
+    torch.manual_seed(3)
+    wide = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=80, intermediate_size=72, num_hidden_layers=3,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        initializer_range=0.1, rms_norm_eps=1e-5, attention_bias=True, mlp_bias=True))
+    wide.save_pretrained(root / "wide")
     return root
 
 
@@ -43,7 +53,8 @@ def counts() -> tuple[int, int]:
 
 
 def run_steps(model, lens: list[int], steps: int = 3):
-    """Logits of ``steps`` teacher-forced decode steps after a prefill, and the cache."""
+    """Logits of ``steps`` teacher-forced decode steps after a prefill, and the cache (the
+    same tokens at every call)."""
     seqs, tables, cache = prefilled(model, lens, seed=11)
     logits = []
     for step in range(steps):
@@ -61,10 +72,16 @@ def assert_same_bits(a, b) -> None:
         assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0))  # written slots and NaN ones
 
 
+# Runs of a step team until its partner has published tasks: a loaded machine may keep the
+# partner off its core for a whole run.
+ATTEMPTS = 20
+
+
 @needs_kernel
 @pytest.mark.usefixtures("team_of_two")
 @pytest.mark.parametrize("kind, batch", [(kind, 6) for kind in KINDS]
-                         + [("llama", 1), ("qwen2", 40), ("llama_tied_bias", 64)])
+                         + [("llama", 1), ("qwen2", 40), ("llama_tied_bias", 64), ("wide", 6),
+                            ("wide", 40)])
 def test_the_team_step_computes_the_bits_of_a_region_per_loop(kind, batch, checkpoints,
                                                                monkeypatch):
     model = load_model(checkpoints / kind, dtype=torch.float32)
@@ -74,31 +91,38 @@ def test_the_team_step_computes_the_bits_of_a_region_per_loop(kind, batch, check
     per_loop = run_steps(model, lens)
     assert counts() == before  # no team ran
     monkeypatch.setenv(TEAM_SWITCH, "1")
-    team = run_steps(model, lens)
+    for _ in range(ATTEMPTS):
+        team = run_steps(model, lens)
+        assert_same_bits(team, per_loop)
+        if batch == 1 or counts()[1] > before[1]:
+            break
     if batch > 1:
         assert counts()[1] > before[1]  # the partner computed and published tasks
     assert model.num_native_steps >= 6
-    assert_same_bits(team, per_loop)
 
 
 @needs_kernel
 @pytest.mark.usefixtures("team_of_two")
-def test_a_partner_late_with_its_tasks_has_them_taken_over_and_the_bits_stay(checkpoints,
-                                                                          monkeypatch):
-    model = load_model(checkpoints / "llama_tied_bias", dtype=torch.float32)
+@pytest.mark.parametrize("kind", ["llama_tied_bias", "wide"])
+def test_a_partner_late_with_its_tasks_has_them_taken_over_and_the_bits_stay(
+        kind, checkpoints, monkeypatch):
+    model = load_model(checkpoints / kind, dtype=torch.float32)
     lens = [1, 7, 8, 9, 40, 100, 3, 33] * 4
     monkeypatch.setenv(TEAM_SWITCH, "0")
     per_loop = run_steps(model, lens)
     monkeypatch.setenv(TEAM_SWITCH, "1")
     # Every third task a partner computes, it sleeps 3 ms before publishing it: far past the
-    # master's patience (about two of its own tasks), as a partner that lost its core is.
+    # master's patience (about twice the task's own time), as a partner that lost its core.
     cpu_kernels().step_team_stall(3, 3000)
     before = counts()
-    late = run_steps(model, lens)
-    taken, published = (a - b for a, b in zip(counts(), before, strict=True))
+    for _ in range(ATTEMPTS):
+        late = run_steps(model, lens)
+        assert_same_bits(late, per_loop)
+        taken, published = (a - b for a, b in zip(counts(), before, strict=True))
+        if taken > 0 and published > 0:
+            break
     assert taken > 0  # the precondition: the master did take tasks over
     assert published > 0  # and partners still published the others
-    assert_same_bits(late, per_loop)
 
 
 @needs_kernel

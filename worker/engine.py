@@ -418,6 +418,9 @@ class Engine:
             "host_blocks_total": self.host_pool.num_blocks if self.host_pool else 0,
             "host_blocks_used": self.host_pool.num_used if self.host_pool else 0,
             "preemptions": self.scheduler.num_preemptions,
+            # A decode step's tasks taken over from a late thread (process-wide; CPU only).
+            "step_team_takeovers": native_decode.team_takeovers()
+            if self.device.type == "cpu" else 0,
             "preemptions_swap": c["preemptions_swap"],
             "preemptions_recompute": c["preemptions_recompute"],
             "swapped_out_blocks": c["swapped_out_blocks"],

@@ -137,6 +137,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "kv": kv_summary(run),
         "cpu_s": run.cpu_s,
         "preempted": run.preempted,
+        "taken_over": run.taken_over,
         "notes": run.notes,
     }
     if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)

@@ -64,6 +64,9 @@ class RunResult:
     # Times the threads of the engine's process were preempted during the run ("worker" or
     # "bench": see worker.bench.cpu.process_preemptions).
     preempted: dict[str, float | None] = field(default_factory=dict)
+    # Decode-step tasks the engine's master took over from a late thread during the run
+    # (csrc/step_team.h), by process as ``preempted``.
+    taken_over: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # Of a disaggregated run: KV moved through the tier during the run, summed over the
     # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).

@@ -149,9 +149,12 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
                          if v is not None)
         preempted = ", ".join(f"{who} {n:,}" for who, n in s.get("preempted", {}).items()
                               if n is not None)
+        taken = ", ".join(f"{who} {n:,}" for who, n in s.get("taken_over", {}).items()
+                          if n is not None)
         if used:
             lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)"
-                         + (f"; threads preempted: {preempted}" if preempted else ""))
+                         + (f"; threads preempted: {preempted}" if preempted else "")
+                         + (f"; step tasks taken over: {taken}" if taken else ""))
     return "\n".join(lines)
 
 

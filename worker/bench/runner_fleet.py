@@ -62,9 +62,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         group = _Group(workers)
         _warm_up(client, model, group)
         plan = ArrivalPlan(items, concurrency)
-        if len(workers) > 1:
-            time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's transfers reach a heartbeat
-        moved_before = _transfers(client, workers)
+        time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
+        counted_before = _heartbeat_sums(client, workers)
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
@@ -73,11 +72,11 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
-        moved = {}
-        if len(workers) > 1:
-            time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the last transfers reach a heartbeat
-            moved_after = _transfers(client, workers)
-            moved = {k: moved_after[k] - moved_before[k] for k in moved_after}
+        time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
+        counted = {k: v - counted_before[k]
+                   for k, v in _heartbeat_sums(client, workers).items()}
+        taken = {"worker": int(counted.pop(TAKEOVERS))}
+        moved = counted if len(workers) > 1 else {}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     notes = [f"client in the bench process, {where}"]
     if target.placement is not None:
@@ -85,7 +84,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
                      "worker's I/O CPUs")
     return RunResult(name, settings, records, duration, kv, used, preempted,
-                     notes=notes, transfers=moved)
+                     notes=notes, transfers=moved, taken_over=taken)
 
 
 @contextmanager
@@ -115,14 +114,16 @@ def _beside_the_worker(client: Client, target: FleetTarget) -> Iterator[None]:
 
 TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "kv_get_s",
                    "kv_get_count", "kv_imported_tokens")
+# Decode-step tasks a worker's master took over from a late thread (csrc/step_team.h).
+TAKEOVERS = "step_team_takeovers"
 
 
-def _transfers(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
-    """The workers' KV transfer counters (their heartbeats), summed."""
-    total = dict.fromkeys(TRANSFER_FIELDS, 0.0)
+def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
+    """The workers' KV transfer counters and step take-overs (their heartbeats), summed."""
+    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)
-        for name in TRANSFER_FIELDS:
+        for name in total:
             total[name] += float(raw.get(name.encode(), b"0") or 0)
     return total
 

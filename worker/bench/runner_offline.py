@@ -29,15 +29,18 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         # As a worker process does once its engine is built (worker/long_lived.py).
         with long_lived_frozen():
             before, preempted_before = time.process_time(), cpu.process_preemptions(os.getpid())
+            taken_before = engine.stats()["step_team_takeovers"]
             records, kv, duration = _drive(engine, items, ArrivalPlan(items, concurrency),
                                            timeout_s)
             used = {"bench": round(time.process_time() - before, 3)}
             preempted = {"bench": cpu.delta(preempted_before,
                                             cpu.process_preemptions(os.getpid()))}
+            taken = {"bench": engine.stats()["step_team_takeovers"] - taken_before}
     finally:
         torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process
     return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
-                     preempted, notes=["engine in the bench process, no Redis"])
+                     preempted, notes=["engine in the bench process, no Redis"],
+                     taken_over=taken)
 
 
 def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: float

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <tuple>
 
 namespace conveyor {
 namespace {
@@ -203,13 +204,27 @@ using TeamStage = Stage<TeamScratch>;
 // Tasks of up to kRowGrain rows each over ``rows`` rows.
 int64_t row_tasks(int64_t rows) { return (rows + kRowGrain - 1) / kRowGrain; }
 
+// The stages' kinds (each has its own pace estimate, step_team.h).
+enum StageKind : int { kNormStage = 1, kMatmulStage, kRopeStage, kAttentionStage, kSiluStage,
+                       kAddStage };
+
+// A stage of row tasks of ``rows`` rows: its task count, kind and cost hint (rows a task).
+TeamStage row_stage(int64_t rows, StageKind kind) {
+  TeamStage stage;
+  stage.tasks = row_tasks(rows);
+  stage.kind = kind;
+  stage.cost = [rows](int64_t i) {
+    return static_cast<double>(std::min(kRowGrain, rows - i * kRowGrain));
+  };
+  return stage;
+}
+
 // Residual add + RMSNorm without writing in place: res_out = res_in + delta (when delta is
 // given; else the residual stays res_in), normed = weight * (res * rsqrt(mean(res^2) + eps)).
 TeamStage norm_stage(const float* res_in, const float* delta, float* res_out,
                      const float* weight, float* normed, int64_t rows, int64_t width,
                      float eps) {
-  TeamStage stage;
-  stage.tasks = row_tasks(rows);
+  TeamStage stage = row_stage(rows, kNormStage);
   stage.blocks = [=](int64_t i, Block* out) {
     const int64_t r0 = i * kRowGrain, n = std::min(kRowGrain, rows - r0);
     out[0] = Block{normed + r0 * width, n, width, width};
@@ -240,6 +255,10 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
                        int64_t n, const at::Tensor& bias, float* y) {
   TeamStage stage;
   stage.tasks = packed.size(0);
+  stage.kind = kMatmulStage;
+  stage.cost = [=](int64_t p) {  // a panel's columns times its depth
+    return static_cast<double>(std::min(kPanelWidth, n - p * kPanelWidth) * k);
+  };
   const float* panels = packed.data_ptr<float>();
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   stage.blocks = [=](int64_t p, Block* out) {
@@ -258,8 +277,7 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
 // rotated = qkv with rope applied to its q and k parts (v as it is).
 TeamStage rope_stage(const float* qkv, const int64_t* positions, const float* cos,
                      const float* sin, float* rotated, const StepShape& s) {
-  TeamStage stage;
-  stage.tasks = row_tasks(s.batch);
+  TeamStage stage = row_stage(s.batch, kRopeStage);
   const int64_t width = s.qkv_width();
   stage.blocks = [=](int64_t i, Block* out) {
     const int64_t r0 = i * kRowGrain;
@@ -310,6 +328,8 @@ TeamStage attention_stage(const float* rotated, const float* k_cache, const floa
                           const Shape& shape, float scale, float* out, const StepShape& s) {
   TeamStage stage;
   stage.tasks = s.batch;
+  stage.kind = kAttentionStage;
+  stage.cost = [=](int64_t i) { return static_cast<double>(lens[order[i]] + 16); };
   const int64_t width = s.q_width();
   stage.blocks = [=](int64_t i, Block* blocks) {
     blocks[0] = Block{out + order[i] * width, 1, width, width};
@@ -326,8 +346,7 @@ TeamStage attention_stage(const float* rotated, const float* k_cache, const floa
 
 // out = silu(gate) * up for each row of gate_up [rows, 2 width].
 TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t width) {
-  TeamStage stage;
-  stage.tasks = row_tasks(rows);
+  TeamStage stage = row_stage(rows, kSiluStage);
   stage.blocks = [=](int64_t i, Block* blocks) {
     const int64_t r0 = i * kRowGrain;
     blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
@@ -344,8 +363,7 @@ TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t wid
 
 // out = a + b, row by row.
 TeamStage add_stage(const float* a, const float* b, float* out, int64_t rows, int64_t width) {
-  TeamStage stage;
-  stage.tasks = row_tasks(rows);
+  TeamStage stage = row_stage(rows, kAddStage);
   stage.blocks = [=](int64_t i, Block* blocks) {
     const int64_t r0 = i * kRowGrain;
     blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
@@ -428,24 +446,33 @@ void team_step(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
   run_stages(stages);
 }
 
+// Whether team_step can take this step: every projection packed, of the shapes team_step
+// multiplies by (a projection of another shape takes the per-region path, whose matmuls
+// check what they are given), float32 biases on the CPU, at most kPackedMaxRows rows.
 bool team_applies(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                  const std::vector<at::Tensor>& packed, int64_t layers) {
-  if (packed.empty() || x.size(0) > kPackedMaxRows) return false;
+                  const std::vector<at::Tensor>& packed, const StepShape& s, int64_t layers) {
+  if (packed.empty() || s.batch > kPackedMaxRows) return false;
+  const int64_t hidden = x.size(1), inner = weights[kDown].size(1);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const at::Tensor* pk = packed.data() + l * kPackedPerLayer;
-    const std::pair<Weight, Packed> pairs[] = {
-        {kQKV, kPackedQKV}, {kO, kPackedO}, {kGateUp, kPackedGateUp}, {kDown, kPackedDown}};
-    for (const auto& [wi, pi] : pairs) {
+    // (weight, its packed copy, its rows N, its inputs K) as team_step multiplies them.
+    const std::tuple<Weight, Packed, int64_t, int64_t> projections[] = {
+        {kQKV, kPackedQKV, s.qkv_width(), hidden}, {kO, kPackedO, hidden, s.q_width()},
+        {kGateUp, kPackedGateUp, 2 * inner, hidden}, {kDown, kPackedDown, hidden, inner}};
+    for (const auto& [wi, pi, n, k] : projections) {
       const at::Tensor& p = pk[pi];
-      const int64_t n = w[wi].size(0);
-      if (!p.defined() || !p.device().is_cpu() || p.scalar_type() != at::kFloat ||
-          p.dim() != 3 || !p.is_contiguous() || p.size(1) != w[wi].size(1) ||
-          p.size(2) != kPanelWidth || p.size(0) != (n + kPanelWidth - 1) / kPanelWidth) {
+      if (w[wi].dim() != 2 || w[wi].size(0) != n || w[wi].size(1) != k || !p.defined() ||
+          !p.device().is_cpu() || p.scalar_type() != at::kFloat || p.dim() != 3 ||
+          !p.is_contiguous() || p.size(0) != (n + kPanelWidth - 1) / kPanelWidth ||
+          p.size(1) != k || p.size(2) != kPanelWidth) {
         return false;
       }
       const at::Tensor& bias = w[wi + 1];
-      if (bias.numel() && (!bias.is_contiguous() || bias.numel() != n)) return false;
+      if (bias.numel() && (!bias.device().is_cpu() || bias.scalar_type() != at::kFloat ||
+                           bias.dim() != 1 || !bias.is_contiguous() || bias.numel() != n)) {
+        return false;
+      }
     }
   }
   return true;
@@ -469,7 +496,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   const float epsilon = static_cast<float>(eps);
   const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
   if (team && !blas_only &&
-      team_applies(x, weights, packed, static_cast<int64_t>(k_caches.size()))) {
+      team_applies(x, weights, packed, s, static_cast<int64_t>(k_caches.size()))) {
     team_step(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
               k_caches, v_caches, s, attention, epsilon, static_cast<float>(scale));
     return x;

@@ -19,9 +19,17 @@
 // that the master can compute any task again, each task must be a function of inputs the
 // stage does not write (decode_layers.cpp keeps its residual in two buffers in turn, and
 // rope writes rotated copies). A partner that lost its task may read inputs that later
-// stages overwrite meanwhile; that can only change the result it drops.
+// stages overwrite meanwhile (a race the C++ model does not bless, on plain floats that
+// every buffer of the step keeps until the region ends); that can only change the result
+// it drops, never an index or a pointer: those the step does not write.
 //
-// The master waits at the region's end for the partners to leave it: once a step.
+// How long the master waits before taking a task over: twice what the task should take,
+// from the partner's claim, at the master's own pace in that stage (its time per unit of
+// the stage's cost hint: rows, columns, context length), plus 2 us. Tasks that differ in
+// cost (attention over contexts from a few tokens to thousands) are not taken from a
+// partner that is simply on the longest one.
+//
+// The master still waits at the region's end for the partners to leave it: once a step.
 
 #pragma once
 
@@ -66,6 +74,11 @@ constexpr int kMaxBlocks = 2;
 template <typename Scratch>
 struct Stage {
   int64_t tasks = 0;
+  // What task i costs relative to the stage's other tasks (empty: all alike).
+  std::function<double(int64_t i)> cost;
+  // Stages of one kind share the master's pace estimate (used when the master ran none of
+  // a stage's tasks itself); 0 to 7.
+  int kind = 0;
   // The real output blocks of task i; returns how many.
   std::function<int(int64_t i, Block* out)> blocks;
   // Computes task i into dst[0..blocks), each with its own leading dimension.
@@ -89,6 +102,24 @@ struct TeamStall {
 TeamStall& team_stall();
 
 namespace detail {
+
+// Spins between yields of a thread that waits: past this, another thread wanting the core
+// (more threads than cores) gets it.
+constexpr int kSpinsPerYield = 4096;
+
+inline void wait_a_moment(int& spins) {
+  if (++spins % kSpinsPerYield == 0) {
+    std::this_thread::yield();
+  } else {
+    cpu_relax();
+  }
+}
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 enum TaskState : uint8_t { kPending = 0, kDone = 1, kTakenOver = 2, kPublishing = 3 };
 
@@ -117,11 +148,13 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
   }
   std::vector<int64_t> first(count + 1, 0);  // each stage's first slot in ``slots``
   for (int64_t s = 0; s < count; ++s) first[s + 1] = first[s] + stages[s].tasks;
-  // One byte a task: each is written once or twice in a task's time, so neighbours sharing a
-  // cache line cost nothing to speak of.
+  // A byte of state and the claim time of each task: each is written once or twice in a
+  // task's time, so neighbours sharing a cache line cost nothing to speak of.
   std::unique_ptr<std::atomic<uint8_t>[]> slots(new std::atomic<uint8_t>[first[count]]);
+  std::unique_ptr<std::atomic<int64_t>[]> claimed_at(new std::atomic<int64_t>[first[count]]);
   for (int64_t t = 0; t < first[count]; ++t) {
     slots[t].store(detail::kPending, std::memory_order_relaxed);
+    claimed_at[t].store(0, std::memory_order_relaxed);
   }
   std::unique_ptr<detail::StageSlot[]> claims(new detail::StageSlot[count]);
   alignas(64) std::atomic<int64_t> open{-1};  // the stage the master has opened
@@ -137,10 +170,11 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
     int64_t done_with = -1;  // the last stage this thread found nothing left in
     const TeamStall& stall = team_stall();
     int64_t computed = 0;
+    int spins = 0;
     while (!finished.load(std::memory_order_acquire)) {
       const int64_t s = open.load(std::memory_order_acquire);
       if (s < 0 || s == done_with) {
-        cpu_relax();
+        detail::wait_a_moment(spins);
         continue;
       }
       const Stage<Scratch>& stage = stages[s];
@@ -149,6 +183,7 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
         done_with = s;
         continue;
       }
+      claimed_at[first[s] + i].store(detail::now_ns(), std::memory_order_relaxed);
       Block real[kMaxBlocks], mine[kMaxBlocks];
       const int n = stage.blocks(i, real);
       int64_t need = 0;
@@ -185,11 +220,13 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
   // partners' tasks, taking over those that run late.
   auto master = [&]() {
     Scratch scratch;
-    using clock = std::chrono::steady_clock;
-    // How long a task of the last stage took the master: the wait before a take-over.
-    std::chrono::nanoseconds per_task{20'000};
+    // The master's pace, nanoseconds per unit of cost, by stage kind (the last stage of
+    // that kind where it ran tasks; 20 us a task until then).
+    double pace[8];
+    std::fill(pace, pace + 8, 20'000.0);
     for (int64_t s = 0; s < count; ++s) {
       const Stage<Scratch>& stage = stages[s];
+      auto cost = [&](int64_t i) { return stage.cost ? stage.cost(i) : 1.0; };
       Block out[kMaxBlocks];
       if (stage.master_only || stage.tasks < 2) {
         claims[s].next.store(stage.tasks, std::memory_order_relaxed);
@@ -200,26 +237,31 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
         continue;  // the next stage's opening publishes these writes
       }
       open.store(s, std::memory_order_release);
-      const auto start = clock::now();
-      int64_t mine = 0;
+      const int64_t start = detail::now_ns();
+      double done = 0;  // the cost of the tasks the master ran
       for (;;) {
         const int64_t i = claims[s].next.fetch_add(1, std::memory_order_acq_rel);
         if (i >= stage.tasks) break;
         stage.blocks(i, out);
         stage.run(i, out, scratch);
         slots[first[s] + i].store(detail::kDone, std::memory_order_release);
-        ++mine;
+        done += cost(i);
       }
-      const auto ended = clock::now();
-      if (mine > 0) per_task = (ended - start) / mine;
-      const auto patience = 2 * per_task + std::chrono::microseconds(2);
+      double& unit = pace[stage.kind & 7];
+      if (done > 0) unit = static_cast<double>(detail::now_ns() - start) / done;
       for (int64_t i = 0; i < stage.tasks; ++i) {
         auto& state = slots[first[s] + i];
         uint8_t now = state.load(std::memory_order_acquire);
         if (now == detail::kDone || now == detail::kTakenOver) continue;
-        const auto since = clock::now();
-        while (now == detail::kPending && clock::now() - since < patience) {
-          cpu_relax();
+        // Twice the task's expected time from its claim (a claim time not seen yet counts
+        // from now), plus 2 us.
+        const int64_t patience = static_cast<int64_t>(2 * unit * cost(i)) + 2'000;
+        const int64_t seen = detail::now_ns();
+        int spins = 0;
+        while (now == detail::kPending) {
+          const int64_t claimed = claimed_at[first[s] + i].load(std::memory_order_relaxed);
+          if (detail::now_ns() - (claimed > 0 ? claimed : seen) > patience) break;
+          detail::wait_a_moment(spins);
           now = state.load(std::memory_order_acquire);
         }
         uint8_t expected = detail::kPending;
@@ -231,7 +273,9 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
           counts.takeovers.fetch_add(1, std::memory_order_relaxed);
           continue;
         }
-        while (state.load(std::memory_order_acquire) == detail::kPublishing) cpu_relax();
+        while (state.load(std::memory_order_acquire) == detail::kPublishing) {
+          detail::wait_a_moment(spins);
+        }
       }
     }
   };

@@ -173,6 +173,8 @@ class Worker:
             "tokens_per_s": self._tokens_per_s(),
             "steps": stats["steps"],
             "preemptions": stats.get("preemptions", 0),
+            # Tasks a decode step's master took over from a thread that lost its core.
+            "step_team_takeovers": stats.get("step_team_takeovers", 0),
             "metrics_port": self.metrics_port or "",
             # Request streams no producer can add to (an entry at the largest id).
             "blocked_lanes": ",".join(self.reaper.blocked_lanes),

@@ -72,6 +72,15 @@ def team_enabled() -> bool:
     return _on(TEAM_SWITCH)
 
 
+def team_takeovers() -> int:
+    """Tasks a step's master computed for a thread that was late with them, in this process
+    so far: how often the engine's threads lost their core mid-step and the step went on."""
+    from worker.cpu_kernels import cpu_kernels
+
+    module = cpu_kernels()
+    return int(module.step_team_counts()[0]) if module is not None else 0
+
+
 def applies(x: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
     """Whether this step can take the native path (the kernel's availability aside)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32

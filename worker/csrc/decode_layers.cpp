@@ -208,13 +208,20 @@ int64_t row_tasks(int64_t rows) { return (rows + kRowGrain - 1) / kRowGrain; }
 enum StageKind : int { kNormStage = 1, kMatmulStage, kRopeStage, kAttentionStage, kSiluStage,
                        kAddStage };
 
-// A stage of row tasks of ``rows`` rows: its task count, kind and cost hint (rows a task).
-TeamStage row_stage(int64_t rows, StageKind kind) {
+// A stage of row tasks over ``rows`` rows, each writing its rows of ``width`` floats of
+// ``out``: its task count, kind, cost hint (rows a task) and blocks (a stage with more
+// outputs sets its own).
+TeamStage row_stage(int64_t rows, StageKind kind, float* out, int64_t width) {
   TeamStage stage;
   stage.tasks = row_tasks(rows);
   stage.kind = kind;
   stage.cost = [rows](int64_t i) {
     return static_cast<double>(std::min(kRowGrain, rows - i * kRowGrain));
+  };
+  stage.blocks = [=](int64_t i, Block* blocks) {
+    const int64_t r0 = i * kRowGrain;
+    blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
+    return 1;
   };
   return stage;
 }
@@ -224,7 +231,7 @@ TeamStage row_stage(int64_t rows, StageKind kind) {
 TeamStage norm_stage(const float* res_in, const float* delta, float* res_out,
                      const float* weight, float* normed, int64_t rows, int64_t width,
                      float eps) {
-  TeamStage stage = row_stage(rows, kNormStage);
+  TeamStage stage = row_stage(rows, kNormStage, normed, width);
   stage.blocks = [=](int64_t i, Block* out) {
     const int64_t r0 = i * kRowGrain, n = std::min(kRowGrain, rows - r0);
     out[0] = Block{normed + r0 * width, n, width, width};
@@ -277,13 +284,8 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
 // rotated = qkv with rope applied to its q and k parts (v as it is).
 TeamStage rope_stage(const float* qkv, const int64_t* positions, const float* cos,
                      const float* sin, float* rotated, const StepShape& s) {
-  TeamStage stage = row_stage(s.batch, kRopeStage);
   const int64_t width = s.qkv_width();
-  stage.blocks = [=](int64_t i, Block* out) {
-    const int64_t r0 = i * kRowGrain;
-    out[0] = Block{rotated + r0 * width, std::min(kRowGrain, s.batch - r0), width, width};
-    return 1;
-  };
+  TeamStage stage = row_stage(s.batch, kRopeStage, rotated, width);
   stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
     const int64_t half = s.head_dim / 2, r0 = i * kRowGrain;
     for (int64_t r = 0; r < dst[0].rows; ++r) {
@@ -346,12 +348,7 @@ TeamStage attention_stage(const float* rotated, const float* k_cache, const floa
 
 // out = silu(gate) * up for each row of gate_up [rows, 2 width].
 TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t width) {
-  TeamStage stage = row_stage(rows, kSiluStage);
-  stage.blocks = [=](int64_t i, Block* blocks) {
-    const int64_t r0 = i * kRowGrain;
-    blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
-    return 1;
-  };
+  TeamStage stage = row_stage(rows, kSiluStage, out, width);
   stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
     const int64_t r0 = i * kRowGrain;
     for (int64_t r = 0; r < dst[0].rows; ++r) {
@@ -363,12 +360,7 @@ TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t wid
 
 // out = a + b, row by row.
 TeamStage add_stage(const float* a, const float* b, float* out, int64_t rows, int64_t width) {
-  TeamStage stage = row_stage(rows, kAddStage);
-  stage.blocks = [=](int64_t i, Block* blocks) {
-    const int64_t r0 = i * kRowGrain;
-    blocks[0] = Block{out + r0 * width, std::min(kRowGrain, rows - r0), width, width};
-    return 1;
-  };
+  TeamStage stage = row_stage(rows, kAddStage, out, width);
   stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
     const int64_t r0 = i * kRowGrain;
     for (int64_t r = 0; r < dst[0].rows; ++r) {

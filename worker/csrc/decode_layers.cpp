@@ -50,19 +50,26 @@ enum Packed : int64_t { kPackedQKV, kPackedO, kPackedGateUp, kPackedDown, kPacke
 // would cost more to hand out than to run.
 constexpr int64_t kRowGrain = 16;
 
+// One row: res = res_in + delta into res_out (which may be res_in; without delta the
+// residual is res_in as it is), then out = weight * (res * rsqrt(mean(res^2) + eps)).
+inline void norm_row(const float* res_in, const float* delta, float* res_out,
+                     const float* weight, float* out, int64_t width, float eps) {
+  const float* res = res_in;
+  if (delta != nullptr) {
+    for (int64_t i = 0; i < width; ++i) res_out[i] = res_in[i] + delta[i];
+    res = res_out;
+  }
+  const float scale = 1.0f / std::sqrt(dot(res, res, width) / width + eps);
+  for (int64_t i = 0; i < width; ++i) out[i] = weight[i] * (res[i] * scale);
+}
+
 // x += delta (when given), then out = weight * (x * rsqrt(mean(x^2) + eps)), row by row.
 void add_rms_norm(float* x, const float* delta, const float* weight, float* out, int64_t rows,
                   int64_t width, float eps) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* xr = x + r * width;
-      if (delta != nullptr) {
-        const float* dr = delta + r * width;
-        for (int64_t i = 0; i < width; ++i) xr[i] += dr[i];
-      }
-      const float scale = 1.0f / std::sqrt(dot(xr, xr, width) / width + eps);
-      float* o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = weight[i] * (xr[i] * scale);
+      norm_row(x + r * width, delta ? delta + r * width : nullptr, x + r * width, weight,
+               out + r * width, width, eps);
     }
   });
 }
@@ -86,24 +93,33 @@ struct StepShape {
   int64_t qkv_width() const { return q_width() + 2 * kv_width(); }
 };
 
+// Rope on token b's q and k heads (a qkv row holds q, k and v side by side) from ``src``
+// into ``dst`` (which may be ``src``; v is copied when it is not).
+inline void rope_row(const float* src, float* dst, int64_t position, const float* cos,
+                     const float* sin, const StepShape& s) {
+  const int64_t half = s.head_dim / 2;
+  const float* c = cos + position * half;
+  const float* sn = sin + position * half;
+  for (int64_t h = 0; h < s.num_heads + s.num_kv_heads; ++h) {
+    rotate_into(src + h * s.head_dim, dst + h * s.head_dim, c, sn, half);
+  }
+  if (dst != src) {
+    std::copy(src + s.q_width() + s.kv_width(), src + s.qkv_width(),
+              dst + s.q_width() + s.kv_width());
+  }
+}
+
 // Rope on q and k in place, then k and v into the cache at each token's slot; row b of
 // ``qkv`` holds that token's q, k and v side by side.
 void rope_and_cache(float* qkv, const int64_t* positions, const int64_t* slots,
                     const float* cos, const float* sin, float* k_cache, float* v_cache,
                     const StepShape& s) {
-  const int64_t half = s.head_dim / 2, kv_row = s.kv_width();
+  const int64_t kv_row = s.kv_width();
   at::parallel_for(0, s.batch, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const float* c = cos + positions[b] * half;
-      const float* sn = sin + positions[b] * half;
       float* qb = qkv + b * s.qkv_width();
-      for (int64_t h = 0; h < s.num_heads; ++h) {
-        rotate_into(qb + h * s.head_dim, qb + h * s.head_dim, c, sn, half);
-      }
-      float* kb = qb + s.q_width();
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-        rotate_into(kb + h * s.head_dim, kb + h * s.head_dim, c, sn, half);
-      }
+      rope_row(qb, qb, positions[b], cos, sin, s);
+      const float* kb = qb + s.q_width();
       const float* vb = kb + kv_row;
       std::copy(kb, kb + kv_row, k_cache + slots[b] * kv_row);
       std::copy(vb, vb + kv_row, v_cache + slots[b] * kv_row);
@@ -242,16 +258,9 @@ TeamStage norm_stage(const float* res_in, const float* delta, float* res_out,
   stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
     const int64_t r0 = i * kRowGrain;
     for (int64_t r = 0; r < dst[0].rows; ++r) {
-      const float* res = res_in + (r0 + r) * width;
-      if (delta != nullptr) {
-        float* sum = dst[1].ptr + r * dst[1].ld;
-        const float* d = delta + (r0 + r) * width;
-        for (int64_t c = 0; c < width; ++c) sum[c] = res[c] + d[c];
-        res = sum;
-      }
-      const float scale = 1.0f / std::sqrt(dot(res, res, width) / width + eps);
-      float* o = dst[0].ptr + r * dst[0].ld;
-      for (int64_t c = 0; c < width; ++c) o[c] = weight[c] * (res[c] * scale);
+      norm_row(res_in + (r0 + r) * width, delta ? delta + (r0 + r) * width : nullptr,
+               delta ? dst[1].ptr + r * dst[1].ld : nullptr, weight,
+               dst[0].ptr + r * dst[0].ld, width, eps);
     }
   };
   return stage;
@@ -287,18 +296,10 @@ TeamStage rope_stage(const float* qkv, const int64_t* positions, const float* co
   const int64_t width = s.qkv_width();
   TeamStage stage = row_stage(s.batch, kRopeStage, rotated, width);
   stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
-    const int64_t half = s.head_dim / 2, r0 = i * kRowGrain;
+    const int64_t r0 = i * kRowGrain;
     for (int64_t r = 0; r < dst[0].rows; ++r) {
-      const int64_t b = r0 + r;
-      const float* c = cos + positions[b] * half;
-      const float* sn = sin + positions[b] * half;
-      const float* src = qkv + b * width;
-      float* o = dst[0].ptr + r * dst[0].ld;
-      for (int64_t h = 0; h < s.num_heads + s.num_kv_heads; ++h) {
-        rotate_into(src + h * s.head_dim, o + h * s.head_dim, c, sn, half);
-      }
-      const int64_t v = s.q_width() + s.kv_width();
-      std::copy(src + v, src + width, o + v);
+      rope_row(qkv + (r0 + r) * width, dst[0].ptr + r * dst[0].ld, positions[r0 + r], cos, sin,
+               s);
     }
   };
   return stage;

@@ -24,14 +24,15 @@ def cache_for(model: CausalLM) -> PagedKVCache:
 
 def decode_step(model: CausalLM, cache: PagedKVCache, seqs: list[list[int]],
                 tables: list[list[int]], new: list[int]) -> torch.Tensor:
-    """Feed the last ``new[i]`` tokens of each sequence; the logits of every fed token."""
+    """Feed the last ``new[i]`` tokens of each sequence; the logits of every fed token (for a
+    decode-only step on the native path, its LM head's in the same call as its layers)."""
     meta = AttentionMetadata.build(new, [len(s) for s in seqs], tables, BLOCK_SIZE)
     ids = torch.tensor([t for s, n in zip(seqs, new, strict=True) for t in s[-n:]])
     positions = torch.tensor([p for s, n in zip(seqs, new, strict=True)
                               for p in range(len(s) - n, len(s))])
     meta.positions = positions
     with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, cache, meta))
+        return model.logits(ids, positions, cache, meta)
 
 
 def prefilled(model: CausalLM, lens: list[int], seed: int):

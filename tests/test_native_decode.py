@@ -67,6 +67,26 @@ def test_native_decode_steps_match_the_python_layers(kind, batch, matmul, checkp
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_native_forward_ends_with_the_final_norm(kind, checkpoints, monkeypatch):
+    """Without the LM head (a forward's hidden states) the native step ends with the final
+    norm, as the Python layers do."""
+    model = load_model(checkpoints / kind, dtype=torch.float32)
+    hidden = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(ENV_SWITCH, switch)
+        seqs, tables, cache = prefilled(model, [3, 9, 17], seed=4)
+        meta = AttentionMetadata.build([1, 1, 1], [len(s) for s in seqs], tables, BLOCK_SIZE)
+        meta.positions = torch.tensor([len(s) - 1 for s in seqs])
+        before = model.num_native_steps
+        with torch.inference_mode():
+            hidden[switch] = model(torch.tensor([s[-1] for s in seqs]), meta.positions, cache,
+                                   meta)
+        assert model.num_native_steps - before == int(switch)
+    torch.testing.assert_close(hidden["1"], hidden["0"], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_steps_with_a_prefill_chunk_or_in_float64_take_the_python_layers(checkpoints,
                                                                          monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")

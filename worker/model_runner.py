@@ -67,15 +67,17 @@ class ModelRunner:
             device=self.device,
             input_ids=ids,
         )
-        hidden = self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
-        self.num_forwards += 1
-        self.num_computed_tokens += len(ids)
-
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         if not sampling:
+            self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
+            self._computed(len(ids))
             return {}, {}
-        last = meta.query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden[last[sampling]])
+        # Every token samples (one-token chunks, all sampling: a decode step): the logits of
+        # all rows, which the native step makes with its layers. Else the chunks' last tokens.
+        picked = (None if len(sampling) == len(ids)
+                  else (meta.query_start_loc[1:] - 1)[sampling])
+        logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta, picked)
+        self._computed(len(ids))
         ids_out = [chunks[i].request_id for i in sampling]
         sample_rows = [rows[i] for i in ids_out]
         step = step_rows(self.sampling_rows, ids_out, sample_rows, logits.device)
@@ -85,6 +87,10 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         tokens, logprobs = self.sampler(logits, sample_rows, step, scratch=True)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
+
+    def _computed(self, tokens: int) -> None:
+        self.num_forwards += 1
+        self.num_computed_tokens += tokens
 
     def release(self, out: SchedulerOutput) -> None:
         """Give back the rows of the step's finished and preempted requests (also for a step

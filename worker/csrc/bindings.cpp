@@ -10,7 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (CPU)");
   // The whole step runs without the GIL: the worker's I/O threads keep going meanwhile.
   m.def("decode_layers", &conveyor::decode_layers,
-        "every decoder layer of a decode-only step, float32 (CPU)",
+        "every decoder layer, the final norm and the LM head (given) of a decode-only step, "
+        "float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("step_team_counts", &conveyor::step_team_counts,
         "(tasks taken over, tasks partners published) by decode_layers' step team so far");

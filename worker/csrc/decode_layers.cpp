@@ -1,5 +1,6 @@
-// Every decoder layer of a decode-only step in one native call, float32, on the CPU
-// (worker/models/native_decode.py decides when it applies).
+// Every decoder layer of a decode-only step, the final norm and the LM head (where the caller
+// gives it) in one native call, float32, on the CPU (worker/models/native_decode.py decides
+// when it applies).
 //
 // A decode step at batch 64 is ~250 small torch ops between its matmuls; from Python each
 // costs a dispatch and often an allocation and a thread-team start, several milliseconds a
@@ -374,16 +375,21 @@ TeamStage add_stage(const float* a, const float* b, float* out, int64_t rows, in
   return stage;
 }
 
-// The whole step by the step team: the same arithmetic as the per-region path below, with
-// the residual kept in two buffers in turn and rope writing a rotated copy, so that any task
-// can be computed again (step_team.h). Needs every projection packed.
-void team_step(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
-               const at::Tensor& sin, const at::Tensor& slot_mapping,
-               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-               const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packed,
-               const std::vector<at::Tensor>& k_caches,
-               const std::vector<at::Tensor>& v_caches, const StepShape& s,
-               const Shape& attention, float eps, float scale) {
+// The whole step by the step team, the final norm and the LM head included: the same
+// arithmetic as the per-region path below, with the residual kept in two buffers in turn and
+// rope writing a rotated copy, so that any task can be computed again (step_team.h). Needs
+// every projection packed.
+// Returns the final norm's output; ``logits``, when defined, gets the LM head's (from its
+// packed copy ``lm_head_packed``).
+at::Tensor team_step(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const std::vector<at::Tensor>& weights,
+                     const std::vector<at::Tensor>& packed, const at::Tensor& final_norm,
+                     const at::Tensor& lm_head_packed, at::Tensor logits,
+                     const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const StepShape& s,
+                     const Shape& attention, float eps, float scale) {
   const int64_t batch = s.batch, hidden = x.size(1);
   const int64_t inner = weights[kDown].size(1);
   auto buffer = [&](int64_t width) { return at::empty({batch, width}, x.options()); };
@@ -397,10 +403,10 @@ void team_step(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  float* xp = x.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
   std::vector<TeamStage> stages;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  stages.reserve(layers * 10 + 1);
+  stages.reserve(layers * 10 + 2);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const at::Tensor* pk = packed.data() + l * kPackedPerLayer;
@@ -434,9 +440,26 @@ void team_step(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
     stages.push_back(matmul_stage(activated.data_ptr<float>(), batch, inner, pk[kPackedDown],
                                   hidden, w[kDownBias], down.data_ptr<float>()));
   }
-  // x = the last residual + the last MLP output (x is read by the first layer only).
-  stages.push_back(add_stage(post.data_ptr<float>(), down.data_ptr<float>(), xp, batch, hidden));
+  // The final norm of the last residual plus the last MLP output (into ``normed``: the
+  // last layer's gate/up stage, its reader, is done by then), then the LM head where its
+  // packed copy is given.
+  stages.push_back(norm_stage(post.data_ptr<float>(), down.data_ptr<float>(),
+                              cur.data_ptr<float>(), final_norm.data_ptr<float>(),
+                              normed.data_ptr<float>(), batch, hidden, eps));
+  if (logits.defined()) {
+    stages.push_back(matmul_stage(normed.data_ptr<float>(), batch, hidden, lm_head_packed,
+                                  logits.size(1), at::empty({0}, x.options()),
+                                  logits.data_ptr<float>()));
+  }
   run_stages(stages);
+  return normed;
+}
+
+// Whether ``p`` is a packed copy (pack_weight) of an [n, k] float32 weight on the CPU.
+bool packed_fits(const at::Tensor& p, int64_t n, int64_t k) {
+  return p.defined() && p.device().is_cpu() && p.scalar_type() == at::kFloat && p.dim() == 3 &&
+         p.is_contiguous() && p.size(0) == (n + kPanelWidth - 1) / kPanelWidth &&
+         p.size(1) == k && p.size(2) == kPanelWidth;
 }
 
 // Whether team_step can take this step: every projection packed, of the shapes team_step
@@ -454,11 +477,8 @@ bool team_applies(const at::Tensor& x, const std::vector<at::Tensor>& weights,
         {kQKV, kPackedQKV, s.qkv_width(), hidden}, {kO, kPackedO, hidden, s.q_width()},
         {kGateUp, kPackedGateUp, 2 * inner, hidden}, {kDown, kPackedDown, hidden, inner}};
     for (const auto& [wi, pi, n, k] : projections) {
-      const at::Tensor& p = pk[pi];
-      if (w[wi].dim() != 2 || w[wi].size(0) != n || w[wi].size(1) != k || !p.defined() ||
-          !p.device().is_cpu() || p.scalar_type() != at::kFloat || p.dim() != 3 ||
-          !p.is_contiguous() || p.size(0) != (n + kPanelWidth - 1) / kPanelWidth ||
-          p.size(1) != k || p.size(2) != kPanelWidth) {
+      if (w[wi].dim() != 2 || w[wi].size(0) != n || w[wi].size(1) != k ||
+          !packed_fits(pk[pi], n, k)) {
         return false;
       }
       const at::Tensor& bias = w[wi + 1];
@@ -477,7 +497,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                             torch::Tensor sin, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens,
                             std::vector<torch::Tensor> weights,
-                            std::vector<torch::Tensor> packed,
+                            std::vector<torch::Tensor> packed, torch::Tensor final_norm,
+                            torch::Tensor lm_head, torch::Tensor lm_head_packed,
                             std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -486,13 +507,29 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
                k_caches, v_caches, s, block_size);
   const int64_t batch = s.batch, hidden = x.size(1);
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() &&
+                  final_norm.numel() == hidden,
+              "a float32 final norm weight of the hidden size");
+  const bool with_head = lm_head.numel() > 0;
+  TORCH_CHECK(!with_head || (lm_head.scalar_type() == at::kFloat && lm_head.dim() == 2 &&
+                             lm_head.size(1) == hidden),
+              "a float32 [vocab, hidden] LM head weight, or none");
   const float epsilon = static_cast<float>(eps);
   const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
   if (team && !blas_only &&
       team_applies(x, weights, packed, s, static_cast<int64_t>(k_caches.size()))) {
-    team_step(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
-              k_caches, v_caches, s, attention, epsilon, static_cast<float>(scale));
-    return x;
+    // The LM head joins the team where its packed copy is given; else it follows it.
+    const bool head_in_team = with_head && packed_fits(lm_head_packed, lm_head.size(0), hidden);
+    at::Tensor logits = head_in_team ? at::empty({batch, lm_head.size(0)}, x.options())
+                                     : at::Tensor();
+    at::Tensor normed = team_step(x, positions, cos, sin, slot_mapping, block_tables, seq_lens,
+                                  weights, packed, final_norm, lm_head_packed, logits,
+                                  k_caches, v_caches, s, attention, epsilon,
+                                  static_cast<float>(scale));
+    if (head_in_team) return logits;
+    return with_head ? linear(normed, lm_head, at::empty({0}, x.options()), blas_only,
+                              lm_head_packed)
+                     : normed;
   }
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -534,12 +571,12 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
     silu_mul(gate_up.data_ptr<float>(), activated.data_ptr<float>(), batch, inner);
     down = linear(activated, w[kDown], w[kDownBias], blas_only, packed_of(kPackedDown));
   }
-  float* xp = x.data_ptr<float>();
-  const float* dp = down.data_ptr<float>();
-  at::parallel_for(0, batch * hidden, kRowGrain * hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) xp[i] += dp[i];
-  });
-  return x;
+  // The final norm of x + the last MLP output, then the LM head where it is given.
+  add_rms_norm(x.data_ptr<float>(), down.data_ptr<float>(), final_norm.data_ptr<float>(),
+               normed.data_ptr<float>(), batch, hidden, epsilon);
+  return with_head ? linear(normed, lm_head, at::empty({0}, x.options()), blas_only,
+                            lm_head_packed)
+                   : normed;
 }
 
 }  // namespace conveyor

@@ -13,15 +13,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor seq_lens,
                            int64_t block_size, double scale);
 
-// Every decoder layer of a decode-only step, in one call (decode_layers.cpp); ``packed``
-// holds pack_weight copies of each layer's q/k/v, o, gate/up and down weights, or nothing.
-// With ``team`` (and every projection packed) the step runs as one parallel region whose
-// master takes over a late partner's tasks (step_team.h); else a region per loop.
+// Every decoder layer of a decode-only step and the final norm, in one call
+// (decode_layers.cpp); ``packed`` holds pack_weight copies of each layer's q/k/v, o, gate/up
+// and down weights, or nothing. Returns the final norm's output [B, hidden], or, where
+// ``lm_head`` [vocab, hidden] is given (not empty), the logits [B, vocab] (from
+// ``lm_head_packed``, its packed copy, where that is given). With ``team`` (and every
+// projection packed) the step runs as one parallel region whose master takes over a late
+// partner's tasks (step_team.h), the LM head in it where it is packed; else a region per loop.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens,
                             std::vector<torch::Tensor> weights, std::vector<torch::Tensor> packed,
-                            std::vector<torch::Tensor> k_caches,
+                            torch::Tensor final_norm, torch::Tensor lm_head,
+                            torch::Tensor lm_head_packed, std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             double eps, double scale, bool blas_only, bool team);

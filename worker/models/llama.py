@@ -161,7 +161,37 @@ class CausalLM(nn.Module):
         native = native_decode.decode_layers(self, x, kv_cache, meta)
         if native is not None:
             self.num_native_steps += 1
-            return self.model.norm(native)
+            return native
+        return self._layers(x, positions, kv_cache, meta)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward``, then the logits ``[N, vocab]`` of the tokens at ``rows`` (every token
+        where None). A decode-only step on the native path makes them in the same call as
+        its layers (worker/models/native_decode.py)."""
+        x = self.model.embed_tokens(input_ids)
+        if rows is None:
+            native = native_decode.decode_layers(self, x, kv_cache, meta, logits=True)
+            if native is not None:
+                self.num_native_steps += 1
+                return native
+            return self.compute_logits(self._layers(x, positions, kv_cache, meta))
+        hidden = native_decode.decode_layers(self, x, kv_cache, meta)
+        if hidden is not None:
+            self.num_native_steps += 1
+        else:
+            hidden = self._layers(x, positions, kv_cache, meta)
+        return self.compute_logits(hidden[rows])
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The Python decoder layers and the final norm over the embeddings ``x``."""
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)

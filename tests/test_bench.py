@@ -117,6 +117,17 @@ def test_comparisons_divide_the_fleet_by_each_alternative_and_check_the_aims():
     assert "aim" not in report.comparisons(summaries, "w2")[0]  # 5x is a W1 aim
 
 
+def test_repeats_show_each_pair_of_fleet_and_offline_runs():
+    summaries = {"fleet": {"repeats": [{"output_tokens_per_s": v} for v in (450.0, 500.0)]},
+                 "offline": {"repeats": [{"output_tokens_per_s": v} for v in (500.0, 400.0)]}}
+    lines = report.format_repeats(summaries).splitlines()
+    assert lines == ["fleet              tok/s of each repeat: 450.0, 500.0",
+                     "offline            tok/s of each repeat: 500.0, 400.0",
+                     "fleet / offline    of each pair of repeats: 0.90, 1.25"]
+    one = {name: {"repeats": s["repeats"][:1]} for name, s in summaries.items()}
+    assert report.format_repeats(one) == ""  # a single repeat: nothing to list
+
+
 def test_results_json_has_no_nan(tmp_path):
     path = tmp_path / "r.json"
     report.write_json({"a": [math.nan, 1.0], "b": {"c": math.nan}}, path)

@@ -159,13 +159,20 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
 
 
 def format_repeats(summaries: dict[str, dict[str, Any]]) -> str:
-    """Output tokens/s of every repeat, when there were several."""
+    """Output tokens/s of every repeat, when there were several; and fleet / offline of each
+    pair of repeats (run one after the other), whose spread is this machine's own noise
+    beside the ratio of the medians."""
     lines = []
+    tok_s: dict[str, list[float]] = {}
     for name, s in summaries.items():
-        values = [r["output_tokens_per_s"] for r in s.get("repeats", [])]
+        values = tok_s[name] = [r["output_tokens_per_s"] for r in s.get("repeats", [])]
         if len(values) > 1:
             lines.append(f"{name:<18} tok/s of each repeat: "
                          + ", ".join(f"{v:.1f}" for v in values))
+    fleet, offline = tok_s.get("fleet", []), tok_s.get("offline", [])
+    if len(fleet) > 1 and len(fleet) == len(offline) and all(offline):
+        lines.append("fleet / offline    of each pair of repeats: "
+                     + ", ".join(f"{f / o:.2f}" for f, o in zip(fleet, offline, strict=True)))
     return "\n".join(lines)
 
 

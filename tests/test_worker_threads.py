@@ -20,6 +20,7 @@ from producer.client import Client
 from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys
+from worker.fleet.config import WorkerConfig
 from worker.fleet.supervised import BACKOFF_CAP_S
 
 KEYS = Keys()
@@ -160,13 +161,28 @@ def test_a_thread_that_fails_for_good_hands_work_back_and_the_worker_exits_1(
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this OS")
-@pytest.mark.parametrize("batch", [True, False])
-def test_io_threads_wait_for_a_free_core_and_the_engine_loop_does_not(batch, start_worker):
-    worker = start_worker("policy", metrics_port=0, config={"batch_io_threads": batch})
+@pytest.mark.parametrize("batch, publisher", [(True, False), (True, True), (False, False)])
+def test_io_threads_wait_for_a_free_core_and_the_engine_loop_and_publisher_do_not(
+        batch, publisher, start_worker):
+    worker = start_worker("policy", metrics_port=0,
+                          config={"batch_io_threads": batch, "batch_publisher": publisher})
     io_threads = [t for t in worker.threads if t is not worker.loop]
     assert {t.name for t in io_threads} == set(THREADS)  # every I/O thread is looked at
-    want = os.SCHED_BATCH if batch else os.SCHED_OTHER
+
+    def want(t) -> int:
+        # The publisher wakes between two steps, where the engine has a core to spare.
+        yields = batch and (t is not worker.publisher or publisher)
+        return os.SCHED_BATCH if yields else os.SCHED_OTHER
+
     # Each thread sets its own policy as it starts running.
-    eventually(lambda: all(t.native_id is not None and os.sched_getscheduler(t.native_id) == want
+    eventually(lambda: all(t.native_id is not None
+                           and os.sched_getscheduler(t.native_id) == want(t)
                            for t in io_threads), "every I/O thread runs under its policy")
     assert os.sched_getscheduler(worker.loop.native_id) == os.SCHED_OTHER
+
+
+def test_the_publisher_policy_can_be_set_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("CONVEYOR_BATCH_PUBLISHER", raising=False)
+    assert not WorkerConfig(tmp_path).batch_publisher
+    monkeypatch.setenv("CONVEYOR_BATCH_PUBLISHER", "1")
+    assert WorkerConfig(tmp_path).batch_publisher

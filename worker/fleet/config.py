@@ -68,6 +68,15 @@ class WorkerConfig:
     # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
     # (worker/fleet/thread_policy.py; docs/benchmarks.md, "Fleet vs `--offline` throughput").
     batch_io_threads: bool = True
+    # ... but not the publisher: it wakes when the engine loop hands it a step's output,
+    # that is while the loop's own Python runs between two steps and the OpenMP partner
+    # only waits for it; taking the partner's core then costs the engine nothing it uses,
+    # where under SCHED_BATCH the publisher ran a few ms later, in the middle of the next
+    # step (W1 fleet +4% tok/s in alternation; docs/benchmarks.md, "Fleet vs `--offline`
+    # throughput"). CONVEYOR_BATCH_PUBLISHER=1 puts it under SCHED_BATCH too (to compare).
+    batch_publisher: bool = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_BATCH_PUBLISHER", "0").strip().lower()
+        in ("1", "true", "yes", "on"))
     # On a CPU engine whose one or two OpenMP threads fill the process's CPUs (one to spare
     # at most), pin each to a CPU of its own and the I/O threads beside the last
     # (worker/fleet/cpu_placement.py). Off by default here, where several workers may share a

@@ -255,7 +255,9 @@ class Worker:
         release_thread_pool()
         placement = self._placement()
         for thread in self.threads:
-            thread.yields_to_compute = self.config.batch_io_threads and thread is not self.loop
+            thread.yields_to_compute = (
+                self.config.batch_io_threads and thread is not self.loop
+                and (thread is not self.publisher or self.config.batch_publisher))
             if placement is not None:
                 thread.on_start = functools.partial(
                     pin_engine_team if thread is self.loop else pin_io_thread, placement)

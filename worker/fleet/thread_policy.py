@@ -8,6 +8,8 @@ engine far more than their own CPU time (docs/benchmarks.md, "Fleet vs `--offlin
 throughput").
 SCHED_BATCH keeps a thread's fair share of the CPU but gives up that wake-up preemption,
 so I/O threads run when a core frees up or the current time slice ends, a few ms at most.
+The publisher is left out by default (worker/fleet/config.py, ``batch_publisher``): it
+wakes between two steps, when the team's partner has nothing to compute.
 """
 
 from __future__ import annotations

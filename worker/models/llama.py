@@ -175,19 +175,14 @@ class CausalLM(nn.Module):
         """``forward``, then the logits ``[N, vocab]`` of the tokens at ``rows`` (every token
         where None). A decode-only step on the native path makes them in the same call as
         its layers (worker/models/native_decode.py)."""
+        if rows is not None:
+            return self.compute_logits(self(input_ids, positions, kv_cache, meta)[rows])
         x = self.model.embed_tokens(input_ids)
-        if rows is None:
-            native = native_decode.decode_layers(self, x, kv_cache, meta, logits=True)
-            if native is not None:
-                self.num_native_steps += 1
-                return native
-            return self.compute_logits(self._layers(x, positions, kv_cache, meta))
-        hidden = native_decode.decode_layers(self, x, kv_cache, meta)
-        if hidden is not None:
+        native = native_decode.decode_layers(self, x, kv_cache, meta, logits=True)
+        if native is not None:
             self.num_native_steps += 1
-        else:
-            hidden = self._layers(x, positions, kv_cache, meta)
-        return self.compute_logits(hidden[rows])
+            return native
+        return self.compute_logits(self._layers(x, positions, kv_cache, meta))
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

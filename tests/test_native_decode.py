@@ -68,21 +68,30 @@ def test_native_decode_steps_match_the_python_layers(kind, batch, matmul, checkp
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_native_forward_ends_with_the_final_norm(kind, checkpoints, monkeypatch):
+# With two threads: the step team's region (packed weights) or a region per loop (unpacked).
+@pytest.mark.parametrize("matmul", ["", "unpacked"])
+def test_the_native_forward_ends_with_the_final_norm(kind, matmul, checkpoints, monkeypatch):
     """Without the LM head (a forward's hidden states) the native step ends with the final
     norm, as the Python layers do."""
-    model = load_model(checkpoints / kind, dtype=torch.float32)
-    hidden = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv(ENV_SWITCH, switch)
-        seqs, tables, cache = prefilled(model, [3, 9, 17], seed=4)
-        meta = AttentionMetadata.build([1, 1, 1], [len(s) for s in seqs], tables, BLOCK_SIZE)
-        meta.positions = torch.tensor([len(s) - 1 for s in seqs])
-        before = model.num_native_steps
-        with torch.inference_mode():
-            hidden[switch] = model(torch.tensor([s[-1] for s in seqs]), meta.positions, cache,
-                                   meta)
-        assert model.num_native_steps - before == int(switch)
+    monkeypatch.setenv(MATMUL_SWITCH, matmul)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load_model(checkpoints / kind, dtype=torch.float32)
+        hidden = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv(ENV_SWITCH, switch)
+            seqs, tables, cache = prefilled(model, [3, 9, 17], seed=4)
+            meta = AttentionMetadata.build([1, 1, 1], [len(s) for s in seqs], tables,
+                                           BLOCK_SIZE)
+            meta.positions = torch.tensor([len(s) - 1 for s in seqs])
+            before = model.num_native_steps
+            with torch.inference_mode():
+                hidden[switch] = model(torch.tensor([s[-1] for s in seqs]), meta.positions,
+                                       cache, meta)
+            assert model.num_native_steps - before == int(switch)
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(hidden["1"], hidden["0"], rtol=1e-5, atol=1e-5)
 
 

@@ -507,13 +507,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   check_inputs(x, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, packed,
                k_caches, v_caches, s, block_size);
   const int64_t batch = s.batch, hidden = x.size(1);
-  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() &&
-                  final_norm.numel() == hidden,
-              "a float32 final norm weight of the hidden size");
+  TORCH_CHECK(final_norm.device().is_cpu() && final_norm.scalar_type() == at::kFloat &&
+                  final_norm.is_contiguous() && final_norm.numel() == hidden,
+              "a float32 CPU final norm weight of the hidden size");
   const bool with_head = lm_head.numel() > 0;
-  TORCH_CHECK(!with_head || (lm_head.scalar_type() == at::kFloat && lm_head.dim() == 2 &&
-                             lm_head.size(1) == hidden),
-              "a float32 [vocab, hidden] LM head weight, or none");
+  TORCH_CHECK(!with_head || (lm_head.device().is_cpu() && lm_head.scalar_type() == at::kFloat &&
+                             lm_head.dim() == 2 && lm_head.size(1) == hidden),
+              "a float32 CPU [vocab, hidden] LM head weight, or none");
   const float epsilon = static_cast<float>(eps);
   const Shape attention{num_heads, num_kv_heads, head_dim, block_tables.size(1), block_size};
   if (team && !blas_only &&

@@ -174,7 +174,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """``forward``, then the logits ``[N, vocab]`` of the tokens at ``rows`` (every token
         where None). A decode-only step on the native path makes them in the same call as
-        its layers (worker/models/native_decode.py)."""
+        its layers (worker/models/native_decode.py), without ``forward``: hooks on the
+        module do not see it (the embedding's do, on every step)."""
         if rows is not None:
             return self.compute_logits(self(input_ids, positions, kv_cache, meta)[rows])
         x = self.model.embed_tokens(input_ids)

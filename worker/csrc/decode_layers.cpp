@@ -222,8 +222,7 @@ using TeamStage = Stage<TeamScratch>;
 int64_t row_tasks(int64_t rows) { return (rows + kRowGrain - 1) / kRowGrain; }
 
 // The stages' kinds (each has its own pace estimate, step_team.h).
-enum StageKind : int { kNormStage = 1, kMatmulStage, kRopeStage, kAttentionStage, kSiluStage,
-                       kAddStage };
+enum StageKind : int { kNormStage = 1, kMatmulStage, kRopeStage, kAttentionStage, kSiluStage };
 
 // A stage of row tasks over ``rows`` rows, each writing its rows of ``width`` floats of
 // ``out``: its task count, kind, cost hint (rows a task) and blocks (a stage with more
@@ -360,21 +359,6 @@ TeamStage silu_stage(const float* gate_up, float* out, int64_t rows, int64_t wid
   return stage;
 }
 
-// out = a + b, row by row.
-TeamStage add_stage(const float* a, const float* b, float* out, int64_t rows, int64_t width) {
-  TeamStage stage = row_stage(rows, kAddStage, out, width);
-  stage.run = [=](int64_t i, const Block* dst, TeamScratch&) {
-    const int64_t r0 = i * kRowGrain;
-    for (int64_t r = 0; r < dst[0].rows; ++r) {
-      const float* ar = a + (r0 + r) * width;
-      const float* br = b + (r0 + r) * width;
-      float* o = dst[0].ptr + r * dst[0].ld;
-      for (int64_t c = 0; c < width; ++c) o[c] = ar[c] + br[c];
-    }
-  };
-  return stage;
-}
-
 // The whole step by the step team, the final norm and the LM head included: the same
 // arithmetic as the per-region path below, with the residual kept in two buffers in turn and
 // rope writing a rotated copy, so that any task can be computed again (step_team.h). Needs
@@ -455,6 +439,14 @@ at::Tensor team_step(const at::Tensor& x, const at::Tensor& positions, const at:
   return normed;
 }
 
+// The LM head's logits of ``normed`` by linear.h's matmul, where a head is given (not
+// empty); else ``normed`` itself.
+at::Tensor head_or_hidden(const at::Tensor& normed, const at::Tensor& lm_head,
+                          const at::Tensor& lm_head_packed, bool blas_only) {
+  if (lm_head.numel() == 0) return normed;
+  return linear(normed, lm_head, at::empty({0}, normed.options()), blas_only, lm_head_packed);
+}
+
 // Whether ``p`` is a packed copy (pack_weight) of an [n, k] float32 weight on the CPU.
 bool packed_fits(const at::Tensor& p, int64_t n, int64_t k) {
   return p.defined() && p.device().is_cpu() && p.scalar_type() == at::kFloat && p.dim() == 3 &&
@@ -526,10 +518,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
                                   weights, packed, final_norm, lm_head_packed, logits,
                                   k_caches, v_caches, s, attention, epsilon,
                                   static_cast<float>(scale));
-    if (head_in_team) return logits;
-    return with_head ? linear(normed, lm_head, at::empty({0}, x.options()), blas_only,
-                              lm_head_packed)
-                     : normed;
+    return head_in_team ? logits : head_or_hidden(normed, lm_head, lm_head_packed, blas_only);
   }
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -574,9 +563,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Ten
   // The final norm of x + the last MLP output, then the LM head where it is given.
   add_rms_norm(x.data_ptr<float>(), down.data_ptr<float>(), final_norm.data_ptr<float>(),
                normed.data_ptr<float>(), batch, hidden, epsilon);
-  return with_head ? linear(normed, lm_head, at::empty({0}, x.options()), blas_only,
-                            lm_head_packed)
-                   : normed;
+  return head_or_hidden(normed, lm_head, lm_head_packed, blas_only);
 }
 
 }  // namespace conveyor

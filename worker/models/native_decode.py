@@ -122,15 +122,11 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
     return kernel(
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights,
-        _packed_projections(model, weights), _final_norm(model), head, head_packed, kv_cache.k,
+        _packed_projections(model, weights), model.model.norm.weight.contiguous(), head,
+        head_packed, kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only(),
         team_enabled())
-
-
-def _final_norm(model: CausalLM) -> torch.Tensor:
-    weight = model.model.norm.weight
-    return weight if weight.is_contiguous() else weight.contiguous()
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import time
 import msgpack
 import pytest
 from fleet_fixtures import MODEL, settled_pending
+from waiting import eventually
 
 from producer.client import Client
 from producer.clock import ManualClock
@@ -89,6 +90,30 @@ def test_two_workers_share_64_queued_requests(redis_url, start_worker):
     assert a.loop.tokens_generated > 0 and b.loop.tokens_generated > 0
     assert a.loop.tokens_generated + b.loop.tokens_generated == 64 * 16
     assert pending(client) == 0
+
+
+def test_a_burst_sent_in_one_pipeline_starts_in_one_step(redis_url, start_worker):
+    """Redis answers the worker's blocked read at the burst's first entry; the rest, in the
+    stream by then, comes with the same read, so no step runs the first request alone."""
+    worker = start_worker(autostart=False)
+    events: list[str] = []
+    add, step = worker.engine.add_request, worker.engine.step
+    worker.engine.add_request = lambda *a, **kw: events.append("add") or add(*a, **kw)
+    worker.engine.step = lambda: events.append("step") or step()
+    worker.start()
+    client = Client(redis_url)
+    # Precondition: the intake waits in a blocking read, so the burst wakes it.
+    eventually(lambda: any("b" in c["flags"] and c["cmd"] == "xreadgroup"
+                           for c in client.redis.client_list()),
+               "the intake blocked in XREADGROUP")
+    assert not events
+    pipe = client.redis.pipeline(transaction=False)
+    ids = [client.submit(prompt(6, seed=i), model=MODEL, max_tokens=3, temperature=0,
+                         pipeline=pipe) for i in range(12)]
+    pipe.execute()
+    for rid in ids:
+        client.result(rid, timeout=60)
+    assert events.index("step") == 12, events[:14]  # all twelve added before the first step
 
 
 def test_interactive_lane_is_served_before_batch(redis_url, tiny_llama):

@@ -40,8 +40,9 @@ class EngineLoop(SupervisedThread):
     It meets no transient errors: any exception is a bug, and takes the worker down.
     """
 
-    def __init__(self, engine: Engine, inflight: InflightTable, inbox: queue.Queue[Admission],
-                 publisher: Publisher, metrics: WorkerMetrics, worker_id: str,
+    def __init__(self, engine: Engine, inflight: InflightTable,
+                 inbox: queue.Queue[list[Admission]], publisher: Publisher,
+                 metrics: WorkerMetrics, worker_id: str,
                  role: str = "both", kv_events: HandoffReader | None = None,
                  share_prefixes: bool = False, **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
@@ -107,13 +108,12 @@ class EngineLoop(SupervisedThread):
 
     def _admit(self, block: bool) -> None:
         try:
-            first = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+            pending = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
-        pending = [first]
-        while True:
+        while True:  # every read the intake handed over by now
             try:
-                pending.append(self.inbox.get_nowait())
+                pending += self.inbox.get_nowait()
             except queue.Empty:
                 break
         for adm in pending:

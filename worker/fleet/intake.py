@@ -65,7 +65,7 @@ class Intake(SupervisedThread):
         model: str,
         worker_id: str,
         inflight: InflightTable,
-        inbox: queue.Queue[Admission],
+        inbox: queue.Queue[list[Admission]],
         publisher: Publisher,
         tokenizer: Tokenizer | None,
         read_block_ms: int,
@@ -170,18 +170,30 @@ class Intake(SupervisedThread):
             for rid in cancelled_ids(client, self.keys, [a.request.request_id for a in admitted]):
                 self.on_cancel(rid)
         finally:
-            for adm in admitted:
-                self.inbox.put(adm)
+            if admitted:  # at once: the engine loop admits them all before its next step
+                self.inbox.put(list(admitted))
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
+        got = self._read_waiting(room)
+        if got:
+            return got
+        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=self.read_block_ms)
+        if got and len(got) < room:
+            # Redis answers a blocked read as soon as the first entry lands: of a burst sent
+            # in one go (a client's pipeline), the rest is in the stream by now. Taking it
+            # with this read lets the engine's next step start with the whole burst, not
+            # with its first request alone (an extra, nearly empty prefill step).
+            got += self._read_waiting(room - len(got))
+        return got
+
+    def _read_waiting(self, room: int) -> list[tuple[str, str, dict]]:
+        """Up to ``room`` entries already waiting, without blocking: interactive first,
+        batch only gets the room left."""
         got: list[tuple[str, str, dict]] = []
-        # Interactive first, without blocking; batch only gets the room left.
         for stream in self.streams:
             if len(got) < room:
                 got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
-        if got:
-            return got
-        return self._xreadgroup({s: ">" for s in self.streams}, room, block=self.read_block_ms)
+        return got
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None):
         reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=count, block=block)

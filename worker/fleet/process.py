@@ -76,7 +76,7 @@ class Worker:
         self.redis_url = resolve_url(config.redis_url)
         self.client: redis.Redis = connect(self.redis_url)
         self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch)
-        self.inbox: queue.Queue[Admission] = queue.Queue()
+        self.inbox: queue.Queue[list[Admission]] = queue.Queue()
         self._failed = threading.Event()
         wid = config.worker_id
         sup = {"clock": self.clock, "on_fatal": self._thread_failed}

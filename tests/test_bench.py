@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from worker.bench import metrics, report
+from worker.bench import cpu, metrics, report
 from worker.bench.arrivals import ArrivalPlan
 from worker.bench.records import RequestRecord
 from worker.bench.workloads import (
@@ -126,6 +128,32 @@ def test_repeats_show_each_pair_of_fleet_and_offline_runs():
                      "fleet / offline    of each pair of repeats: 0.90, 1.25"]
     one = {name: {"repeats": s["repeats"][:1]} for name, s in summaries.items()}
     assert report.format_repeats(one) == ""  # a single repeat: nothing to list
+
+
+def test_repeats_show_the_host_steal_and_a_run_with_much_of_it_is_flagged():
+    cpus = os.cpu_count() or 1
+
+    def repeat(tok_s, share):  # a 10 s repeat from which the host took ``share`` of the CPUs
+        stolen = None if share is None else share * 10.0 * cpus
+        return {"output_tokens_per_s": tok_s, "duration_s": 10.0, "stolen_s": stolen}
+    summaries = {"fleet": {"repeats": [repeat(450.0, 0.01), repeat(500.0, 0.0)]},
+                 "offline": {"repeats": [repeat(500.0, 0.02), repeat(400.0, 0.0)]}}
+    lines = report.format_repeats(summaries).splitlines()
+    assert "fleet              host steal of each repeat: 1%, 0%" in lines
+    assert "offline            host steal of each repeat: 2%, 0%" in lines
+    assert report.steal_share({"stolen_s": 0.2, "duration_s": 10.0}, cpus=2) == 0.01
+    assert report.format_steal_note(summaries) == ""  # 2% at most: under STEAL_FLAG
+    summaries["offline"]["repeats"][1] = repeat(400.0, 0.3)
+    assert "host took up to 30% of the CPUs' time" in report.format_steal_note(summaries)
+    unknown = {"fleet": {"repeats": [repeat(450.0, None), repeat(500.0, 0.0)]}}
+    assert "host steal" not in report.format_repeats(unknown)  # not on every repeat: left out
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_stolen_cpu_time_is_read_from_proc_stat():
+    first = cpu.stolen_cpu_s()
+    assert first is not None and first >= 0.0
+    assert cpu.stolen_cpu_s() >= first  # a counter since boot
 
 
 def test_results_json_has_no_nan(tmp_path):

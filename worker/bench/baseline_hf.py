@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker.bench import cpu
 from worker.bench.records import RequestRecord, RunResult
 from worker.bench.workloads import WorkItem
 
@@ -49,6 +50,7 @@ def run_hf_static(model_dir: Path, items: list[WorkItem], batch_size: int,
         with torch.inference_mode():
             _generate(model, [WorkItem(list(range(2, 66)), 4)], StepClock(0.0), torch)  # warm-up
             start, cpu_before = time.perf_counter(), time.process_time()
+            stolen_before = cpu.stolen_cpu_s()
             records = []
             for first in range(0, len(items), batch_size):
                 batch = items[first:first + batch_size]
@@ -62,11 +64,12 @@ def run_hf_static(model_dir: Path, items: list[WorkItem], batch_size: int,
                     records.append(rec)
             duration = time.perf_counter() - start
             used = {"bench": round(time.process_time() - cpu_before, 3)}
+            stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
     finally:
         torch.set_num_threads(old_threads)
     settings = {"batch_size": batch_size, "threads": threads, "dtype": "float32",
                 "padding": "left", "decoding": "greedy, EOS suppressed (min_new_tokens)"}
-    return RunResult("hf-static", settings, records, duration, cpu_s=used,
+    return RunResult("hf-static", settings, records, duration, cpu_s=used, stolen_s=stolen,
                      notes=["transformers generate in this process; TTFT/ITL from its step "
                             "times (as if it streamed), E2E when its batch returned"])
 

@@ -186,7 +186,7 @@ def _median_run(repeats: list[RunResult]) -> RunResult:
 def _repeat_row(run: RunResult) -> dict[str, Any]:
     return {"duration_s": round(run.duration_s, 3),
             **metrics.throughput(run.records, run.duration_s), "cpu_s": run.cpu_s,
-            "preempted": run.preempted, "taken_over": run.taken_over}
+            "preempted": run.preempted, "taken_over": run.taken_over, "stolen_s": run.stolen_s}
 
 
 def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: tuple,
@@ -200,6 +200,8 @@ def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: t
     if rows:
         print()
         print(report.format_comparisons(rows))
+    if note := report.format_steal_note(summaries):
+        print(note)
     print(f"\nload average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)} "
           f"({os.cpu_count()} CPUs)")
     print(f"results: {out_dir / 'results.json'}; plots: {', '.join(plots)}")

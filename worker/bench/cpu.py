@@ -1,5 +1,5 @@
-"""CPU seconds the processes of a run used, and how often their threads were preempted:
-says where a 2-core machine's time went."""
+"""CPU seconds the processes of a run used, how often their threads were preempted, and the
+CPU time the host took from this machine: says where a 2-core machine's time went."""
 
 from __future__ import annotations
 
@@ -41,6 +41,26 @@ def process_preemptions(pid: int) -> int | None:
             if line.startswith("nonvoluntary_ctxt_switches:"):
                 total += int(line.split()[1])
     return total
+
+
+def stolen_cpu_s() -> float | None:
+    """CPU seconds the hypervisor gave to others while this machine's CPUs had work, so far,
+    all CPUs together (the ``steal`` column of Linux's /proc/stat); None when unknown.
+
+    On a virtual machine whose host is busy, a run's CPUs stop for moments it cannot see:
+    an OpenMP team waits at every barrier for a thread whose CPU was taken, so a few percent
+    of steal slows an engine step by more than that. A run with much of it measured the
+    host, not the code (docs/benchmarks.md, "Notes on the measurements").
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # "cpu user nice system idle iowait irq softirq steal ...": steal is the 8th number.
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def redis_cpu_s(client: redis.Redis) -> float | None:

@@ -138,6 +138,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "cpu_s": run.cpu_s,
         "preempted": run.preempted,
         "taken_over": run.taken_over,
+        "stolen_s": run.stolen_s,
         "notes": run.notes,
     }
     if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)

@@ -68,6 +68,9 @@ class RunResult:
     # (csrc/step_team.h), by process as ``preempted``.
     taken_over: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # CPU seconds the host took from this machine's CPUs during the run (worker.bench.cpu.
+    # stolen_cpu_s), all CPUs together; None where unknown.
+    stolen_s: float | None = None
     # Of a disaggregated run: KV moved through the tier during the run, summed over the
     # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).
     transfers: dict[str, float] = field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,9 @@ from typing import Any
 AIM_FLEET_OVER_HF = 5.0  # continuous batching vs static batches, on the heavy-tailed W1
 AIM_FLEET_OVER_OFFLINE = 0.95  # Redis, intake and publishing cost at most 5%
 AIM_OFFLINE_OVER_LIMIT = 0.7  # the engine on W1 against the machine's physical limit
+# A repeat whose host took more than this share of the CPUs' time (steal) measured the host
+# as much as the code: the printout says so beside its ratios.
+STEAL_FLAG = 0.05
 
 
 def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
@@ -151,11 +155,33 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
                               if n is not None)
         taken = ", ".join(f"{who} {n:,}" for who, n in s.get("taken_over", {}).items()
                           if n is not None)
+        share = steal_share(s)
         if used:
             lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)"
                          + (f"; threads preempted: {preempted}" if preempted else "")
-                         + (f"; step tasks taken over: {taken}" if taken else ""))
+                         + (f"; step tasks taken over: {taken}" if taken else "")
+                         + (f"; host steal {share:.0%}" if share is not None else ""))
     return "\n".join(lines)
+
+
+def steal_share(run: dict[str, Any], cpus: int | None = None) -> float | None:
+    """The share of the CPUs' time the host took during a run or repeat (its ``stolen_s``
+    over its wall time on every CPU); None when unknown."""
+    stolen, duration = run.get("stolen_s"), run.get("duration_s")
+    cpus = cpus or os.cpu_count() or 1
+    if stolen is None or not duration:
+        return None
+    return stolen / (duration * cpus)
+
+
+def format_steal_note(summaries: dict[str, dict[str, Any]]) -> str:
+    """A warning when the host took more than STEAL_FLAG of the CPUs from some repeat."""
+    shares = [share for s in summaries.values() for r in (s.get("repeats") or [s])
+              if (share := steal_share(r)) is not None]
+    if not shares or max(shares) <= STEAL_FLAG:
+        return ""
+    return (f"note: the host took up to {max(shares):.0%} of the CPUs' time from a repeat "
+            "(steal, /proc/stat): its figures measure the host as much as conveyor")
 
 
 def format_repeats(summaries: dict[str, dict[str, Any]]) -> str:
@@ -169,6 +195,10 @@ def format_repeats(summaries: dict[str, dict[str, Any]]) -> str:
         if len(values) > 1:
             lines.append(f"{name:<18} tok/s of each repeat: "
                          + ", ".join(f"{v:.1f}" for v in values))
+            shares = [steal_share(r) for r in s["repeats"]]
+            if None not in shares:
+                lines.append(f"{name:<18} host steal of each repeat: "
+                             + ", ".join(f"{v:.0%}" for v in shares))
     fleet, offline = tok_s.get("fleet", []), tok_s.get("offline", [])
     if len(fleet) > 1 and len(fleet) == len(offline) and all(offline):
         lines.append("fleet / offline    of each pair of repeats: "

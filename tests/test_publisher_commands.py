@@ -145,3 +145,16 @@ def test_a_refused_renewal_is_not_taken_for_done(redis_client, publisher, clock)
     assert publisher._owed is None
     assert counts.since() == {"xadd": 1, "expire": 1, "multi": 1, "exec": 1}
     assert redis_client.ttl(KEYS.output("r3")) > TTL_S
+
+
+def test_output_stream_names_are_kept_a_while_then_forgotten(redis_client, publisher,
+                                                             monkeypatch):
+    """The publisher names each request's stream once, not every step, and forgets the names
+    it keeps once there are MAX_CACHED_KEYS of them; every entry still reaches its stream."""
+    monkeypatch.setattr("worker.fleet.publisher.MAX_CACHED_KEYS", 2)
+    publish(publisher, chunk("k1", 0), chunk("k2", 0))
+    assert publisher._output_keys == {"k1": KEYS.output("k1"), "k2": KEYS.output("k2")}
+    publish(publisher, chunk("k3", 0))
+    assert publisher._output_keys == {"k3": KEYS.output("k3")}
+    publish(publisher, chunk("k1", 1), chunk("k3", 1))
+    assert [redis_client.xlen(KEYS.output(r)) for r in ("k1", "k2", "k3")] == [2, 1, 2]

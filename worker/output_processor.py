@@ -57,6 +57,9 @@ class RequestOutputState:
             self.logprobs.append(logprob)
         if self.detokenizer is None or self.hit_stop_string:
             return
+        if not self.params.stop:  # most requests: nothing to look for, every step
+            self.text += self.detokenizer.add(token_ids)
+            return
         start = max(0, len(self.text) - self._longest_stop() + 1)
         self.text += self.detokenizer.add(token_ids)
         self._cut_at_stop_string(start)
@@ -70,7 +73,8 @@ class RequestOutputState:
 
     def take_delta(self, final: bool) -> str:
         """Text not yet emitted, holding back a tail that may still become a stop string."""
-        end = len(self.text) if final or self.hit_stop_string else self._safe_end()
+        hold_nothing = final or self.hit_stop_string or not self.params.stop
+        end = len(self.text) if hold_nothing else self._safe_end()
         delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta

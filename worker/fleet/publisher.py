@@ -49,6 +49,8 @@ DEAD_LETTER_RAW_BYTES = 4096
 MAX_BACKLOG_STEPS = 256
 # How often (in batches) the publisher forgets the TTLs of streams it no longer writes.
 PRUNE_EVERY_BATCHES = 1000
+# Output stream names kept, by request id, before the publisher forgets them all.
+MAX_CACHED_KEYS = 4096
 
 
 class WriteRefused(redis.ResponseError):
@@ -156,6 +158,7 @@ class Publisher(SupervisedThread):
         # Growing output streams whose TTL this publisher set, by request id: until when
         # (publisher's clock) each surely lives. Renewed once that is due (_renewal_due).
         self._lives_until: dict[str, float] = {}
+        self._output_keys: dict[str, str] = {}
         self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
         # Requests forgotten in the batch being written; batches written (for pruning).
         self._forgotten: list[str] = []
@@ -241,7 +244,10 @@ class Publisher(SupervisedThread):
         (a request whose first token completed a stop string is not handed on: it ended)."""
         ready: list[Publication | Rejection | HandOn | SharePrefix] = []
         for item in batch:
-            if isinstance(item, Track):
+            if type(item) is Publication:  # nearly every item: one a request and step
+                if self.text.apply(item):
+                    ready.append(item)
+            elif isinstance(item, Track):
                 self.text.track(item)
             elif isinstance(item, Forget):
                 self.text.forget(item)
@@ -258,9 +264,14 @@ class Publisher(SupervisedThread):
     def _write(self, batch: list[Publication | Rejection | HandOn | SharePrefix]) -> None:
         """Write what is not written yet, then hand on and share prefixes, then acknowledge;
         WriteRefused leaves it all owed."""
-        tier_items = [item for item in batch if isinstance(item, HandOn | SharePrefix)]
-        todo = [item for item in batch
-                if not item.written and not isinstance(item, HandOn | SharePrefix)]
+        tier_items: list[HandOn | SharePrefix] = []
+        entries: list[Publication | Rejection] = []
+        for item in batch:
+            if isinstance(item, (HandOn, SharePrefix)):
+                tier_items.append(item)
+            else:
+                entries.append(item)
+        todo = [item for item in entries if not item.written]
         if todo:
             commands: list[Command] = []
             now = self.clock.monotonic()
@@ -285,7 +296,7 @@ class Publisher(SupervisedThread):
                 self.hand_on.write(item)
             elif self.prefixes is not None:
                 self.prefixes.write(item)
-        self._acknowledge([item for item in batch if not isinstance(item, HandOn | SharePrefix)])
+        self._acknowledge(entries)
 
     def _transact(self, commands: list[Command]) -> list[object]:
         """Run ``commands`` as one MULTI/EXEC per key (a key's lone command as it is: atomic
@@ -375,8 +386,17 @@ class Publisher(SupervisedThread):
                         request_id=item.request_id)
         return bool(found)
 
+    def _output_key(self, request_id: str) -> str:
+        """A request's output stream, made (and its id validated) once, not at every step."""
+        key = self._output_keys.get(request_id)
+        if key is None:
+            if len(self._output_keys) >= MAX_CACHED_KEYS:
+                self._output_keys.clear()  # ended requests' keys; the live ones come back
+            key = self._output_keys[request_id] = self.keys.output(request_id)
+        return key
+
     def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
-        key = self.keys.output(item.request_id)
+        key = self._output_key(item.request_id)
         for kind, entry in (("chunk", item.chunk), ("final", item.final)):
             if entry is not None:
                 commands.append(Command(item, kind, key, (

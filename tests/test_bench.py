@@ -156,6 +156,22 @@ def test_stolen_cpu_time_is_read_from_proc_stat():
     assert cpu.stolen_cpu_s() >= first  # a counter since boot
 
 
+def test_cpu_line_shows_each_cpus_idle_seconds():
+    run = {"cpu_s": {"worker": 12.7, "client": 0.2}, "duration_s": 6.5, "idle_s": [0.14, 0.01]}
+    assert report.format_cpu({"fleet": run}).endswith("; CPUs idle 0.14/0.01 s")
+    assert "idle" not in report.format_cpu({"fleet": {**run, "idle_s": None}})
+    assert cpu.idle_delta([1.0, 2.0], [1.25, 2.0]) == [0.25, 0.0]
+    assert cpu.idle_delta([1.0], [1.0, 2.0]) is None  # a CPU came or went: not comparable
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_idle_time_of_each_cpu_is_read_from_proc_stat():
+    first = cpu.idle_cpu_s()
+    assert first and all(v >= 0.0 for v in first)
+    later = cpu.idle_cpu_s()
+    assert len(later) == len(first) and all(b >= a for a, b in zip(first, later, strict=True))
+
+
 def test_results_json_has_no_nan(tmp_path):
     path = tmp_path / "r.json"
     report.write_json({"a": [math.nan, 1.0], "b": {"c": math.nan}}, path)

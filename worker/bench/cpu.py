@@ -63,6 +63,33 @@ def stolen_cpu_s() -> float | None:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
+def idle_cpu_s() -> list[float] | None:
+    """Seconds each CPU of this machine has been idle so far (idle + iowait, Linux's
+    /proc/stat), in CPU order; None when unknown.
+
+    An engine whose threads fill the CPUs keeps them busy from its first step to its last:
+    a CPU idle during a run is a thread of the team that was off it, waiting for something
+    (a lock, the GIL, a barrier it slept at), with nothing else to run there.
+    """
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line[:3] == "cpu" and line[3].isdigit()]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        return [(int(f[4]) + int(f[5])) / tick for f in lines] or None
+    except (IndexError, ValueError):
+        return None
+
+
+def idle_delta(before: list[float] | None, after: list[float] | None) -> list[float] | None:
+    """Each CPU's idle seconds between two ``idle_cpu_s`` readings (to the millisecond)."""
+    if before is None or after is None or len(before) != len(after):
+        return None
+    return [round(a - b, 3) for a, b in zip(after, before, strict=True)]
+
+
 def redis_cpu_s(client: redis.Redis) -> float | None:
     """User + system CPU seconds of the Redis server so far; None when INFO is refused."""
     try:

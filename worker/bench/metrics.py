@@ -139,6 +139,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "preempted": run.preempted,
         "taken_over": run.taken_over,
         "stolen_s": run.stolen_s,
+        "idle_s": run.idle_s,
         "notes": run.notes,
     }
     if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)

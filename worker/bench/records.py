@@ -71,6 +71,9 @@ class RunResult:
     # CPU seconds the host took from this machine's CPUs during the run (worker.bench.cpu.
     # stolen_cpu_s), all CPUs together; None where unknown.
     stolen_s: float | None = None
+    # Seconds each CPU sat idle during the run (worker.bench.cpu.idle_cpu_s); None where
+    # unknown.
+    idle_s: list[float] | None = None
     # Of a disaggregated run: KV moved through the tier during the run, summed over the
     # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).
     transfers: dict[str, float] = field(default_factory=dict)

@@ -160,8 +160,16 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{name:<18} CPU s: {used} (in {s['duration_s']:.1f} s of wall time)"
                          + (f"; threads preempted: {preempted}" if preempted else "")
                          + (f"; step tasks taken over: {taken}" if taken else "")
-                         + (f"; host steal {share:.0%}" if share is not None else ""))
+                         + (f"; host steal {share:.0%}" if share is not None else "")
+                         + _idle(s.get("idle_s")))
     return "\n".join(lines)
+
+
+def _idle(idle_s: list[float] | None) -> str:
+    """Each CPU's idle seconds, as format_cpu appends them."""
+    if not idle_s:
+        return ""
+    return "; CPUs idle " + "/".join(f"{v:.2f}" for v in idle_s) + " s"
 
 
 def steal_share(run: dict[str, Any], cpus: int | None = None) -> float | None:

@@ -67,9 +67,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
-            stolen_before = cpu.stolen_cpu_s()
+            stolen_before, idle_before = cpu.stolen_cpu_s(), cpu.idle_cpu_s()
             records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
             stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
+            idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
             after = _cpu_now(client, workers)
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
@@ -86,7 +87,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
                      "worker's I/O CPUs")
     return RunResult(name, settings, records, duration, kv, used, preempted,
-                     notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen)
+                     notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen, idle_s=idle)
 
 
 @contextmanager

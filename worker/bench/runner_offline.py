@@ -30,10 +30,11 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         with long_lived_frozen():
             before, preempted_before = time.process_time(), cpu.process_preemptions(os.getpid())
             taken_before = engine.stats()["step_team_takeovers"]
-            stolen_before = cpu.stolen_cpu_s()
+            stolen_before, idle_before = cpu.stolen_cpu_s(), cpu.idle_cpu_s()
             records, kv, duration = _drive(engine, items, ArrivalPlan(items, concurrency),
                                            timeout_s)
             stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
+            idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
             used = {"bench": round(time.process_time() - before, 3)}
             preempted = {"bench": cpu.delta(preempted_before,
                                             cpu.process_preemptions(os.getpid()))}
@@ -42,7 +43,7 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process
     return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
                      preempted, notes=["engine in the bench process, no Redis"],
-                     taken_over=taken, stolen_s=stolen)
+                     taken_over=taken, stolen_s=stolen, idle_s=idle)
 
 
 def _drive(engine: Any, items: list[WorkItem], plan: ArrivalPlan, timeout_s: float

@@ -17,6 +17,7 @@ from producer.wire.protocol import FIELD
 from worker import Engine, FinishReason, SamplingParams
 from worker.fleet.config import WorkerConfig
 from worker.fleet.process import Worker
+from worker.fleet.publisher import Publication
 
 KEYS = Keys()
 
@@ -114,6 +115,40 @@ def test_a_burst_sent_in_one_pipeline_starts_in_one_step(redis_url, start_worker
     for rid in ids:
         client.result(rid, timeout=60)
     assert events.index("step") == 12, events[:14]  # all twelve added before the first step
+
+
+def test_a_steps_output_goes_to_the_publisher_as_the_next_forward_starts(redis_url,
+                                                                         start_worker):
+    """On CPU the engine loop holds a step's output until the next step's forward starts, so
+    that the publisher's Python runs while the native step holds no GIL; the last step's
+    output, with no forward after it, goes at once."""
+    worker = start_worker(autostart=False)
+    assert worker.loop._hold_output  # a CPU engine, one step at a time
+    state = {"in_forward": False}
+    sent: list[tuple[bool, list[int]]] = []
+    execute, publish = worker.engine.runner.execute, worker.publisher.publish
+
+    def traced_execute(*args, **kwargs):
+        state["in_forward"] = True
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            state["in_forward"] = False
+
+    def traced_publish(items):
+        chunks = [i.chunk.index for i in items if isinstance(i, Publication) and i.chunk]
+        if chunks:
+            sent.append((state["in_forward"], chunks))
+        publish(items)
+
+    worker.engine.runner.execute = traced_execute
+    worker.publisher.publish = traced_publish
+    worker.start()
+    client = Client(redis_url)
+    rid = client.submit(prompt(6), model=MODEL, max_tokens=5, temperature=0, ignore_eos=True)
+    assert len(client.result(rid, timeout=60).token_ids) == 5
+    assert [chunks for _, chunks in sent] == [[0], [1], [2], [3], [4]]
+    assert [during for during, _ in sent] == [True, True, True, True, False]
 
 
 def test_interactive_lane_is_served_before_batch(redis_url, tiny_llama):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +23,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
                  host_cache: PagedKVCache | None = None) -> None:
         self.model = model
+        # Called right before each step's forward (the fleet's engine loop hands the step
+        # before's output to its publisher there: see worker/fleet/engine_loop.py).
+        self.on_forward: Callable[[], object] | None = None
         self.kv_cache = kv_cache
         self.host_cache = host_cache
         self.device = device
@@ -68,6 +72,8 @@ class ModelRunner:
             input_ids=ids,
         )
         sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if self.on_forward is not None:
+            self.on_forward()
         if not sampling:
             self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
             self._computed(len(ids))

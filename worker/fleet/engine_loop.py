@@ -66,6 +66,29 @@ class EngineLoop(SupervisedThread):
         self._stepping = threading.Event()
         self._stepping.set()
         self.tokens_generated = 0
+        # A step's output waits here until the next step's forward starts (CPU, one step at
+        # a time): the publisher's Python then runs while the engine's native step holds no
+        # GIL, not beside the loop's own Python between steps, which it would make wait for
+        # the GIL with its CPU idle. Anything else this loop publishes sends it first.
+        self._hold_output = engine.device.type == "cpu" and not engine.async_scheduling
+        self._held: list = []
+        if self._hold_output:
+            engine.runner.on_forward = self._send_held
+
+    def _send(self, items: list) -> None:
+        """Hand ``items`` to the publisher, after any step output held so far (order)."""
+        self._send_held()
+        self.publisher.publish(items)
+
+    def _send_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self.publisher.publish(held)
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)
+        if not self.is_alive():
+            self._send_held()  # the last step's output, with no forward after it
 
     def cancel(self, request_id: str) -> None:
         """Ask for a request to end as cancelled at the next step (from other threads)."""
@@ -96,9 +119,13 @@ class EngineLoop(SupervisedThread):
         # Backlogged: Redis refuses the publisher's writes; stepping on would only pile up
         # output in memory. Admissions and cancellations go on meanwhile.
         hold = self.paused or self.publisher.backlogged
+        if not self.engine.has_unfinished() or hold:
+            self._send_held()  # no forward comes soon to send it
         self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
-        if self.engine.has_unfinished() and not hold:
+        if not self.engine.has_unfinished() or hold:
+            self._send_held()
+        else:
             outputs = self._step()
             if self.share_prefixes:
                 self._share_prefixes(outputs)
@@ -126,6 +153,8 @@ class EngineLoop(SupervisedThread):
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         tokens = self.engine.runner.num_computed_tokens - before
+        if not tokens:
+            self._send_held()  # nothing fit: no forward ran to send it
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
             self.metrics.step_done(elapsed, tokens)
         return outputs
@@ -141,7 +170,7 @@ class EngineLoop(SupervisedThread):
             blocks = self.engine.export_prefix_blocks(out.request_id)
             if blocks:
                 items.append(SharePrefix(out.request_id, blocks))
-        self.publisher.publish(items)
+        self._send(items)
 
     def _hand_on(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Take every request whose first token this step produced (and that goes on) out
@@ -168,7 +197,7 @@ class EngineLoop(SupervisedThread):
             items.append(HandOn(out.request_id, entry.stream, entry.entry_id, entry.message,
                                 FIELD, kv, tokens_hash(tokens[out.request_id][:kv.num_tokens])))
             items.append(Forget(out.request_id))
-        self.publisher.publish(items)
+        self._send(items)
         self.handed_on += len(handed)
         return []
 
@@ -217,10 +246,10 @@ class EngineLoop(SupervisedThread):
             self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
             self.inflight.remove(req.request_id)
             # After the tokens already published: Redis refuses a final at a lower index.
-            self.publisher.publish([Rejection(adm.stream, adm.entry_id, str(exc),
+            self._send([Rejection(adm.stream, adm.entry_id, str(exc),
                                               req.request_id, num_tokens=len(generated))])
             return
-        self.publisher.publish([Track(req.request_id, req.params, len(adm.prompt_token_ids),
+        self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                                       (adm.stream, adm.entry_id), generated,
                                       adm.published.text if adm.published else "")])
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
@@ -255,7 +284,7 @@ class EngineLoop(SupervisedThread):
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         self.inflight.remove(adm.request.request_id)
-        self.publisher.publish([Publication(adm.request.request_id, final=final,
+        self._send([Publication(adm.request.request_id, final=final,
                                             ack=(adm.stream, adm.entry_id))])
 
     def _apply_cancels(self) -> None:
@@ -281,7 +310,7 @@ class EngineLoop(SupervisedThread):
         for rid in ids:
             self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
-        self.publisher.publish([Forget(rid) for rid in ids])
+        self._send([Forget(rid) for rid in ids])
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         items = []
@@ -313,7 +342,10 @@ class EngineLoop(SupervisedThread):
                 self.inflight.remove(out.request_id)
                 self._finished(entry, final, now)
             items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens))
-        self.publisher.publish(items)
+        if self._hold_output:
+            self._held += items
+        else:
+            self._send(items)
         if generated:
             self.tokens_generated += generated
             self.metrics.tokens_generated(generated)

@@ -118,13 +118,17 @@ class EngineLoop(SupervisedThread):
     def tick(self) -> None:
         # Backlogged: Redis refuses the publisher's writes; stepping on would only pile up
         # output in memory. Admissions and cancellations go on meanwhile.
-        hold = self.paused or self.publisher.backlogged
-        if not self.engine.has_unfinished() or hold:
-            self._send_held()  # no forward comes soon to send it
+        backlogged = self.publisher.backlogged
+        hold = self.paused or backlogged
+        # No forward comes soon to send held output: send it now, unless the publisher is
+        # backed up (then it stays here, one step's worth, until the backlog clears).
+        if not backlogged and (not self.engine.has_unfinished() or hold):
+            self._send_held()
         self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
         if not self.engine.has_unfinished() or hold:
-            self._send_held()
+            if not backlogged:
+                self._send_held()
         else:
             outputs = self._step()
             if self.share_prefixes:

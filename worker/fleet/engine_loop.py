@@ -157,10 +157,10 @@ class EngineLoop(SupervisedThread):
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         tokens = self.engine.runner.num_computed_tokens - before
-        if not tokens:
-            self._send_held()  # nothing fit: no forward ran to send it
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
             self.metrics.step_done(elapsed, tokens)
+        else:
+            self._send_held()  # and no forward ran to send the held output
         return outputs
 
     def _share_prefixes(self, outputs: list[StepOutput]) -> None:
@@ -251,11 +251,11 @@ class EngineLoop(SupervisedThread):
             self.inflight.remove(req.request_id)
             # After the tokens already published: Redis refuses a final at a lower index.
             self._send([Rejection(adm.stream, adm.entry_id, str(exc),
-                                              req.request_id, num_tokens=len(generated))])
+                                  req.request_id, num_tokens=len(generated))])
             return
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
-                                      (adm.stream, adm.entry_id), generated,
-                                      adm.published.text if adm.published else "")])
+                          (adm.stream, adm.entry_id), generated,
+                          adm.published.text if adm.published else "")])
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
@@ -289,7 +289,7 @@ class EngineLoop(SupervisedThread):
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         self.inflight.remove(adm.request.request_id)
         self._send([Publication(adm.request.request_id, final=final,
-                                            ack=(adm.stream, adm.entry_id))])
+                                ack=(adm.stream, adm.entry_id))])
 
     def _apply_cancels(self) -> None:
         self._apply_drops()

@@ -1,0 +1,88 @@
+"""The torch attention backend's prefill paths: a sequence's first chunk attends to its own
+rows under the fused causal mask, a later chunk gathers its context from the paged cache
+under an explicit mask; both give the attention a plain softmax gives, free cache slots
+full of NaN never leak in, and one step may mix them with decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.attention import torch_backend
+from worker.attention.metadata import AttentionMetadata
+from worker.attention.torch_backend import TorchAttention
+
+HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
+# (tokens this step, tokens in the context after it): a first chunk, a later chunk, a decode.
+SEQUENCES = [(130, 130), (20, 60), (1, 17)]
+
+
+def _step(dtype: torch.dtype, seed: int = 0):
+    """A paged cache full of NaN but where earlier steps wrote, and this step's q/k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = 32
+    k_cache = torch.full((blocks, BLOCK, KV_HEADS, DIM), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables, taken = [], 0
+    for _, n in SEQUENCES:
+        need = -(-n // BLOCK)
+        tables.append(order[taken:taken + need])
+        taken += need
+    context = []  # every position's K/V, cached before the step or brought by it
+    for (_, n), table in zip(SEQUENCES, tables, strict=True):
+        k = torch.randn(n, KV_HEADS, DIM, generator=gen, dtype=dtype)
+        v = torch.randn(n, KV_HEADS, DIM, generator=gen, dtype=dtype)
+        context.append((k, v))
+        for p in range(n):
+            k_cache[table[p // BLOCK], p % BLOCK] = k[p]
+            v_cache[table[p // BLOCK], p % BLOCK] = v[p]
+    new = [(k[n - q:], v[n - q:]) for (k, v), (q, n) in zip(context, SEQUENCES, strict=True)]
+    q = torch.randn(sum(q for q, _ in SEQUENCES), HEADS, DIM, generator=gen, dtype=dtype)
+    k_new = torch.cat([k for k, _ in new])
+    v_new = torch.cat([v for _, v in new])
+    meta = AttentionMetadata.build([q for q, _ in SEQUENCES], [n for _, n in SEQUENCES],
+                                   tables, block_size=BLOCK)
+    return q, k_new, v_new, k_cache, v_cache, meta, context
+
+
+def _softmax_attention(q: torch.Tensor, context: list, scale: float) -> torch.Tensor:
+    """Plain float64 attention, each query over its own causal context."""
+    out, row = [], 0
+    for (k, v), (n_new, n) in zip(context, SEQUENCES, strict=True):
+        k, v = k.double().repeat_interleave(HEADS // KV_HEADS, 1), v.double().repeat_interleave(
+            HEADS // KV_HEADS, 1)
+        for i in range(n_new):
+            pos = n - n_new + i
+            scores = torch.einsum("hd,khd->hk", q[row].double(), k[:pos + 1]) * scale
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[:pos + 1]))
+            row += 1
+    return torch.stack(out).reshape(row, HEADS * DIM)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_first_chunks_attend_to_their_own_rows_and_later_chunks_to_the_cache(
+        dtype, tol, monkeypatch) -> None:
+    attn = TorchAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
+    first_chunks = []
+    own_rows = TorchAttention._first_chunk
+    monkeypatch.setattr(TorchAttention, "_first_chunk",
+                        lambda self, q, k, v, prefill, out: (
+                            first_chunks.append(prefill.end - prefill.start),
+                            own_rows(self, q, k, v, prefill, out)))
+
+    q, k_new, v_new, k_cache, v_cache, meta, context = _step(dtype)
+    fused = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    assert first_chunks == [130]  # only the sequence with nothing cached took its own rows
+
+    # The same step with query tiles shorter than the first chunk: every prefill gathers
+    # its context from the cache and attends under an explicit mask.
+    monkeypatch.setattr(torch_backend, "PREFILL_QUERY_TILE", 64)
+    q, k_new, v_new, k_cache, v_cache, meta, context = _step(dtype)
+    gathered = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    assert first_chunks == [130]
+
+    expected = _softmax_attention(q, context, DIM**-0.5).to(dtype)
+    assert not fused.isnan().any()
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(gathered, expected, rtol=tol, atol=tol)

@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
         # transformers casts to float32 for every dtype (a downcast for float64): we match it.
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # In place on the tensor made just above (an elementwise product is the same bits
+        # either way round): one [T, hidden] buffer less a norm.
+        return x.to(dtype).mul_(self.weight)
 
 
 class MLP(nn.Module):
@@ -48,7 +50,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # SiLU and the product in place on the gate's own output: the same bits as
+        # ``silu(gate(x)) * up(x)`` without two more [T, intermediate] buffers, which in a
+        # prefill chunk cost more than the elementwise work itself.
+        gate = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -103,7 +109,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The second residual add in place on the sum just made (the layer's input, which
+        # the caller may still hold, is never written).
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):

@@ -313,3 +313,20 @@ def test_long_prefills_attended_in_query_tiles_give_the_same_logits(
     first = run_step(model, cache, [(prompt[:61], 61, table[:8])])
     rest = run_step(model, cache, [(prompt, 89, table)])
     torch.testing.assert_close(torch.cat([first, rest]), hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_the_forward_stays_differentiable(checkpoints) -> None:
+    """The layers overwrite buffers they just made (SiLU, the gate product, rope, the norm's
+    scale): only with ops autograd can follow, so a forward under autograd still runs and
+    its gradients reach the weights."""
+    path, _ = checkpoints["llama"]
+    model = load_model(path, dtype=torch.float64)
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    meta = AttentionMetadata.build([20], [20], [[0, 1, 2]], BLOCK_SIZE)
+    with torch.enable_grad():
+        logits = model.compute_logits(model(prompt, torch.arange(20), new_cache(model), meta))
+        logits.logsumexp(-1).sum().backward()
+    layer = model.model.layers[0]
+    for weight in (layer.self_attn.q_proj.weight, layer.mlp.gate_proj.weight,
+                   layer.input_layernorm.weight):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0

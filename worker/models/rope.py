@@ -94,8 +94,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # ``x * cos + rotate_half(x) * sin`` with the halves swapped into one buffer and the
     # products and sum made in place: the same bits, two [T, heads, head_dim] buffers
     # fewer (a prefill chunk's q is megabytes, and fresh buffers cost more than the work).
+    # (Slice copies and in-place ops, not ``out=``: autograd can follow them.)
     half = x.shape[-1] // 2
     rotated = torch.empty_like(x)
-    torch.neg(x[..., half:], out=rotated[..., :half])
+    rotated[..., :half] = x[..., half:]
     rotated[..., half:] = x[..., :half]
+    rotated[..., :half].neg_()
     return (x * cos).add_(rotated.mul_(sin))

@@ -66,7 +66,8 @@ def timed_limit(weights: Sequence[torch.Tensor], packed: Sequence[torch.Tensor],
     gen = torch.Generator().manual_seed(0)
     limit = 0
     for count in rows:
-        inputs = {w.shape[1]: torch.randn(count, w.shape[1], generator=gen) for w in weights}
+        inputs = {w.shape[1]: torch.randn(count, w.shape[1], generator=gen, device=w.device)
+                  for w in weights}
         best = {True: float("inf"), False: float("inf")}
         for turn in range(rounds + 1):  # turn 0 is not timed: first calls set kernels up
             for use_packed in (True, False):  # in turn, so both see the same machine

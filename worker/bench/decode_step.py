@@ -9,8 +9,7 @@ of every ratio see the same machine: the greedy decode step at ``batch`` request
 weight matmuls alone (q/k/v/o and gate/up/down of every layer plus the LM head, on random
 inputs of the step's shapes), twice: as ``F.linear`` (the BLAS torch's CPU build calls,
 the issue's yardstick) and as the step makes them (worker/models/linear.py: the packed
-kernel on packed copies of the weights up to the row count the engine found them faster at
-(worker/models/packed_rows.py), else, or with ``CONVEYOR_CPU_MATMUL=unpacked``, the skinny
+kernel on packed copies of the weights; with ``CONVEYOR_CPU_MATMUL=unpacked`` the skinny
 kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls are the
 best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
 nothing. The step is measured as a worker runs it: the engine's objects kept off the
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
 from worker.long_lived import long_lived_frozen
-from worker.models import native_decode, packed_weights
+from worker.models import packed_weights
 from worker.models.linear import linear
 from worker.models.native_decode import ENV_SWITCH
 
@@ -58,11 +57,10 @@ def matmul_seconds(weights: list[torch.Tensor], x: dict[int, torch.Tensor],
         return time.perf_counter() - start
 
 
-def as_the_step_makes_them(weights: list[torch.Tensor], rows: int, packed_rows: int):
-    """worker/models/linear.py's matmul, on each weight's packed copy where packing is on and
-    ``rows`` is within the engine's measured limit for them (made here, before any timing)."""
-    take = rows <= packed_rows
-    copies = {id(w): packed_weights.packed(w) if take else None for w in weights}
+def as_the_step_makes_them(weights: list[torch.Tensor]):
+    """worker/models/linear.py's matmul, on each weight's packed copy where packing is on
+    (made here, before any timing)."""
+    copies = {id(w): packed_weights.packed(w) for w in weights}
     return lambda x, w: linear(x, w, packed=copies[id(w)])
 
 
@@ -82,8 +80,7 @@ def measure(engine, batch: int, rounds: int) -> dict[str, float]:
     dtype = engine.dtype
     weights = [torch.randn(o, i, dtype=dtype) for o, i in weight_shapes(engine.model_config)]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-    step_matmul = as_the_step_makes_them(weights, batch,
-                                         native_decode.packed_row_limit(engine.model))
+    step_matmul = as_the_step_makes_them(weights)
     times: dict[str, list[float]] = {"native": [], "python": [], "matmuls": [],
                                      "kernel_matmuls": []}
     for _ in range(rounds):

@@ -204,6 +204,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project ``hidden [N, hidden]`` to ``[N, vocab]`` logits."""
         weight = self.lm_head.weight
-        take_packed = hidden.shape[0] <= native_decode.packed_row_limit(self)
-        return linear(hidden, weight,
-                      packed=packed_weights.packed(weight) if take_packed else None)
+        return linear(hidden, weight, packed=packed_weights.packed(weight))

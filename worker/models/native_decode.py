@@ -33,19 +33,16 @@ import os
 import weakref
 from typing import TYPE_CHECKING
 
-import structlog
 import torch
 
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
-from worker.models import packed_rows, packed_weights
-from worker.models.linear import NO_BIAS, blas_only, linear
+from worker.models import packed_weights
+from worker.models.linear import NO_BIAS, blas_only
 from worker.models.weight_arena import joined
 
 if TYPE_CHECKING:
     from worker.models.llama import CausalLM
-
-log = structlog.get_logger(__name__)
 
 ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
 TEAM_SWITCH = "CONVEYOR_CPU_STEP_TEAM"
@@ -59,11 +56,6 @@ _PACKED: weakref.WeakKeyDictionary[
 # A layer's tensors in _model_weights' list, and where its four projection weights lie in it.
 _PER_LAYER = 10
 _PROJECTIONS = (1, 3, 6, 8)
-
-# Up to how many rows each prepared model's decode matmuls take its packed copies
-# (worker/models/packed_rows.py); a model not prepared takes them at every row count.
-_ROW_LIMIT: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-NO_ROW_LIMIT = 1 << 30
 
 # Each model's layer tensors in the kernel's order (_model_weights), or None, by model.
 _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] = (
@@ -120,21 +112,17 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
     weights = _gathered(model)
     if weights is None:
         return None
-    # Past the host's measured limit the unpacked matmuls are the faster ones (and the step
-    # runs a region per loop: the step team needs packed panels).
-    take_packed = x.shape[0] <= packed_row_limit(model)
     head, head_packed = NO_BIAS, NO_BIAS  # what the kernel takes for "none"
     if logits:
         head = model.lm_head.weight
         if head.dtype != torch.float32:
             return None
-        head_packed = packed_weights.packed(head) if take_packed else None
+        head_packed = packed_weights.packed(head)
         head_packed = NO_BIAS if head_packed is None else head_packed
     return kernel(
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights,
-        _packed_projections(model, weights) if take_packed else [],
-        model.model.norm.weight.contiguous(), head,
+        _packed_projections(model, weights), model.model.norm.weight.contiguous(), head,
         head_packed, kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         meta.block_size, config.rms_norm_eps, config.head_dim**-0.5, blas_only(),
@@ -144,33 +132,11 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
 @torch.no_grad()
 def prepare(model: CausalLM) -> None:
     """Make the packed copies a decode step multiplies by now (the decoder layers' where the
-    native step is on, and the LM head's), so that the first step does not; and find up to
-    how many rows they are the faster matmuls on this host (``packed_row_limit``)."""
+    native step is on, and the LM head's), so that the first step does not."""
     weights = _gathered(model) if enabled() else None
     if weights is not None:
-        copies = _packed_projections(model, weights)
-        if copies:
-            _ROW_LIMIT[model] = _measured_row_limit(weights, copies)
+        _packed_projections(model, weights)
     packed_weights.packed(model.lm_head.weight)
-
-
-def packed_row_limit(model: CausalLM) -> int:
-    """Up to how many rows the model's decode matmuls take its packed copies (every row count
-    for a model ``prepare`` has not measured)."""
-    return _ROW_LIMIT.get(model, NO_ROW_LIMIT)
-
-
-def _measured_row_limit(weights: list[torch.Tensor], copies: list[torch.Tensor]) -> int:
-    """``CONVEYOR_PACKED_MAX_ROWS``, or else the first layer's four projections timed packed
-    and unpacked (worker/models/packed_rows.py)."""
-    limit = packed_rows.from_environment()
-    if limit is None:
-        first_layer = [weights[i] for i in _PROJECTIONS]
-        limit = packed_rows.timed_limit(
-            first_layer, copies[:len(_PROJECTIONS)],
-            lambda x, w, p: linear(x, w, packed=p))
-    log.info("packed decode matmuls", up_to_rows=limit)
-    return limit
 
 
 def _gathered(model: CausalLM) -> list[torch.Tensor] | None:

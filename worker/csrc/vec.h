@@ -20,7 +20,13 @@ inline vec load(const float* p) {
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline vec broadcast(float f) { return vec{} + f; }
+// A splat, not `vec{} + f`: adding f to a zero vector is an add the compiler must keep
+// (-0.0 + 0.0 is +0.0), and it builds to a scalar add and a register-to-register broadcast
+// on the shuffle port, which on AVX-512 is one of the two FMA ports. A splat builds to one
+// broadcast load, or the FMA's own {1to16} operand, and leaves both FMA ports to the FMAs.
+inline vec broadcast(float f) {
+  return vec{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
+}
 
 // The lane sums of 16 vectors as one vector (lane i: the sum of acc[i]), in 15 shuffle-and-add
 // steps of a fixed tree instead of 240 scalar adds.

@@ -1,6 +1,7 @@
 """The packed matmul (csrc/packed_linear.h) and the packed copies it reads
 (worker/models/packed_weights.py): the BLAS's results to float32 rounding for every row
-block and a ragged last panel, the same bits on any number of threads, a copy made once and
+block, a ragged last panel and tile, and past one chunk of rows, the same bits on any number
+of threads and for a row alone or beside others, a copy made once and
 made again when its weight is written, and none where packing is switched off."""
 
 from __future__ import annotations
@@ -32,6 +33,31 @@ def test_the_packed_matmul_equals_the_blas(rows, bias):
     got = module.packed_linear(x, packed, 70, b if bias else torch.empty(0))
     want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+# K of 150 is two whole tiles of the panel and a ragged third (the kernel walks 64 k rows at a
+# time, prefetching the next); 200 rows are a full chunk of 192 and a second one.
+@pytest.mark.parametrize("rows", [1, 13, 64, 200])
+def test_the_packed_matmul_sums_across_tiles_and_row_chunks(rows):
+    x, w, b = _case(rows, 70, 150, seed=rows)
+    module = cpu_kernels()
+    got = module.packed_linear(x, module.pack_weight(w), 70, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+    # Every output is one sum in k order, whatever block of rows (12, 8, 4, 1-3) or chunk
+    # of 192 it falls in: a request's logits are the same alone and in any batch.
+    x, w, b = _case(200, 70, 150, seed=3)
+    module = cpu_kernels()
+    packed = module.pack_weight(w)
+    whole = module.packed_linear(x, packed, 70, b)
+    for start, rows in [(0, 1), (5, 3), (17, 12), (100, 64), (190, 10)]:
+        part = module.packed_linear(x[start:start + rows].contiguous(), packed, 70, b)
+        assert torch.equal(part, whole[start:start + rows])
 
 
 @needs_kernel

@@ -276,6 +276,7 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
     return static_cast<double>(std::min(kPanelWidth, n - p * kPanelWidth) * k);
   };
   const float* panels = packed.data_ptr<float>();
+  const int64_t count = packed.size(0);
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   stage.blocks = [=](int64_t p, Block* out) {
     const int64_t col = p * kPanelWidth;
@@ -284,8 +285,12 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
   };
   stage.run = [=](int64_t p, const Block* dst, TeamScratch&) {
     const int64_t col = p * kPanelWidth;
-    packed_panel(x, rows, k, panels + p * k * kPanelWidth, dst[0].cols,
-                 b ? b + col : nullptr, dst[0].ptr, dst[0].ld);
+    const float* panel = panels + p * k * kPanelWidth;
+    // Panels go to the team's threads as they free up (step_team.h), so p + 1 is the next
+    // this thread may take; where its partner takes it, the prefetch was only wasted.
+    const float* next = p + 1 < count ? panel + k * kPanelWidth : nullptr;
+    packed_panel(x, rows, k, panel, next, dst[0].cols, b ? b + col : nullptr, dst[0].ptr,
+                 dst[0].ld);
   };
   return stage;
 }

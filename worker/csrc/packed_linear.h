@@ -6,7 +6,10 @@
 // (the last panel padded with zeros). For each panel and each block of up to 12 rows of x,
 // the kernel keeps 12 x 2 vectors of partial sums in registers and, per k, loads two vectors
 // of the panel and broadcasts one float of each row: no horizontal sums, and the panel is
-// read from memory once per matmul (from L2 for the further row blocks). Panels go to the
+// read from memory once per matmul. It walks the panel 64 k rows at a time (the row blocks'
+// sums wait in a stack buffer between tiles; each sum still runs in k order), and the first
+// block's pass over a tile prefetches the next, so the weights' stream from memory overlaps
+// the FMAs instead of arriving on demand. Panels go to the
 // threads as they free up (each_task.h), so a thread that loses its core mid-matmul to
 // another process leaves its panels to its partner instead of stalling the region.
 //
@@ -38,8 +41,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 // One panel's columns of y: out[r][c] = x[r] . W[32p + c] (+ bias[c]) for r < m_len, c < cols
 // (the panel's real columns), row r at out + r * ld; x [m_len, k_len] contiguous, bias the
-// panel's own slice or null.
+// panel's own slice or null. next_panel: the panel this thread will most likely take next
+// (its first rows are prefetched while this one ends), or null.
 void packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* panel,
-                  int64_t cols, const float* bias, float* out, int64_t ld);
+                  const float* next_panel, int64_t cols, const float* bias, float* out,
+                  int64_t ld);
 
 }  // namespace conveyor

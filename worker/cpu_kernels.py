@@ -37,8 +37,8 @@ log = structlog.get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "packed_linear.cpp", "linear.cpp",
-                                         "sample_rows.cpp", "penalize.cpp", "thread_placement.cpp",
-                                         "step_team.cpp", "bindings.cpp")]
+                                         "sample_rows.cpp", "argmax_rows.cpp", "penalize.cpp",
+                                         "thread_placement.cpp", "step_team.cpp", "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "packed_linear.h", "linear.h", "vec.h",
                                          "each_task.h", "step_team.h")]
@@ -73,6 +73,14 @@ def sample_rows_kernel() -> Any | None:
     CPU logits), or None where the kernels are switched off or cannot be built."""
     module = cpu_kernels()
     return None if module is None else module.sample_rows
+
+
+def argmax_rows_kernel() -> Any | None:
+    """The compiled ``argmax_rows`` function (greedy picks of float32 CPU logits, as
+    torch.argmax gives them), or None where the kernels are switched off or cannot be
+    built."""
+    module = cpu_kernels()
+    return None if module is None else module.argmax_rows
 
 
 def penalize_kernel() -> Any | None:

@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &conveyor::sample_rows,
         "one token per row from filtered probabilities, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &conveyor::argmax_rows,
+        "the index of each row's largest value, as torch.argmax(dim=-1), float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("penalize", &conveyor::penalize,
         "repetition, presence and frequency penalties in place, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());

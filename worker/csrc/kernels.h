@@ -44,6 +44,11 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
                           torch::Tensor top_k, torch::Tensor min_p, torch::Tensor draws,
                           double bins_per_nat, int64_t num_bins);
 
+// The index of each row's largest logit (argmax_rows.cpp), as torch.argmax(dim=-1) gives
+// it: the first of equal maxima, the first NaN where a row holds one. logits [rows, vocab]
+// float32; returns int64 [rows].
+torch::Tensor argmax_rows(torch::Tensor logits);
+
 // Repetition, then presence and frequency penalties, in place (penalize.cpp): logits
 // [rows, vocab] float32; context [2, n] distinct (row, token) with a factor each (divides a
 // positive logit, multiplies the others); outputs [2, m] distinct (row, token) with what

@@ -21,7 +21,7 @@ import torch
 
 from producer.wire.completion import TokenLogprob
 from producer.wire.params import SamplingParams
-from worker.cpu_kernels import sample_rows_kernel
+from worker.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
@@ -80,10 +80,9 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         tokens = [0] * len(rows)
         if len(greedy) == len(rows):
-            # argmax breaks ties by the lowest id, as the reference implementation does.
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = _argmax(logits)
         elif greedy:
-            picks = logits[_index(greedy, logits.device)].argmax(dim=-1).tolist()
+            picks = _argmax(logits[_index(greedy, logits.device)])
             for i, t in zip(greedy, picks, strict=True):
                 tokens[i] = t
         if sampled:
@@ -163,6 +162,17 @@ class Sampler:
                      if top else []),
             )
         return result
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token. Ties go to the lowest id, as the reference implementation
+    breaks them; float32 CPU rows go through the native kernel (csrc/argmax_rows.cpp, the
+    same picks as torch.argmax at a fraction of its time on this project's CPU build)."""
+    kernel = argmax_rows_kernel() if logits.device.type == "cpu" and \
+        logits.dtype == torch.float32 else None
+    if kernel is not None:
+        return kernel(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

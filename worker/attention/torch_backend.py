@@ -35,8 +35,9 @@ class _PrefillPlan:
     # Its new tokens in the flat batch are start:end.
     start: int
     end: int
-    # [seq_len] cache slots of its whole context, position order.
-    slots: torch.Tensor
+    # [seq_len] cache slots of its whole context, position order; None for a first chunk
+    # that attends to this step's own rows (_make_plan decides), which gathers nothing.
+    slots: torch.Tensor | None
     # Tokens already cached before this step.
     context_len: int
 
@@ -83,7 +84,7 @@ class _StepPlan:
         """Cache rows at ``slots [B, L]`` as ``[B, L, Hkv, D]`` views of the step's buffers."""
         if self.buffers is None:
             rows = max([g.slots.numel() for g in self.decodes]
-                       + [p.slots.numel() for p in self.prefills])
+                       + [p.slots.numel() for p in self.prefills if p.slots is not None])
             self.buffers = (
                 flat_k.new_empty(rows, *flat_k.shape[1:]),
                 flat_v.new_empty(rows, *flat_v.shape[1:]),
@@ -139,7 +140,7 @@ class TorchAttention:
         for group in plan.decodes:
             self._decode(q, flat_k, flat_v, plan, group, out)
         for prefill in plan.prefills:
-            if prefill.context_len == 0 and prefill.end - prefill.start <= PREFILL_QUERY_TILE:
+            if prefill.slots is None:
                 self._first_chunk(q, k, v, prefill, out)
             else:
                 self._prefill(q, flat_k, flat_v, plan, prefill, out)
@@ -189,6 +190,7 @@ class TorchAttention:
         out: torch.Tensor,
     ) -> None:
         """One multi-token query over its context, in tiles of query rows."""
+        assert prefill.slots is not None  # _make_plan gives every gathering prefill its slots
         keys, values = plan.gather(flat_k, flat_v, prefill.slots[None, :])
         key_pos = torch.arange(prefill.slots.numel(), device=q.device)
         for first in range(prefill.start, prefill.end, PREFILL_QUERY_TILE):
@@ -244,7 +246,11 @@ def _make_plan(meta: AttentionMetadata, device: torch.device,
     for i, n in enumerate(meta.query_lens):
         if n > 1:
             seq_len = meta.seq_lens_list[i]
-            slots = _context_slots(block_tables[i, None], [seq_len], meta.block_size)[0]
+            # A first chunk (nothing cached before it) that fits one query tile attends to
+            # its own rows in one causal call (TorchAttention._first_chunk): no slots.
+            own_rows = seq_len == n and n <= PREFILL_QUERY_TILE
+            slots = None if own_rows else _context_slots(block_tables[i, None], [seq_len],
+                                                         meta.block_size)[0]
             prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
     if kernel is not None and decode_rows:

@@ -45,6 +45,27 @@ def test_a_nan_is_picked_as_torch_picks_it(where):
 
 
 @needs_kernel
+def test_edge_values_are_picked_as_torch_picks_them():
+    rows = []
+    for vocab in (5, 40):  # all in the scalar tail, and across vectors and a tail
+        zeros = torch.zeros(vocab)
+        zeros[1] = -0.0  # -0.0 equals +0.0: the first of them wins
+        inf = torch.randn(vocab)
+        inf[3] = float("inf")
+        inf[4] = float("inf")
+        tail_nan = torch.randn(vocab)
+        tail_nan[0] = 100.0
+        tail_nan[-1] = float("nan")  # a NaN after a larger value still wins
+        rows += [zeros, inf, tail_nan]
+    kernel = cpu_kernels().argmax_rows
+    for row in rows:
+        x = row[None, :]
+        assert torch.equal(kernel(x), x.argmax(dim=-1)), row
+    empty = torch.empty(0, 32)
+    assert kernel(empty).shape == (0,)
+
+
+@needs_kernel
 def test_the_kernel_reads_a_view_of_other_strides():
     x = torch.randn(40, 300)[::3, 7:250]
     assert torch.equal(cpu_kernels().argmax_rows(x), x.argmax(dim=-1))

@@ -48,6 +48,15 @@ def test_the_packed_matmul_sums_across_tiles_and_row_chunks(rows):
 
 
 @needs_kernel
+def test_an_empty_inner_dimension_gives_the_bias():
+    module = cpu_kernels()
+    packed = module.pack_weight(torch.empty(40, 0))
+    b = torch.randn(40)
+    got = module.packed_linear(torch.empty(3, 0), packed, 40, b)
+    assert torch.equal(got, b.expand(3, 40))
+
+
+@needs_kernel
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
     # Every output is one sum in k order, whatever block of rows (12, 8, 4, 1-3) or chunk
     # of 192 it falls in: a request's logits are the same alone and in any batch.

@@ -75,7 +75,7 @@ def test_first_chunks_attend_to_their_own_rows_and_later_chunks_to_the_cache(
     fused = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
     assert first_chunks == [130]  # only the sequence with nothing cached took its own rows
     plan = meta.backend_plans[torch_backend._PLAN_KEY]
-    # Its plan holds no cache slots: nothing of it is gathered, nor sized for.
+    # Its plan holds no cache slots: nothing of it is gathered.
     assert [p.end - p.start for p in plan.prefills if p.slots is None] == [130]
     assert all(p.slots is not None for p in plan.prefills if p.end - p.start != 130)
 

@@ -82,6 +82,9 @@ void packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* pan
                   const float* next_panel, int64_t cols, const float* bias, float* out,
                   int64_t ld) {
   alignas(64) float sums[kChunkRows * kPanelWidth];
+  if (k_len == 0) {  // an empty sum: no tile runs to start the sums at zero
+    std::fill(sums, sums + kChunkRows * kPanelWidth, 0.0f);
+  }
   for (int64_t m0 = 0; m0 < m_len; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, m_len - m0);
     for (int64_t k0 = 0; k0 < k_len; k0 += kTileDepth) {

@@ -23,8 +23,8 @@ constexpr int64_t kChunkRows = 192;
 // block reads it), and the first block's pass over a tile prefetches the next tile (or the
 // next panel's first) a row per k, both of its lines. Without it each tile arrived from
 // memory on demand, in the first block's pass, behind the hardware prefetcher: measured
-// 10-15% slower from 4 to 32 rows, where the matmul is bound by the weights' stream (no
-// difference at 64 and more, where it is bound by the FMAs).
+// 10-25% slower from 4 to 32 rows, where the matmul is bound by the weights' stream (2-7%
+// at 64 and 128, where it is bound by the FMAs).
 constexpr int64_t kTileDepth = 64;
 
 struct NoScratch {};
@@ -68,7 +68,9 @@ void block(const float* __restrict x, int64_t ldx, const float* __restrict panel
 // The largest block that fits the rows left: 12, 8, 4, then one row at a time.
 int64_t block_rows(int64_t left, const float* x, int64_t ldx, const float* panel, int64_t k0,
                    int64_t k1, float* sums, bool first, Ahead ahead) {
-  if (left >= 12) return block<12>(x, ldx, panel, k0, k1, sums, first, ahead), 12;
+  if (left >= kBlockRows) {
+    return block<kBlockRows>(x, ldx, panel, k0, k1, sums, first, ahead), kBlockRows;
+  }
   if (left >= 8) return block<8>(x, ldx, panel, k0, k1, sums, first, ahead), 8;
   if (left >= 4) return block<4>(x, ldx, panel, k0, k1, sums, first, ahead), 4;
   if (left >= 3) return block<3>(x, ldx, panel, k0, k1, sums, first, ahead), 3;

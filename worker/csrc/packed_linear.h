@@ -9,9 +9,9 @@
 // read from memory once per matmul. It walks the panel 64 k rows at a time (the row blocks'
 // sums wait in a stack buffer between tiles; each sum still runs in k order), and the first
 // block's pass over a tile prefetches the next, so the weights' stream from memory overlaps
-// the FMAs instead of arriving on demand. Panels go to the
-// threads as they free up (each_task.h), so a thread that loses its core mid-matmul to
-// another process leaves its panels to its partner instead of stalling the region.
+// the FMAs instead of arriving on demand. Panels go to the threads as they free up
+// (each_task.h), so a thread that loses its core mid-matmul to another process leaves its
+// panels to its partner instead of stalling the region.
 //
 // On the CPUs this was tuned on (AVX-512, 2 cores, the small preset's decode shapes) it took
 // 0.5-0.7x the time of the skinny kernel and 0.4-0.9x oneDNN's from 1 to 192 rows, about

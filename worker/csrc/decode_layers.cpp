@@ -283,15 +283,19 @@ TeamStage matmul_stage(const float* x, int64_t rows, int64_t k, const at::Tensor
     out[0] = Block{y + col, rows, std::min(kPanelWidth, n - col), n};
     return 1;
   };
-  stage.run = [=](int64_t p, const Block* dst, TeamScratch&) {
+  // Panels go to the team's threads as they free up (step_team.h), so p + 1 is the next
+  // this thread may take; where its partner takes it, the prefetch was only wasted.
+  auto multiply = [=](int64_t p, const Block* dst, const std::function<bool()>* claim) {
     const int64_t col = p * kPanelWidth;
     const float* panel = panels + p * k * kPanelWidth;
-    // Panels go to the team's threads as they free up (step_team.h), so p + 1 is the next
-    // this thread may take; where its partner takes it, the prefetch was only wasted.
     const float* next = p + 1 < count ? panel + k * kPanelWidth : nullptr;
-    packed_panel(x, rows, k, panel, next, dst[0].cols, b ? b + col : nullptr, dst[0].ptr,
-                 dst[0].ld);
+    return packed_panel(x, rows, k, panel, next, dst[0].cols, b ? b + col : nullptr,
+                        dst[0].ptr, dst[0].ld, claim);
   };
+  stage.run = [=](int64_t p, const Block* dst, TeamScratch&) { multiply(p, dst, nullptr); };
+  // A partner's panel goes from the kernel's sums to the output once claimed: no scratch.
+  stage.publish = [=](int64_t p, const Block* real, TeamScratch&,
+                      const std::function<bool()>& claim) { return multiply(p, real, &claim); };
   return stage;
 }
 

@@ -15,7 +15,9 @@
 // How a task's output stays right: the master writes its tasks straight into the stage's
 // output. A partner computes into a scratch of its own, then claims the task's publication
 // (a compare-and-swap on the task's state) and copies the scratch out; a task the master
-// took over can no longer be claimed, so nothing of a partner's late result ever lands. So
+// took over can no longer be claimed, so nothing of a partner's late result ever lands. A
+// stage whose task keeps its whole result until its last moment (a matmul panel's sums)
+// lets the partner claim at that moment and write straight into the output instead. So
 // that the master can compute any task again, each task must be a function of inputs the
 // stage does not write (decode_layers.cpp keeps its residual in two buffers in turn, and
 // rope writes rotated copies). A partner that lost its task may read inputs that later
@@ -83,6 +85,13 @@ struct Stage {
   std::function<int(int64_t i, Block* out)> blocks;
   // Computes task i into dst[0..blocks), each with its own leading dimension.
   std::function<void(int64_t i, const Block* dst, Scratch& scratch)> run;
+  // Optional, for a partner: computes task i and, once its result is ready and before
+  // writing any of it, asks ``claim``; writes it into its real blocks only if that returns
+  // true, and returns whether it did. Saves the copy out of scratch where a task holds its
+  // whole result in registers or on its stack until the end (a matmul panel's sums).
+  std::function<bool(int64_t i, const Block* real, Scratch& scratch,
+                     const std::function<bool()>& claim)>
+      publish;
   // Run by the master alone, in one go (e.g. a scattered write no scratch can stand for).
   bool master_only = false;
 };
@@ -186,8 +195,30 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
         continue;
       }
       claimed_at[first[s] + i].store(detail::now_ns(), std::memory_order_relaxed);
+      auto& state = slots[first[s] + i];
+      // Whether this thread may publish task i: the test hook's stall, then the claim
+      // (false once the master took the task over).
+      auto may_publish = [&]() {
+        const int64_t every = stall.every.load(std::memory_order_relaxed);
+        if (every > 0 && ++computed % every == 0) {
+          std::this_thread::sleep_for(
+              std::chrono::microseconds(stall.micros.load(std::memory_order_relaxed)));
+        }
+        uint8_t expected = detail::kPending;
+        return state.compare_exchange_strong(expected, detail::kPublishing,
+                                             std::memory_order_acq_rel);
+      };
       Block real[kMaxBlocks], mine[kMaxBlocks];
       const int n = stage.blocks(i, real);
+      if (stage.publish) {
+        // One reference captured: small enough for std::function to hold without allocating.
+        const std::function<bool()> claim = [&may_publish] { return may_publish(); };
+        if (stage.publish(i, real, scratch, claim)) {
+          state.store(detail::kDone, std::memory_order_release);
+          counts.partner_tasks.fetch_add(1, std::memory_order_relaxed);
+        }
+        continue;
+      }
       int64_t need = 0;
       for (int b = 0; b < n; ++b) need += real[b].size();
       if (static_cast<int64_t>(buffer.size()) < need) buffer.resize(need);
@@ -197,15 +228,7 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
         at += real[b].size();
       }
       stage.run(i, mine, scratch);
-      const int64_t every = stall.every.load(std::memory_order_relaxed);
-      if (every > 0 && ++computed % every == 0) {
-        std::this_thread::sleep_for(
-            std::chrono::microseconds(stall.micros.load(std::memory_order_relaxed)));
-      }
-      uint8_t expected = detail::kPending;
-      auto& state = slots[first[s] + i];
-      if (state.compare_exchange_strong(expected, detail::kPublishing,
-                                        std::memory_order_acq_rel)) {
+      if (may_publish()) {
         for (int b = 0; b < n; ++b) {
           for (int64_t r = 0; r < real[b].rows; ++r) {
             std::memcpy(real[b].ptr + r * real[b].ld, mine[b].ptr + r * mine[b].ld,

@@ -186,3 +186,34 @@ def test_the_publisher_policy_can_be_set_from_the_environment(monkeypatch, tmp_p
     assert not WorkerConfig(tmp_path).batch_publisher
     monkeypatch.setenv("CONVEYOR_BATCH_PUBLISHER", "1")
     assert WorkerConfig(tmp_path).batch_publisher
+
+
+def os_name(native_id: int) -> str:
+    return Path(f"/proc/self/task/{native_id}/comm").read_text().strip()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc only")
+def test_every_worker_thread_carries_its_name_in_the_os(start_worker):
+    worker = start_worker("names", metrics_port=0)
+    threads = worker.threads
+    assert {t.name for t in threads} == {*THREADS, "engine-loop"}
+    # Each thread names itself as it starts running; Linux keeps 15 bytes of a name.
+    eventually(lambda: all(t.native_id is not None and os_name(t.native_id) == t.name[:15]
+                           for t in threads), "every worker thread named in the OS")
+    assert os_name(threading.main_thread().native_id) != "engine-loop"  # only its own thread
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc only")
+def test_a_long_name_is_cut_to_what_linux_keeps():
+    from worker.fleet.thread_names import name_this_thread
+
+    seen: list[tuple[bool, str]] = []
+
+    def run() -> None:
+        seen.append((name_this_thread("a-name-longer-than-fifteen"),
+                     os_name(threading.get_native_id())))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [(True, "a-name-longer-t")]

@@ -187,7 +187,7 @@ def _repeat_row(run: RunResult) -> dict[str, Any]:
     return {"duration_s": round(run.duration_s, 3),
             **metrics.throughput(run.records, run.duration_s), "cpu_s": run.cpu_s,
             "preempted": run.preempted, "taken_over": run.taken_over, "stolen_s": run.stolen_s,
-            "idle_s": run.idle_s}
+            "idle_s": run.idle_s, "thread_cpu_s": run.thread_cpu_s}
 
 
 def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: tuple,

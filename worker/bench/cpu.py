@@ -103,3 +103,40 @@ def delta(before: float | None, after: float | None) -> float | None:
     """``after - before`` (to the millisecond for seconds; counts stay ints); None when
     either is unknown."""
     return round(after - before, 3) if before is not None and after is not None else None
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]] | None:
+    """Each live thread of process ``pid``: its OS name and its user + system CPU seconds so
+    far (Linux /proc); None when the process is unknown. A worker's threads carry their own
+    names (worker/fleet/thread_names.py); its OpenMP team, the engine loop's."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    threads: dict[int, tuple[str, float]] = {}
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        # "tid (name) state ...": the name may hold spaces and parentheses.
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return threads
+
+
+def threads_delta(before: dict[int, tuple[str, float]] | None,
+                  after: dict[int, tuple[str, float]] | None) -> dict[str, float] | None:
+    """CPU seconds by thread name between two ``thread_cpu_s`` readings, the threads of one
+    name summed, most first; a thread started in between counts from zero, one that ended
+    is not seen. None when either reading is unknown."""
+    if before is None or after is None:
+        return None
+    used: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        start = before.get(tid)
+        spent = seconds - (start[1] if start is not None and start[0] == name else 0.0)
+        used[name] = used.get(name, 0.0) + spent
+    return {name: round(s, 3) for name, s in sorted(used.items(), key=lambda kv: -kv[1])}

@@ -138,6 +138,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "cpu_s": run.cpu_s,
         "preempted": run.preempted,
         "taken_over": run.taken_over,
+        "thread_cpu_s": run.thread_cpu_s,
         "stolen_s": run.stolen_s,
         "idle_s": run.idle_s,
         "notes": run.notes,

@@ -67,6 +67,9 @@ class RunResult:
     # Decode-step tasks the engine's master took over from a late thread during the run
     # (csrc/step_team.h), by process as ``preempted``.
     taken_over: dict[str, float | None] = field(default_factory=dict)
+    # CPU seconds the worker's threads used during the run, by thread name (worker.bench.cpu.
+    # threads_delta; the workers of a run summed); empty where unknown or not a fleet run.
+    thread_cpu_s: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # CPU seconds the host took from this machine's CPUs during the run (worker.bench.cpu.
     # stolen_cpu_s), all CPUs together; None where unknown.

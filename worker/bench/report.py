@@ -162,7 +162,20 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
                          + (f"; step tasks taken over: {taken}" if taken else "")
                          + (f"; host steal {share:.0%}" if share is not None else "")
                          + _idle(s.get("idle_s")))
+        if s.get("thread_cpu_s"):
+            lines.append(f"{name:<18} CPU s by worker thread: {_by_thread(s['thread_cpu_s'])}")
     return "\n".join(lines)
+
+
+# Threads that used less than this in a run are left out of the line (sleeping ones).
+THREAD_CPU_SHOWN_S = 0.005
+
+
+def _by_thread(used: dict[str, float]) -> str:
+    """The worker's threads by CPU seconds, most first (an OpenMP team carries the name of
+    the engine loop that started it: the engine's threads together)."""
+    return ", ".join(f"{who} {v:.2f}" for who, v in sorted(used.items(), key=lambda kv: -kv[1])
+                     if v >= THREAD_CPU_SHOWN_S)
 
 
 def _idle(idle_s: list[float] | None) -> str:

@@ -67,11 +67,13 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
+            threads_before = [_threads(w) for w in workers]
             stolen_before, idle_before = cpu.stolen_cpu_s(), cpu.idle_cpu_s()
             records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
             stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
             idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
             after = _cpu_now(client, workers)
+            threads = _by_thread(threads_before, [_threads(w) for w in workers])
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
@@ -87,7 +89,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
                      "worker's I/O CPUs")
     return RunResult(name, settings, records, duration, kv, used, preempted,
-                     notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen, idle_s=idle)
+                     notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen, idle_s=idle,
+                     thread_cpu_s=threads)
 
 
 @contextmanager
@@ -154,6 +157,22 @@ def _over_workers(measure: Callable[[int], float | None],
     """``measure`` of each worker process, summed; None when one of them is unknown."""
     values = [measure(w.proc.pid) if w.proc else None for w in workers]
     return None if None in values else sum(values)  # type: ignore[arg-type]
+
+
+def _threads(worker: WorkerProcess) -> dict[int, tuple[str, float]] | None:
+    return cpu.thread_cpu_s(worker.proc.pid) if worker.proc else None
+
+
+def _by_thread(before: list, after: list) -> dict[str, float]:
+    """CPU seconds by thread name over the workers, summed; empty where one is unknown."""
+    total: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        used = cpu.threads_delta(b, a)
+        if used is None:
+            return {}
+        for name, seconds in used.items():
+            total[name] = round(total.get(name, 0.0) + seconds, 3)
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 
 def _warm_up(client: Client, model: str, worker: _Group) -> None:

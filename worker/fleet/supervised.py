@@ -20,6 +20,7 @@ import structlog
 
 from producer.clock import Clock
 from producer.logging import bind_thread_context
+from worker.fleet.thread_names import name_this_thread
 from worker.fleet.thread_policy import yield_to_computing_threads
 
 log = structlog.get_logger(__name__)
@@ -92,6 +93,7 @@ class SupervisedThread(threading.Thread):
         self._attempt = 0
 
     def run(self) -> None:
+        name_this_thread(self.name)
         bind_thread_context(worker_id=self.worker_id)
         if self.yields_to_compute:
             yield_to_computing_threads()

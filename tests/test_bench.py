@@ -410,5 +410,6 @@ def test_cpu_lines_show_the_worker_threads_that_used_cpu():
     run = {"cpu_s": {"worker": 11.0}, "duration_s": 5.7,
            "thread_cpu_s": {"engine-loop": 10.65, "publisher": 0.18, "reaper": 0.001}}
     lines = report.format_cpu({"fleet": run}).splitlines()
-    assert lines[1] == "fleet              CPU s by worker thread: engine-loop 10.65, publisher 0.18"
+    assert lines[1] == ("fleet              CPU s by worker thread: engine-loop 10.65, "
+                        "publisher 0.18")
     assert len(report.format_cpu({"fleet": {**run, "thread_cpu_s": {}}}).splitlines()) == 1

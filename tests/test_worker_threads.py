@@ -210,10 +210,11 @@ def test_a_long_name_is_cut_to_what_linux_keeps():
     seen: list[tuple[bool, str]] = []
 
     def run() -> None:
-        seen.append((name_this_thread("a-name-longer-than-fifteen"),
-                     os_name(threading.get_native_id())))
+        for name in ("a-name-longer-than-fifteen", "α" * 9):  # 18 bytes, 2 a character
+            seen.append((name_this_thread(name), os_name(threading.get_native_id())))
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
-    assert seen == [(True, "a-name-longer-t")]
+    # Cut to 15 bytes, and on a character's boundary: 7 whole characters, not 7 and a half.
+    assert seen == [(True, "a-name-longer-t"), (True, "α" * 7)]

@@ -117,7 +117,8 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]] | None:
     threads: dict[int, tuple[str, float]] = {}
     for task in tasks:
         try:
-            stat = (task / "stat").read_text()
+            # Names are any bytes another process chose (half a character, say).
+            stat = (task / "stat").read_text(errors="replace")
         except OSError:
             continue  # a thread that ended meanwhile
         # "tid (name) state ...": the name may hold spaces and parentheses.

@@ -111,6 +111,7 @@ bool packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* pan
                   const float* next_panel, int64_t cols, const float* bias, float* out,
                   int64_t ld, const std::function<bool()>* claim) {
   TORCH_CHECK(claim == nullptr || m_len <= kChunkRows, "a claimed panel of too many rows");
+  if (m_len == 0) return claim == nullptr || (*claim)();  // no rows: nothing to write
   alignas(64) float sums[kChunkRows * kPanelWidth];
   if (k_len == 0) {  // an empty sum: no tile runs to start the sums at zero
     std::fill(sums, sums + kChunkRows * kPanelWidth, 0.0f);

@@ -47,10 +47,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // panel's own slice or null. next_panel: the panel this thread will most likely take next
 // (its first rows are prefetched while this one ends), or null.
 //
-// claim, when given (and m_len <= kPackedMaxRows, so that every sum is computed before the
-// first is stored), is asked once every sum is ready and before anything is written to out:
-// out is written only if it returns true. The return value says whether out was written. A
-// step team's partner publishes a task this way, straight from the sums (step_team.h).
+// claim, when given (then m_len <= kPackedMaxRows, whose rows' sums all fit the kernel's
+// buffer, so every sum is computed before the first is stored), is asked exactly once, when
+// every sum is ready and before anything is written to out (for no rows too): out is written
+// only if it returns true. The return value says whether out was written. A step team's
+// partner publishes a task this way, straight from the sums (step_team.h).
 bool packed_panel(const float* x, int64_t m_len, int64_t k_len, const float* panel,
                   const float* next_panel, int64_t cols, const float* bias, float* out,
                   int64_t ld, const std::function<bool()>* claim = nullptr);

@@ -86,8 +86,9 @@ struct Stage {
   // Computes task i into dst[0..blocks), each with its own leading dimension.
   std::function<void(int64_t i, const Block* dst, Scratch& scratch)> run;
   // Optional, for a partner: computes task i and, once its result is ready and before
-  // writing any of it, asks ``claim``; writes it into its real blocks only if that returns
-  // true, and returns whether it did. Saves the copy out of scratch where a task holds its
+  // writing any of it, asks ``claim`` exactly once; writes it into its real blocks only if
+  // that returns true, and then in full, without throwing (the master waits for a claimed
+  // task). Returns whether it wrote. Saves the copy out of scratch where a task holds its
   // whole result in registers or on its stack until the end (a matmul panel's sums).
   std::function<bool(int64_t i, const Block* real, Scratch& scratch,
                      const std::function<bool()>& claim)>
@@ -173,7 +174,8 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
   std::exception_ptr error;
   TeamCounts& counts = team_counts();
 
-  // A partner's loop: claim tasks of the open stage, compute each into scratch, publish it
+  // A partner's loop: claim tasks of the open stage, compute each into scratch (or, for a
+  // stage with ``publish``, where that keeps it), publish it
   // unless the master took it over; until the master says the step is finished.
   auto partner = [&]() {
     Scratch scratch;
@@ -211,9 +213,16 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
       Block real[kMaxBlocks], mine[kMaxBlocks];
       const int n = stage.blocks(i, real);
       if (stage.publish) {
-        // One reference captured: small enough for std::function to hold without allocating.
-        const std::function<bool()> claim = [&may_publish] { return may_publish(); };
-        if (stage.publish(i, real, scratch, claim)) {
+        // The claim's own result decides, not what publish returns: once claimed, the task
+        // is this thread's to finish (the master waits for it), and publish writes it all.
+        bool claimed = false;
+        // Two references captured: small enough for std::function to hold without
+        // allocating.
+        const std::function<bool()> claim = [&may_publish, &claimed] {
+          return claimed = may_publish();
+        };
+        stage.publish(i, real, scratch, claim);
+        if (claimed) {
           state.store(detail::kDone, std::memory_order_release);
           counts.partner_tasks.fetch_add(1, std::memory_order_relaxed);
         }
@@ -318,8 +327,9 @@ void run_stages(const std::vector<Stage<Scratch>>& stages) {
       try {
         partner();
       } catch (...) {
-        // A partner that cannot go on (its scratch could not be allocated) leaves its
-        // claimed task pending: the master takes it over.
+        // A partner that cannot go on (its scratch could not be allocated, a task's check
+        // failed before its claim) leaves its claimed task pending: the master takes it
+        // over, and every task after it.
       }
     }
   }

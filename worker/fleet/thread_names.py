@@ -36,5 +36,7 @@ def name_this_thread(name: str) -> bool:
     prctl = _prctl()
     if prctl is None:
         return False
+    # Cut on a character's boundary: half a character would make the name unreadable.
     raw = name.encode("utf-8", "replace")[:MAX_NAME_BYTES]
+    raw = raw.decode("utf-8", "ignore").encode("utf-8")
     return prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from worker import Engine, SamplingParams
-from worker.bench.decode_step import matmul_seconds, weight_shapes
+from worker.bench.decode_step import kv_buffers, matmul_seconds, read_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
 from worker.bench.step_overhead import HostStep, busy_scheduler
 from worker.cpu_kernels import decode_layers_kernel
@@ -89,6 +89,23 @@ def test_bench_decode_64_matmuls_alone(benchmark, small_model):
     weights = [torch.randn(o, i) for o, i in shapes]
     x = {w.shape[1]: torch.randn(64, w.shape[1]) for w in weights}
     assert benchmark(matmul_seconds, weights, x) > 0
+
+
+def test_bench_decode_64_kv_read(benchmark, small_model):
+    """One read of the KV a decode step's attention reads (`python -m worker.bench.decode_step`
+    adds it to the step's matmuls: the step's floor on a CPU). Sized from the running
+    sequences' contexts at the measurement's middle round."""
+    smoke = benchmark.disabled
+    engine = decoding_engine(small_model, "greedy", batch=4 if smoke else 64, threads=1,
+                             prompt_tokens=16 if smoke else 128)
+    config = engine.model_config
+    buffers = kv_buffers(engine, rounds=3)
+    contexts = sum(r.num_tokens for r in engine.scheduler.running)
+    per_token = 2 * config.num_key_value_heads * config.head_dim  # K and V, floats
+    assert len(buffers) == config.num_hidden_layers
+    assert all(b.numel() == (contexts + 3 * len(engine.scheduler.running)) * per_token
+               for b in buffers)
+    assert benchmark(read_seconds, buffers) > 0
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,11 @@ best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Pyt
 nothing. The step is measured as a worker runs it: the engine's objects kept off the
 garbage collector (worker/long_lived.py), and no detokenizing (a worker's publisher thread
 does that, off the engine's thread). ``--profile`` adds torch.profiler's operator table.
+
+Attention must read every running sequence's K and V once a layer, and on a CPU that read
+runs at the memory's speed, whatever the kernel: so the bench also times a plain sum over
+as many bytes, laid out a buffer per layer on huge pages as the KV cache is (best round),
+and prints the step's floor, its own matmuls plus that read.
 """
 
 from __future__ import annotations
@@ -64,6 +69,32 @@ def as_the_step_makes_them(weights: list[torch.Tensor]):
     return lambda x, w: linear(x, w, packed=copies[id(w)])
 
 
+def kv_buffers(engine, rounds: int) -> list[torch.Tensor]:
+    """One buffer a layer holding as many bytes of K and V as a native step of the
+    measurement reads: every running sequence's context at the middle round (each round
+    steps twice)."""
+    from kvstore.huge_pages import zeroed_buffer
+
+    config = engine.model_config
+    tokens = sum(r.num_tokens for r in engine.scheduler.running) + rounds * len(
+        engine.scheduler.running)
+    size = tokens * 2 * config.num_key_value_heads * config.head_dim * engine.dtype.itemsize
+    buffers = []
+    for _ in range(config.num_hidden_layers):
+        buffer = torch.frombuffer(zeroed_buffer(size), dtype=engine.dtype)
+        buffer.fill_(1.0)  # touched: its pages exist, as a used cache's do
+        buffers.append(buffer)
+    return buffers
+
+
+def read_seconds(buffers: list[torch.Tensor]) -> float:
+    """One pass over ``buffers``, a layer's at a time, as the step's attention reads them."""
+    start = time.perf_counter()
+    for buffer in buffers:
+        buffer.sum()
+    return time.perf_counter() - start
+
+
 def step_seconds(engine, native: bool) -> float:
     """One engine step, with the native decode layers on or off."""
     os.environ[ENV_SWITCH] = "1" if native else "0"
@@ -81,16 +112,19 @@ def measure(engine, batch: int, rounds: int) -> dict[str, float]:
     weights = [torch.randn(o, i, dtype=dtype) for o, i in weight_shapes(engine.model_config)]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
     step_matmul = as_the_step_makes_them(weights)
+    kv = kv_buffers(engine, rounds)
     times: dict[str, list[float]] = {"native": [], "python": [], "matmuls": [],
-                                     "kernel_matmuls": []}
+                                     "kernel_matmuls": [], "kv_read": []}
     for _ in range(rounds):
         times["native"].append(step_seconds(engine, native=True))
         times["python"].append(step_seconds(engine, native=False))
         times["matmuls"].append(matmul_seconds(weights, x))
         times["kernel_matmuls"].append(matmul_seconds(weights, x, step_matmul))
+        times["kv_read"].append(read_seconds(kv))
     return {"native": statistics.median(times["native"]),
             "python": statistics.median(times["python"]), "matmuls": min(times["matmuls"]),
-            "kernel_matmuls": min(times["kernel_matmuls"]),
+            "kernel_matmuls": min(times["kernel_matmuls"]), "kv_read": min(times["kv_read"]),
+            "kv_bytes": sum(b.numel() * b.element_size() for b in kv),
             "native_steps": engine.model.num_native_steps}
 
 
@@ -127,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {path + ' layers:':15} step {step * 1e3:6.2f} ms (median), "
               f"step / F.linear matmuls {step / mm:.2f}x (matmul efficiency {mm / step:.2f}), "
               f"step / its own matmuls {step / km:.2f}x")
+    floor = km + got["kv_read"]
+    print(f"  floor: its own matmuls + one read of its KV ({got['kv_bytes'] / 1e6:.0f} MB in "
+          f"{got['kv_read'] * 1e3:.2f} ms, best round) = {floor * 1e3:.2f} ms, "
+          f"{floor / mm:.2f}x F.linear; native step / floor {got['native'] / floor:.2f}x")
     if got["native_steps"] == before:
         print("  (the native layers did not run: kernels unavailable or switched off)")
     if args.profile:

@@ -131,8 +131,8 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]] | None:
 def threads_delta(before: dict[int, tuple[str, float]] | None,
                   after: dict[int, tuple[str, float]] | None) -> dict[str, float] | None:
     """CPU seconds by thread name between two ``thread_cpu_s`` readings, the threads of one
-    name summed, most first; a thread started in between counts from zero, one that ended
-    is not seen. None when either reading is unknown."""
+    name summed; a thread started in between counts from zero, one that ended is not seen.
+    None when either reading is unknown."""
     if before is None or after is None:
         return None
     used: dict[str, float] = {}
@@ -140,4 +140,4 @@ def threads_delta(before: dict[int, tuple[str, float]] | None,
         start = before.get(tid)
         spent = seconds - (start[1] if start is not None and start[0] == name else 0.0)
         used[name] = used.get(name, 0.0) + spent
-    return {name: round(s, 3) for name, s in sorted(used.items(), key=lambda kv: -kv[1])}
+    return {name: round(s, 3) for name, s in used.items()}

@@ -73,7 +73,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
             stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
             idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
             after = _cpu_now(client, workers)
-            threads = _by_thread(threads_before, [_threads(w) for w in workers])
+            threads = _summed_by_name(threads_before, [_threads(w) for w in workers])
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
@@ -163,8 +163,9 @@ def _threads(worker: WorkerProcess) -> dict[int, tuple[str, float]] | None:
     return cpu.thread_cpu_s(worker.proc.pid) if worker.proc else None
 
 
-def _by_thread(before: list, after: list) -> dict[str, float]:
-    """CPU seconds by thread name over the workers, summed; empty where one is unknown."""
+def _summed_by_name(before: list, after: list) -> dict[str, float]:
+    """CPU seconds by thread name over the workers, summed, most first; empty where one is
+    unknown."""
     total: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         used = cpu.threads_delta(b, a)

@@ -41,10 +41,22 @@ def test_worker_flags_default_to_the_config_dataclasses():
     for flag, name in [("lease_ms", "lease_ms"), ("max_deliveries", "max_deliveries"),
                        ("drain_timeout", "drain_timeout_s"), ("namespace", "namespace"),
                        ("heartbeat_interval", "heartbeat_interval_s"),
-                       ("metrics_host", "metrics_host")]:
+                       ("metrics_host", "metrics_host"), ("stream_interval", "stream_interval")]:
         assert getattr(args, flag) == field_default(WorkerConfig, name), flag
     bench = build_parser().parse_args(["bench"])
     assert bench.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
+    assert bench.stream_interval == field_default(WorkerConfig, "stream_interval")
+
+
+def test_stream_interval_flag_reaches_the_worker_and_the_benchs_workers(tiny_llama):
+    from worker.bench.systems import choose_systems
+
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
+                                      "--stream-interval", "4"])
+    assert worker_config(args).stream_interval == 4
+    bench = build_parser().parse_args(["bench", "--stream-interval", "3", "--no-place-threads"])
+    (fleet,) = choose_systems(bench, tiny_llama, {}, [], "redis://x", tiny_llama)
+    assert fleet.describe.endswith("tokens published 3 at a time")
 
 
 @pytest.mark.parametrize(("flag", "setting"), [("auto", None), ("on", True), ("off", False)])

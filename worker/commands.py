@@ -97,6 +97,10 @@ def _add_serve_parser(subparsers: Any) -> None:
                    help="schedule each step while the one before runs: auto is on for CUDA "
                    "and off on a CPU, where it was measured slower; a prefill worker never "
                    "does (default: %(default)s)")
+    p.add_argument("--stream-interval", type=int, default=worker("stream_interval"),
+                   metavar="N", help="publish a decoding request's tokens N at a time (its "
+                   "first token and its end at once): fewer writes to Redis and reads by its "
+                   "clients, each token up to N - 1 steps later (default: %(default)s)")
     p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
                    metavar="S", help="seconds between heartbeats (status and load in Redis; "
                    "default: %(default)s)")
@@ -231,6 +235,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           place_threads=args.place_threads,
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
                           handoff_max_waiting=args.handoff_max_waiting,
+                          stream_interval=args.stream_interval,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
     return config
 

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, against the time of its own weight matmuls.
 
-    python -m worker.bench.decode_step [--batch 64] [--threads 2] [--profile]
+    python -m worker.bench.decode_step [--batch 64] [--threads 2] [--block-size N] [--profile]
 
 Measures, in one process and at one thread count, in interleaved rounds so that both sides
 of every ratio see the same machine: the greedy decode step at ``batch`` requests of
@@ -142,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="token slots per KV block (default: the engine's)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     # Detokenizing is the publisher's work in a worker, on its own thread, not the step's.
+    blocks = {} if args.block_size is None else {"block_size": args.block_size}
     engine = decoding_engine(model_with_vocab(8192, args.models), "greedy", args.batch,
-                             args.threads, detokenize=False)
+                             args.threads, detokenize=False, **blocks)
     before = engine.model.num_native_steps
     with long_lived_frozen():  # as a worker process is once its engine is built
         got = measure(engine, args.batch, args.steps)

@@ -60,6 +60,10 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
            more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = ()) -> System:
     """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role."""
     flags = worker_flags(engine, args.threads)
+    interval = getattr(args, "stream_interval", 1)
+    if interval != 1:
+        flags += ["--stream-interval", str(interval)]
+        more = tuple((*f, "--stream-interval", str(interval)) for f in more)
     # One worker places its threads (worker/fleet/cpu_placement.py), and the bench puts its
     # client and its own Redis on the worker's I/O CPUs meanwhile, as a deployment on a
     # shared machine would; several workers on these CPUs are left to the OS.
@@ -78,8 +82,11 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
                              placement, args.redis is None)
         describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
             + ", this process the client"
+    if interval != 1:
+        describe += f", tokens published {interval} at a time"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
-                if not roles else len(roles), "roles": list(roles) or ["both"]}
+                if not roles else len(roles), "roles": list(roles) or ["both"],
+                "stream_interval": interval}
     return System(name, lambda repeat: run_fleet(name, target, items, args.concurrency,
                                                  settings, args.timeout, repeat), describe)
 

@@ -41,6 +41,10 @@ class WorkerConfig:
     read_block_ms: int = 1000
     # Output streams live this long after their last write (renewed on every write).
     output_ttl_s: int = 3600
+    # A decoding request's tokens go out in chunks of this many (its first token and its
+    # final at once): fewer writes for Redis and the clients to handle, each token up to
+    # stream_interval - 1 steps later (worker/fleet/chunk_holder.py). 1: every step.
+    stream_interval: int = 1
     heartbeat_interval_s: float = 2.0
     # On SIGTERM, how long in-flight requests may take to finish; the rest is handed back.
     drain_timeout_s: float = 30.0
@@ -116,6 +120,7 @@ class WorkerConfig:
         if self.handoff_max_waiting is not None:
             _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)
         _at_least("output_ttl_s", self.output_ttl_s, 1)
+        _at_least("stream_interval", self.stream_interval, 1)
         _at_least("lease_ms", self.lease_ms, 1)
         _at_least("max_deliveries", self.max_deliveries, 1)
         _at_least("drain_timeout_s", self.drain_timeout_s, 0)

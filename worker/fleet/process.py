@@ -96,7 +96,7 @@ class Worker:
         self.prefix_finder = (PrefixFinder(self._kv_tier("kv-prefix-reader"), layout,
                                            self._cached_here) if share else None)
         self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
-                                   hand_on=hand_on,
+                                   hand_on=hand_on, stream_interval=config.stream_interval,
                                    prefixes=(PrefixSharer(self._kv_tier("kv-prefix-writer"),
                                                           layout) if share else None), **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)

@@ -29,6 +29,7 @@ import structlog
 
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from worker.fleet.chunk_holder import ChunkHolder
 from worker.fleet.handoff import HandOn, HandOnWriter
 from worker.fleet.ownership import OwnedEntries
 from worker.fleet.prefix_share import PrefixSharer, SharePrefix
@@ -140,13 +141,16 @@ class Publisher(SupervisedThread):
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
                  text: TextStage, hand_on: HandOnWriter | None = None,
-                 prefixes: PrefixSharer | None = None, **supervision: Any) -> None:
+                 prefixes: PrefixSharer | None = None, stream_interval: int = 1,
+                 **supervision: Any) -> None:
         super().__init__("publisher", worker_id=worker_id, **supervision)
         # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
         self.hand_on = hand_on
         # Workers sharing prefixes: puts computed prompt blocks in the KV tier.
         self.prefixes = prefixes
         self.text = text
+        # Holds a decoding request's chunks until they carry stream_interval tokens.
+        self.holder = ChunkHolder(stream_interval)
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
@@ -190,7 +194,11 @@ class Publisher(SupervisedThread):
     def tick(self) -> None:
         if self._owed is None:
             batch = self._take()
-            self._owed = self._prepare(batch) if batch else None
+            ready = self._prepare(batch) if batch else []
+            # Held chunks leave with their request's next output, or at the latest with the
+            # batch that no longer steps it; all of them when closing or idle (no batch).
+            self._owed = self.holder.release(ready, set(self._forgotten),
+                                             flush_all=batch is None or self._closing) or None
         if self._owed:
             self._write(self._owed)
         self._owed = None

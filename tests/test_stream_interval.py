@@ -1,0 +1,166 @@
+"""A worker's ``stream_interval``: a decoding request's tokens go out N at a time, its first
+token and its end at once, and nothing is held past the step that no longer runs it. The
+stream's content (tokens, text, entry ids as token indexes) is the same as chunk by chunk."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fleet_fixtures import MODEL, settled_pending
+
+from producer.client import Client
+from producer.clock import ManualClock, SystemClock
+from producer.wire.keys import Keys
+from producer.wire.protocol import FinalEntry, OutputChunk
+from worker import Engine, SamplingParams
+from worker.fleet.chunk_holder import ChunkHolder
+from worker.fleet.config import WorkerConfig
+from worker.fleet.publisher import Publication, Publisher
+from worker.fleet.text_stage import TextStage
+
+KEYS = Keys()
+
+
+def step(rid: str, index: int, logprobs: bool = False) -> Publication:
+    """One decode step's output of ``rid``: token ``index``."""
+    lp = [[-0.5, [[100 + index, -0.5]]]] if logprobs else None
+    return Publication(rid, OutputChunk(index, [100 + index], f"t{index} ", lp))
+
+
+def final(rid: str, index: int, ack: tuple[str, str] | None = ("stream", "1-0")) -> Publication:
+    """The step that ends ``rid`` with token ``index`` (and the request entry to ack)."""
+    return Publication(rid, OutputChunk(index, [100 + index], f"t{index} "),
+                       FinalEntry("length", index + 1, 3), ack=ack)
+
+
+def spans(items: list[Publication]) -> list[tuple[str, int, int, bool]]:
+    """(request, first index, tokens, whether it ends the request) of each publication."""
+    return [(p.request_id, p.chunk.index if p.chunk else -1,
+             len(p.chunk.token_ids) if p.chunk else 0, p.final is not None) for p in items]
+
+
+def test_interval_one_passes_everything_through_as_it_is():
+    holder = ChunkHolder(1)
+    items = [step("a", 0), step("a", 1)]
+    assert holder.release(items) is items
+
+
+@pytest.mark.parametrize("interval", [0, -2])
+def test_an_interval_below_one_is_refused(interval):
+    with pytest.raises(ValueError, match="stream interval"):
+        ChunkHolder(interval)
+    with pytest.raises(ValueError, match="stream_interval"):
+        WorkerConfig(model_dir="m", stream_interval=interval)
+
+
+def test_first_token_at_once_then_every_interval_tokens_and_the_final_takes_the_rest():
+    holder = ChunkHolder(3)
+    out = []
+    for i in range(8):  # tokens 0..7 in eight steps, then the final with token 8
+        out += holder.release([step("a", i)])
+    out += holder.release([final("a", 8)])
+    assert spans(out) == [("a", 0, 1, False), ("a", 1, 3, False), ("a", 4, 3, False),
+                          ("a", 7, 2, True)]
+    assert [t for p in out for t in p.chunk.token_ids] == [100 + i for i in range(9)]
+    assert "".join(p.chunk.text for p in out) == "".join(f"t{i} " for i in range(9))
+    # Entry ids are token indexes: each chunk's is past the one before.
+    ids = [int(p.chunk.entry_id.split("-")[0]) for p in out]
+    assert ids == sorted(ids) and ids[-1] == 9
+    assert out[-1].ack == ("stream", "1-0") and holder.held_requests == 0
+
+
+def test_logprobs_are_joined_with_their_tokens():
+    holder = ChunkHolder(2)
+    out = holder.release([step("a", 0, logprobs=True)])
+    out += holder.release([step("a", 1, logprobs=True)])
+    out += holder.release([step("a", 2, logprobs=True)])
+    assert spans(out) == [("a", 0, 1, False), ("a", 1, 2, False)]
+    assert [lp[1][0][0] for lp in out[1].chunk.logprobs] == [101, 102]
+
+
+def test_a_request_a_step_leaves_out_gets_its_held_tokens_at_once():
+    holder = ChunkHolder(4)
+    holder.release([step("a", 0), step("b", 0)])  # both first tokens go out
+    assert spans(holder.release([step("a", 1), step("b", 1)])) == []
+    assert holder.held_requests == 2
+    # "b" is not in this step (preempted, say): its token 1 goes now, "a"'s stays held.
+    assert spans(holder.release([step("a", 2)])) == [("b", 1, 1, False)]
+    # Output with no step in it says nothing of who runs: nothing leaves.
+    assert holder.release([]) == [] and holder.held_requests == 1
+    # Idle (no batch for a while) or closing: everything leaves.
+    assert spans(holder.release([], flush_all=True)) == [("a", 1, 2, False)]
+    assert holder.held_requests == 0
+
+
+def test_a_request_that_ended_here_without_a_final_gets_its_held_tokens_written():
+    holder = ChunkHolder(4)
+    holder.release([step("a", 0)])
+    holder.release([step("a", 1)])
+    # Cancelled or its lease lost: what it produced is written, as with an interval of 1.
+    assert spans(holder.release([step("a", 2)], ended={"a"})) == [("a", 1, 2, False)]
+    # The same id served again later (claimed back): its first token goes at once again.
+    assert spans(holder.release([step("a", 0)])) == [("a", 0, 1, False)]
+
+
+def test_other_output_of_a_request_goes_after_its_held_tokens():
+    from worker.fleet.publisher import Rejection
+
+    holder = ChunkHolder(4)
+    holder.release([step("a", 0)])
+    holder.release([step("a", 1)])
+    rejection = Rejection("stream", "1-0", "bad", request_id="a", write_final=False)
+    out = holder.release([rejection, step("b", 0)])
+    assert out[0].request_id == "a" and out[0].chunk.token_ids == [101]
+    assert out[1] is rejection
+
+
+def test_the_publisher_writes_chunks_of_the_interval_to_redis(redis_client):
+    publisher = Publisher(redis_client, KEYS, "w-interval", 600,
+                          TextStage(None, lambda rid: None), stream_interval=3,
+                          clock=ManualClock())
+    for i in range(6):
+        publisher.publish([step("r-int", i)])
+        publisher.tick()
+    publisher.publish([final("r-int", 6, ack=None)])
+    publisher.tick()
+    entries = redis_client.xrange(KEYS.output("r-int"))
+    # Token 0 alone, tokens 1-3, then 4-5 joined to the final's token 6.
+    assert [e[0].decode() for e in entries] == ["1-0", "4-0", "7-0", "7-1"]
+
+
+def test_close_writes_what_is_held(redis_client):
+    publisher = Publisher(redis_client, KEYS, "w-interval-close", 600,
+                          TextStage(None, lambda rid: None), stream_interval=8,
+                          clock=SystemClock())
+    publisher.start()
+    publisher.publish([step("r-close", 0)])
+    publisher.publish([step("r-close", 1)])
+    publisher.publish([step("r-close", 2)])
+    assert publisher.close(timeout=30)
+    ids = [e[0].decode() for e in redis_client.xrange(KEYS.output("r-close"))]
+    assert ids == ["1-0", "3-0"]
+
+
+def test_a_worker_with_an_interval_gives_the_offline_engines_results(redis_url, tiny_llama,
+                                                                     start_worker):
+    start_worker(config={"stream_interval": 4})
+    client = Client(redis_url)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 1000) for _ in range(n)] for n in (5, 30)]
+    sampling = dict(max_tokens=11, temperature=0, ignore_eos=True)
+    ids = [client.submit(p, model=MODEL, **sampling) for p in prompts]
+    streams = [list(client.stream(rid, timeout=60)) for rid in ids]
+    offline = Engine(tiny_llama, dtype="float64", num_kv_blocks=512)
+    want = offline.generate(prompts, SamplingParams(**sampling))
+    for events, expected in zip(streams, want, strict=True):
+        chunks, end = events[:-1], events[-1]
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in chunks) == expected.text
+        assert end.num_tokens == 11
+        # The first token alone; no chunk carries more than the interval, but the last,
+        # which may carry what was held with the final's own token.
+        assert len(chunks[0].token_ids) == 1
+        assert all(len(c.token_ids) <= 4 for c in chunks[1:-1])
+        assert len(chunks) < 11
+    assert settled_pending(client.redis) == 0

@@ -5,14 +5,19 @@ stream's content (tokens, text, entry ids as token indexes) is the same as chunk
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+import msgpack
 import pytest
+import redis
 from fleet_fixtures import MODEL, settled_pending
+from redis_fixtures import REDIS_VERSIONS, redis_binary
 
 from producer.client import Client
 from producer.clock import ManualClock, SystemClock
+from producer.redis_server import start_ephemeral
 from producer.wire.keys import Keys
-from producer.wire.protocol import FinalEntry, OutputChunk
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
 from worker.fleet.chunk_holder import ChunkHolder
 from worker.fleet.config import WorkerConfig
@@ -127,6 +132,99 @@ def test_the_publisher_writes_chunks_of_the_interval_to_redis(redis_client):
     entries = redis_client.xrange(KEYS.output("r-int"))
     # Token 0 alone, tokens 1-3, then 4-5 joined to the final's token 6.
     assert [e[0].decode() for e in entries] == ["1-0", "4-0", "7-0", "7-1"]
+
+
+def written_tokens(r, rid: str) -> list[tuple[int, list[int], str]]:
+    """(index, tokens, text) of each chunk on ``rid``'s stream, in order."""
+    out = []
+    for _, fields in r.xrange(KEYS.output(rid)):
+        message = msgpack.unpackb(fields[FIELD])
+        if message["kind"] == "chunk":
+            out.append((message["index"], message["token_ids"], message["text"]))
+    return out
+
+
+def writer(redis_client, name: str, interval: int, rid: str, start: int, end: int):
+    """A worker's publisher and what it writes of ``rid``'s tokens ``start`` to ``end``
+    (its first chunk alone, then joined in runs of ``interval``), one write at a time."""
+    # The holder joins the chunks here, so that the writes can be interleaved one by one.
+    publisher = Publisher(redis_client, KEYS, name, 600, TextStage(None, lambda r: None),
+                          clock=ManualClock())
+    holder = ChunkHolder(interval)
+    batches = [holder.release([step(rid, i)]) for i in range(start, end)]
+    batches.append(holder.release([], flush_all=True))
+    return publisher, [b for b in batches if b]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_two_writers_joining_different_runs_write_every_index_once(redis_client, seed):
+    """A worker that lost its lease and the one that claimed the request both write it,
+    their joined chunks ending at different places, in any interleaving: each token index
+    is on the stream once, in order, and the text is whole."""
+    rng = random.Random(seed)
+    rid = f"r-fence-{seed}"
+    total = 20
+    resumed_at = rng.randrange(1, 12)
+    old, old_writes = writer(redis_client, "w-old", rng.choice([2, 3, 4]), rid, 0, total)
+    new, new_writes = writer(redis_client, "w-new", rng.choice([2, 3, 5]), rid, resumed_at,
+                             total)
+    # The new owner starts once the stream holds what it resumes from: the old worker's
+    # writes up to the one that covers index resumed_at - 1.
+    while not written_tokens(redis_client, rid) or sum(
+            len(t) for _, t, _ in written_tokens(redis_client, rid)) < resumed_at:
+        old.publish(old_writes.pop(0))
+        old.tick()
+    queues = [(old, old_writes), (new, new_writes)]
+    while any(w for _, w in queues):
+        pub, writes = rng.choice([q for q in queues if q[1]])
+        pub.publish(writes.pop(0))
+        pub.tick()
+    chunks = written_tokens(redis_client, rid)
+    indexes = [c[0] + k for c in chunks for k in range(len(c[1]))]
+    assert indexes == list(range(total))
+    assert [t for c in chunks for t in c[1]] == [100 + i for i in range(total)]
+    assert "".join(c[2] for c in chunks) == "".join(f"t{i} " for i in range(total))
+
+
+def test_a_joined_chunk_past_an_entry_that_ends_inside_it_goes_piece_by_piece(redis_client):
+    rid = "r-pieces"
+    key = KEYS.output(rid)
+    publisher = Publisher(redis_client, KEYS, "w-pieces", 600, TextStage(None, lambda r: None),
+                          clock=ManualClock())
+    redis_client.xadd(key, {FIELD: OutputChunk(0, [100, 101], "t0 t1 ").encode()}, id="2-0")
+    holder = ChunkHolder(4)
+    holder.release([step(rid, 0)])  # its first chunk; this writer's own was written above
+    assert all(holder.release([step(rid, i)]) == [] for i in (1, 2, 3))  # held
+    (run,) = holder.release([step(rid, 4)])
+    assert run.chunk.index == 1 and len(run.pieces) == 4
+    publisher.publish([run])
+    publisher.tick()
+    # Token 1 was there (in the entry ending at 2): tokens 2, 3 and 4 went one by one.
+    assert [(i, t) for i, t, _ in written_tokens(redis_client, rid)] == [
+        (0, [100, 101]), (2, [102]), (3, [103]), (4, [104])]
+
+
+@pytest.mark.parametrize("version", REDIS_VERSIONS)
+def test_the_joined_append_behaves_alike_on_each_redis(tmp_path, version):
+    """APPEND_JOINED on Redis 6.2 and 7: whole where the stream ends right before it, piece
+    by piece past another writer's entry, nothing where every piece is written."""
+    with start_ephemeral(tmp_path, binary=redis_binary(version), appendonly="no") as server:
+        r = redis.Redis.from_url(server.url)
+        publisher = Publisher(r, KEYS, "w-versions", 600, TextStage(None, lambda x: None),
+                              clock=ManualClock())
+        holder = ChunkHolder(3)
+        runs = [holder.release([step("v", i)]) for i in range(7)]
+        first, run_a, run_b = (b for b in runs if b)  # [0], [1..3], [4..6]
+        for batch in (first, run_a):
+            publisher.publish(batch)
+            publisher.tick()
+        r.xadd(KEYS.output("v"), {FIELD: step("v", 4).chunk.encode()}, id="5-0")  # another writer
+        publisher.publish(run_b)
+        publisher.tick()
+        publisher.publish([replace(p, written=False) for p in run_b])  # again: all there
+        publisher.tick()
+        assert [(i, len(t)) for i, t, _ in written_tokens(r, "v")] == [
+            (0, 1), (1, 3), (4, 1), (5, 1), (6, 1)]
 
 
 def test_close_writes_what_is_held(redis_client):

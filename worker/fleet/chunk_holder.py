@@ -9,10 +9,17 @@ divides that price by ``interval``; each token then waits up to ``interval - 1``
 longer to be seen. vLLM's ``stream_interval`` makes the same trade.
 
 What is never held: a request's first chunk (time to first token stays as it is), a final
-(with whatever was held before it, in one chunk), anything of a request that a batch does
-not step (a preempted or waiting request's tokens do not wait for its next step), and
-everything when the publisher closes. Held chunks are the publisher's prepared output:
-stop strings were applied and text decoded before holding, so a stop is seen at once.
+(with whatever was held before it, in one chunk), anything of a request that a step leaves
+out (a preempted or waiting request's tokens do not wait for its next step) or that ended
+here (cancelled, its lease lost), and everything when the publisher closes or the engine
+idles. Held chunks are the publisher's prepared output: stop strings were applied and text
+decoded before holding, so a stop is seen at once.
+
+A joined chunk keeps the steps' chunks it was made of (``Publication.pieces``): its entry id
+says only where it ends, so two writers of one request (a worker that lost its lease and
+the one that claimed it) that joined different runs of tokens could otherwise write some
+indexes twice. The publisher appends a joined chunk only where the stream ends right before
+it, and otherwise its pieces one by one (worker/fleet/publisher.py, ``APPEND_JOINED``).
 """
 
 from __future__ import annotations
@@ -22,30 +29,35 @@ from dataclasses import replace
 from producer.wire.protocol import OutputChunk
 
 
-def merged(first: OutputChunk, then: OutputChunk) -> OutputChunk:
-    """One chunk with ``first``'s tokens then ``then``'s (which must follow them)."""
-    logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = (first.logprobs or []) + (then.logprobs or [])
-    return OutputChunk(first.index, first.token_ids + then.token_ids, first.text + then.text,
-                       logprobs)
+def joined(pieces: list[OutputChunk]) -> OutputChunk:
+    """One chunk with the pieces' tokens, text and log-probabilities, in order."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    logprobs = None if first.logprobs is None else [lp for p in pieces for lp in p.logprobs]
+    return OutputChunk(first.index, [t for p in pieces for t in p.token_ids],
+                       "".join(p.text for p in pieces), logprobs)
 
 
-def follows(first: OutputChunk, then: OutputChunk) -> bool:
-    return first.index + len(first.token_ids) == then.index
+def follows(pieces: list[OutputChunk], then: OutputChunk) -> bool:
+    """Whether ``then`` can join ``pieces``: its tokens come right after theirs, and it has
+    log-probabilities exactly when they do (a joined chunk's must match its tokens)."""
+    last = pieces[-1]
+    return (last.index + len(last.token_ids) == then.index
+            and (last.logprobs is None) == (then.logprobs is None))
 
 
 class ChunkHolder:
     """Holds prepared publications (worker/fleet/publisher.py's ``Publication``) by request
-    until their chunk carries ``interval`` tokens; ``release`` gives back what to write."""
+    until their chunks carry ``interval`` tokens; ``release`` gives back what to write."""
 
     def __init__(self, interval: int) -> None:
         if interval < 1:
             raise ValueError(f"stream interval must be >= 1, got {interval}")
         self.interval = interval
-        # Requests whose first chunk went out, and each one's held chunk (if any).
+        # Requests whose first chunk went out, and each one's held chunks (if any).
         self._started: set[str] = set()
-        self._held: dict[str, OutputChunk] = {}
+        self._held: dict[str, list[OutputChunk]] = {}
 
     @property
     def held_requests(self) -> int:
@@ -67,55 +79,52 @@ class ChunkHolder:
         for item in items:
             rid = getattr(item, "request_id", None)
             if type(item) is not Publication:
-                if rid is not None and rid in self._held:  # its tokens go out before it
-                    out.append(Publication(rid, self._held.pop(rid)))
+                if rid in self._held:  # its tokens go out before it
+                    out.append(self._publication(rid, self._held.pop(rid)))
+                out.append(item)
+                continue
+            held = self._held.pop(rid, None)
+            if item.chunk is None:  # a final alone (a cancel, a stop): no step's tokens
+                if held is not None:
+                    out.append(self._publication(rid, held))
+                if item.final is not None:
+                    self._started.discard(rid)
                 out.append(item)
                 continue
             stepped.add(rid)
-            held = self._held.pop(rid, None)
+            pieces = [item.chunk]
+            if held is not None:
+                if follows(held, item.chunk):
+                    pieces = held + pieces
+                else:  # not joinable: each goes as it is
+                    out.append(self._publication(rid, held))
             if item.final is not None:
                 self._started.discard(rid)
-                out.extend(self._before_final(rid, held, item))
-                continue
-            if item.chunk is None:
-                if held is not None:
-                    out.append(Publication(rid, held))
-                out.append(item)
-                continue
-            if rid not in self._started:  # its first chunk: at once
+                out.append(self._with_pieces(item, pieces))
+            elif rid not in self._started:  # its first chunk: at once
                 self._started.add(rid)
-                if held is not None:
-                    out.append(Publication(rid, held))
-                out.append(item)
-                continue
-            chunk = item.chunk
-            if held is not None:
-                if follows(held, chunk):
-                    chunk = merged(held, chunk)
-                else:  # not contiguous (not expected): each goes as it is
-                    out.append(Publication(rid, held))
-            if len(chunk.token_ids) >= self.interval or item.ack is not None:
-                out.append(item if chunk is item.chunk else replace(item, chunk=chunk))
+                out.append(self._with_pieces(item, pieces))
+            elif sum(len(p.token_ids) for p in pieces) >= self.interval or item.ack is not None:
+                out.append(self._with_pieces(item, pieces))
             else:
-                self._held[rid] = chunk
+                self._held[rid] = pieces
         for rid in ended:
             self._started.discard(rid)
         # Items with no step in them (the engine loop's other messages) say nothing of who
         # was stepped.
         for rid in [r for r in self._held
                     if flush_all or r in ended or (stepped and r not in stepped)]:
-            out.append(Publication(rid, self._held.pop(rid)))
+            out.append(self._publication(rid, self._held.pop(rid)))
         return out
 
     @staticmethod
-    def _before_final(rid: str, held: OutputChunk | None, item) -> list:
-        """A final publication with the chunk held before it joined to its own."""
-        if held is None:
-            return [item]
-        if item.chunk is None:
-            return [replace(item, chunk=held)]
-        if follows(held, item.chunk):
-            return [replace(item, chunk=merged(held, item.chunk))]
+    def _publication(rid: str, pieces: list[OutputChunk]):
         from worker.fleet.publisher import Publication
 
-        return [Publication(rid, held), item]
+        return Publication(rid, joined(pieces), pieces=pieces if len(pieces) > 1 else None)
+
+    @staticmethod
+    def _with_pieces(item, pieces: list[OutputChunk]):
+        if len(pieces) == 1:
+            return item
+        return replace(item, chunk=joined(pieces), pieces=pieces)

@@ -58,6 +58,32 @@ class WriteRefused(redis.ResponseError):
     """Redis refused a write a batch needs: nothing of the batch was acknowledged."""
 
 
+# Appends a joined chunk (ARGV: the id the stream must end at, the chunk's id, the field, its
+# message, then each piece's id and message) as one entry where the stream ends right before
+# it; anywhere else (another writer got there first, or the stream is gone), each piece whose
+# id is past the stream's end as an entry of its own. A joined chunk's id tells only where it
+# ends, so appending it past an entry that ends inside it would write those indexes twice;
+# a piece's id is as exact a fence as a single step's chunk. Returns how many entries it
+# added; a refusal other than "equal or smaller" (out of memory, read-only) is the reply.
+APPEND_JOINED = """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 and top[1][1] == ARGV[1] then
+  redis.call('XADD', KEYS[1], ARGV[2], ARGV[3], ARGV[4])
+  return 1
+end
+local added = 0
+for i = 5, #ARGV, 2 do
+  local r = redis.pcall('XADD', KEYS[1], ARGV[i], ARGV[3], ARGV[i + 1])
+  if type(r) == 'table' and r.err then
+    if not string.find(r.err, 'equal or smaller', 1, true) then return r end
+  else
+    added = added + 1
+  end
+end
+return added
+"""
+
+
 def already_written(result: object) -> bool:
     """An XADD refused for an id at or below the stream's top: that index is written."""
     return isinstance(result, redis.ResponseError) and "equal or smaller" in str(result)
@@ -77,6 +103,9 @@ class Publication:
     # Progress across retries: every entry is in Redis; the final was there before our XADD.
     written: bool = False
     final_existed: bool = False
+    # A chunk joined from several steps' chunks (worker/fleet/chunk_holder.py): those, in
+    # order, written one by one where the stream does not end right before the joined one.
+    pieces: list[OutputChunk] | None = None
 
 
 @dataclass
@@ -405,7 +434,15 @@ class Publisher(SupervisedThread):
 
     def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
         key = self._output_key(item.request_id)
-        for kind, entry in (("chunk", item.chunk), ("final", item.final)):
+        if item.pieces:
+            chunk = item.chunk
+            assert chunk is not None, "pieces without their joined chunk"
+            commands.append(Command(item, "chunk", key, (
+                "EVAL", APPEND_JOINED, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
+                chunk.encode(), *(part for piece in item.pieces
+                                  for part in (piece.entry_id, piece.encode())))))
+        for kind, entry in (("chunk", None if item.pieces else item.chunk),
+                            ("final", item.final)):
             if entry is not None:
                 commands.append(Command(item, kind, key, (
                     "XADD", key, entry.entry_id, FIELD, entry.encode())))

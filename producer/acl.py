@@ -80,7 +80,7 @@ WORKER_COMMANDS = (
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "hdel", "del",  # heartbeat hash (removed at exit), the model hash (and its template)
     "sadd", "srem", "smembers",  # the models and workers sets (dead workers pruned)
-    "evalsha", "eval", "script|load",  # lease renewal, reloaded after a Redis restart
+    "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), joined chunks
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
     "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
 )

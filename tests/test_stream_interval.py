@@ -21,7 +21,7 @@ from producer.wire.protocol import FIELD, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
 from worker.fleet.chunk_holder import ChunkHolder
 from worker.fleet.config import WorkerConfig
-from worker.fleet.publisher import Publication, Publisher
+from worker.fleet.publisher import Publication, Publisher, WriteRefused
 from worker.fleet.text_stage import TextStage
 
 KEYS = Keys()
@@ -225,6 +225,61 @@ def test_the_joined_append_behaves_alike_on_each_redis(tmp_path, version):
         publisher.tick()
         assert [(i, len(t)) for i, t, _ in written_tokens(r, "v")] == [
             (0, 1), (1, 3), (4, 1), (5, 1), (6, 1)]
+
+
+def test_a_refused_joined_chunk_and_its_final_land_together_on_the_retry(redis_client):
+    """Redis out of memory (noeviction): the joined chunk and the final after it are both
+    refused (the final is in the same script), nothing is acknowledged, and the retry
+    writes both, once."""
+    publisher = Publisher(redis_client, KEYS, "w-full", 600, TextStage(None, lambda r: None),
+                          stream_interval=3, clock=ManualClock())
+    publisher.publish([step("r-full", 0)])
+    publisher.tick()
+    for i in (1, 2):
+        publisher.publish([step("r-full", i)])
+        publisher.tick()
+    assert publisher.holder.held_requests == 1
+    refusals = int(redis_client.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+    redis_client.config_set("maxmemory", "1")
+    try:
+        publisher.publish([final("r-full", 3, ack=None)])
+        with pytest.raises(WriteRefused):
+            publisher.tick()
+        assert int(redis_client.info("errorstats")["errorstat_OOM"]["count"]) > refusals
+        assert [e[0] for e in redis_client.xrange(KEYS.output("r-full"))] == [b"1-0"]
+    finally:
+        redis_client.config_set("maxmemory", "0")
+    publisher.tick()  # the owed batch, as the supervisor's retry runs it
+    assert [e[0] for e in redis_client.xrange(KEYS.output("r-full"))] == [
+        b"1-0", b"4-0", b"4-1"]
+
+
+def test_a_cancels_final_takes_the_held_tokens_with_it():
+    holder = ChunkHolder(4)
+    holder.release([step("c", 0)])
+    holder.release([step("c", 1)])
+    cancelled = Publication("c", None, FinalEntry("cancelled", 2, 3))
+    (out,) = holder.release([cancelled])
+    assert out.final is cancelled.final and out.chunk.token_ids == [101]
+    assert holder.held_requests == 0
+
+
+def test_several_steps_in_one_batch_give_one_joined_chunk_after_the_rest():
+    """A batch of several steps (the publisher behind): per request at most one joined
+    chunk, last of its output; what must go before other output goes step by step."""
+    from worker.fleet.publisher import Rejection
+
+    holder = ChunkHolder(2)
+    holder.release([step("a", 0)])
+    out = holder.release([step("a", 1), step("a", 2), step("a", 3), step("a", 4)])
+    assert spans(out) == [("a", 1, 4, False)] and len(out[0].pieces) == 4
+    holder.release([step("a", 5)])  # held
+    rejection = Rejection("s", "1-0", "duplicate id", request_id="a", write_final=False)
+    out = holder.release([step("a", 6), rejection, step("a", 7), final("a", 8)])
+    # Tokens 5 and 6 one by one before the rejection, then 7 joined to the final's 8.
+    assert [(p.request_id, p.chunk.index if getattr(p, "chunk", None) else None)
+            for p in out] == [("a", 5), ("a", 6), ("a", None), ("a", 7)]
+    assert out[2] is rejection and out[3].final is not None and len(out[3].pieces) == 2
 
 
 def test_close_writes_what_is_held(redis_client):

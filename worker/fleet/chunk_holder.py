@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from producer.wire.protocol import OutputChunk
+from worker.fleet.publication import Publication
 
 
 def joined(pieces: list[OutputChunk]) -> OutputChunk:
@@ -69,62 +70,71 @@ class ChunkHolder:
         back, with held chunks put before the next output of their request. Nothing stays
         held of a request in ``ended`` (ended here without a final of ours: cancelled, its
         lease lost, handed on), of one the items' steps leave out, or of any with
-        ``flush_all`` (closing, or no step for a while)."""
+        ``flush_all`` (closing, or no step for a while).
+
+        A request's joined chunk (with its final, if any) is the last of its output in what
+        this returns, and there is at most one: the publisher writes it by a script, and a
+        write after a refused script in the same transaction could land over missing
+        tokens. Whatever must go before something else goes as its steps' chunks, one by
+        one."""
         if self.interval == 1:
             return items
-        from worker.fleet.publisher import Publication  # the publisher imports this module
-
         out: list = []
-        stepped: set[str] = set()
+        # This call's pieces by request (held ones first), in the order requests came.
+        taken: dict[str, list[OutputChunk]] = {}
         for item in items:
             rid = getattr(item, "request_id", None)
             if type(item) is not Publication:
-                if rid in self._held:  # its tokens go out before it
-                    out.append(self._publication(rid, self._held.pop(rid)))
+                out.extend(self._singly(rid, self._take(rid, taken)))  # before it
                 out.append(item)
                 continue
-            held = self._held.pop(rid, None)
-            if item.chunk is None:  # a final alone (a cancel, a stop): no step's tokens
-                if held is not None:
-                    out.append(self._publication(rid, held))
-                if item.final is not None:
-                    self._started.discard(rid)
+            if rid not in self._started and rid not in self._held and rid not in taken:
+                if item.final is None:  # its first chunk: at once
+                    self._started.add(rid)
                 out.append(item)
                 continue
-            stepped.add(rid)
-            pieces = [item.chunk]
-            if held is not None:
-                if follows(held, item.chunk):
-                    pieces = held + pieces
-                else:  # not joinable: each goes as it is
-                    out.append(self._publication(rid, held))
-            if item.final is not None:
-                self._started.discard(rid)
-                out.append(self._with_pieces(item, pieces))
-            elif rid not in self._started:  # its first chunk: at once
-                self._started.add(rid)
-                out.append(self._with_pieces(item, pieces))
-            elif sum(len(p.token_ids) for p in pieces) >= self.interval or item.ack is not None:
-                out.append(self._with_pieces(item, pieces))
+            pieces = self._take(rid, taken)
+            if item.chunk is not None:
+                if pieces and not follows(pieces, item.chunk):  # not joinable
+                    out.extend(self._singly(rid, pieces))
+                    pieces = []
+                pieces.append(item.chunk)
+            if item.final is None:
+                taken[rid] = pieces
+                continue
+            self._started.discard(rid)  # its end: with what came before it
+            if len(pieces) > 1:
+                out.append(replace(item, chunk=joined(pieces), pieces=pieces))
+            elif pieces:
+                out.append(replace(item, chunk=pieces[0]))
             else:
-                self._held[rid] = pieces
+                out.append(item)
         for rid in ended:
             self._started.discard(rid)
+        stepped = set(taken)
+        for rid, pieces in taken.items():
+            if flush_all or rid in ended or (
+                    sum(len(p.token_ids) for p in pieces) >= self.interval):
+                out.append(self._publication(rid, pieces))
+            else:
+                self._held[rid] = pieces
         # Items with no step in them (the engine loop's other messages) say nothing of who
         # was stepped.
-        for rid in [r for r in self._held
-                    if flush_all or r in ended or (stepped and r not in stepped)]:
+        for rid in [r for r in self._held if r not in stepped and (
+                flush_all or r in ended or stepped)]:
             out.append(self._publication(rid, self._held.pop(rid)))
         return out
 
+    def _take(self, rid: str | None, taken: dict[str, list[OutputChunk]]) -> list[OutputChunk]:
+        """The request's pieces so far (held, then this call's), no longer kept."""
+        if rid is None:
+            return []
+        return self._held.pop(rid, []) + taken.pop(rid, [])
+
+    @staticmethod
+    def _singly(rid: str | None, pieces: list[OutputChunk]) -> list:
+        return [Publication(rid, piece) for piece in pieces]
+
     @staticmethod
     def _publication(rid: str, pieces: list[OutputChunk]):
-        from worker.fleet.publisher import Publication
-
         return Publication(rid, joined(pieces), pieces=pieces if len(pieces) > 1 else None)
-
-    @staticmethod
-    def _with_pieces(item, pieces: list[OutputChunk]):
-        if len(pieces) == 1:
-            return item
-        return replace(item, chunk=joined(pieces), pieces=pieces)

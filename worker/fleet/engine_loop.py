@@ -20,7 +20,8 @@ from worker.fleet.handoff import HandoffReader, HandOn, tokens_hash
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake import Admission
 from worker.fleet.prefix_share import SharePrefix
-from worker.fleet.publisher import Publication, Publisher, Rejection
+from worker.fleet.publication import Publication
+from worker.fleet.publisher import Publisher, Rejection
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Forget, Track
 from worker.metrics import WorkerMetrics

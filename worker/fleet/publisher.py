@@ -28,11 +28,12 @@ import redis
 import structlog
 
 from producer.wire.keys import Keys
-from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
+from producer.wire.protocol import FIELD, error_final, now_ms
 from worker.fleet.chunk_holder import ChunkHolder
 from worker.fleet.handoff import HandOn, HandOnWriter
 from worker.fleet.ownership import OwnedEntries
 from worker.fleet.prefix_share import PrefixSharer, SharePrefix
+from worker.fleet.publication import Publication
 from worker.fleet.raw_pipeline import run_commands
 from worker.fleet.supervised import SupervisedThread
 from worker.fleet.text_stage import Forget, TextStage, Track
@@ -58,54 +59,45 @@ class WriteRefused(redis.ResponseError):
     """Redis refused a write a batch needs: nothing of the batch was acknowledged."""
 
 
-# Appends a joined chunk (ARGV: the id the stream must end at, the chunk's id, the field, its
-# message, then each piece's id and message) as one entry where the stream ends right before
-# it; anywhere else (another writer got there first, or the stream is gone), each piece whose
-# id is past the stream's end as an entry of its own. A joined chunk's id tells only where it
-# ends, so appending it past an entry that ends inside it would write those indexes twice;
-# a piece's id is as exact a fence as a single step's chunk. Returns how many entries it
-# added; a refusal other than "equal or smaller" (out of memory, read-only) is the reply.
+# Appends a joined chunk, and the final after it when there is one. ARGV: the id the stream
+# must end at, the chunk's id, the field, its message, the final's id and message ("" when
+# none), then each piece's id and message. The joined entry goes where the stream ends right
+# before it; anywhere else (another writer got there first, or the stream is gone) each piece
+# whose id is past the stream's end goes as an entry of its own. A joined chunk's id tells
+# only where it ends, so appending it past an entry that ends inside it would write those
+# indexes twice; a piece's id is as exact a fence as a single step's chunk. The final is in
+# the script, not a command after it: Redis 6.2 may refuse a script only as its transaction
+# runs, and a final that then landed alone would close the stream over missing tokens.
+# Returns {entries added, 1 if the final was added / 0 if one was there / -1 if none}; a
+# refusal other than "equal or smaller" (out of memory, read-only) is the reply.
 APPEND_JOINED = """
+local added = 0
+local function add(id, message)
+  local r = redis.pcall('XADD', KEYS[1], id, ARGV[3], message)
+  if type(r) == 'table' and r.err then
+    if string.find(r.err, 'equal or smaller', 1, true) then return false end
+    error(r)
+  end
+  added = added + 1
+  return true
+end
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #top > 0 and top[1][1] == ARGV[1] then
-  redis.call('XADD', KEYS[1], ARGV[2], ARGV[3], ARGV[4])
-  return 1
+  add(ARGV[2], ARGV[4])
+else
+  for i = 7, #ARGV, 2 do add(ARGV[i], ARGV[i + 1]) end
 end
-local added = 0
-for i = 5, #ARGV, 2 do
-  local r = redis.pcall('XADD', KEYS[1], ARGV[i], ARGV[3], ARGV[i + 1])
-  if type(r) == 'table' and r.err then
-    if not string.find(r.err, 'equal or smaller', 1, true) then return r end
-  else
-    added = added + 1
-  end
+local final = -1
+if ARGV[5] ~= '' then
+  if add(ARGV[5], ARGV[6]) then final = 1 else final = 0 end
 end
-return added
+return {added, final}
 """
 
 
 def already_written(result: object) -> bool:
     """An XADD refused for an id at or below the stream's top: that index is written."""
     return isinstance(result, redis.ResponseError) and "equal or smaller" in str(result)
-
-
-@dataclass
-class Publication:
-    """Output of one request in one step: a chunk, a final entry, or both."""
-
-    request_id: str
-    chunk: OutputChunk | None = None
-    final: FinalEntry | None = None
-    # (request stream, entry id) to acknowledge once the final entry is written.
-    ack: tuple[str, str] | None = None
-    # Prompt tokens served from the prefix cache so far (for a final made by a stop string).
-    cached_tokens: int = 0
-    # Progress across retries: every entry is in Redis; the final was there before our XADD.
-    written: bool = False
-    final_existed: bool = False
-    # A chunk joined from several steps' chunks (worker/fleet/chunk_holder.py): those, in
-    # order, written one by one where the stream does not end right before the joined one.
-    pieces: list[OutputChunk] | None = None
 
 
 @dataclass
@@ -381,7 +373,9 @@ class Publisher(SupervisedThread):
         for command, r in results:
             kind = command.kind
             if not isinstance(r, Exception):
-                if kind == "dead" and isinstance(item, Rejection):
+                if kind == "joined" and isinstance(item, Publication) and r[1] == 0:
+                    item.final_existed = True  # as an XADD final met an equal or higher id
+                elif kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
                     self.dead_letters += 1
                 elif kind == "expire" and command.lives_until is not None and item.request_id:
@@ -435,17 +429,17 @@ class Publisher(SupervisedThread):
     def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
         key = self._output_key(item.request_id)
         if item.pieces:
-            chunk = item.chunk
+            chunk, final = item.chunk, item.final
             assert chunk is not None, "pieces without their joined chunk"
-            commands.append(Command(item, "chunk", key, (
+            commands.append(Command(item, "joined", key, (
                 "EVAL", APPEND_JOINED, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
-                chunk.encode(), *(part for piece in item.pieces
-                                  for part in (piece.entry_id, piece.encode())))))
-        for kind, entry in (("chunk", None if item.pieces else item.chunk),
-                            ("final", item.final)):
-            if entry is not None:
-                commands.append(Command(item, kind, key, (
-                    "XADD", key, entry.entry_id, FIELD, entry.encode())))
+                chunk.encode(), final.entry_id if final else "", final.encode() if final else "",
+                *(part for piece in item.pieces for part in (piece.entry_id, piece.encode())))))
+        else:
+            for kind, entry in (("chunk", item.chunk), ("final", item.final)):
+                if entry is not None:
+                    commands.append(Command(item, kind, key, (
+                        "XADD", key, entry.entry_id, FIELD, entry.encode())))
         if item.final is not None:  # an ended stream lives exactly the TTL past its end
             commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
         elif self._renewal_due(self._lives_until.get(item.request_id, now), now):

@@ -100,7 +100,8 @@ class ChunkHolder:
                     pieces = []
                 pieces.append(item.chunk)
             if item.final is None:
-                taken[rid] = pieces
+                if pieces:  # (a publication with neither a chunk nor a final adds nothing)
+                    taken[rid] = pieces
                 continue
             self._started.discard(rid)  # its end: with what came before it
             if len(pieces) > 1:

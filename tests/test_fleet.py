@@ -240,9 +240,13 @@ def test_heartbeat_shows_status_and_load(redis_url, start_worker):
 def test_stop_drains_in_flight_requests(redis_url, start_worker):
     worker = start_worker()
     client = Client(redis_url)
-    ids = [client.submit(prompt(8, seed=i), model=MODEL, max_tokens=30, temperature=0,
+    ids = [client.submit(prompt(8, seed=i), model=MODEL, max_tokens=400, temperature=0,
                          ignore_eos=True) for i in range(6)]
-    next(client.stream(ids[0], timeout=30))
+    # Every request taken (its first token out) before the stop: one still unread in its lane
+    # when the worker stops reading is rightly left there for another worker.
+    for rid in ids:
+        next(client.stream(rid, timeout=30))
+    assert len(worker.inflight) > 0  # the stop meets work in flight
     assert worker.stop(drain_timeout_s=60)
     for rid in ids:
         assert client.result(rid, timeout=1).finish_reason is FinishReason.LENGTH

@@ -72,19 +72,42 @@ def test_sampled_and_seeded_requests_run_and_repeat_in_any_batch(tiny_llama, dty
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype):
+    """A run that swaps and hits the prefix cache gives the tokens of one that does neither.
+
+    The two runs batch differently, and a GPU's (or bfloat16's) matmuls round by shape: in
+    float32 the tokens must be equal; in bfloat16 a greedy request may part from the other
+    run only at a near-tie of that run's top two logits, and seeded sampled requests must
+    agree on most of their tokens (a draw that lands within rounding of a bucket's edge
+    takes its neighbour)."""
     shared = list(range(2, 50))
     work = [shared + [100 + i] * (i + 1) for i in range(24)]
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
-                             seed=i) for i in range(24)]
+                             seed=i, logprobs=2) for i in range(24)]
     free = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=400)
     tight = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=60, swap_blocks=400,
                    preemption_mode="swap", max_num_batched_tokens=256)
-    want = [c.token_ids for c in free.generate(work, params)]
-    got = [c.token_ids for c in tight.generate(work, params)]
+    want = free.generate(work, params)
+    got = tight.generate(work, params)
     stats = tight.stats()
     assert stats["preemptions_swap"] > 0 and stats["swapped_in_blocks"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
-    assert got == want
+    if dtype == "float32":
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        return
+    sampled_total = sampled_agreed = 0
+    for p, ref, out in zip(params, want, got, strict=True):
+        agreed = next((k for k, (a, b) in enumerate(zip(ref.token_ids, out.token_ids,
+                                                            strict=True))
+                       if a != b), len(ref.token_ids))
+        if p.temperature == 0.0:
+            if agreed < len(ref.token_ids):
+                (_, first), (_, second) = ref.logprobs[agreed].top
+                assert first - second <= NEAR_TIE[dtype], \
+                    f"greedy tokens parted at {agreed} with a decisive gap"
+        else:
+            sampled_total += len(ref.token_ids)
+            sampled_agreed += agreed
+    assert sampled_agreed > 0.8 * sampled_total
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,3 +129,25 @@ def test_overlapped_steps_are_the_default_and_match_plain_steps(tiny_llama, dtyp
     assert got == want
     assert overlapped.block_pool.num_free == overlapped.block_pool.num_blocks
     overlapped.close()
+
+
+def test_decode_steps_run_a_fused_attention_kernel_but_cudnns(tiny_llama):
+    """cuDNN's attention builds a plan for every new shape, and a decode's context grows
+    every step (~9.5 ms of host time a call on an H200): bfloat16 steps, where torch would
+    pick it, run another fused kernel, not the math one (which rounds the scores)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(tiny_llama, device="cuda", dtype="bfloat16", async_scheduling=False)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for i in range(8):
+        engine.add_request([5 + i] * (20 + 7 * i), params)
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            engine.step()
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops
+    assert not any("cudnn_attention" in op or "attention_math" in op for op in ops), sorted(ops)
+    assert any("efficient_attention" in op or "flash_attention" in op for op in ops), sorted(ops)
+    engine.close()

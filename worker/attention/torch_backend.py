@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from worker.attention.metadata import AttentionMetadata
 
@@ -26,6 +27,13 @@ PREFILL_QUERY_TILE = 1024
 # shortest, unless the group would have fewer than DECODE_GROUP_MIN members.
 DECODE_GROUP_SPREAD = 1.5
 DECODE_GROUP_MIN = 8
+# The fused kernels a CUDA step may use: not cuDNN's, which torch prefers for bfloat16 on
+# recent GPUs but which builds an execution plan for every new shape, and a decode's
+# context grows every step: on an H200 that cost ~9.5 ms of host time a call, 6x the whole
+# step's (docs/benchmarks.md, "On a GPU"). The math kernel only where neither fused one
+# takes the shapes: in bfloat16 it rounds the scores and parts from the reference's tokens.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]
 
 
 @dataclass
@@ -215,11 +223,21 @@ class TorchAttention:
         repeat_kv order. Masked keys hold real (repeated) context rows, never NaN.
         """
         dtype = q.dtype
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2),
-            attn_mask=None if allowed is None else allowed[:, None], is_causal=allowed is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)
+        q, k, v = q.transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
+        mask = None if allowed is None else allowed[:, None]
+        if q.device.type != "cuda":
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=allowed is None, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads)
+            return attended.transpose(1, 2)
+        # The memory-efficient kernel (the one that takes a mask) has no grouped-query mode:
+        # KV heads repeated in transformers' order, query head h reading KV head h // groups.
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = (x[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2) for x in (k, v))
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=allowed is None, scale=self.scale)
         return attended.transpose(1, 2)
 
 

@@ -311,9 +311,10 @@ def test_a_worker_with_an_interval_gives_the_offline_engines_results(redis_url, 
         assert [t for c in chunks for t in c.token_ids] == expected.token_ids
         assert "".join(c.text for c in chunks) == expected.text
         assert end.num_tokens == 11
-        # The first token alone; no chunk carries more than the interval, but the last,
-        # which may carry what was held with the final's own token.
+        # The first token alone, then joined chunks. Their sizes depend on the machine's
+        # pace: a publisher behind by several steps writes all it has in one chunk (larger
+        # than the interval), and one that waits 0.5 s for a step writes what it holds
+        # (smaller); the holder's own tests pin both down.
         assert len(chunks[0].token_ids) == 1
-        assert all(len(c.token_ids) <= 4 for c in chunks[1:-1])
         assert len(chunks) < 11
     assert settled_pending(client.redis) == 0

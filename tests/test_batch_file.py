@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from fleet_fixtures import MODEL
+from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 
 from producer.bulk import run_batch_file
 from producer.bulk.batch_file import parse_line, read_done
@@ -49,7 +49,7 @@ def submitted(client: Client) -> int:
 
 def test_a_200_line_batch_round_trips_and_a_rerun_fills_only_the_missing_half(
         client, start_worker, tmp_path):
-    start_worker(**FAST)
+    start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
     rng = random.Random(0)
     lines = []
     for i in range(200):
@@ -85,7 +85,7 @@ def test_a_200_line_batch_round_trips_and_a_rerun_fills_only_the_missing_half(
 
 
 def test_bad_lines_get_error_lines_and_the_good_ones_still_run(client, start_worker, tmp_path):
-    start_worker(**FAST)
+    start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
     inp = write_lines(tmp_path / "in.jsonl", [
         request_line("ok-1", "The river"),
         "{not json",

@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from fleet_fixtures import MODEL
+from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -80,14 +80,6 @@ def run_burst(redis_url: str, name: str = "conveyor-bulk") -> None:
         connection.close()
 
 
-@pytest.fixture
-def keep_served_requests(monkeypatch):
-    """The worker's reaper trims served entries off the request streams every
-    TRIM_INTERVAL_S of real time; a test that reads back what was sent (batch_requests)
-    would lose them on a machine slow enough for the run to outlast one interval."""
-    from worker.fleet import reaper
-
-    monkeypatch.setattr(reaper, "TRIM_INTERVAL_S", float("inf"))
 
 
 def batch_requests(r) -> list[GenerationRequest]:
@@ -176,8 +168,8 @@ def test_the_job_finds_the_fleet_on_the_server_rq_uses(redis_url):
 
 
 def test_a_20k_token_document_is_mapped_chunk_by_chunk_and_reduced(
-        redis_url, redis_client, tiny_llama, start_worker, keep_served_requests):
-    start_worker(**FAST)
+        redis_url, redis_client, tiny_llama, start_worker):
+    start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
     tok = tokenizer_of(tiny_llama)
     text = document(tok, 20_000)
     doc_ids = tok.encode(text, add_special_tokens=False).ids
@@ -252,8 +244,8 @@ def test_answers_too_long_for_one_context_are_reduced_in_levels(
 
 
 def test_a_chunk_the_fleet_refuses_fails_the_job_at_once_with_the_reason(
-        redis_url, redis_client, tiny_llama, start_worker, keep_served_requests):
-    start_worker(**FAST)
+        redis_url, redis_client, tiny_llama, start_worker):
+    start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
     text = document(tokenizer_of(tiny_llama), 3_000, seed=2)
     # 2,100-token chunks cannot fit the 2,048-token model.
     job = enqueue_analyze(bulk_queue(redis_url), text, "Summarise.", model=MODEL,

@@ -153,3 +153,23 @@ def test_hand_backs_do_not_count_as_deliveries(redis_url, redis_client, start_wo
     done = client.result(rid, timeout=60)
     assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 40
     assert redis_client.xlen(KEYS.dead) == 0
+
+
+def test_served_entries_are_trimmed_every_trim_interval_of_the_workers_clock(
+        redis_url, redis_client, start_worker):
+    clock = ManualClock()
+    worker = start_worker("trimmer", clock=clock, config={"trim_interval_s": 120.0})
+    client = Client(redis_url)
+    rids = [client.submit([5, 6, 7 + i], model=MODEL, max_tokens=2) for i in range(3)]
+    for rid in rids:
+        assert client.result(rid, timeout=60).finish_reason is FinishReason.LENGTH
+    eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
+    assert redis_client.xlen(STREAM) == 3  # served, and kept until a trim
+
+    ticks = worker.reaper.ticks
+    clock.advance(60.0)  # half the interval: the reaper runs, and trims nothing
+    eventually(lambda: worker.reaper.ticks > ticks, "the reaper ticked")
+    assert redis_client.xlen(STREAM) == 3
+
+    clock.advance(60.0)
+    eventually(lambda: redis_client.xlen(STREAM) == 0, "the served entries trimmed")

@@ -141,7 +141,8 @@ def test_repeats_show_the_host_steal_and_a_run_with_much_of_it_is_flagged():
     lines = report.format_repeats(summaries).splitlines()
     assert "fleet              host steal of each repeat: 1%, 0%" in lines
     assert "offline            host steal of each repeat: 2%, 0%" in lines
-    assert report.steal_share({"stolen_s": 0.2, "duration_s": 10.0}, cpus=2) == 0.01
+    two_tenths_of_ten_s = {"stolen_s": 0.2, "duration_s": 10.0}  # a recorded run, not a timing
+    assert report.steal_share(two_tenths_of_ten_s, cpus=2) == 0.01
     assert report.format_steal_note(summaries) == ""  # 2% at most: under STEAL_FLAG
     summaries["offline"]["repeats"][1] = repeat(400.0, 0.3)
     assert "host took up to 30% of the CPUs' time" in report.format_steal_note(summaries)

@@ -12,8 +12,8 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     here = str(config.rootpath / "tests" / "gpu")
+    no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.cuda)
-            if not torch.cuda.is_available():
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+            item.add_marker(no_cuda)

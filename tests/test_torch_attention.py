@@ -90,3 +90,24 @@ def test_first_chunks_attend_to_their_own_rows_and_later_chunks_to_the_cache(
     assert not fused.isnan().any()
     torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
     torch.testing.assert_close(gathered, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lq", [1, 7])
+def test_grouped_query_attention_reads_each_kv_head_as_it_is(dtype, lq):
+    """The path a CUDA step takes for masked attention (no grouped-query mode in the
+    kernel): each KV head's queries stacked along the query axis, the same attention as
+    the fused call's grouped-query mode, row by row under each row's own mask."""
+    gen = torch.Generator().manual_seed(lq)
+    batch, lk = 3, 40
+    q = torch.randn(batch, HEADS, lq, DIM, generator=gen, dtype=dtype)
+    k = torch.randn(batch, KV_HEADS, lk, DIM, generator=gen, dtype=dtype)
+    v = torch.randn(batch, KV_HEADS, lk, DIM, generator=gen, dtype=dtype)
+    allowed = torch.rand(batch, lq, lk, generator=gen) < 0.7
+    allowed[..., 0] = True  # every row attends to something
+    scale = DIM ** -0.5
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
+    got = torch_backend.grouped_query_attention(q, k, v, allowed, scale)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)

@@ -263,7 +263,7 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = allowed[:, None, None].expand(batch, 1, groups, lq, lk).reshape(
         batch, 1, groups * lq, lk)
     out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask, scale=scale)
-    return out.view(batch, heads, lq, dim)
+    return out.reshape(batch, heads, lq, dim)  # the fused kernels may lay it out [B, L, H, D]
 
 
 def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):

@@ -111,3 +111,30 @@ def test_grouped_query_attention_reads_each_kv_head_as_it_is(dtype, lq):
     got = torch_backend.grouped_query_attention(q, k, v, allowed, scale)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want)
+
+
+def test_a_steps_plan_takes_its_host_indices_to_the_device_in_one_copy(monkeypatch):
+    """Decodes in two length groups and two prefills (one gathering its context): the plan
+    lays every index it makes on the host out first and moves them in one call (on CUDA a
+    copy per small tensor is a synchronous transfer each), and attends as plain softmax."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "SEQUENCES",
+                        [(130, 130), (20, 60), (1, 17), (1, 20), (1, 90)])
+    monkeypatch.setattr(torch_backend, "_decode_kernel", lambda q, flat_k: None)  # torch path
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_MIN", 1)
+    copies = []
+    at_once = torch_backend.to_device_at_once
+    monkeypatch.setattr(torch_backend, "to_device_at_once",
+                        lambda parts, device: copies.append(len(parts)) or at_once(parts, device))
+    attn = TorchAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
+    q, k_new, v_new, k_cache, v_cache, meta, context = _step(torch.float64)
+    out = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    attn.forward(q, k_new, v_new, k_cache, v_cache, meta)  # a second layer: the same plan
+    plan = meta.backend_plans[torch_backend._PLAN_KEY]
+    assert [g.tokens.tolist() for g in plan.decodes] == [[150, 151], [152]]
+    assert [p.slots is not None for p in plan.prefills] == [False, True]
+    # Prefill rows and lengths, then rows, lengths and tokens of each decode group.
+    assert copies == [2 + 3 * 2]
+    expected = _softmax_attention(q, context, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -115,7 +115,7 @@ class AttentionMetadata:
             arrays.append(np.array(input_ids, dtype=np.int64))
         parts = [torch.from_numpy(a) for a in arrays]
         parts.insert(2, block_tables)
-        on_device = _to_device(parts, device)
+        on_device = to_device_at_once(parts, device)
         return cls(
             query_start_loc=on_device[0],
             seq_lens=on_device[1],
@@ -142,7 +142,8 @@ class AttentionMetadata:
         return [s - q for s, q in zip(self.seq_lens_list, self.query_lens, strict=True)]
 
 
-def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+def to_device_at_once(parts: list[torch.Tensor],
+                      device: torch.device | str) -> list[torch.Tensor]:
     """The int64 host tensors ``parts`` on ``device``, in one host-to-device copy: packed
     into one (pinned) buffer, copied once, and split into views there."""
     if torch.device(device).type == "cpu":

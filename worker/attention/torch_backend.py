@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from worker.attention.metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata, to_device_at_once
 
 # Key under which this backend keeps its per-step plan in `AttentionMetadata.backend_plans`.
 _PLAN_KEY = "torch"
@@ -280,39 +280,56 @@ def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
 def _make_plan(meta: AttentionMetadata, device: torch.device,
                kernel: Callable[..., torch.Tensor] | None = None) -> _StepPlan:
     """Split the step into batched decodes and per-sequence prefills, with their gather
-    indices (decodes for the CPU kernel need only their tables and lengths)."""
+    indices (decodes for the CPU kernel need only their tables and lengths).
+
+    Every index the plan needs from the host (the rows and lengths of the prefills that
+    gather their context, each decode group's rows, lengths and token positions) is laid
+    out first and goes to the device in one copy: on CUDA a copy per small tensor would be
+    a synchronous transfer each."""
     block_tables = meta.block_tables.to(device)
     starts = [0]
     for n in meta.query_lens:  # from the host-side lengths: no device sync
         starts.append(starts[-1] + n)
-    prefills = []
+    prefills, gathering = [], []
     for i, n in enumerate(meta.query_lens):
         if n > 1:
             seq_len = meta.seq_lens_list[i]
             # A first chunk (nothing cached before it) that fits one query tile attends to
             # its own rows in one causal call (TorchAttention._first_chunk): no slots.
-            own_rows = seq_len == n and n <= PREFILL_QUERY_TILE
-            slots = None if own_rows else _context_slots(block_tables[i, None], [seq_len],
-                                                         meta.block_size)[0]
-            prefills.append(_PrefillPlan(starts[i], starts[i + 1], slots, seq_len - n))
+            if not (seq_len == n and n <= PREFILL_QUERY_TILE):
+                gathering.append((len(prefills), i))
+            prefills.append(_PrefillPlan(starts[i], starts[i + 1], None, seq_len - n))
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    if kernel is not None and decode_rows:
+    by_kernel = kernel is not None and bool(decode_rows)
+    grouped = [] if by_kernel else _group_by_length(decode_rows, meta.seq_lens_list)
+    host = [[i for _, i in gathering], [meta.seq_lens_list[i] for _, i in gathering]]
+    for rows in grouped:
+        host += [rows, [meta.seq_lens_list[i] for i in rows], [starts[i] for i in rows]]
+    on_device = (to_device_at_once([_host(a) for a in host], device)
+                 if gathering or grouped else [])
+    if gathering:
+        tables = block_tables.index_select(0, on_device[0])
+        for k, (j, i) in enumerate(gathering):
+            prefills[j].slots = _context_slots(tables[k, None], on_device[1][k, None],
+                                               meta.seq_lens_list[i], meta.block_size)[0]
+    if by_kernel:
         index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-        kernel_decodes = _KernelDecodes(
+        return _StepPlan([], prefills, _KernelDecodes(
             tokens=meta.query_start_loc[:-1].index_select(0, index),
             block_tables=block_tables.index_select(0, index),
-            seq_lens=meta.seq_lens.to(device).index_select(0, index), kernel=kernel)
-        return _StepPlan([], prefills, kernel_decodes)
+            seq_lens=meta.seq_lens.to(device).index_select(0, index), kernel=kernel))
     groups = []
-    for rows in _group_by_length(decode_rows, meta.seq_lens_list):
-        lens = [meta.seq_lens_list[i] for i in rows]
-        slots = _context_slots(block_tables[torch.tensor(rows, device=device)], lens,
-                               meta.block_size)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    for g, rows in enumerate(grouped):
+        rows_t, lens_t, tokens = on_device[2 + 3 * g:5 + 3 * g]
+        slots = _context_slots(block_tables.index_select(0, rows_t), lens_t,
+                               max(meta.seq_lens_list[i] for i in rows), meta.block_size)
         valid = torch.arange(slots.shape[1], device=device)[None, :] < lens_t[:, None]
-        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
         groups.append(_DecodeGroup(tokens, slots, valid))
     return _StepPlan(groups, prefills)
+
+
+def _host(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def _group_by_length(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -329,16 +346,16 @@ def _group_by_length(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
 
 
 def _context_slots(
-    block_tables: torch.Tensor, seq_lens: list[int], block_size: int
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int, block_size: int
 ) -> torch.Tensor:
-    """``[B, max(seq_lens)]`` cache slots of context positions; short rows repeat their last slot.
+    """``[B, width]`` cache slots of context positions, ``width`` the longest of ``seq_lens``
+    (on the tables' device); short rows repeat their last slot.
 
     Clamping the position (not the slot) keeps every index inside the sequence's own
     blocks, so padded block-table entries are never even looked at.
     """
     device = block_tables.device
-    width = max(seq_lens, default=0)
-    last = torch.tensor(seq_lens, dtype=torch.int64, device=device) - 1
+    last = seq_lens - 1
     pos = torch.minimum(torch.arange(width, device=device)[None, :], last[:, None])
     blocks = block_tables.gather(1, pos // block_size)
     return blocks * block_size + pos % block_size

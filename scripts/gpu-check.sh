@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu-check.sh                          # sets up .venv first (scripts/setup.sh)
 #   CONVEYOR_PYTHON=python3 bash scripts/gpu-check.sh  # a Python that already holds torch
-#                                                      # with CUDA and the project's packages
+#                                                      # with CUDA, the project's packages,
+#                                                      # pytest and pytest-benchmark
 # Extra arguments go to the CUDA suite's pytest (e.g. -x, -k swaps).
 set -euo pipefail
 cd "$(dirname "$0")/.."

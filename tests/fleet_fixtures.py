@@ -8,9 +8,9 @@ from worker.fleet.config import WorkerConfig
 
 MODEL = "tiny"
 # Worker settings for a test that reads back the requests it sent (XRANGE/XLEN of a request
-# stream): the reaper trims served entries every trim_interval_s (30 s), and a run on a
-# machine slow enough to outlast that would lose them.
-KEEP_SERVED_REQUESTS = {"trim_interval_s": 24 * 3600.0}
+# stream): the reaper trims served entries every housekeeping_interval_s (30 s), and a run
+# on a machine slow enough to outlast that would lose them.
+KEEP_SERVED_REQUESTS = {"housekeeping_interval_s": 24 * 3600.0}
 
 
 @pytest.fixture

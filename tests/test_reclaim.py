@@ -128,7 +128,7 @@ def test_a_dead_workers_consumer_leaves_the_group_only_once_it_holds_nothing(
     eventually(lambda: min(idle_ms()[n] for n in (b"ghost", b"holder")) >= 1000,
                "both consumers idle past the limit (Redis's own idle time)")
     ticks = worker.reaper.ticks
-    clock.advance(reaper_module.TRIM_INTERVAL_S)
+    clock.advance(worker.reaper.housekeeping_interval_s)
     eventually(lambda: worker.reaper.ticks > ticks, "the reaper swept")
     names = set(idle_ms())
     assert b"ghost" not in names and b"holder" in names  # gone, and kept: it holds an entry
@@ -155,10 +155,10 @@ def test_hand_backs_do_not_count_as_deliveries(redis_url, redis_client, start_wo
     assert redis_client.xlen(KEYS.dead) == 0
 
 
-def test_served_entries_are_trimmed_every_trim_interval_of_the_workers_clock(
+def test_served_entries_are_trimmed_every_housekeeping_interval_of_the_workers_clock(
         redis_url, redis_client, start_worker):
     clock = ManualClock()
-    worker = start_worker("trimmer", clock=clock, config={"trim_interval_s": 120.0})
+    worker = start_worker("trimmer", clock=clock, config={"housekeeping_interval_s": 120.0})
     client = Client(redis_url)
     rids = [client.submit([5, 6, 7 + i], model=MODEL, max_tokens=2) for i in range(3)]
     for rid in rids:

@@ -93,23 +93,30 @@ def test_first_chunks_attend_to_their_own_rows_and_later_chunks_to_the_cache(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("lq", [1, 7])
-def test_grouped_query_attention_reads_each_kv_head_as_it_is(dtype, lq):
-    """The path a CUDA step takes for masked attention (no grouped-query mode in the
-    kernel): each KV head's queries stacked along the query axis, the same attention as
-    the fused call's grouped-query mode, row by row under each row's own mask."""
-    gen = torch.Generator().manual_seed(lq)
+@pytest.mark.parametrize("lq", [1, 7, None])
+def test_attention_by_kv_head_equals_the_grouped_query_mode(dtype, lq):
+    """The path a CUDA step takes (its kernel that takes a mask has no grouped-query mode):
+    masked, each KV head's queries stacked along the query axis, row by row under each row's
+    own mask; causal (``lq`` None: a first chunk), the KV heads repeated. Both equal the fused
+    call's grouped-query mode, on the head-major strided views ``_attend`` passes."""
+    gen = torch.Generator().manual_seed(lq or 0)
     batch, lk = 3, 40
-    q = torch.randn(batch, HEADS, lq, DIM, generator=gen, dtype=dtype)
-    k = torch.randn(batch, KV_HEADS, lk, DIM, generator=gen, dtype=dtype)
-    v = torch.randn(batch, KV_HEADS, lk, DIM, generator=gen, dtype=dtype)
-    allowed = torch.rand(batch, lq, lk, generator=gen) < 0.7
-    allowed[..., 0] = True  # every row attends to something
+    rows = lk if lq is None else lq
+
+    def head_major(n: int, heads: int) -> torch.Tensor:  # [B, heads, n, D] over [B, n, heads, D]
+        return torch.randn(batch, n, heads, DIM, generator=gen, dtype=dtype).transpose(1, 2)
+
+    q, k, v = head_major(rows, HEADS), head_major(lk, KV_HEADS), head_major(lk, KV_HEADS)
+    allowed = None
+    if lq is not None:
+        allowed = torch.rand(batch, lq, lk, generator=gen) < 0.7
+        allowed[..., 0] = True  # every row attends to something
     scale = DIM ** -0.5
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
-    got = torch_backend.grouped_query_attention(q, k, v, allowed, scale)
-    assert got.shape == want.shape
+        q, k, v, attn_mask=None if allowed is None else allowed[:, None],
+        is_causal=allowed is None, scale=scale, enable_gqa=True)
+    got = torch_backend.attend_by_kv_head(q, k, v, allowed, scale)
+    assert got.shape == want.shape == (batch, HEADS, rows, DIM)
     torch.testing.assert_close(got, want)
 
 

@@ -19,7 +19,7 @@ from worker.fleet.config import WorkerConfig
     ({"max_deliveries": 0}, "max_deliveries"),
     ({"prefetch": -1}, "prefetch"),
     ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
-    ({"trim_interval_s": 0}, "trim_interval_s"),
+    ({"housekeeping_interval_s": 0}, "housekeeping_interval_s"),
     ({"read_block_ms": 60_000}, "read_block_ms"),
     ({"metrics_port": 70_000}, "metrics_port"),
     ({"gil_switch_interval_s": 0}, "gil_switch_interval_s"),
@@ -42,7 +42,7 @@ def test_worker_flags_default_to_the_config_dataclasses():
     for flag, name in [("lease_ms", "lease_ms"), ("max_deliveries", "max_deliveries"),
                        ("drain_timeout", "drain_timeout_s"), ("namespace", "namespace"),
                        ("heartbeat_interval", "heartbeat_interval_s"),
-                       ("trim_interval", "trim_interval_s"),
+                       ("housekeeping_interval", "housekeeping_interval_s"),
                        ("metrics_host", "metrics_host"), ("stream_interval", "stream_interval")]:
         assert getattr(args, flag) == field_default(WorkerConfig, name), flag
     bench = build_parser().parse_args(["bench"])
@@ -57,8 +57,8 @@ def test_stream_interval_flag_reaches_the_worker_and_the_benchs_workers(tiny_lla
                                       "--stream-interval", "4"])
     assert worker_config(args).stream_interval == 4
     args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
-                                      "--trim-interval", "90"])
-    assert worker_config(args).trim_interval_s == 90.0
+                                      "--housekeeping-interval", "90"])
+    assert worker_config(args).housekeeping_interval_s == 90.0
     bench = build_parser().parse_args(["bench", "--stream-interval", "3", "--no-place-threads"])
     (fleet,) = choose_systems(bench, tiny_llama, {}, [], "redis://x", tiny_llama)
     assert fleet.describe.endswith("tokens published 3 at a time")

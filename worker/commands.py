@@ -104,9 +104,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
                    metavar="S", help="seconds between heartbeats (status and load in Redis; "
                    "default: %(default)s)")
-    p.add_argument("--trim-interval", type=float, default=worker("trim_interval_s"),
-                   metavar="S", help="seconds between trims of served entries off the request "
-                   "streams (default: %(default)s)")
+    p.add_argument("--housekeeping-interval", type=float,
+                   default=worker("housekeeping_interval_s"), metavar="S",
+                   help="seconds between the reaper's housekeeping: trimming served entries "
+                   "off the request streams, removing dead workers' consumers and stale "
+                   "workers, checking for closed lanes (default: %(default)s)")
     p.add_argument("--dtype", default=engine("dtype"),
                    help="precision: auto (float32 on CPU, bfloat16 on CUDA), float32, float64, "
                    "bfloat16 or float16 (default: %(default)s)")
@@ -233,7 +235,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           engine=engine, drain_timeout_s=args.drain_timeout,
                           lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
                           heartbeat_interval_s=args.heartbeat_interval,
-                          trim_interval_s=args.trim_interval,
+                          housekeeping_interval_s=args.housekeeping_interval,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           allow_eviction=args.allow_eviction, role=args.role,
                           place_threads=args.place_threads,

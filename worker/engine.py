@@ -21,6 +21,7 @@ from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_request_id, validate_token_ids
 from scheduler import Request, RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from worker.attention.torch_backend import keep_cudnn_attention_off
 from worker.config import EngineConfig
 from worker.device import engine_device, engine_dtype
 from worker.host_allocator import keep_large_allocations_in_heap
@@ -53,6 +54,8 @@ class Engine:
         self.device = engine_device(cfg)
         if self.device.type == "cpu" and cfg.tune_host_allocator:
             keep_large_allocations_in_heap()
+        if self.device.type == "cuda":
+            keep_cudnn_attention_off()  # a plan per shape: 12x the decode step (its docstring)
         self.dtype = engine_dtype(cfg, self.device)
         if self.device.type == "cpu":
             # Load (or build, once per machine) the CPU decode kernel now, not mid-step.

@@ -138,6 +138,7 @@ def test_decode_steps_run_a_fused_attention_kernel_but_cudnns(tiny_llama):
     from torch.profiler import ProfilerActivity, profile
 
     engine = Engine(tiny_llama, device="cuda", dtype="bfloat16", async_scheduling=False)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # switched off for the process
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(8):
         engine.add_request([5 + i] * (20 + 7 * i), params)

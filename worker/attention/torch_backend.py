@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from worker.attention.metadata import AttentionMetadata, to_device_at_once
 
@@ -27,13 +26,21 @@ PREFILL_QUERY_TILE = 1024
 # shortest, unless the group would have fewer than DECODE_GROUP_MIN members.
 DECODE_GROUP_SPREAD = 1.5
 DECODE_GROUP_MIN = 8
-# The fused kernels a CUDA step may use: not cuDNN's, which torch prefers for bfloat16 on
-# recent GPUs but which builds an execution plan for every new shape, and a decode's
-# context grows every step: on an H200 that cost ~9.5 ms of host time a call, 6x the whole
-# step's (docs/benchmarks.md, "On a GPU"). The math kernel only where neither fused one
-# takes the shapes: in bfloat16 it rounds the scores and parts from the reference's tokens.
-CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]
+
+
+def keep_cudnn_attention_off() -> None:
+    """Turn off cuDNN's kernel for ``scaled_dot_product_attention`` in this process (an
+    engine on CUDA does, when it is built).
+
+    Torch prefers it for bfloat16 on recent GPUs, but it builds an execution plan for every
+    new shape, and a decode's context grows by a token every step: on an H200 that cost
+    ~9.5 ms of host time a call, 8 calls a step, 12x the step without it (docs/benchmarks.md,
+    "On a GPU (H200)"). The flash and memory-efficient kernels stay, and the math kernel
+    where neither takes the shapes. A switch for the whole process, set once: torch's
+    per-call context (``sdpa_kernel``) sets the same process-wide flags on every entry and
+    exit, so two engines in one process could leave each other's flags behind.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 @dataclass
@@ -218,30 +225,39 @@ class TorchAttention:
     ) -> torch.Tensor:  # [B, Lq, H, D]
         """Grouped-query attention in one fused call for every head of every sequence.
 
-        ``scaled_dot_product_attention`` reads K and V as head-major strided views of the
-        gathered rows (no copy) and maps query head h to KV head h // groups, transformers'
-        repeat_kv order. Masked keys hold real (repeated) context rows, never NaN.
+        On the CPU ``scaled_dot_product_attention``'s grouped-query mode reads K and V as
+        head-major strided views of the gathered rows (no copy) and maps query head h to KV
+        head h // groups, transformers' repeat_kv order. On CUDA the kernel that takes a
+        mask has no such mode: see ``attend_by_kv_head``. Masked keys hold real (repeated)
+        context rows, never NaN.
         """
         dtype = q.dtype
         q, k, v = q.transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
-        mask = None if allowed is None else allowed[:, None]
-        if q.device.type != "cuda":
-            attended = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=allowed is None, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads)
-            return attended.transpose(1, 2)
-        # The memory-efficient kernel (the one that takes a mask) has no grouped-query mode.
-        with sdpa_kernel(CUDA_SDPA_BACKENDS):
-            if allowed is not None:
-                return grouped_query_attention(q, k, v, allowed, self.scale).transpose(1, 2)
-            # A first chunk attends to its own rows (at most a query tile): repeating its KV
-            # heads, in transformers' order, costs little, and keeps the fused causal mask.
-            groups = self.num_heads // self.num_kv_heads
-            if groups > 1:
-                k, v = (x[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)
-                        for x in (k, v))
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if q.device.type == "cuda":
+            return attend_by_kv_head(q, k, v, allowed, self.scale).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if allowed is None else allowed[:, None],
+            is_causal=allowed is None, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
         return attended.transpose(1, 2)
+
+
+def attend_by_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Grouped-query attention for kernels without a grouped-query mode (CUDA's
+    memory-efficient one, the fused kernel that takes a mask): ``q`` [B, H, Lq, D],
+    ``k``/``v`` [B, Hkv, Lk, D], ``allowed`` [B, Lq, Lk] bool or None for causal (Lq == Lk);
+    returns [B, H, Lq, D], query head h reading KV head h // (H / Hkv).
+
+    Masked: each KV head's queries stacked (``grouped_query_attention``), no copy of K or V.
+    Causal: a first chunk attends to its own rows (at most a query tile), so its KV heads
+    are repeated, in transformers' order, and the kernel's own causal mask kept."""
+    if allowed is not None:
+        return grouped_query_attention(q, k, v, allowed, scale)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = (x[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -254,7 +270,8 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     each with its own row of the mask), so a kernel without a grouped-query mode reads each
     KV head as it is. Repeating the KV heads instead would copy the step's gathered context
     once per query head of a group: at 64 sequences of 4,096 tokens with 32 query and 8 KV
-    heads of 128 in bfloat16, 2 GiB more for K and V in every layer.
+    heads of 128 in bfloat16, 4 GiB of repeated K and V in every layer where the gathered
+    rows take 1 GiB.
     """
     batch, heads, lq, dim = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]

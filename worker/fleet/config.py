@@ -46,9 +46,11 @@ class WorkerConfig:
     # stream_interval - 1 steps later (worker/fleet/chunk_holder.py). 1: every step.
     stream_interval: int = 1
     heartbeat_interval_s: float = 2.0
-    # How often the reaper trims served entries (those below the oldest pending one) off the
-    # request streams; entries it keeps can be read back with XRANGE until then.
-    trim_interval_s: float = 30.0
+    # How often the reaper does its housekeeping: trims served entries (those below the
+    # oldest pending one) off the request streams (until then they can be read back with
+    # XRANGE), removes dead workers' consumers and stale entries of the worker set, and
+    # checks for lanes closed to new requests.
+    housekeeping_interval_s: float = 30.0
     # On SIGTERM, how long in-flight requests may take to finish; the rest is handed back.
     drain_timeout_s: float = 30.0
     # An in-flight entry not renewed for this long belongs to a dead worker and is claimed.
@@ -130,7 +132,7 @@ class WorkerConfig:
         if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
             raise ValueError("gil_switch_interval_s must be > 0 or None, "
                              f"got {self.gil_switch_interval_s!r}")
-        for name in ("heartbeat_interval_s", "queue_poll_interval_s", "trim_interval_s"):
+        for name in ("heartbeat_interval_s", "queue_poll_interval_s", "housekeeping_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         # A blocking read longer than this would outlast the socket timeout.

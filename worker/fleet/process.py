@@ -115,7 +115,7 @@ class Worker:
                              config.lease_ms, config.max_deliveries,
                              # Often enough that a handed-back request moves at once.
                              interval_s=min(1.0, max(0.2, config.lease_ms / 2000)),
-                             trim_interval_s=config.trim_interval_s, **sup)
+                             housekeeping_interval_s=config.housekeeping_interval_s, **sup)
         self.cancels = CancelListener(self._client("cancel-listener"), self.keys,
                                       self.loop.cancel, wid, self.inflight.ids, **sup)
         self.queue_poller = QueuePoller(self._client("queue-poller"), self.keys, self.model, wid,

@@ -26,9 +26,6 @@ from worker.fleet.supervised import SupervisedThread
 log = structlog.get_logger(__name__)
 
 
-# Served request entries are trimmed from the request streams about this often, unless the
-# worker says otherwise (WorkerConfig.trim_interval_s).
-TRIM_INTERVAL_S = 30.0
 # A request delivered this often already (its workers died holding it) is a suspect: the
 # next worker serves it alone. It is dead-lettered once over the delivery limit and after
 # CONVICTING_KILLS runs alone that each ended with a dead worker. The count of runs alone
@@ -57,7 +54,7 @@ class Reaper(SupervisedThread):
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, intake: Intake,
                  inflight: InflightTable, lease_ms: int, max_deliveries: int,
-                 interval_s: float, trim_interval_s: float = TRIM_INTERVAL_S,
+                 interval_s: float, housekeeping_interval_s: float,
                  **supervision: Any) -> None:
         super().__init__("reaper", worker_id=worker_id, interval_s=interval_s, **supervision)
         self.client = client
@@ -73,8 +70,10 @@ class Reaper(SupervisedThread):
         self._autoclaim_script = client.register_script(AUTOCLAIM_SCRIPT)
         # Consumers of workers gone for ten leases, holding nothing, leave the group.
         self.sweeper = ConsumerSweeper(client, worker_id, DEAD_CONSUMER_LEASES * lease_ms)
-        self.trim_interval_s = trim_interval_s
-        self._next_trim = self.clock.monotonic() + trim_interval_s
+        self.housekeeping_interval_s = housekeeping_interval_s
+        # Every housekeeping_interval_s: trim served entries, sweep dead consumers, prune
+        # the worker set, check for lanes closed to new requests (tick).
+        self._next_trim = self.clock.monotonic() + housekeeping_interval_s
         # Request streams an entry at the largest id closed to new requests (check_lanes).
         self.blocked_lanes: list[str] = []
 
@@ -87,7 +86,7 @@ class Reaper(SupervisedThread):
         # A suspect waits for an empty worker: stop reading new work until one is taken.
         self.inflight.hold(self._saw_suspect and self.inflight.alone is None)
         if self.clock.monotonic() >= self._next_trim:
-            self._next_trim = self.clock.monotonic() + self.trim_interval_s
+            self._next_trim = self.clock.monotonic() + self.housekeeping_interval_s
             for stream in self.intake.streams:
                 trim_request_stream(self.client, stream)
                 self.sweeper.sweep(stream)

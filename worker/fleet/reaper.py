@@ -73,7 +73,7 @@ class Reaper(SupervisedThread):
         self.housekeeping_interval_s = housekeeping_interval_s
         # Every housekeeping_interval_s: trim served entries, sweep dead consumers, prune
         # the worker set, check for lanes closed to new requests (tick).
-        self._next_trim = self.clock.monotonic() + housekeeping_interval_s
+        self._next_housekeeping = self.clock.monotonic() + housekeeping_interval_s
         # Request streams an entry at the largest id closed to new requests (check_lanes).
         self.blocked_lanes: list[str] = []
 
@@ -85,8 +85,8 @@ class Reaper(SupervisedThread):
             self.reap(stream)
         # A suspect waits for an empty worker: stop reading new work until one is taken.
         self.inflight.hold(self._saw_suspect and self.inflight.alone is None)
-        if self.clock.monotonic() >= self._next_trim:
-            self._next_trim = self.clock.monotonic() + self.housekeeping_interval_s
+        if self.clock.monotonic() >= self._next_housekeeping:
+            self._next_housekeeping = self.clock.monotonic() + self.housekeeping_interval_s
             for stream in self.intake.streams:
                 trim_request_stream(self.client, stream)
                 self.sweeper.sweep(stream)

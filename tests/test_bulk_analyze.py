@@ -80,8 +80,6 @@ def run_burst(redis_url: str, name: str = "conveyor-bulk") -> None:
         connection.close()
 
 
-
-
 def batch_requests(r) -> list[GenerationRequest]:
     return [GenerationRequest.decode(f[FIELD])
             for _, f in r.xrange(KEYS.requests(MODEL, "batch"))]

@@ -56,12 +56,15 @@ def test_stream_interval_flag_reaches_the_worker_and_the_benchs_workers(tiny_lla
     args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
                                       "--stream-interval", "4"])
     assert worker_config(args).stream_interval == 4
-    args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
-                                      "--housekeeping-interval", "90"])
-    assert worker_config(args).housekeeping_interval_s == 90.0
     bench = build_parser().parse_args(["bench", "--stream-interval", "3", "--no-place-threads"])
     (fleet,) = choose_systems(bench, tiny_llama, {}, [], "redis://x", tiny_llama)
     assert fleet.describe.endswith("tokens published 3 at a time")
+
+
+def test_housekeeping_interval_flag_reaches_the_worker(tiny_llama):
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
+                                      "--housekeeping-interval", "90"])
+    assert worker_config(args).housekeeping_interval_s == 90.0
 
 
 @pytest.mark.parametrize(("flag", "setting"), [("auto", None), ("on", True), ("off", False)])

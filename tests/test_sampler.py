@@ -20,6 +20,8 @@ from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
+from worker.sampling.subsets import RowSubsets
+from worker.step_upload import StepUpload
 
 DRAWS = 4000
 kernel = sample_rows_kernel()
@@ -141,7 +143,10 @@ def test_the_draw_kernel_picks_the_inverse_cdf_token_of_what_is_kept(scale, voca
     x64 = (logits / temperature.float()[:, None]).double()  # scaled in float32, as torch does
     p64 = torch.softmax(x64, dim=-1)
     ranked = (top_k > 0) & (top_k < vocab)
-    cut = floors(x64, top_k.tolist(), top_p.tolist(), min_p.tolist())
+    cut = floors(x64, RowSubsets([SamplingParams(temperature=1.0, top_k=int(k), top_p=float(p),
+                                                 min_p=float(m))
+                                  for k, p, m in zip(top_k, top_p, min_p, strict=True)],
+                                 StepUpload("cpu"), vocab))
     nucleus = top_p_keep(x64, p64, torch.where(ranked, 1.0, top_p))
     keep = (x64 >= cut) & torch.where(ranked[:, None], True, nucleus)
     kept = p64 * keep

@@ -11,6 +11,7 @@ import torch
 from worker.attention import torch_backend
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.torch_backend import TorchAttention
+from worker.step_upload import StepUpload
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
 # (tokens this step, tokens in the context after it): a first chunk, a later chunk, a decode.
@@ -131,9 +132,18 @@ def test_a_steps_plan_takes_its_host_indices_to_the_device_in_one_copy(monkeypat
     monkeypatch.setattr(torch_backend, "_decode_kernel", lambda q, flat_k: None)  # torch path
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_MIN", 1)
     copies = []
-    at_once = torch_backend.to_device_at_once
-    monkeypatch.setattr(torch_backend, "to_device_at_once",
-                        lambda parts, device: copies.append(len(parts)) or at_once(parts, device))
+
+    class CountedUpload(StepUpload):
+        """Packs on the CPU as on a device, and counts what each send moves."""
+
+        def __init__(self, device):
+            super().__init__(device, pack=True)
+
+        def send(self):
+            copies.append(len(self._parts))
+            super().send()
+
+    monkeypatch.setattr(torch_backend, "StepUpload", CountedUpload)
     attn = TorchAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
     q, k_new, v_new, k_cache, v_cache, meta, context = _step(torch.float64)
     out = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
@@ -143,5 +153,34 @@ def test_a_steps_plan_takes_its_host_indices_to_the_device_in_one_copy(monkeypat
     assert [p.slots is not None for p in plan.prefills] == [False, True]
     # Prefill rows and lengths, then rows, lengths and tokens of each decode group.
     assert copies == [2 + 3 * 2]
+    expected = _softmax_attention(q, context, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_plan_staged_with_the_steps_inputs_attends_as_one_made_by_the_first_layer(
+        monkeypatch):
+    """On a device the runner stages the plan's host half in the step's one upload
+    (TorchAttention.stage); the first layer finishes it. Packed on the CPU here, it gives the
+    plan and the output of the one the first layer makes on its own."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "SEQUENCES",
+                        [(130, 130), (20, 60), (1, 17), (1, 20), (1, 90)])
+    monkeypatch.setattr(torch_backend, "_decode_kernel", lambda q, flat_k: None)
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_MIN", 1)
+    attn = TorchAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
+    q, k_new, v_new, k_cache, v_cache, meta, context = _step(torch.float64)
+    assert TorchAttention.stage(meta.query_lens, meta.seq_lens_list, StepUpload("cpu")) == {}
+    upload = StepUpload("cpu", pack=True)
+    staged = TorchAttention.stage(meta.query_lens, meta.seq_lens_list, upload)
+    upload.send()
+    assert upload.sent and len(staged) == 1
+    meta.backend_plans.update(staged)
+    out = attn.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    plan = meta.backend_plans[torch_backend._PLAN_KEY]
+    assert isinstance(plan, torch_backend._StepPlan) and len(plan.decodes) == 2
+    _, _, _, k_cache2, v_cache2, meta2, _ = _step(torch.float64)
+    alone = attn.forward(q, k_new, v_new, k_cache2, v_cache2, meta2)
+    assert torch.equal(out, alone)
     expected = _softmax_attention(q, context, DIM**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -20,12 +20,12 @@ from scheduler.output import ScheduledChunk, SchedulerOutput
 class BlockTableRows:
     """Per-request rows of a ``[rows, width]`` block-id tensor on the host.
 
-    Rows and width grow when needed (doubling), so no setting has to bound them. On a
-    CUDA engine the tensor is pinned, so the step's copy to the device can be async.
+    Rows and width grow when needed (doubling), so no setting has to bound them. A step's
+    tables are gathered from them into a new array, which goes to the device with the rest
+    of the step's inputs (worker/step_upload.py).
     """
 
-    def __init__(self, num_rows: int = 16, width: int = 16, *, pin: bool = False) -> None:
-        self.pin = pin
+    def __init__(self, num_rows: int = 16, width: int = 16) -> None:
         self.table = self._alloc(max(1, num_rows), max(1, width))
         self._array = self.table.numpy()  # the same memory
         # Blocks each row holds (what the scheduler sent so far).
@@ -34,8 +34,7 @@ class BlockTableRows:
         self._free = list(range(self.table.shape[0] - 1, -1, -1))
 
     def _alloc(self, rows: int, width: int) -> torch.Tensor:
-        table = torch.zeros(rows, width, dtype=torch.int64, device="cpu")
-        return table.pin_memory() if self.pin else table
+        return torch.zeros(rows, width, dtype=torch.int64, device="cpu")
 
     def apply(self, out: SchedulerOutput) -> list[int]:
         """Bring the rows up to date with one scheduling step; the row of each chunk."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvstore.kv_tensors import PagedKVCache, copy_blocks
@@ -15,6 +16,7 @@ from worker.block_table_rows import BlockTableRows
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
+from worker.step_upload import StepUpload
 
 
 class ModelRunner:
@@ -33,8 +35,14 @@ class ModelRunner:
         # before the forward reads the restored blocks.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.sampler = Sampler()
-        # Each running request's block table, kept across steps (pinned on CUDA).
-        self.block_tables = BlockTableRows(pin=device.type == "cuda")
+        # The attention backend, which stages its per-step plan with the step's inputs, and
+        # the logits' width (a top-k of all of it cuts nothing).
+        self.attention_backend = getattr(model, "attention_backend", None)
+        self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size",
+                                              None)
+        # Each running request's block table, kept across steps (a step's tables are
+        # gathered from them into its one upload).
+        self.block_tables = BlockTableRows()
         # Each sampling request's parameters, seed and penalty tokens, kept across steps.
         self.sampling_rows = SamplingRows()
         # Counters that tests and stats read: forwards run and tokens fed to the model.
@@ -61,32 +69,40 @@ class ModelRunner:
         if pending is not None:
             fill_pending(ids, chunks, pending)
         seq_lens = [c.start_position + c.num_tokens for c in chunks]
+        query_lens = [c.num_tokens for c in chunks]
         block_size = self.kv_cache.block_size
         width = -(-max(seq_lens) // block_size)
-        meta = AttentionMetadata.from_block_tables(
-            query_lens=[c.num_tokens for c in chunks],
-            seq_lens=seq_lens,
-            block_tables=self.block_tables.gather(rows_of_chunks, width),
-            block_size=block_size,
-            device=self.device,
-            input_ids=ids,
-        )
+        # Everything the step works out on the host (its layout, the attention backend's
+        # plan, the sampling rows and subsets) goes to the device in one copy, before the
+        # forward: on CUDA each input moved on its own was a transfer of its own.
+        upload = StepUpload(self.device)
+        layout = AttentionMetadata.stage(
+            query_lens, seq_lens, self.block_tables.gather(rows_of_chunks, width), block_size,
+            upload, input_ids=ids)
+        plans = (self.attention_backend.stage(query_lens, seq_lens, upload)
+                 if self.attention_backend is not None else {})
         sampling = [i for i, c in enumerate(chunks) if c.sample]
+        ids_out = [chunks[i].request_id for i in sampling]
+        sample_rows = [rows[i] for i in ids_out]
+        step = (step_rows(self.sampling_rows, ids_out, sample_rows, self.device, upload=upload,
+                          vocab=self.vocab_size) if sampling else None)
+        # The rows whose logits are made: every token (one-token chunks, all sampling: a
+        # decode step; the native step makes them with its layers), else the sampling
+        # chunks' last tokens.
+        picked = (None if len(sampling) == len(ids) else upload.add(
+            (np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
+        upload.send()
+        meta = layout.metadata()
+        meta.backend_plans.update(plans)
         if self.on_forward is not None:
             self.on_forward()
-        if not sampling:
+        if step is None:
             self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
             self._computed(len(ids))
             return {}, {}
-        # Every token samples (one-token chunks, all sampling: a decode step): the logits of
-        # all rows, which the native step makes with its layers. Else the chunks' last tokens.
-        picked = (None if len(sampling) == len(ids)
-                  else (meta.query_start_loc[1:] - 1)[sampling])
-        logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta, picked)
+        logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
+                                   None if picked is None else picked.tensor)
         self._computed(len(ids))
-        ids_out = [chunks[i].request_id for i in sampling]
-        sample_rows = [rows[i] for i in ids_out]
-        step = step_rows(self.sampling_rows, ids_out, sample_rows, logits.device)
         if self.device.type == "cuda":
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from worker.attention.metadata import AttentionMetadata
+from worker.step_upload import StepUpload
 
 
 class AttentionBackend(Protocol):
@@ -18,6 +19,14 @@ class AttentionBackend(Protocol):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None: ...
+
+    @staticmethod
+    def stage(query_lens: list[int], seq_lens: list[int], upload: StepUpload) -> dict[str, Any]:
+        """Before the forward: whatever the backend derives from the step's host-side
+        lengths, its indices added to ``upload`` (the step's one host-to-device copy), as
+        entries for ``AttentionMetadata.backend_plans``. Every layer's ``forward`` sees
+        them there once the upload is sent."""
+        ...
 
     def forward(
         self,

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.step_upload import Staged, StepUpload
+
 
 @dataclass
 class AttentionMetadata:
@@ -86,8 +88,25 @@ class AttentionMetadata:
         input_ids: list[int] | None = None,
     ) -> AttentionMetadata:
         """Lay out one step from a host ``[B, width]`` block-table tensor whose row i holds
-        sequence i's blocks first (what follows them is never read). Unchecked: the
-        runner's persistent rows (worker.block_table_rows) call this every step."""
+        sequence i's blocks first (what follows them is never read), moved to ``device``
+        in one copy. Unchecked (see ``stage``)."""
+        upload = StepUpload(device)
+        layout = cls.stage(query_lens, seq_lens, block_tables, block_size, upload, input_ids)
+        upload.send()
+        return layout.metadata()
+
+    @staticmethod
+    def stage(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        upload: StepUpload,
+        input_ids: list[int] | None = None,
+    ) -> StagedLayout:
+        """The step's layout computed on the host and added to ``upload`` (the runner's one
+        copy of the step); ``.metadata()`` once it is sent. Unchecked: the runner's
+        persistent rows (worker.block_table_rows) call this every step."""
         # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
         # no Python loop over tokens or block-table entries. The arithmetic is numpy's on
         # views of the same memory: at a few hundred entries torch's per-op dispatch would
@@ -110,23 +129,14 @@ class AttentionMetadata:
                 - starts[:-1][owner]
         block_index, offset = np.divmod(positions, block_size)
         slots = tables[owner, block_index] * block_size + offset
-        arrays = [starts, s_lens, slots, positions]
-        if input_ids is not None:  # the step's tokens ride along in the same copy
-            arrays.append(np.array(input_ids, dtype=np.int64))
-        parts = [torch.from_numpy(a) for a in arrays]
-        parts.insert(2, block_tables)
-        on_device = to_device_at_once(parts, device)
-        return cls(
-            query_start_loc=on_device[0],
-            seq_lens=on_device[1],
-            block_tables=on_device[2],
-            slot_mapping=on_device[3],
-            block_size=block_size,
-            query_lens=list(query_lens),
-            seq_lens_list=list(seq_lens),
-            positions=on_device[4],
-            input_ids=on_device[5] if input_ids is not None else None,
-        )
+        return StagedLayout(
+            query_start_loc=upload.add(starts), seq_lens=upload.add(s_lens),
+            block_tables=upload.add(tables), slot_mapping=upload.add(slots),
+            positions=upload.add(positions),
+            # The step's tokens ride along in the same copy.
+            input_ids=(None if input_ids is None
+                       else upload.add(np.array(input_ids, dtype=np.int64))),
+            block_size=block_size, query_lens=list(query_lens), seq_lens_list=list(seq_lens))
 
     @property
     def num_seqs(self) -> int:
@@ -142,18 +152,29 @@ class AttentionMetadata:
         return [s - q for s, q in zip(self.seq_lens_list, self.query_lens, strict=True)]
 
 
-def to_device_at_once(parts: list[torch.Tensor],
-                      device: torch.device | str) -> list[torch.Tensor]:
-    """The int64 host tensors ``parts`` on ``device``, in one host-to-device copy: packed
-    into one (pinned) buffer, copied once, and split into views there."""
-    if torch.device(device).type == "cpu":
-        return parts
-    flat = torch.cat([p.reshape(-1) for p in parts])
-    if torch.cuda.is_available():
-        flat = flat.pin_memory()
-    moved = flat.to(device, non_blocking=True)
-    out, offset = [], 0
-    for p in parts:
-        out.append(moved[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return out
+@dataclass
+class StagedLayout:
+    """A step's layout added to its upload: AttentionMetadata once the upload is sent."""
+
+    query_start_loc: Staged
+    seq_lens: Staged
+    block_tables: Staged
+    slot_mapping: Staged
+    positions: Staged
+    input_ids: Staged | None
+    block_size: int
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+    def metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc.tensor,
+            seq_lens=self.seq_lens.tensor,
+            block_tables=self.block_tables.tensor,
+            slot_mapping=self.slot_mapping.tensor,
+            block_size=self.block_size,
+            query_lens=self.query_lens,
+            seq_lens_list=self.seq_lens_list,
+            positions=self.positions.tensor,
+            input_ids=None if self.input_ids is None else self.input_ids.tensor,
+        )

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.attention.metadata import AttentionMetadata, to_device_at_once
+from worker.attention.metadata import AttentionMetadata
+from worker.step_upload import Staged, StepUpload
 
 # Key under which this backend keeps its per-step plan in `AttentionMetadata.backend_plans`.
 _PLAN_KEY = "torch"
@@ -123,6 +126,16 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = scale
 
+    @staticmethod
+    def stage(query_lens: list[int], seq_lens: list[int], upload: StepUpload) -> dict[str, Any]:
+        """The host half of the step's plan, its indices added to ``upload`` (the step's
+        one copy), for ``AttentionMetadata.backend_plans``; the first layer finishes it.
+        Only where the upload packs (a device): on the CPU the first layer makes the whole
+        plan, and decides there whether the CPU decode kernel takes the decodes."""
+        if not upload.packs:
+            return {}
+        return {_PLAN_KEY: _layout(query_lens, seq_lens, upload, by_kernel=False)}
+
     def forward(
         self,
         q: torch.Tensor,
@@ -143,9 +156,9 @@ class TorchAttention:
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
         plan = meta.backend_plans.get(_PLAN_KEY)
-        if plan is None:
-            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(meta, q.device,
-                                                              _decode_kernel(q, flat_k))
+        if not isinstance(plan, _StepPlan):  # none yet, or the host half staged (stage)
+            plan = meta.backend_plans[_PLAN_KEY] = _make_plan(
+                meta, q.device, _decode_kernel(q, flat_k) if plan is None else None, plan)
         out = torch.empty_like(q)
         if plan.kernel_decodes is not None:
             rows = plan.kernel_decodes
@@ -294,59 +307,90 @@ def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
     return paged_decode_kernel()
 
 
-def _make_plan(meta: AttentionMetadata, device: torch.device,
-               kernel: Callable[..., torch.Tensor] | None = None) -> _StepPlan:
-    """Split the step into batched decodes and per-sequence prefills, with their gather
-    indices (decodes for the CPU kernel need only their tables and lengths).
+@dataclass
+class _PlanLayout:
+    """The host half of a step's plan: which sequences prefill (and which of those gather
+    their context), how the decodes group, and the indices all that needs, added to the
+    step's upload."""
 
-    Every index the plan needs from the host (the rows and lengths of the prefills that
-    gather their context, each decode group's rows, lengths and token positions) is laid
-    out first and goes to the device in one copy: on CUDA a copy per small tensor would be
-    a synchronous transfer each."""
-    block_tables = meta.block_tables.to(device)
+    prefills: list[_PrefillPlan]
+    # (index in prefills, batch row) of each prefill that gathers its context.
+    gathering: list[tuple[int, int]]
+    # Every decode goes to the CPU kernel (its rows), or to the torch groups (theirs).
+    by_kernel: bool
+    decode_rows: list[int]
+    grouped: list[list[int]]
+    # The gathering prefills' rows and lengths, then each group's rows, lengths and tokens
+    # (by_kernel: the decode rows alone).
+    staged: list[Staged]
+
+
+def _layout(query_lens: list[int], seq_lens: list[int], upload: StepUpload,
+            by_kernel: bool) -> _PlanLayout:
+    """Split the step into batched decodes and per-sequence prefills, from the host-side
+    lengths (no device sync), and add the indices they need to ``upload``."""
     starts = [0]
-    for n in meta.query_lens:  # from the host-side lengths: no device sync
+    for n in query_lens:
         starts.append(starts[-1] + n)
     prefills, gathering = [], []
-    for i, n in enumerate(meta.query_lens):
+    for i, n in enumerate(query_lens):
         if n > 1:
-            seq_len = meta.seq_lens_list[i]
+            seq_len = seq_lens[i]
             # A first chunk (nothing cached before it) that fits one query tile attends to
             # its own rows in one causal call (TorchAttention._first_chunk): no slots.
             if not (seq_len == n and n <= PREFILL_QUERY_TILE):
                 gathering.append((len(prefills), i))
             prefills.append(_PrefillPlan(starts[i], starts[i + 1], None, seq_len - n))
-    decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    by_kernel = kernel is not None and bool(decode_rows)
-    grouped = [] if by_kernel else _group_by_length(decode_rows, meta.seq_lens_list)
-    host = [[i for _, i in gathering], [meta.seq_lens_list[i] for _, i in gathering]]
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    by_kernel = by_kernel and bool(decode_rows)
+    grouped = [] if by_kernel else _group_by_length(decode_rows, seq_lens)
+    host = [[i for _, i in gathering], [seq_lens[i] for _, i in gathering]] if gathering else []
+    if by_kernel:
+        host.append(decode_rows)
     for rows in grouped:
-        host += [rows, [meta.seq_lens_list[i] for i in rows], [starts[i] for i in rows]]
-    on_device = (to_device_at_once([_host(a) for a in host], device)
-                 if gathering or grouped else [])
-    if gathering:
+        host += [rows, [seq_lens[i] for i in rows], [starts[i] for i in rows]]
+    staged = [upload.add(np.array(a, dtype=np.int64)) for a in host]
+    return _PlanLayout(prefills, gathering, by_kernel, decode_rows, grouped, staged)
+
+
+def _make_plan(meta: AttentionMetadata, device: torch.device,
+               kernel: Callable[..., torch.Tensor] | None = None,
+               layout: _PlanLayout | None = None) -> _StepPlan:
+    """The step's plan: batched decodes (for the CPU kernel, only their tables and lengths)
+    and per-sequence prefills, with their gather indices.
+
+    ``layout``: the host half, staged in the step's upload (TorchAttention.stage); without
+    it the layout is made here and its indices moved in one copy of their own. Either way,
+    no index goes to the device on its own: on CUDA a copy per small tensor would be a
+    transfer each."""
+    if layout is None:
+        upload = StepUpload(device)
+        layout = _layout(meta.query_lens, meta.seq_lens_list, upload, kernel is not None)
+        upload.send()
+    on_device = [s.tensor for s in layout.staged]
+    block_tables = meta.block_tables.to(device)
+    prefills = layout.prefills
+    if layout.gathering:
         tables = block_tables.index_select(0, on_device[0])
-        for k, (j, i) in enumerate(gathering):
+        for k, (j, i) in enumerate(layout.gathering):
             prefills[j].slots = _context_slots(tables[k, None], on_device[1][k, None],
                                                meta.seq_lens_list[i], meta.block_size)[0]
-    if by_kernel:
-        index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+        on_device = on_device[2:]
+    if layout.by_kernel:
+        assert kernel is not None, "a layout for the CPU decode kernel, without the kernel"
+        index = on_device[0]
         return _StepPlan([], prefills, _KernelDecodes(
             tokens=meta.query_start_loc[:-1].index_select(0, index),
             block_tables=block_tables.index_select(0, index),
             seq_lens=meta.seq_lens.to(device).index_select(0, index), kernel=kernel))
     groups = []
-    for g, rows in enumerate(grouped):
-        rows_t, lens_t, tokens = on_device[2 + 3 * g:5 + 3 * g]
+    for g, rows in enumerate(layout.grouped):
+        rows_t, lens_t, tokens = on_device[3 * g:3 * g + 3]
         slots = _context_slots(block_tables.index_select(0, rows_t), lens_t,
                                max(meta.seq_lens_list[i] for i in rows), meta.block_size)
         valid = torch.arange(slots.shape[1], device=device)[None, :] < lens_t[:, None]
         groups.append(_DecodeGroup(tokens, slots, valid))
     return _StepPlan(groups, prefills)
-
-
-def _host(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def _group_by_length(rows: list[int], seq_lens: list[int]) -> list[list[int]]:

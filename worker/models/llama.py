@@ -133,6 +133,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         backend_cls = get_attention_backend(attention_backend)
+        # The runner stages the backend's per-step plan with the step's inputs.
+        self.attention_backend = backend_cls
         self.model = DecoderModel(config, backend_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

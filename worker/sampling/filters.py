@@ -23,53 +23,64 @@ from __future__ import annotations
 
 import torch
 
+from worker.sampling.subsets import RowSubsets
+from worker.step_upload import Staged
+
 # The top-p histogram: bins of 1/512 nat below the row's best logit, 16 nats in all (the
 # last bin also takes everything further down, under 1e-7 of the best token's likelihood).
 BINS_PER_NAT = 512.0
 NUM_BINS = 8192
 
 
-def floors(x: torch.Tensor, top_k: list[int], top_p: list[float],
-           min_p: list[float]) -> torch.Tensor | None:
+def floors(x: torch.Tensor, rows: RowSubsets) -> torch.Tensor | None:
     """Per row, the smallest scaled logit that top-k, min-p, and top-p on a top-k row keep:
-    [rows, 1] (-inf: no cut), or None when no row has any of them.
+    [rows, 1] (-inf: no cut), or None when no row has any of them. ``rows``: the step's
+    subsets, ``x`` its sampled rows.
 
     Top-p on a row that also has top-k is exact and cheap: it runs on the k largest values,
     already sorted by ``torch.topk``. (Top-p alone is :func:`top_p_keep`'s.)
     """
-    rows, vocab, device = x.shape[0], x.shape[-1], x.device
-    ranked = [i for i in range(rows) if 0 < top_k[i] < vocab]
-    cut = [i for i in range(rows) if min_p[i] > 0.0]
-    if not ranked and not cut:
+    if not rows.ranked and not rows.cut:
         return None
-    floor = torch.full((rows, 1), float("-inf"), dtype=x.dtype, device=device)
-    if ranked:
-        index = torch.tensor(ranked, dtype=torch.long, device=device)
-        ks = torch.tensor([top_k[i] for i in ranked], dtype=torch.long, device=device)
-        width = max(top_k[i] for i in ranked)
+    floor = torch.full((x.shape[0], 1), float("-inf"), dtype=x.dtype, device=x.device)
+    if rows.ranked:
+        assert rows.ranked_k is not None and rows.ranked_top_p is not None
+        ks, index = rows.ranked_k.tensor, rows.ranked_index
+        width = max(rows.top_k[j] for j in rows.ranked)
         # Every row ranked (the usual batch): no gathered copy of the logits (8 MB at
         # 64 x 32,000).
-        ranks = x if len(ranked) == rows else x.index_select(0, index)
-        largest = torch.topk(ranks, width, dim=-1, sorted=True).values
+        largest = torch.topk(_rows(x, index), width, dim=-1, sorted=True).values
         # Columns past a row's own k are out of its top-k.
-        outside = torch.arange(width, device=device)[None, :] >= ks[:, None]
+        outside = torch.arange(width, device=x.device)[None, :] >= ks[:, None]
         largest = largest.masked_fill(outside, float("-inf"))
         kth = largest.gather(1, (ks - 1)[:, None])
-        p = torch.tensor([top_p[i] for i in ranked], dtype=x.dtype, device=device)[:, None]
+        p = rows.ranked_top_p.tensor.to(x.dtype)[:, None]
         # The smallest prefix of the sorted top-k whose (renormalised) mass reaches p.
         mass = torch.softmax(largest, dim=-1).cumsum(dim=-1)
         last = torch.searchsorted(mass, p).clamp_(max=width - 1)
         nucleus = torch.where(p < 1.0, largest.gather(1, torch.minimum(last, ks[:, None] - 1)),
                               kth)
-        floor.index_copy_(0, index, torch.maximum(kth, nucleus))
-    if cut:
-        index = torch.tensor(cut, dtype=torch.long, device=device)
-        ratio = torch.tensor([min_p[i] for i in cut], dtype=x.dtype, device=device)[:, None]
+        _put(floor, index, torch.maximum(kth, nucleus))
+    if rows.cut:
+        assert rows.cut_min_p is not None
+        index = rows.cut_index
+        ratio = rows.cut_min_p.tensor.to(x.dtype)[:, None]
         # At least min_p times the most likely token's probability.
-        best = x if len(cut) == rows else x.index_select(0, index)
-        relative = best.amax(dim=-1, keepdim=True) + torch.log(ratio)
-        floor.index_copy_(0, index, torch.maximum(floor.index_select(0, index), relative))
+        relative = _rows(x, index).amax(dim=-1, keepdim=True) + torch.log(ratio)
+        _put(floor, index, torch.maximum(_rows(floor, index), relative))
     return floor
+
+
+def _rows(t: torch.Tensor, index: Staged | None) -> torch.Tensor:
+    return t if index is None else t.index_select(0, index.tensor)
+
+
+def _put(t: torch.Tensor, index: Staged | None, rows: torch.Tensor) -> None:
+    """Write ``rows`` at ``index`` of ``t`` (None: all of them)."""
+    if index is None:
+        t.copy_(rows)
+    else:
+        t.index_copy_(0, index.tensor, rows)
 
 
 def top_p_keep(x: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

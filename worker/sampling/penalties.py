@@ -8,13 +8,11 @@ call (csrc/penalize.cpp) that follows the torch path's arithmetic bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from producer.wire.params import SamplingParams
 from worker.cpu_kernels import penalize_kernel
 from worker.sampling.rows import PenaltyTokens
+from worker.sampling.subsets import LogitBias
 
 
 def apply_penalties(logits: torch.Tensor, tokens: PenaltyTokens | None) -> None:
@@ -45,19 +43,10 @@ def apply_penalties(logits: torch.Tensor, tokens: PenaltyTokens | None) -> None:
                         alpha=-1)
 
 
-def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Add each row's ``logit_bias`` to its logits, in place (ids were checked against the
-    vocabulary when the request was added)."""
-    rows, tokens, biases = [], [], []
-    for i, p in enumerate(params):
-        for token, bias in p.logit_bias:
-            rows.append(i)
-            tokens.append(token)
-            biases.append(bias)
-    if not rows:
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias | None) -> None:
+    """Add the step's ``logit_bias`` entries (staged with its inputs) to ``logits``, in
+    place (ids were checked against the vocabulary when the request was added)."""
+    if bias is None:
         return
-    device = logits.device
-    logits.index_put_(
-        (torch.tensor(rows, dtype=torch.long, device=device),
-         torch.tensor(tokens, dtype=torch.long, device=device)),
-        torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    logits.index_put_((bias.rows.tensor, bias.tokens.tensor),
+                      bias.values.tensor.to(logits.dtype), accumulate=True)

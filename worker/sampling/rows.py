@@ -9,7 +9,8 @@ once, its output's as they come, one a step, with how often each was generated; 
 hands the penalties flat lists of (batch row, token, value) with nothing left to sort or
 deduplicate. A step gathers its rows with one index, draws every uniform with one vectorised
 hash (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
-and moves the per-row values to the logits' device in one copy (pinned on CUDA). The runner
+and stages the per-row values, penalty tokens and row subsets in the step's upload
+(worker/step_upload.py), which moves every input of the step in one copy. The runner
 releases a row when its request finishes or is preempted, as it does the request's block
 table.
 """
@@ -24,6 +25,8 @@ import torch
 
 from producer.wire.params import SamplingParams
 from worker.sampling.randomness import MASK64, uniforms
+from worker.sampling.subsets import RowSubsets
+from worker.step_upload import Staged, StepUpload
 
 # Columns of the per-row values (float64, as the parameters arrived).
 TEMPERATURE, TOP_P, MIN_P, DRAW = 0, 1, 2, 3
@@ -115,15 +118,30 @@ def _grown(a: np.ndarray, rows: int) -> np.ndarray:
 NO_VALUES = torch.empty(0, 4, dtype=torch.float64, device="cpu")
 
 
-@dataclass
 class StepRows:
-    """What one step samples with, row i for the batch's row i."""
+    """What one step samples with, row i for the batch's row i. Made before the forward,
+    its tensors staged in the step's upload: ``values`` and ``penalties`` are read once the
+    upload is sent."""
 
-    params: list[SamplingParams]
-    # [n, 4] float64 on the logits' device: temperature, top_p, min_p and the row's uniform
-    # draw for this output index; NO_VALUES in a step where every row is greedy.
-    values: torch.Tensor
-    penalties: PenaltyTokens | None
+    def __init__(self, params: list[SamplingParams], values: Staged | None,
+                 penalties: tuple[Staged, Staged, Staged, Staged] | None,
+                 subsets: RowSubsets) -> None:
+        self.params = params
+        self.subsets = subsets
+        self._values = values
+        self._penalties = penalties
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[n, 4] float64 on the logits' device: temperature, top_p, min_p and the row's
+        uniform draw for this output index; NO_VALUES in a step where every row is greedy."""
+        return NO_VALUES if self._values is None else self._values.tensor
+
+    @property
+    def penalties(self) -> PenaltyTokens | None:
+        if self._penalties is None:
+            return None
+        return PenaltyTokens(*(s.tensor for s in self._penalties))
 
 
 class SamplingRows:
@@ -150,11 +168,13 @@ class SamplingRows:
     def step(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
              seeds: Sequence[int], output_indices: Sequence[int],
              prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-             device: torch.device) -> StepRows:
-        """The rows of one step's sampled requests (rows of new requests written first).
+             upload: StepUpload, vocab: int | None = None) -> StepRows:
+        """The rows of one step's sampled requests (rows of new requests written first),
+        their values, penalty tokens and subsets added to ``upload``.
 
         ``prompts`` and ``outputs`` are the requests' own token lists; only penalised rows
-        read them, and only what is new since the last step.
+        read them, and only what is new since the last step. ``vocab``: the logits' width
+        (a top-k of all of it cuts nothing).
         """
         index = []
         penalised: list[tuple[int, PenaltyRow]] = []
@@ -165,15 +185,16 @@ class SamplingRows:
             index.append(row)
             if params[i].penalized:
                 penalised.append((i, self._sync_tokens(row, params[i], prompts[i], outputs[i])))
-        penalties = _penalty_tokens(penalised, device) if penalised else None
+        penalties = _penalty_tokens(penalised, upload) if penalised else None
+        subsets = RowSubsets(params, upload, vocab)
         if all(p.greedy for p in params):  # an argmax reads none of the values
-            return StepRows(list(params), NO_VALUES, penalties)
+            return StepRows(list(params), None, penalties, subsets)
         rows = np.asarray(index, dtype=np.int64)
         packed = np.empty((len(index), 4), dtype=np.float64)
         packed[:, :3] = self.values[rows]
         # Output indices are never negative: as uint64 they are the same numbers.
         packed[:, DRAW] = uniforms(self.seeds[rows], np.asarray(output_indices, dtype=np.uint64))
-        return StepRows(list(params), _to(torch.from_numpy(packed), device), penalties)
+        return StepRows(list(params), upload.add(packed), penalties, subsets)
 
     def _admit(self, request_id: str, params: SamplingParams, seed: int) -> int:
         self.release(request_id)
@@ -204,8 +225,8 @@ class SamplingRows:
         self._free += list(range(rows - 1, old - 1, -1))
 
 
-def _penalty_tokens(states: list[tuple[int, PenaltyRow]], device: torch.device
-                    ) -> PenaltyTokens:
+def _penalty_tokens(states: list[tuple[int, PenaltyRow]], upload: StepUpload
+                    ) -> tuple[Staged, Staged, Staged, Staged]:
     """The penalised rows' distinct tokens as flat lists (batch row, id, value), from each
     row's batch position and its PenaltyRow: one pass over the rows, then a few array ops."""
     context_rows, context_ids, factors = [], [], []
@@ -223,8 +244,7 @@ def _penalty_tokens(states: list[tuple[int, PenaltyRow]], device: torch.device
     context_factors = np.repeat(np.asarray(factors, dtype=np.float64), lengths)
     outputs, _ = _flat(output_rows, output_ids)
     output_deltas = np.concatenate(deltas) if deltas else np.empty(0, dtype=np.float64)
-    return PenaltyTokens(*(_to(torch.from_numpy(a), device)
-                           for a in (context, context_factors, outputs, output_deltas)))
+    return tuple(upload.add(a) for a in (context, context_factors, outputs, output_deltas))
 
 
 def _flat(rows: list[int], ids: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
@@ -236,10 +256,3 @@ def _flat(rows: list[int], ids: list[np.ndarray]) -> tuple[np.ndarray, list[int]
         index[0] = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
         np.concatenate(ids, out=index[1])
     return index, lengths
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """On the CPU as it is; to an accelerator in one copy from pinned memory."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -25,6 +25,8 @@ from worker.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
+from worker.sampling.subsets import RowSubsets
+from worker.step_upload import Staged, StepUpload
 
 
 @dataclass
@@ -43,11 +45,19 @@ class SampleRequest:
 
 
 def step_rows(state: SamplingRows, request_ids: Sequence[str], rows: Sequence[SampleRequest],
-              device: torch.device) -> StepRows:
-    """The step's rows from ``state`` (new requests' rows written first)."""
-    return state.step(request_ids, [r.params for r in rows], [r.seed for r in rows],
+              device: torch.device, *, upload: StepUpload | None = None,
+              vocab: int | None = None) -> StepRows:
+    """The step's rows from ``state`` (new requests' rows written first). With ``upload``
+    (the runner's, before the forward) they are staged there, to be read once it is sent;
+    without, they are moved to ``device`` here, in one copy."""
+    own = upload is None
+    upload = StepUpload(device) if upload is None else upload
+    step = state.step(request_ids, [r.params for r in rows], [r.seed for r in rows],
                       [r.output_index for r in rows], [r.prompt_token_ids for r in rows],
-                      [r.output_token_ids for r in rows], device)
+                      [r.output_token_ids for r in rows], upload, vocab)
+    if own:
+        upload.send()
+    return step
 
 
 class Sampler:
@@ -59,68 +69,61 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Returns the chosen token per row and, where asked for, its logprobs.
 
-        ``step`` holds the rows' values from the runner's persistent rows; without it they
-        are laid out for this call alone. ``scratch``: the caller drops ``logits`` after
-        the call, so penalties may change them in place (unless a row wants logprobs).
+        ``step`` holds the rows' values and subsets from the runner's persistent rows
+        (already on the logits' device); without it they are laid out for this call alone.
+        ``scratch``: the caller drops ``logits`` after the call, so penalties may change
+        them in place (unless a row wants logprobs).
         """
         if step is None:
             step = step_rows(SamplingRows(len(rows)), [str(i) for i in range(len(rows))], rows,
-                             logits.device)
+                             logits.device, vocab=logits.shape[-1])
         raw = logits
-        params = step.params
-        if any(p.penalized or p.logit_bias for p in params):
+        subsets = step.subsets
+        if subsets.adjusted:
             # Logprobs stay those of the model's own distribution: kept apart where a row
             # asks for them or the caller still needs the logits (a copy of 64 x 32,000
             # floats is ~1 ms here).
-            if not scratch or any(p.logprobs is not None for p in params):
+            if not scratch or subsets.logprobs:
                 logits = logits.clone()
             apply_penalties(logits, step.penalties)
-            apply_logit_bias(logits, params)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+            apply_logit_bias(logits, subsets.bias)
         tokens = [0] * len(rows)
-        if len(greedy) == len(rows):
+        if len(subsets.greedy) == len(rows):
             tokens = _argmax(logits)
-        elif greedy:
-            picks = _argmax(logits[_index(greedy, logits.device)])
-            for i, t in zip(greedy, picks, strict=True):
+        elif subsets.greedy:
+            picks = _argmax(_rows(logits, subsets.greedy_index))
+            for i, t in zip(subsets.greedy, picks, strict=True):
                 tokens[i] = t
-        if sampled:
-            chosen = logits if len(sampled) == len(rows) else logits[_index(sampled,
-                                                                            logits.device)]
-            values = step.values if len(sampled) == len(rows) else step.values[
-                _index(sampled, logits.device)]
-            picks = self._sample(chosen.float(), [params[i] for i in sampled], values)
-            for i, t in zip(sampled, picks, strict=True):
+        if subsets.sampled:
+            chosen = _rows(logits, subsets.sampled_index)
+            values = _rows(step.values, subsets.sampled_index)
+            picks = self._sample(chosen.float(), subsets, values)
+            for i, t in zip(subsets.sampled, picks, strict=True):
                 tokens[i] = t
-        return tokens, self._logprobs(raw, rows, tokens)
+        return tokens, self._logprobs(raw, rows, tokens, subsets)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams],
-                values: torch.Tensor) -> list[int]:
-        """Draw one token per row; ``values``: the rows' [n, 4] from StepRows."""
+    def _sample(logits: torch.Tensor, subsets: RowSubsets, values: torch.Tensor) -> list[int]:
+        """Draw one token per sampled row; ``values``: those rows' [n, 4] from StepRows."""
         vocab = logits.shape[-1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         kernel = sample_rows_kernel() if logits.device.type == "cpu" and \
             logits.dtype == torch.float32 else None
         if kernel is not None:
             # Temperature, softmax, every cut and the draw, each row in one task whose passes
             # stay in cache: no pass over the whole batch's logits here. Float64 values: the
             # parameters and the draw as they arrived.
+            assert subsets.top_k_values is not None  # staged for every step that draws
             return kernel(logits, values[:, TEMPERATURE], values[:, TOP_P],
-                          torch.tensor(top_k, device=logits.device), values[:, MIN_P],
+                          subsets.top_k_values.tensor, values[:, MIN_P],
                           values[:, DRAW], BINS_PER_NAT, NUM_BINS).tolist()
         values = values.to(logits.dtype)
-        temperature = values[:, TEMPERATURE, None]
-        # x / 1.0 is x: skip a pass over the batch's logits at the default temperature.
-        x = logits if bool((temperature == 1.0).all()) else logits / temperature
+        x = logits if subsets.unit_temperature else logits / values[:, TEMPERATURE, None]
         probs = torch.softmax(x, dim=-1)
-        floor = floors(x, top_k, [p.top_p for p in params], [p.min_p for p in params])
+        floor = floors(x, subsets)
         # Top-p on rows without top-k: a histogram cut (top-k rows had theirs in the floor).
-        nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0 and not top_k[i]]
         keep = None if floor is None else x >= floor
-        if nucleus:
-            index = _subset(nucleus, x)
+        if subsets.nucleus:
+            index = subsets.nucleus_index
             cut = top_p_keep(_rows(x, index), _rows(probs, index),
                              _rows(values[:, TOP_P].contiguous(), index))
             if keep is None and index is None:
@@ -130,7 +133,8 @@ class Sampler:
                 if index is None:
                     keep &= cut
                 else:
-                    keep.index_copy_(0, index, keep.index_select(0, index) & cut)
+                    at = index.tensor
+                    keep.index_copy_(0, at, keep.index_select(0, at) & cut)
         if keep is not None:
             probs.mul_(keep)
         cdf = probs.cumsum_(dim=-1)
@@ -144,15 +148,15 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, rows: list[SampleRequest], tokens: list[int]
+        logits: torch.Tensor, rows: list[SampleRequest], tokens: list[int],
+        subsets: RowSubsets,
     ) -> list[TokenLogprob | None]:
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(rows)
-        if not wanted:
+        if not subsets.logprobs:
             return result
         # Logprobs of the model's own distribution, before penalties, temperature, filters.
-        logp = torch.log_softmax(logits[_index(wanted, logits.device)].float(), dim=-1)
-        for row, i in enumerate(wanted):
+        logp = torch.log_softmax(_rows(logits, subsets.logprobs_index).float(), dim=-1)
+        for row, i in enumerate(subsets.logprobs):
             n = rows[i].params.logprobs or 0
             top = torch.topk(logp[row], n) if n else None
             result[i] = TokenLogprob(
@@ -175,15 +179,6 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _rows(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+def _rows(t: torch.Tensor, index: Staged | None) -> torch.Tensor:
     """``t``'s rows at ``index`` (None: all of them, without a copy)."""
-    return t if index is None else t.index_select(0, index)
-
-
-def _subset(rows: list[int], t: torch.Tensor) -> torch.Tensor | None:
-    """The index of ``rows`` in ``t``; None when they are all of its rows."""
-    return None if len(rows) == t.shape[0] else _index(rows, t.device)
+    return t if index is None else t.index_select(0, index.tensor)

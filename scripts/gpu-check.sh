@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the CUDA test suite, then the decode-step benchmark on the
-# device. Needs a CUDA machine; prints what it ran and exits non-zero on any failure.
+# device and the host-to-device copies of each kind of step (worker/bench/step_copies.py).
+# Needs a CUDA machine; prints what it ran and exits non-zero on any failure.
 #
 #   bash scripts/gpu-check.sh                          # sets up .venv first (scripts/setup.sh)
 #   CONVEYOR_PYTHON=python3 bash scripts/gpu-check.sh  # a Python that already holds torch
@@ -25,3 +26,4 @@ PY
 "$py" -m pytest tests/gpu -v --benchmark-disable "$@"
 "$py" -m pytest tests/benchmarks/test_bench_engine.py -k decode_small \
   --benchmark-only --benchmark-columns=min,median,mean
+"$py" -m worker.bench.step_copies

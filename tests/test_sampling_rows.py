@@ -17,6 +17,7 @@ from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRow
 from worker.sampling.sampler import step_rows
 
 CPU = torch.device("cpu")
+VOCAB = 32000
 
 
 def test_vectorised_draws_equal_the_per_row_function_bit_for_bit():
@@ -48,7 +49,7 @@ def test_a_penalised_request_keeps_its_row_and_gains_only_its_new_tokens():
     rows_seen = set()
     for token in [7, 7, 3, 5, 7, 30]:
         req = SampleRequest(params, 3, len(output), prompt, output)
-        got = step_rows(state, ["a"], [req], CPU)
+        got = step_rows(state, ["a"], [req], CPU, VOCAB)
         rows_seen.add(state.rows["a"])
         assert got.values[0, TEMPERATURE] == 0.7 and got.values[0, TOP_P] == 0.9
         assert got.values[0, DRAW].item() == uniform(3, len(output))
@@ -63,13 +64,13 @@ def test_a_released_row_goes_to_the_next_request_clean():
     state = SamplingRows(num_rows=1)
     penalised = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.1)
     step_rows(state, ["old"], [SampleRequest(penalised, 1, 3, [1, 2, 3, 4, 5], [6, 7, 8])],
-              CPU)
+              CPU, VOCAB)
     row = state.rows["old"]
     state.release("old")
     got = step_rows(state, ["new", "other"], [
         SampleRequest(penalised, 2, 0, [9], []),
         SampleRequest(SamplingParams(temperature=0.5), 4, 0, [1], []),
-    ], CPU)
+    ], CPU, VOCAB)
     assert state.rows["new"] == row and len(state.rows) == 2  # reused, then grown
     assert got.penalties.context.tolist() == [[0], [9]]  # batch row 0, token 9 alone
     assert _outputs(got, 0) == {}
@@ -79,8 +80,8 @@ def test_a_released_row_goes_to_the_next_request_clean():
 def test_an_output_cut_back_on_resumption_is_laid_out_again():
     state = SamplingRows()
     params = SamplingParams(temperature=1.0, frequency_penalty=0.2)
-    step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU)
-    got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU)
+    step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU, VOCAB)
+    got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU, VOCAB)
     assert _outputs(got, 0) == {7: 0.2, 8: 0.2}
     assert got.penalties.context.shape == (2, 0)  # no repetition penalty: nothing to reach
 
@@ -112,7 +113,7 @@ def test_penalised_rows_that_outgrow_their_buffers_keep_every_token():
     for _ in range(400):
         reqs = [SampleRequest(params, 7, len(o), p, o)
                 for p, o in zip(prompts, outputs, strict=True)]
-        got = step_rows(state, ["long", "short"], reqs, CPU)
+        got = step_rows(state, ["long", "short"], reqs, CPU, VOCAB)
         for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             assert _context(got, row) == sorted(set(prompt) | set(output))
             assert _outputs(got, row) == {t: 0.5 + 0.25 * n for t, n in Counter(output).items()}

@@ -20,6 +20,7 @@ import worker.attention.torch_backend as torch_backend
 import worker.model_runner as model_runner
 import worker.sampling.sampler as sampler_module
 from worker import Engine
+from worker.cpu_kernels import ENV_SWITCH
 from worker.step_upload import StepUpload, upload_now
 
 
@@ -72,12 +73,16 @@ def test_a_device_gets_one_copy_of_every_array_in_shape():
     assert upload.packs and upload.copies == 1
 
 
-def test_every_step_sends_its_inputs_once_and_packing_changes_no_token(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_every_step_sends_its_inputs_once_and_packing_changes_no_token(tiny_llama, monkeypatch,
+                                                                       kernels):
     """Greedy, sampled, seeded, penalised and biased rows, logprobs, prefills beside decodes,
     swaps and prefix hits (tests/test_device_discipline.py's workload), in float64: the
     engine that packs every step's inputs into one buffer, as on a device, gives the tokens
-    of the one that does not, and each step that computes sends one upload, of every kind
-    of input."""
+    of the one that does not, and each step that computes sends one upload. With the CPU
+    kernels off, the sampler's torch path (the one CUDA takes) reads the staged subsets."""
+    if kernels == "off":
+        monkeypatch.setenv(ENV_SWITCH, "0")
     work = workload()
     settings = dict(dtype="float64", num_kv_blocks=60, max_num_seqs=32, swap_blocks=400,
                     preemption_mode="swap", max_num_batched_tokens=128)
@@ -111,6 +116,7 @@ def test_every_step_sends_its_inputs_once_and_packing_changes_no_token(tiny_llam
     stats = engine.stats()
     assert stats["preemptions_swap"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert per_step and set(per_step) == {1}
-    # Layout (5 arrays and the ids), the plan's indices, sampling values and subsets.
-    assert max(sends) > 10
+    # Every step's layout: 5 arrays and the ids; a mixed sampling step adds the plan's
+    # indices, the logits rows, the values, penalty tokens, bias and subsets.
+    assert min(sends) >= 6 and max(sends) > 20
     assert got == want

@@ -38,8 +38,7 @@ class ModelRunner:
         # The attention backend, which stages its per-step plan with the step's inputs, and
         # the logits' width (a top-k of all of it cuts nothing).
         self.attention_backend = getattr(model, "attention_backend", None)
-        self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size",
-                                              None)
+        self.vocab_size: int = model.config.vocab_size
         # Each running request's block table, kept across steps (a step's tables are
         # gathered from them into its one upload).
         self.block_tables = BlockTableRows()
@@ -84,12 +83,12 @@ class ModelRunner:
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids_out = [chunks[i].request_id for i in sampling]
         sample_rows = [rows[i] for i in ids_out]
-        step = (step_rows(self.sampling_rows, ids_out, sample_rows, self.device, upload=upload,
-                          vocab=self.vocab_size) if sampling else None)
+        step = (step_rows(self.sampling_rows, ids_out, sample_rows, self.device,
+                          self.vocab_size, upload=upload) if sampling else None)
         # The rows whose logits are made: every token (one-token chunks, all sampling: a
         # decode step; the native step makes them with its layers), else the sampling
         # chunks' last tokens.
-        picked = (None if len(sampling) == len(ids) else upload.add(
+        picked = (None if not sampling or len(sampling) == len(ids) else upload.add(
             (np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
         upload.send()
         meta = layout.metadata()

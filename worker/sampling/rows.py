@@ -168,7 +168,7 @@ class SamplingRows:
     def step(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
              seeds: Sequence[int], output_indices: Sequence[int],
              prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-             upload: StepUpload, vocab: int | None = None) -> StepRows:
+             upload: StepUpload, vocab: int) -> StepRows:
         """The rows of one step's sampled requests (rows of new requests written first),
         their values, penalty tokens and subsets added to ``upload``.
 

@@ -45,11 +45,12 @@ class SampleRequest:
 
 
 def step_rows(state: SamplingRows, request_ids: Sequence[str], rows: Sequence[SampleRequest],
-              device: torch.device, *, upload: StepUpload | None = None,
-              vocab: int | None = None) -> StepRows:
-    """The step's rows from ``state`` (new requests' rows written first). With ``upload``
-    (the runner's, before the forward) they are staged there, to be read once it is sent;
-    without, they are moved to ``device`` here, in one copy."""
+              device: torch.device, vocab: int, *, upload: StepUpload | None = None
+              ) -> StepRows:
+    """The step's rows from ``state`` (new requests' rows written first), for logits
+    ``vocab`` wide. With ``upload`` (the runner's, before the forward) they are staged
+    there, to be read once it is sent; without, they are moved to ``device`` here, in one
+    copy."""
     own = upload is None
     upload = StepUpload(device) if upload is None else upload
     step = state.step(request_ids, [r.params for r in rows], [r.seed for r in rows],
@@ -76,9 +77,13 @@ class Sampler:
         """
         if step is None:
             step = step_rows(SamplingRows(len(rows)), [str(i) for i in range(len(rows))], rows,
-                             logits.device, vocab=logits.shape[-1])
+                             logits.device, logits.shape[-1])
         raw = logits
         subsets = step.subsets
+        if subsets.vocab != logits.shape[-1]:
+            # Its top-k rows were told apart from the others by that width.
+            raise ValueError(f"the step's rows were laid out for {subsets.vocab} logits a row, "
+                             f"not {logits.shape[-1]}")
         if subsets.adjusted:
             # Logprobs stay those of the model's own distribution: kept apart where a row
             # asks for them or the caller still needs the logits (a copy of 64 x 32,000

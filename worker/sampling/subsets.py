@@ -23,17 +23,17 @@ class RowSubsets:
     per-subset parameters for the tensor side. Positions in ``ranked``, ``cut`` and
     ``nucleus`` count among the sampled rows; the others count among all rows."""
 
-    def __init__(self, params: Sequence[SamplingParams], upload: StepUpload,
-                 vocab: int | None = None) -> None:
+    def __init__(self, params: Sequence[SamplingParams], upload: StepUpload, vocab: int) -> None:
         rows = len(params)
+        # The logits' width: a top-k of all of it cuts nothing (and topk could not take it).
+        self.vocab = vocab
         self.greedy = [i for i, p in enumerate(params) if p.greedy]
         self.sampled = [i for i, p in enumerate(params) if not p.greedy]
         self.greedy_index = _index(self.greedy, rows, upload)
         self.sampled_index = _index(self.sampled, rows, upload)
         drawn = [params[i] for i in self.sampled]
         # Each sampled row's k; 0 where it has none (a k of the whole vocabulary cuts nothing).
-        self.top_k = [p.top_k if 0 < p.top_k and (vocab is None or p.top_k < vocab) else 0
-                      for p in drawn]
+        self.top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in drawn]
         # x / 1.0 is x: the torch path skips a pass over the logits at the default.
         self.unit_temperature = all(p.temperature == 1.0 for p in drawn)
         self.top_k_values = _values(self.top_k, np.int64, upload) if drawn else None

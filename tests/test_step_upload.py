@@ -21,7 +21,7 @@ import worker.model_runner as model_runner
 import worker.sampling.sampler as sampler_module
 from worker import Engine
 from worker.cpu_kernels import ENV_SWITCH
-from worker.step_upload import StepUpload, upload_now
+from worker.step_upload import StepUpload
 
 
 def test_packed_arrays_come_back_with_their_values_shapes_and_dtypes():
@@ -64,12 +64,11 @@ def test_on_the_cpu_an_array_is_its_tensor_at_once_and_nothing_is_packed():
 def test_a_device_gets_one_copy_of_every_array_in_shape():
     """On a device (meta here: shapes without data) the views keep each array's shape and
     dtype, and the upload counts its one copy."""
-    moved = upload_now([np.zeros((3, 2), dtype=np.int64), np.ones(4, dtype=np.float64)], "meta")
-    assert [(t.device.type, tuple(t.shape), t.dtype) for t in moved] == [
-        ("meta", (3, 2), torch.int64), ("meta", (4,), torch.float64)]
     upload = StepUpload("meta")
-    upload.add(np.zeros(2, dtype=np.int64))
+    staged = [upload.add(np.zeros((3, 2), dtype=np.int64)), upload.add(np.ones(4))]
     upload.send()
+    assert [(s.tensor.device.type, tuple(s.tensor.shape), s.tensor.dtype) for s in staged] == [
+        ("meta", (3, 2), torch.int64), ("meta", (4,), torch.float64)]
     assert upload.packs and upload.copies == 1
 
 

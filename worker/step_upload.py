@@ -95,11 +95,3 @@ class StepUpload:
             offset += array.size
         self._parts = []
 
-
-def upload_now(arrays: list[np.ndarray | torch.Tensor],
-               device: torch.device | str) -> list[torch.Tensor]:
-    """``arrays`` on ``device``, in one copy (none on the CPU)."""
-    upload = StepUpload(device)
-    staged = [upload.add(a) for a in arrays]
-    upload.send()
-    return [s.tensor for s in staged]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampling.subsets import RowSubsets
+from worker.sampling.subsets import RowSubsets, rows_at
 from worker.step_upload import Staged
 
 # The top-p histogram: bins of 1/512 nat below the row's best logit, 16 nats in all (the
@@ -49,7 +49,7 @@ def floors(x: torch.Tensor, rows: RowSubsets) -> torch.Tensor | None:
         width = max(rows.top_k[j] for j in rows.ranked)
         # Every row ranked (the usual batch): no gathered copy of the logits (8 MB at
         # 64 x 32,000).
-        largest = torch.topk(_rows(x, index), width, dim=-1, sorted=True).values
+        largest = torch.topk(rows_at(x, index), width, dim=-1, sorted=True).values
         # Columns past a row's own k are out of its top-k.
         outside = torch.arange(width, device=x.device)[None, :] >= ks[:, None]
         largest = largest.masked_fill(outside, float("-inf"))
@@ -66,13 +66,9 @@ def floors(x: torch.Tensor, rows: RowSubsets) -> torch.Tensor | None:
         index = rows.cut_index
         ratio = rows.cut_min_p.tensor.to(x.dtype)[:, None]
         # At least min_p times the most likely token's probability.
-        relative = _rows(x, index).amax(dim=-1, keepdim=True) + torch.log(ratio)
-        _put(floor, index, torch.maximum(_rows(floor, index), relative))
+        relative = rows_at(x, index).amax(dim=-1, keepdim=True) + torch.log(ratio)
+        _put(floor, index, torch.maximum(rows_at(floor, index), relative))
     return floor
-
-
-def _rows(t: torch.Tensor, index: Staged | None) -> torch.Tensor:
-    return t if index is None else t.index_select(0, index.tensor)
 
 
 def _put(t: torch.Tensor, index: Staged | None, rows: torch.Tensor) -> None:

@@ -25,8 +25,8 @@ from worker.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
-from worker.sampling.subsets import RowSubsets
-from worker.step_upload import Staged, StepUpload
+from worker.sampling.subsets import RowSubsets, rows_at
+from worker.step_upload import StepUpload
 
 
 @dataclass
@@ -96,12 +96,12 @@ class Sampler:
         if len(subsets.greedy) == len(rows):
             tokens = _argmax(logits)
         elif subsets.greedy:
-            picks = _argmax(_rows(logits, subsets.greedy_index))
+            picks = _argmax(rows_at(logits, subsets.greedy_index))
             for i, t in zip(subsets.greedy, picks, strict=True):
                 tokens[i] = t
         if subsets.sampled:
-            chosen = _rows(logits, subsets.sampled_index)
-            values = _rows(step.values, subsets.sampled_index)
+            chosen = rows_at(logits, subsets.sampled_index)
+            values = rows_at(step.values, subsets.sampled_index)
             picks = self._sample(chosen.float(), subsets, values)
             for i, t in zip(subsets.sampled, picks, strict=True):
                 tokens[i] = t
@@ -129,8 +129,8 @@ class Sampler:
         keep = None if floor is None else x >= floor
         if subsets.nucleus:
             index = subsets.nucleus_index
-            cut = top_p_keep(_rows(x, index), _rows(probs, index),
-                             _rows(values[:, TOP_P].contiguous(), index))
+            cut = top_p_keep(rows_at(x, index), rows_at(probs, index),
+                             rows_at(values[:, TOP_P].contiguous(), index))
             if keep is None and index is None:
                 keep = cut
             else:
@@ -160,7 +160,7 @@ class Sampler:
         if not subsets.logprobs:
             return result
         # Logprobs of the model's own distribution, before penalties, temperature, filters.
-        logp = torch.log_softmax(_rows(logits, subsets.logprobs_index).float(), dim=-1)
+        logp = torch.log_softmax(rows_at(logits, subsets.logprobs_index).float(), dim=-1)
         for row, i in enumerate(subsets.logprobs):
             n = rows[i].params.logprobs or 0
             top = torch.topk(logp[row], n) if n else None
@@ -182,8 +182,3 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     if kernel is not None:
         return kernel(logits).tolist()
     return logits.argmax(dim=-1).tolist()
-
-
-def _rows(t: torch.Tensor, index: Staged | None) -> torch.Tensor:
-    """``t``'s rows at ``index`` (None: all of them, without a copy)."""
-    return t if index is None else t.index_select(0, index.tensor)

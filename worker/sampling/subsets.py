@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from producer.wire.params import SamplingParams
 from worker.step_upload import Staged, StepUpload
@@ -73,6 +74,11 @@ class LogitBias:
         return cls(upload.add(np.array(rows, dtype=np.int64)),
                    upload.add(np.array(tokens, dtype=np.int64)),
                    upload.add(np.array(biases, dtype=np.float64)))
+
+
+def rows_at(t: torch.Tensor, index: Staged | None) -> torch.Tensor:
+    """``t``'s rows at a subset's ``index`` (None: all of them, without a copy)."""
+    return t if index is None else t.index_select(0, index.tensor)
 
 
 def _index(subset: list[int], rows: int, upload: StepUpload) -> Staged | None:

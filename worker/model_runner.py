@@ -37,7 +37,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # The attention backend, which stages its per-step plan with the step's inputs, and
         # the logits' width (a top-k of all of it cuts nothing).
-        self.attention_backend = getattr(model, "attention_backend", None)
+        self.attention_backend = model.attention_backend
         self.vocab_size: int = model.config.vocab_size
         # Each running request's block table, kept across steps (a step's tables are
         # gathered from them into its one upload).
@@ -78,8 +78,7 @@ class ModelRunner:
         layout = AttentionMetadata.stage(
             query_lens, seq_lens, self.block_tables.gather(rows_of_chunks, width), block_size,
             upload, input_ids=ids)
-        plans = (self.attention_backend.stage(query_lens, seq_lens, upload)
-                 if self.attention_backend is not None else {})
+        plans = self.attention_backend.stage(query_lens, seq_lens, upload)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids_out = [chunks[i].request_id for i in sampling]
         sample_rows = [rows[i] for i in ids_out]

@@ -318,7 +318,6 @@ class _PlanLayout:
     gathering: list[tuple[int, int]]
     # Every decode goes to the CPU kernel (its rows), or to the torch groups (theirs).
     by_kernel: bool
-    decode_rows: list[int]
     grouped: list[list[int]]
     # The gathering prefills' rows and lengths, then each group's rows, lengths and tokens
     # (by_kernel: the decode rows alone).
@@ -350,7 +349,7 @@ def _layout(query_lens: list[int], seq_lens: list[int], upload: StepUpload,
     for rows in grouped:
         host += [rows, [seq_lens[i] for i in rows], [starts[i] for i in rows]]
     staged = [upload.add(np.array(a, dtype=np.int64)) for a in host]
-    return _PlanLayout(prefills, gathering, by_kernel, decode_rows, grouped, staged)
+    return _PlanLayout(prefills, gathering, by_kernel, grouped, staged)
 
 
 def _make_plan(meta: AttentionMetadata, device: torch.device,

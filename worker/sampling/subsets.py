@@ -37,7 +37,7 @@ class RowSubsets:
         self.top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in drawn]
         # x / 1.0 is x: the torch path skips a pass over the logits at the default.
         self.unit_temperature = all(p.temperature == 1.0 for p in drawn)
-        self.top_k_values = _values(self.top_k, np.int64, upload) if drawn else None
+        self.top_k_values = _values(self.top_k, np.int64, upload)
         # Top-k rows (their top-p is cut exactly over their k best), min-p rows, and top-p
         # rows without top-k (a histogram cut: worker/sampling/filters.py).
         self.ranked = [j for j, k in enumerate(self.top_k) if k]

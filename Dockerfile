@@ -13,7 +13,7 @@ WORKDIR /app
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 
 # A C++ compiler for the CPU attention kernel, built on first use for the CPU the container
-# runs on (worker/cpu_kernels.py); without it decodes take the slower torch path.
+# runs on (worker/host/cpu_kernels.py); without it decodes take the slower torch path.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 

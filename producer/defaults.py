@@ -22,7 +22,7 @@ RETRY_ATTEMPTS = 6
 RETRY_BACKOFF_BASE = 0.05
 RETRY_BACKOFF_CAP = 2.0
 
-# RESP version spoken to the server (see producer.connection for why not RESP3).
+# RESP version spoken to the server (see producer.client.connection for why not RESP3).
 REDIS_PROTOCOL = 2
 
 # --- Embedded redis-server -------------------------------------------------------------------

@@ -101,5 +101,5 @@ pip install -e ".[worker,redis-server,gateway,dev]"
 "$VENV/bin/python" -c "import torch, producer, worker" # fails loudly if the install did not take
 # Build the CPU attention kernel now rather than in the first engine that wants it (about
 # 30 s). Where it cannot be built, attention keeps to the torch path: not an error.
-"$VENV/bin/python" -m worker.cpu_kernels >&2 || true
+"$VENV/bin/python" -m worker.host.cpu_kernels >&2 || true
 echo "$want" > "$STAMP"

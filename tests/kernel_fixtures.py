@@ -1,4 +1,4 @@
-"""The CPU kernels (worker/cpu_kernels.py) in the tests: a test that needs them skips on a
+"""The CPU kernels (worker/host/cpu_kernels.py) in the tests: a test that needs them skips on a
 developer's machine that cannot build them (no C++ compiler) and fails under CI=true, where
 scripts/setup.sh builds them, so a skip would hide untested kernels."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from worker.cpu_kernels import cpu_kernels
+from worker.host.cpu_kernels import cpu_kernels
 
 MISSING = "no C++ toolchain to build the CPU kernels"
 

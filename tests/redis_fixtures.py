@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from producer.connection import connect
-from producer.redis_server import (
+from producer.client.connection import connect
+from producer.redis.server import (
     EphemeralRedis,
     binary_supports_tls,
     binary_version,

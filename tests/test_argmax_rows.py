@@ -10,7 +10,7 @@ import torch
 from kernel_fixtures import needs_kernel
 
 from producer.wire.params import SamplingParams
-from worker.cpu_kernels import cpu_kernels
+from worker.host.cpu_kernels import cpu_kernels
 from worker.sampling import sampler as sampler_module
 from worker.sampling.sampler import Sampler, SampleRequest
 

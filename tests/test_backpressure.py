@@ -13,13 +13,13 @@ import pytest
 import redis
 from redis_fixtures import REDIS_VERSIONS, redis_binary
 
-from producer.async_client import AsyncClient
-from producer.backpressure import QueueFull
-from producer.client import Client
-from producer.connection import connect
-from producer.functions import install_functions
-from producer.queues import lane_stats, trim_request_stream
-from producer.redis_server import start_ephemeral
+from producer.client.async_client import AsyncClient
+from producer.client.backpressure import QueueFull
+from producer.client.client import Client
+from producer.client.connection import connect
+from producer.client.queues import lane_stats, trim_request_stream
+from producer.redis.functions import install_functions
+from producer.redis.server import start_ephemeral
 from producer.wire.keys import GROUP, Keys
 
 MODEL = "m"

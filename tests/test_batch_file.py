@@ -12,10 +12,10 @@ from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 from producer.bulk import run_batch_file
 from producer.bulk.batch_file import parse_line, read_done
 from producer.bulk.requests import RetryPolicy
-from producer.cli_bulk import run_bulk_cmd
-from producer.client import Client
+from producer.client.client import Client
 from producer.wire.keys import Keys
-from worker.cli import build_parser
+from worker.cli.bulk_verbs import run_bulk_cmd
+from worker.cli.command import build_parser
 
 KEYS = Keys()
 FAST = {"dtype": "float32", "num_kv_blocks": 1024, "max_num_seqs": 64}

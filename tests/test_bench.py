@@ -11,16 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.bench import cpu, metrics, report
-from worker.bench.arrivals import ArrivalPlan
-from worker.bench.records import RequestRecord
-from worker.bench.workloads import (
+from worker.bench.results import metrics, report
+from worker.bench.results.records import RequestRecord
+from worker.bench.run import cpu
+from worker.bench.run.arrivals import ArrivalPlan
+from worker.bench.run.workloads import (
     WorkItem,
     w1_heavy_tailed,
     w2_long_document_burst,
     with_poisson_arrivals,
 )
-from worker.cli import build_parser, main
+from worker.cli.command import build_parser, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -186,14 +187,14 @@ def _items(n: int, **kw) -> list[WorkItem]:
 
 
 def test_the_limit_takes_the_better_of_two_measurements_of_each_peak():
-    from worker.bench.limits import Peaks
+    from worker.bench.results.limits import Peaks
 
     slow_moment, later = Peaks(1.5e11, 1.1e10, 2), Peaks(3e11, 0.9e10, 2)
     assert slow_moment.best(later) == Peaks(3e11, 1.1e10, 2) == later.best(slow_moment)
 
 
 def test_the_physical_limit_adds_prefill_output_and_weight_reads():
-    from worker.bench.limits import ModelSize, Peaks, model_size, physical_limit_s
+    from worker.bench.results.limits import ModelSize, Peaks, model_size, physical_limit_s
 
     small = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
              "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 8,
@@ -383,7 +384,7 @@ def test_quick_w5_compares_disaggregated_with_mixed_workers(tiny_llama, tmp_path
 
 
 def test_w5_puts_documents_at_their_rate_beside_interactive_requests():
-    from worker.bench.workloads import w5_documents_beside_chat
+    from worker.bench.run.workloads import w5_documents_beside_chat
 
     items = w5_documents_beside_chat(num_interactive=4, vocab=100, doc_rate=2.0, num_docs=3,
                                      doc_tokens=50)
@@ -394,7 +395,7 @@ def test_w5_puts_documents_at_their_rate_beside_interactive_requests():
 
 
 def test_the_w5_rate_summary_plots_runs_by_rate_and_refuses_other_runs(tmp_path):
-    from worker.bench.rate_summary import rate_rows, write_rate_summary
+    from worker.bench.results.rate_summary import rate_rows, write_rate_summary
 
     def run(itl_p99: float, ttft_p50: float, goodput: float) -> dict:
         return {"groups": {"interactive": {"latency_ms": {"itl": {"p99": itl_p99}}},

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from worker.bench import cpu
+from worker.bench.run import cpu
 
 # Waits for a line, spins for 0.3 s of its own CPU time, says so, then waits to be let go.
 CHILD = ("import os, sys, time\n"

@@ -1,4 +1,4 @@
-"""The bench's follower (worker/bench/follower.py) reads raw XREAD replies: against a real
+"""The bench's follower (worker/bench/run/follower.py) reads raw XREAD replies: against a real
 Redis, over RESP2 and RESP3 connections, it yields what a Client's tracker yields for the
 same streams (chunks, an overlapping chunk cut, logprobs, finals), follows requests added
 while it reads, stops at a gap and refuses an entry without a message field."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from producer.stream_events import ChunkEvent, FinalEvent, OutputTracker, StreamGapError
+from producer.client.stream_events import ChunkEvent, FinalEvent, OutputTracker, StreamGapError
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, ProtocolError
-from worker.bench.follower import StreamFollower
+from worker.bench.run.follower import StreamFollower
 
 KEYS = Keys()
 

@@ -10,7 +10,7 @@ import pytest
 from kvstore import BlockPool, KVCacheManager
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.output import ScheduledChunk, SchedulerOutput
-from worker.block_table_rows import BlockTableRows
+from worker.engine.block_table_rows import BlockTableRows
 
 
 def _chunk(rid: str, new: list[int], known: int) -> ScheduledChunk:

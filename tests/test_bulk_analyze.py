@@ -28,12 +28,12 @@ from producer.bulk.defaults import REDUCE_INSTRUCTION
 from producer.bulk.prompts import Templates
 from producer.bulk.queue import fleet_url_for
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
-from producer.cli_bulk import run_bulk_cmd
-from producer.connection import connect
+from producer.client.connection import connect
 from producer.wire.completion import Completion, FinishReason, Usage
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, decode_output
-from worker.cli import build_parser
+from worker.cli.bulk_verbs import run_bulk_cmd
+from worker.cli.command import build_parser
 
 KEYS = Keys()
 ROOT = Path(__file__).resolve().parents[1]

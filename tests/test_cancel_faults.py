@@ -8,7 +8,7 @@ from test_reclaim import STREAM, add_request, held_by
 from test_worker_threads import cut, restore
 from waiting import eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys

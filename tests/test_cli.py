@@ -21,11 +21,11 @@ import pytest
 import redis
 
 from producer.bulk.queue import bulk_queue
-from producer.client import Client
+from producer.client.client import Client
 from producer.defaults import RETRY_ATTEMPTS
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, OutputChunk
-from worker.cli import HelpFormatter, build_parser, main
+from worker.cli.command import HelpFormatter, build_parser, main
 
 KEYS = Keys()
 MODEL = "m"

@@ -16,11 +16,10 @@ import pytest
 import redis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from producer.async_client import AsyncClient
-from producer.cli_client import add_client_parsers, resolve_model, run_client_cmd
-from producer.client import CANCEL_MARKER_TTL_S, FOLLOW_MANY_KEYS, Client
+from producer.client.async_client import AsyncClient
+from producer.client.client import CANCEL_MARKER_TTL_S, FOLLOW_MANY_KEYS, Client
+from producer.client.stream_events import ChunkEvent, FinalEvent
 from producer.clock import ManualClock
-from producer.stream_events import ChunkEvent, FinalEvent
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from producer.wire.protocol import (
@@ -31,6 +30,7 @@ from producer.wire.protocol import (
     error_final,
     now_ms,
 )
+from worker.cli.client_verbs import add_client_parsers, resolve_model, run_client_cmd
 
 MODEL = "tiny-llama"
 KEYS = Keys()

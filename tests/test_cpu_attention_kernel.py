@@ -1,4 +1,4 @@
-"""The CPU decode kernel (worker/csrc/paged_decode.cpp) against the torch path:
+"""The CPU decode kernel (worker/host/csrc/paged_decode.cpp) against the torch path:
 the same attention over the same paged cache, free blocks full of NaN, ragged lengths,
 grouped query heads; and the engine's greedy tokens with the kernel on and off."""
 
@@ -10,7 +10,7 @@ from kernel_fixtures import needs_kernel
 
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.torch_backend import TorchAttention
-from worker.cpu_kernels import paged_decode_kernel
+from worker.host.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()
 

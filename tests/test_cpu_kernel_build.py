@@ -1,4 +1,4 @@
-"""Where the CPU kernels' build lives (worker/cpu_kernels.py): named for the ninja that
+"""Where the CPU kernels' build lives (worker/host/cpu_kernels.py): named for the ninja that
 builds it, which is the Python environment's own whatever PATH says, so processes started
 with different PATHs share one build instead of redoing each other's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-import worker.cpu_kernels as loader
+import worker.host.cpu_kernels as loader
 
 
 def _fake_ninja(folder):

@@ -1,4 +1,4 @@
-"""Where a CPU worker's threads run (worker/fleet/cpu_placement.py): the plan for a team and a
+"""Where a CPU worker's threads run (worker/host/cpu_placement.py): the plan for a team and a
 CPU set, the engine's OpenMP team pinned one thread a CPU from inside its own region, a
 worker's loop and I/O threads placed when asked (and only then), and the bench's client and
 Redis moved beside the worker for a run and back after it."""
@@ -15,9 +15,9 @@ import torch
 from fleet_fixtures import MODEL
 from kernel_fixtures import needs_kernel
 
-from producer.client import Client
-from worker.bench.runner_fleet import FleetTarget, _beside_the_worker
-from worker.fleet.cpu_placement import Placement, pin_engine_team, plan
+from producer.client.client import Client
+from worker.bench.run.runner_fleet import FleetTarget, _beside_the_worker
+from worker.host.cpu_placement import Placement, pin_engine_team, plan
 
 CPUS = sorted(os.sched_getaffinity(0))
 two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="placing threads needs two CPUs")

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from fleet_fixtures import MODEL
 
-from producer.client import Client
-from worker.cli import build_parser
+from producer.client.client import Client
+from worker.cli.command import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

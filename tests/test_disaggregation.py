@@ -13,14 +13,14 @@ from fleet_fixtures import MODEL
 from waiting import eventually
 from worker_processes import spawn_worker, stop_all, wait_ready
 
-from producer.client import Client
+from producer.client.client import Client
+from producer.client.models import LIVE, NO_LIVE_WORKER
+from producer.client.queues import lane_stats
 from producer.clock import ManualClock
-from producer.models import LIVE, NO_LIVE_WORKER
-from producer.queues import lane_stats
-from producer.top import render, take_snapshot
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, decode_output
 from worker import Engine, FinishReason, SamplingParams
+from worker.cli.top import render, take_snapshot
 
 KEYS = Keys()
 
@@ -196,10 +196,10 @@ def test_a_document_analysed_on_one_worker_serves_questions_on_a_fresh_one(
 
 
 def test_a_hand_on_goes_through_when_the_tier_is_unreachable(redis_client, tiny_llama):
+    from kvstore.handoff import KVHandoff
     from kvstore.tier.redis_tier import RedisKVTier
-    from producer.connection import connect
-    from worker.fleet.handoff import HandOn, HandOnWriter
-    from worker.kv_handoff import KVHandoff
+    from producer.client.connection import connect
+    from worker.fleet.handoff.handoff import HandOn, HandOnWriter
 
     lane = KEYS.requests(MODEL, "interactive")
     redis_client.xgroup_create(lane, GROUP, id="0", mkstream=True)
@@ -237,7 +237,7 @@ def test_a_cancel_holds_across_the_handoff(redis_url, start_worker):
 
 
 def test_handed_on_requests_keep_their_lane_and_interactive_is_read_first():
-    from worker.fleet.handoff import streams_for
+    from worker.fleet.handoff.handoff import streams_for
 
     handoffs = [KEYS.handoff(MODEL, "interactive"), KEYS.handoff(MODEL, "batch")]
     lanes = [KEYS.requests(MODEL, "interactive"), KEYS.requests(MODEL, "batch")]

@@ -8,7 +8,7 @@ import pytest
 from hf_reference import Reference, hf_greedy
 
 from worker import Engine, SamplingParams
-from worker.cpu_kernels import decode_layers_kernel
+from worker.host.cpu_kernels import decode_layers_kernel
 
 NUM_PROMPTS = 24
 
@@ -34,7 +34,7 @@ PATHS = {
     "chunked-shuffled-nan": (
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, **POOL), "together"),
     "arriving-between-steps": (dict(max_num_batched_tokens=64, **POOL), "staggered"),
-    # Step N+1 scheduled while step N runs (worker/step_pipeline.py), its inputs pending.
+    # Step N+1 scheduled while step N runs (worker/engine/step_pipeline.py), its inputs pending.
     "overlapped-chunked-nan": (
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, async_scheduling=True, **POOL),
         "staggered"),

@@ -10,7 +10,7 @@ import pytest
 from fleet_fixtures import MODEL, settled_pending
 from worker_processes import log_events, spawn_worker, stop_all, wait_ready
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, decode_output
 from worker import Engine, FinishReason, SamplingParams

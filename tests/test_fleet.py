@@ -10,14 +10,14 @@ import pytest
 from fleet_fixtures import MODEL, settled_pending
 from waiting import eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD
 from worker import Engine, FinishReason, SamplingParams
 from worker.fleet.config import WorkerConfig
 from worker.fleet.process import Worker
-from worker.fleet.publisher import Publication
+from worker.fleet.publishing.publisher import Publication
 
 KEYS = Keys()
 

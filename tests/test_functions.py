@@ -7,10 +7,9 @@ import pytest
 from fleet_fixtures import MODEL
 from redis_fixtures import redis_binary
 
-from producer.cli_redis import run_redis_cmd
-from producer.client import Client
-from producer.connection import connect
-from producer.functions import (
+from producer.client.client import Client
+from producer.client.connection import connect
+from producer.redis.functions import (
     MISSING,
     MODIFIED,
     OURS,
@@ -19,8 +18,9 @@ from producer.functions import (
     install_functions,
     library_state,
 )
-from producer.redis_server import bundled_binary, start_ephemeral
-from worker.cli import build_parser
+from producer.redis.server import bundled_binary, start_ephemeral
+from worker.cli.command import build_parser
+from worker.cli.redis_verbs import run_redis_cmd
 
 
 @pytest.fixture

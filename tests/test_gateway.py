@@ -12,8 +12,8 @@ from fleet_fixtures import MODEL
 from gateway_fixtures import serve_gateway
 from waiting import eventually
 
-from producer.client import Client
-from producer.queues import lane_stats
+from producer.client.client import Client
+from producer.client.queues import lane_stats
 from producer.wire.keys import Keys
 
 KEYS = Keys()

@@ -19,7 +19,7 @@ from fleet_fixtures import MODEL, settled_pending
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.wire.keys import LANES, Keys
 from producer.wire.params import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
 from producer.wire.protocol import (

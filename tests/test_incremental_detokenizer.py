@@ -1,4 +1,4 @@
-"""Incremental detokenizing (worker/tokenizer.py) against decoding the whole output at once.
+"""Incremental detokenizing (worker/engine/tokenizer.py) against decoding the whole output at once.
 
 A request's streamed text deltas, plus what is released when it ends, must be exactly the
 text of all its tokens decoded together, however the tokens arrive (one at a time or a few
@@ -14,12 +14,12 @@ import pytest
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
-import worker.tokenizer as tokenizer_module
+import worker.engine.tokenizer as tokenizer_module
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import OutputChunk
-from worker.fleet.publisher import Publication
-from worker.fleet.text_stage import TextStage, Track
-from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.fleet.publishing.publisher import Publication
+from worker.fleet.publishing.text_stage import TextStage, Track
 
 TEXTS = [
     "plain ascii words, and punctuation!",

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
+from kvstore.handoff import KVHandoff
 from kvstore.tier import TierCorrupt
 from kvstore.tier.redis_tier import RedisKVTier
 from worker import Engine, SamplingParams
-from worker.kv_handoff import KVHandoff
 
 SETTINGS = dict(dtype="float64", num_kv_blocks=400, block_size=16, max_num_batched_tokens=512)
 FINGERPRINT = "tiny-llama-float64"
@@ -122,7 +122,7 @@ def test_imported_kv_must_leave_a_token_to_compute(tiny_llama):
 def test_the_fingerprint_names_config_weights_and_dtype_not_the_folder(tiny_llama, tmp_path):
     import shutil
 
-    from worker.model_fingerprint import model_fingerprint
+    from worker.models.fingerprint import model_fingerprint
 
     same = tmp_path / "another-name"
     shutil.copytree(tiny_llama, same)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fleet_fixtures import MODEL
 from waiting import eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys
@@ -75,7 +75,7 @@ def test_500_requests_with_expiries_lease_losses_and_reused_ids_leave_nothing(
 
 
 def test_the_dead_letter_streams_worst_case_stays_under_64_mib():
-    from worker.fleet.publisher import DEAD_LETTER_MAXLEN, Rejection, dead_letter_fields
+    from worker.fleet.publishing.publisher import DEAD_LETTER_MAXLEN, Rejection, dead_letter_fields
 
     longest_stream = KEYS.requests("m" * 128, "interactive")
     worst = Rejection(longest_stream, f"{2**64 - 1}-{2**64 - 1}", "é" * 2**20, "r" * 64,

@@ -11,8 +11,8 @@ import structlog
 from fleet_fixtures import MODEL
 from structlog.testing import capture_logs
 
-from producer.client import Client
-from worker.cli import build_parser
+from producer.client.client import Client
+from worker.cli.command import build_parser
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

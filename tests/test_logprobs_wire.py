@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fleet_fixtures import MODEL
 
-from producer.client import Client
+from producer.client.client import Client
 from worker import Engine, SamplingParams
 
 

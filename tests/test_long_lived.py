@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from worker.long_lived import long_lived_frozen
+from worker.host.long_lived import long_lived_frozen
 
 
 class _Node:

@@ -8,9 +8,9 @@ import urllib.request
 from fleet_fixtures import MODEL
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer.client import Client
+from producer.client.client import Client
+from producer.client.queues import lane_stats
 from producer.clock import ManualClock
-from producer.queues import lane_stats
 from producer.wire.keys import GROUP, Keys
 
 KEYS = Keys()

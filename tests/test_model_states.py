@@ -26,25 +26,25 @@ from rq.serializers import JSONSerializer
 from structlog.testing import capture_logs
 from waiting import eventually
 
-from producer.async_client import AsyncClient
 from producer.bulk import AnalysisFailed, bulk_queue, enqueue_analyze, run_batch_file
 from producer.bulk.analyze import Progress, wait_for_model
 from producer.bulk.requests import RetryPolicy
-from producer.cli_client import add_client_parsers, resolve_model, run_client_cmd
-from producer.client import Client
-from producer.clock import ManualClock
-from producer.models import (
+from producer.client.async_client import AsyncClient
+from producer.client.client import Client
+from producer.client.models import (
     LIVE,
     NO_LIVE_WORKER,
     NOT_REGISTERED,
     model_states,
     pick_default_model,
 )
-from producer.top import run_top_cmd
+from producer.clock import ManualClock
 from producer.wire.errors import ModelNotFound
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, OutputChunk, error_final
-from worker.cli import build_parser
+from worker.cli.client_verbs import add_client_parsers, resolve_model, run_client_cmd
+from worker.cli.command import build_parser
+from worker.cli.top import run_top_cmd
 
 KEYS = Keys()
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ from decode_fixtures import BLOCK_SIZE, NUM_BLOCKS, cache_for, decode_step, pref
 from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 
-import worker.cpu_kernels as kernel_loader
+import worker.host.cpu_kernels as kernel_loader
 from kvstore.kv_tensors import PagedKVCache
 from worker.attention.metadata import AttentionMetadata
-from worker.cpu_kernels import cpu_kernels, decode_layers_kernel
+from worker.host.cpu_kernels import cpu_kernels, decode_layers_kernel
 from worker.models import load_model, native_decode
 from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
 from worker.models.linear import linear

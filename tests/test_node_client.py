@@ -2,7 +2,7 @@
 
 tests/node_client/client.mjs adds a request (XADD, or FCALL conveyor_add_if_room with a
 queue limit) and follows its output stream to the final entry; here it runs against a real
-worker, beside producer.client.Client, and every output entry the worker wrote is checked
+worker, beside producer.client.client.Client, and every output entry the worker wrote is checked
 against docs/schema/output.schema.json. Node is required in CI (scripts/setup.sh installs
 it with apt and runs ``npm ci``); elsewhere a missing node is a skip that says so.
 """
@@ -23,11 +23,11 @@ from jsonschema import Draft202012Validator
 from redis_fixtures import redis_binary
 from test_wire_schema import documented_names
 
-from producer.acl import setuser_args
-from producer.client import Client
-from producer.connection import connect
-from producer.functions import install_functions
-from producer.redis_server import start_ephemeral
+from producer.client.client import Client
+from producer.client.connection import connect
+from producer.redis.acl import setuser_args
+from producer.redis.functions import install_functions
+from producer.redis.server import start_ephemeral
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD
 

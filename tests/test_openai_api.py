@@ -1,11 +1,11 @@
-"""OpenAI request bodies read into conveyor requests (producer/openai_api.py): what is
+"""OpenAI request bodies read into conveyor requests (producer/wire/openai_api.py): what is
 implemented, what is accepted only at its neutral value, what is refused and named."""
 
 from __future__ import annotations
 
 import pytest
 
-from producer.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
+from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

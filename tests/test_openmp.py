@@ -1,4 +1,4 @@
-"""worker/openmp.py: a thread's OpenMP pool really is freed (its threads exit), so the engine
+"""worker/host/openmp.py: a thread's OpenMP pool really is freed (its threads exit), so the engine
 loop's team is the worker's only one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from worker.openmp import loaded_libgomps, release_thread_pool
+from worker.host.openmp import loaded_libgomps, release_thread_pool
 
 needs_libgomp = pytest.mark.skipif(not loaded_libgomps(),
                                    reason="torch's OpenMP runtime here is not libgomp")

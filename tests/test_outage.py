@@ -8,7 +8,7 @@ from fleet_fixtures import MODEL, output_entries, settled_pending
 from tcp_proxy import TcpProxy
 from waiting import eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.wire.keys import GROUP, Keys
 from worker import Engine, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Overlapped steps (``async_scheduling``, worker/step_pipeline.py): step N+1 is scheduled
+"""Overlapped steps (``async_scheduling``, worker/engine/step_pipeline.py): step N+1 is scheduled
 while step N runs on the runner thread, with pending tokens as its inputs. Every output must
 be what the plain engine produces, on every path: sampling, seeds, penalties, stop tokens,
 preemption by swap and recompute, cancellation, deadlines, KV exports."""
@@ -266,7 +266,7 @@ def test_the_runner_thread_of_a_cuda_engine_takes_its_device_by_index(monkeypatc
     machine has no GPU (tests/gpu runs it for real)."""
     import torch
 
-    from worker.step_pipeline import RunnerThread
+    from worker.engine.step_pipeline import RunnerThread
 
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

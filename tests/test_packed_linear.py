@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_fixtures import needs_kernel
 
-from worker.cpu_kernels import cpu_kernels
+from worker.host.cpu_kernels import cpu_kernels
 from worker.models import packed_weights
 from worker.models.linear import ENV_SWITCH, linear
 

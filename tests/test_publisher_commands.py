@@ -11,8 +11,8 @@ import redis
 from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FinalEntry, OutputChunk
-from worker.fleet.publisher import Publication, Publisher
-from worker.fleet.text_stage import Forget, TextStage
+from worker.fleet.publishing.publisher import Publication, Publisher
+from worker.fleet.publishing.text_stage import Forget, TextStage
 
 KEYS = Keys()
 TTL_S = 800  # renewed to TTL + TTL / 8 = 900 s once less than 850 s are left
@@ -121,7 +121,7 @@ def test_a_request_handed_on_leaves_no_ttl_behind(redis_client, publisher, clock
 
 def test_entries_of_streams_no_longer_written_are_pruned(redis_client, publisher, clock,
                                                          monkeypatch):
-    monkeypatch.setattr("worker.fleet.publisher.PRUNE_EVERY_BATCHES", 1)
+    monkeypatch.setattr("worker.fleet.publishing.publisher.PRUNE_EVERY_BATCHES", 1)
     publish(publisher, chunk("p1", 0))
     assert "p1" in publisher._lives_until
     clock.advance(publisher.ttl_renew_slack_s)  # due for renewal: the entry is worth nothing
@@ -151,7 +151,7 @@ def test_output_stream_names_are_kept_a_while_then_forgotten(redis_client, publi
                                                              monkeypatch):
     """The publisher names each request's stream once, not every step, and forgets the names
     it keeps once there are MAX_CACHED_KEYS of them; every entry still reaches its stream."""
-    monkeypatch.setattr("worker.fleet.publisher.MAX_CACHED_KEYS", 2)
+    monkeypatch.setattr("worker.fleet.publishing.publisher.MAX_CACHED_KEYS", 2)
     publish(publisher, chunk("k1", 0), chunk("k2", 0))
     assert publisher._output_keys == {"k1": KEYS.output("k1"), "k2": KEYS.output("k2")}
     publish(publisher, chunk("k3", 0))

@@ -7,7 +7,7 @@ import pytest
 import redis
 from tcp_proxy import TcpProxy
 
-from worker.fleet.raw_pipeline import run_commands
+from worker.fleet.publishing.raw_pipeline import run_commands
 
 
 def test_replies_come_back_in_order_with_refusals_in_their_place(redis_client):

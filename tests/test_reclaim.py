@@ -8,7 +8,7 @@ import redis
 from fleet_fixtures import MODEL
 from waiting import eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys
@@ -111,7 +111,7 @@ def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
 
 def test_a_dead_workers_consumer_leaves_the_group_only_once_it_holds_nothing(
         redis_url, redis_client, start_worker, monkeypatch):
-    import worker.fleet.reaper as reaper_module
+    import worker.fleet.housekeeping.reaper as reaper_module
 
     # Idle for 1 s counts as dead here (10 leases in production), the lease staying 30 s.
     monkeypatch.setattr(reaper_module, "DEAD_CONSUMER_LEASES", 1000 / LEASE_MS)

@@ -19,11 +19,11 @@ import pytest
 import redis
 from redis.connection import SSLConnection
 
-import producer.redis_server as embedded
+import producer.redis.server as embedded
 from producer import paths
-from producer.cli_redis import add_redis_parser, add_redis_url_option, run_redis_cmd
-from producer.connection import connect, connect_async, describe
+from producer.client.connection import connect, connect_async, describe
 from producer.defaults import DEFAULT_SOCKET_TIMEOUT, MAX_BLOCK_MS, UNIX_SOCKET_MAX_BYTES
+from worker.cli.redis_verbs import add_redis_parser, add_redis_url_option, run_redis_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_a_second_ensure_running_reuses_the_server(home):
 def test_concurrent_starts_from_several_processes_make_one_server(home):
     data_dir = home / "redis"
     code = (
-        "import sys; from producer import redis_server as s; print(s.ensure_running(sys.argv[1]))"
+        "import sys; from producer.redis import server as s; print(s.ensure_running(sys.argv[1]))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [

@@ -11,8 +11,8 @@ import redis
 from fleet_fixtures import MODEL, output_entries
 from waiting import eventually
 
-import worker.fleet.publisher as publisher_module
-from producer.client import Client
+import worker.fleet.publishing.publisher as publisher_module
+from producer.client.client import Client
 from producer.wire.keys import GROUP, Keys
 from worker import Engine, SamplingParams
 

@@ -11,17 +11,17 @@ import pytest
 import torch
 from kernel_fixtures import kernels_missing, needs_kernel
 
-import worker.cpu_kernels as kernel_loader
+import worker.host.cpu_kernels as kernel_loader
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
-from worker.cpu_kernels import penalize_kernel, sample_rows_kernel
+from worker.engine.step_upload import StepUpload
+from worker.host.cpu_kernels import penalize_kernel, sample_rows_kernel
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
 from worker.sampling.subsets import RowSubsets
-from worker.step_upload import StepUpload
 
 DRAWS = 4000
 kernel = sample_rows_kernel()

@@ -1,6 +1,6 @@
 """Security: ACL users limited to their keys, TLS, size limits on every field, ids checked.
 
-The ACL tests apply producer.acl's rules (the ones docs/security.md shows) to Redis 7 (the
+The ACL tests apply producer.redis.acl's rules (the ones docs/security.md shows) to Redis 7 (the
 selector rules) and to the embedded Redis 6.2 (its fall-back rules), run each attack the
 rules forbid as that user, and run a request through a worker and a producer logged in as
 those users. The
@@ -25,12 +25,18 @@ from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import missing, redis_binary, tls_redis_binary
 from tcp_proxy import TcpProxy
 
-from producer.acl import ROLES, acl_rules, setuser_args
-from producer.async_client import AsyncClient
-from producer.cli_redis import run_redis_cmd
-from producer.client import Client
-from producer.connection import connect
-from producer.functions import (
+from producer.client.async_client import AsyncClient
+from producer.client.client import Client
+from producer.client.connection import connect
+from producer.client.queues import (
+    MAX_ENTRY_ID,
+    MAX_ID_SEQUENCE,
+    lane_blocked,
+    lane_stats,
+    trim_request_stream,
+)
+from producer.redis.acl import ROLES, acl_rules, setuser_args
+from producer.redis.functions import (
     ADD_IF_ROOM,
     OURS,
     SOURCE,
@@ -38,15 +44,7 @@ from producer.functions import (
     install_functions,
     library_state,
 )
-from producer.queues import (
-    MAX_ENTRY_ID,
-    MAX_ID_SEQUENCE,
-    lane_blocked,
-    lane_stats,
-    trim_request_stream,
-)
-from producer.redis_server import start_ephemeral
-from producer.top import render, take_snapshot
+from producer.redis.server import start_ephemeral
 from producer.wire.errors import LaneBlocked
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
@@ -60,7 +58,9 @@ from producer.wire.protocol import (
 )
 from producer.wire.replies import as_text
 from producer.wire.validation import MAX_TOKEN_ID, brief
-from worker.cli import build_parser
+from worker.cli.command import build_parser
+from worker.cli.redis_verbs import run_redis_cmd
+from worker.cli.top import render, take_snapshot
 
 KEYS = Keys()
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"

@@ -13,7 +13,7 @@ from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from worker.cpu_kernels import cpu_kernels
+from worker.host.cpu_kernels import cpu_kernels
 from worker.models import load_model
 from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
 from worker.models.native_decode import ENV_SWITCH, TEAM_SWITCH

@@ -15,15 +15,15 @@ import msgpack
 import pytest
 import redis
 
-from producer.async_client import AsyncClient
 from producer.bulk import run_batch_file
 from producer.bulk.requests import RetryPolicy
-from producer.cli_client import add_client_parsers, run_client_cmd
-from producer.client import Client
-from producer.stream_events import ChunkEvent, OutputTracker, StreamGapError
+from producer.client.async_client import AsyncClient
+from producer.client.client import Client
+from producer.client.stream_events import ChunkEvent, OutputTracker, StreamGapError
 from producer.wire.keys import Keys
 from producer.wire.params import MIN_TEMPERATURE, SamplingParams
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, OutputChunk, error_final
+from worker.cli.client_verbs import add_client_parsers, run_client_cmd
 
 KEYS = Keys()
 

@@ -13,16 +13,16 @@ import redis
 from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import REDIS_VERSIONS, redis_binary
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock, SystemClock
-from producer.redis_server import start_ephemeral
+from producer.redis.server import start_ephemeral
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
-from worker.fleet.chunk_holder import ChunkHolder
 from worker.fleet.config import WorkerConfig
-from worker.fleet.publisher import Publication, Publisher, WriteRefused
-from worker.fleet.text_stage import TextStage
+from worker.fleet.publishing.chunk_holder import ChunkHolder
+from worker.fleet.publishing.publisher import Publication, Publisher, WriteRefused
+from worker.fleet.publishing.text_stage import TextStage
 
 KEYS = Keys()
 
@@ -109,7 +109,7 @@ def test_a_request_that_ended_here_without_a_final_gets_its_held_tokens_written(
 
 
 def test_other_output_of_a_request_goes_after_its_held_tokens():
-    from worker.fleet.publisher import Rejection
+    from worker.fleet.publishing.publisher import Rejection
 
     holder = ChunkHolder(4)
     holder.release([step("a", 0)])
@@ -267,7 +267,7 @@ def test_a_cancels_final_takes_the_held_tokens_with_it():
 def test_several_steps_in_one_batch_give_one_joined_chunk_after_the_rest():
     """A batch of several steps (the publisher behind): per request at most one joined
     chunk, last of its output; what must go before other output goes step by step."""
-    from worker.fleet.publisher import Rejection
+    from worker.fleet.publishing.publisher import Rejection
 
     holder = ChunkHolder(2)
     holder.release([step("a", 0)])

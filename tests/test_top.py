@@ -8,9 +8,9 @@ import textwrap
 
 from fleet_fixtures import MODEL, settled_pending
 
-from producer.client import Client
-from producer.top import run_top_cmd, take_snapshot
-from worker.cli import build_parser
+from producer.client.client import Client
+from worker.cli.command import build_parser
+from worker.cli.top import run_top_cmd, take_snapshot
 
 
 def frame(redis_url: str, capsys) -> str:
@@ -65,9 +65,9 @@ def test_frame_shows_waiting_requests_then_the_worker_that_served_them(redis_url
 def test_top_runs_as_a_cli_verb_without_torch(redis_url):
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from worker.cli import main
+        from worker.cli.command import main
         rc = main(["top", "--once", "--redis", {redis_url!r}])
-        assert "torch" not in sys.modules and "worker.engine" not in sys.modules
+        assert "torch" not in sys.modules and "worker.engine.engine" not in sys.modules
         sys.exit(rc)
     """)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -76,7 +76,7 @@ def test_top_runs_as_a_cli_verb_without_torch(redis_url):
 
 def test_dead_workers_leave_the_workers_set_and_live_ones_stay(redis_url, redis_client):
     from producer.wire.keys import Keys
-    from worker.fleet.consumers import prune_worker_set
+    from worker.fleet.housekeeping.consumers import prune_worker_set
 
     keys = Keys()
     redis_client.hset(keys.worker("alive"), mapping={"worker_id": "alive", "status": "serving"})

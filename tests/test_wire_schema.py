@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator, ValidationError, validators
 
-from producer.client import build_request
+from producer.client.client import build_request
 from producer.wire import messages as wire_messages
 from producer.wire import params as wire_params
 from producer.wire import protocol

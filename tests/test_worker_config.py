@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from worker.cli import build_parser
-from worker.commands import worker_config
-from worker.config import EngineConfig, field_default
+from worker.cli.command import build_parser
+from worker.cli.worker_verbs import worker_config
+from worker.engine.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
 
 
@@ -51,7 +51,7 @@ def test_worker_flags_default_to_the_config_dataclasses():
 
 
 def test_stream_interval_flag_reaches_the_worker_and_the_benchs_workers(tiny_llama):
-    from worker.bench.systems import choose_systems
+    from worker.bench.run.systems import choose_systems
 
     args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
                                       "--stream-interval", "4"])

@@ -16,7 +16,7 @@ import redis
 from fleet_fixtures import MODEL
 from waiting import PATIENCE_S, eventually
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.wire.keys import Keys
 
 

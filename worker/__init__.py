@@ -1,7 +1,7 @@
 """The worker side of conveyor: the engine, model runner, fleet process and the CLI.
 
 ``from worker import Engine`` loads torch; ``import worker`` alone does not, so the
-`conveyor` command (worker.cli) starts without torch for verbs that only talk to Redis.
+`conveyor` command (worker.cli.command) starts without torch for verbs that only talk to Redis.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from producer.wire import Completion, FinishReason, SamplingParams, Usage
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
-    from worker.output_processor import StepOutput
+    from worker.engine.engine import Engine
+    from worker.engine.output_processor import StepOutput
 
 # Names served on first use from the torch-backed modules that define them.
-_LAZY = {"Engine": "worker.engine", "StepOutput": "worker.output_processor"}
+_LAZY = {"Engine": "worker.engine.engine", "StepOutput": "worker.engine.output_processor"}
 
 
 def __getattr__(name: str) -> Any:

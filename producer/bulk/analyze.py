@@ -20,9 +20,9 @@ from producer.bulk.chunking import Span, check_chunking, split
 from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
-from producer.client import Client
+from producer.client.client import Client
+from producer.client.models import ModelState
 from producer.clock import SYSTEM_CLOCK, Clock
-from producer.models import ModelState
 from producer.wire.errors import ModelNotFound
 from producer.wire.params import SamplingParams
 

@@ -5,7 +5,7 @@ Input line: ``{"custom_id": "q1", "method": "POST", "url": "/v1/completions",
 "body": {"model": "small", "prompt": "...", "max_tokens": 16, "temperature": 0}}``, or with
 ``"url": "/v1/chat/completions"`` and ``"messages": [{"role": "user", "content": "..."}]``
 in the body (``method``, ``url`` and ``body.model`` optional). Bodies are read as the
-gateway reads them (producer.openai_api): the same fields, defaults and refusals. Output
+gateway reads them (producer.wire.openai_api): the same fields, defaults and refusals. Output
 lines are written as requests finish, so their order is not the input's; a line that cannot
 be run gets an error line instead.
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 from producer.bulk import defaults
 from producer.bulk.requests import Outcome, RequestRunner, RetryPolicy, Work
-from producer.client import Client
-from producer.openai_api import COMPLETIONS_URL, choice_body, parse_body
+from producer.client.client import Client
 from producer.wire.completion import Completion
 from producer.wire.errors import ModelNotFound
+from producer.wire.openai_api import COMPLETIONS_URL, choice_body, parse_body
 
 
 @dataclass

@@ -14,7 +14,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer.bulk import defaults
-from producer.connection import connect
+from producer.client.connection import connect
 
 # Where another service (or `rq enqueue`) finds the analysis job.
 ANALYZE_FUNC = "producer.bulk.analyze_document"

@@ -22,9 +22,14 @@ from typing import Any
 import redis
 
 from producer.bulk import defaults
-from producer.client import READ_COUNT, Client
+from producer.client.client import READ_COUNT, Client
+from producer.client.stream_events import (
+    OutputTracker,
+    StreamEvent,
+    StreamGapError,
+    completion_from,
+)
 from producer.defaults import MAX_BLOCK_MS
-from producer.stream_events import OutputTracker, StreamEvent, StreamGapError, completion_from
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.errors import ModelNotFound
 

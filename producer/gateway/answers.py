@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.openai_api import ApiRequest, choice_body
 from producer.wire.completion import Completion, TokenLogprob, Usage
+from producer.wire.openai_api import ApiRequest, choice_body
 
 
 class TokenSpeller:

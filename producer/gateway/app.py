@@ -28,17 +28,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from producer.async_client import AsyncClient
-from producer.backpressure import QueueFull
-from producer.client import tokenizer_from
+from producer.client.async_client import AsyncClient
+from producer.client.backpressure import QueueFull
+from producer.client.client import tokenizer_from
+from producer.client.models import ModelState
+from producer.client.stream_events import ChunkEvent
 from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
-from producer.models import ModelState
-from producer.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
-from producer.stream_events import ChunkEvent
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound
+from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ def stop_reason(
 
     ``num_tokens`` counts prompt and output. A stop token or (unless ignored) EOS is
     ``stop``; reaching ``max_tokens`` or the model's length is ``length``. Stop strings
-    are text, decided where the text is made (see worker.output_processor).
+    are text, decided where the text is made (see worker.engine.output_processor).
     """
     if last_token in stop_token_ids or (not ignore_eos and last_token in eos_token_ids):
         return FinishReason.STOP

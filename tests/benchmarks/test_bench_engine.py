@@ -13,7 +13,7 @@ from worker import Engine, SamplingParams
 from worker.bench.decode_step import kv_buffers, matmul_seconds, read_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
 from worker.bench.step_overhead import HostStep, busy_scheduler
-from worker.cpu_kernels import decode_layers_kernel
+from worker.host.cpu_kernels import decode_layers_kernel
 from worker.models.native_decode import ENV_SWITCH
 
 

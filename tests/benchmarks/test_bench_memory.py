@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from worker import Engine, SamplingParams
-from worker.bench.workloads import kv_blocks_needed, w1_heavy_tailed
+from worker.bench.run.workloads import kv_blocks_needed, w1_heavy_tailed
 
 MODES = {
     "unconstrained": dict(pool_share=1.0, preemption_mode="auto"),

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.step_upload import Staged, StepUpload
+from worker.engine.step_upload import Staged, StepUpload
 
 
 @dataclass
@@ -106,7 +106,7 @@ class AttentionMetadata:
     ) -> StagedLayout:
         """The step's layout computed on the host and added to ``upload`` (the runner's one
         copy of the step); ``.metadata()`` once it is sent. Unchecked: the runner's
-        persistent rows (worker.block_table_rows) call this every step."""
+        persistent rows (worker.engine.block_table_rows) call this every step."""
         # Per sequence on the host (B numbers), per token by vectorised ops (T numbers):
         # no Python loop over tokens or block-table entries. The arithmetic is numpy's on
         # views of the same memory: at a few hundred entries torch's per-op dispatch would

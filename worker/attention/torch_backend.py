@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.metadata import AttentionMetadata
-from worker.step_upload import Staged, StepUpload
+from worker.engine.step_upload import Staged, StepUpload
 
 # Key under which this backend keeps its per-step plan in `AttentionMetadata.backend_plans`.
 _PLAN_KEY = "torch"
@@ -302,7 +302,7 @@ def _decode_kernel(q: torch.Tensor, flat_k: torch.Tensor):
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) \
             or flat_k.dtype != q.dtype:
         return None
-    from worker.cpu_kernels import paged_decode_kernel
+    from worker.host.cpu_kernels import paged_decode_kernel
 
     return paged_decode_kernel()
 

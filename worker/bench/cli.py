@@ -16,11 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from worker.bench import limits, metrics, report, workloads
-from worker.bench.plots import write_plots
-from worker.bench.records import RunResult
-from worker.bench.systems import choose_systems
-from worker.config import EngineConfig, field_default
+from worker.bench.results import limits, metrics, report
+from worker.bench.results.plots import write_plots
+from worker.bench.results.records import RunResult
+from worker.bench.run import workloads
+from worker.bench.run.systems import choose_systems
+from worker.engine.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
 
 
@@ -65,7 +66,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
                    help="a single worker pins its threads where its engine's fill the CPUs, and "
                    "the client and the bench's own Redis run on its I/O CPUs "
-                   "(worker/fleet/cpu_placement.py; default: on)")
+                   "(worker/host/cpu_placement.py; default: on)")
     s.add_argument("--max-num-seqs", type=int, default=field_default(EngineConfig, "max_num_seqs"),
                    help="requests a worker runs at once")
     s.add_argument("--max-num-batched-tokens", type=int,
@@ -113,7 +114,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def bench_cmd(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; writes results.json and plots."""
-    from worker.commands import ensure_model
+    from worker.modelgen.ensure import ensure_model
 
     _check(args)
     model_dir = ensure_model(args.model, "tiny" if args.quick else "small")
@@ -250,7 +251,7 @@ def _redis(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from producer.redis_server import start_ephemeral
+    from producer.redis.server import start_ephemeral
 
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         with start_ephemeral(Path(tmp), appendonly="no") as server:

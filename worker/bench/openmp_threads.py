@@ -1,5 +1,5 @@
 """Decode steps on the main thread and on another thread, with and without the main
-thread's OpenMP pool: why a worker releases it (worker/openmp.py).
+thread's OpenMP pool: why a worker releases it (worker/host/openmp.py).
 
     python -m worker.bench.openmp_threads [--batch 16] [--threads 2] [--rounds 4]
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
-from worker.openmp import release_thread_pool
+from worker.host.openmp import release_thread_pool
 
 STEPS_PER_ROUND = 10
 

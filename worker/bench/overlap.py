@@ -16,10 +16,10 @@ import time
 
 import torch
 
+from worker.bench.run.workloads import w1_heavy_tailed
 from worker.bench.sampling_steps import decoding_engine
-from worker.bench.workloads import w1_heavy_tailed
-from worker.commands import ensure_model
-from worker.engine import Engine
+from worker.engine.engine import Engine
+from worker.modelgen.ensure import ensure_model
 
 MODES = (False, True)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.bench.decode_step import weight_shapes
-from worker.cpu_kernels import cpu_kernels
+from worker.host.cpu_kernels import cpu_kernels
 from worker.modelgen.presets import PRESETS
 
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)

@@ -19,8 +19,8 @@ import time
 from kvstore import BlockPool, KVCacheManager
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.attention.metadata import AttentionMetadata
-from worker.block_table_rows import BlockTableRows
-from worker.long_lived import freeze_long_lived_objects
+from worker.engine.block_table_rows import BlockTableRows
+from worker.host.long_lived import freeze_long_lived_objects
 
 BLOCK_SIZE = 16
 

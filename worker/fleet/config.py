@@ -10,7 +10,7 @@ from typing import Any
 
 from producer.defaults import MAX_BLOCK_MS
 from producer.wire.keys import validate_name
-from worker.config import EngineConfig
+from worker.engine.config import EngineConfig
 
 # What a worker does with a request (docs/kv-tier.md, "Roles").
 ROLES = ("both", "prefill", "decode")
@@ -43,7 +43,7 @@ class WorkerConfig:
     output_ttl_s: int = 3600
     # A decoding request's tokens go out in chunks of this many (its first token and its
     # final at once): fewer writes for Redis and the clients to handle, each token up to
-    # stream_interval - 1 steps later (worker/fleet/chunk_holder.py). 1: every step.
+    # stream_interval - 1 steps later (worker/fleet/publishing/chunk_holder.py). 1: every step.
     stream_interval: int = 1
     heartbeat_interval_s: float = 2.0
     # How often the reaper does its housekeeping: trims served entries (those below the
@@ -75,7 +75,7 @@ class WorkerConfig:
     gil_switch_interval_s: float | None = 0.0005
     # Run the worker's I/O threads (intake, publisher, leases, heartbeat...) under
     # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
-    # (worker/fleet/thread_policy.py; docs/benchmarks.md, "Fleet vs `--offline` throughput").
+    # (worker/host/thread_policy.py; docs/benchmarks.md, "Fleet vs `--offline` throughput").
     batch_io_threads: bool = True
     # ... but not the publisher: it wakes when the engine loop hands it a step's output,
     # that is while the loop's own Python runs between two steps and the OpenMP partner
@@ -88,7 +88,7 @@ class WorkerConfig:
         in ("1", "true", "yes", "on"))
     # On a CPU engine whose one or two OpenMP threads fill the process's CPUs (one to spare
     # at most), pin each to a CPU of its own and the I/O threads beside the last
-    # (worker/fleet/cpu_placement.py). Off by default here, where several workers may share a
+    # (worker/host/cpu_placement.py). Off by default here, where several workers may share a
     # process (tests, embedding); `conveyor worker` turns it on (--no-place-threads: off).
     place_threads: bool = False
     # prefill: compute prompts and hand requests on after their first token; decode: take

@@ -14,18 +14,18 @@ import structlog
 from producer.wire.completion import FinishReason
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, now_ms
 from producer.wire.stopping import stop_reason
-from worker.engine import Engine
+from worker.engine.engine import Engine
+from worker.engine.output_processor import StepOutput
 from worker.fleet.faults import maybe_die
-from worker.fleet.handoff import HandoffReader, HandOn, tokens_hash
+from worker.fleet.handoff.handoff import HandoffReader, HandOn, tokens_hash
+from worker.fleet.handoff.prefix_share import SharePrefix
 from worker.fleet.inflight import InflightRequest, InflightTable
-from worker.fleet.intake import Admission
-from worker.fleet.prefix_share import SharePrefix
-from worker.fleet.publication import Publication
-from worker.fleet.publisher import Publisher, Rejection
+from worker.fleet.intake.intake import Admission
+from worker.fleet.metrics import WorkerMetrics
+from worker.fleet.publishing.publication import Publication
+from worker.fleet.publishing.publisher import Publisher, Rejection
+from worker.fleet.publishing.text_stage import Forget, Track
 from worker.fleet.supervised import SupervisedThread
-from worker.fleet.text_stage import Forget, Track
-from worker.metrics import WorkerMetrics
-from worker.output_processor import StepOutput
 
 log = structlog.get_logger(__name__)
 

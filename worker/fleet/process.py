@@ -16,33 +16,33 @@ import structlog
 import torch
 
 from kvstore.tier.redis_tier import RedisKVTier
+from producer.client.connection import connect, describe, resolve_url
 from producer.clock import SYSTEM_CLOCK, Clock
-from producer.connection import connect, describe, resolve_url
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
-from worker.engine import Engine
-from worker.fleet.cancellation import CancelListener
+from worker.engine.engine import Engine
 from worker.fleet.config import WorkerConfig
-from worker.fleet.cpu_placement import Placement, pin_engine_team, pin_io_thread, plan
 from worker.fleet.engine_loop import EngineLoop
-from worker.fleet.handoff import HandoffReader, HandOnWriter
-from worker.fleet.heartbeat import Heartbeat
-from worker.fleet.inflight import InflightTable
-from worker.fleet.intake import Admission, Intake
-from worker.fleet.leases import LeaseKeeper, hand_back
-from worker.fleet.prefix_share import PrefixFinder, PrefixSharer
-from worker.fleet.publisher import Publisher
-from worker.fleet.reaper import Reaper
-from worker.fleet.registration import (
+from worker.fleet.handoff.handoff import HandoffReader, HandOnWriter
+from worker.fleet.handoff.prefix_share import PrefixFinder, PrefixSharer
+from worker.fleet.housekeeping.heartbeat import Heartbeat
+from worker.fleet.housekeeping.leases import LeaseKeeper, hand_back
+from worker.fleet.housekeeping.reaper import Reaper
+from worker.fleet.housekeeping.registration import (
     check_eviction_policy,
     load_chat_template,
     register_model,
 )
+from worker.fleet.inflight import InflightTable
+from worker.fleet.intake.cancellation import CancelListener
+from worker.fleet.intake.intake import Admission, Intake
+from worker.fleet.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
+from worker.fleet.publishing.publisher import Publisher
+from worker.fleet.publishing.text_stage import TextStage
 from worker.fleet.supervised import SupervisedThread
-from worker.fleet.text_stage import TextStage
-from worker.long_lived import freeze_long_lived_objects
-from worker.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
-from worker.openmp import release_thread_pool
+from worker.host.cpu_placement import Placement, pin_engine_team, pin_io_thread, plan
+from worker.host.long_lived import freeze_long_lived_objects
+from worker.host.openmp import release_thread_pool
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class Worker:
         self.clock = clock or (engine.clock if engine is not None else SYSTEM_CLOCK)
         # Text is made on the publisher thread (TextStage), not in the engine loop. A prefill
         # worker hands a request on right after its first token, with the KV of exactly its
-        # prompt: no step of it may be under way beside that (worker/step_pipeline.py).
+        # prompt: no step of it may be under way beside that (worker/engine/step_pipeline.py).
         settings = {**config.engine, "detokenize": False}
         if config.role == "prefill":
             settings["async_scheduling"] = False
@@ -252,7 +252,7 @@ class Worker:
         self.state = "serving"
         self.heartbeat.beat()
         # The engine was built on this thread; its steps run on the loop's, which must be
-        # the process's only OpenMP team (worker/openmp.py says why).
+        # the process's only OpenMP team (worker/host/openmp.py says why).
         release_thread_pool()
         placement = self._placement()
         for thread in self.threads:
@@ -326,7 +326,7 @@ class Worker:
         return self.serve(stop)
 
     def _placement(self) -> Placement | None:
-        """Where the threads go (worker/fleet/cpu_placement.py), or None to leave them to the
+        """Where the threads go (worker/host/cpu_placement.py), or None to leave them to the
         OS: placing is off, the engine is not on the CPU or steps overlapped, or its team
         does not fit the plan."""
         if (not self.config.place_threads or self.engine.device.type != "cpu"

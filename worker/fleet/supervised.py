@@ -21,7 +21,7 @@ import structlog
 from producer.clock import Clock
 from producer.logging import bind_thread_context
 from worker.fleet.thread_names import name_this_thread
-from worker.fleet.thread_policy import yield_to_computing_threads
+from worker.host.thread_policy import yield_to_computing_threads
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +64,10 @@ class SupervisedThread(threading.Thread):
         self._attempt = 0  # transient failures in a row, for the backoff
         self.ticks = 0  # ticks that returned normally
         self._rng = random.Random()
-        # Run under SCHED_BATCH (worker.fleet.thread_policy): set for the I/O threads, so
+        # Run under SCHED_BATCH (worker.host.thread_policy): set for the I/O threads, so
         # that they never preempt the engine's computing threads when they wake up.
         self.yields_to_compute = False
-        # Called first thing on the thread (worker.fleet.cpu_placement pins it there).
+        # Called first thing on the thread (worker.host.cpu_placement pins it there).
         self.on_start: Callable[[], object] | None = None
 
     def tick(self) -> None:

@@ -4,7 +4,7 @@ Python names its threads only for itself: to the OS every thread of a worker is 
 so nothing outside the process can tell the engine loop from the publisher. A worker
 thread gives the OS its name (Linux keeps 15 bytes of it) when it starts; threads it starts
 itself (the engine loop's OpenMP team) inherit it. ``conveyor bench`` reads the names back
-to say how many CPU seconds each of the worker's threads used (worker/bench/cpu.py).
+to say how many CPU seconds each of the worker's threads used (worker/bench/run/cpu.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The matmul of every projection and of the LM head: ``y = x @ weight.T (+ bias)``.
 
-On a CPU in float32, where the kernels are built (worker/cpu_kernels.py), it is the
+On a CPU in float32, where the kernels are built (worker/host/cpu_kernels.py), it is the
 kernels' ``linear`` (csrc/linear.h): given a packed copy of the weight
 (worker/models/packed_weights.py), the packed kernel for up to 192 rows; else the skinny
 kernel for up to 12 rows; oneDNN's matmul past that; all faster here than the BLAS
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and not blas_only()
             and not _needs_grad(x, weight, bias)):
-        from worker.cpu_kernels import cpu_kernels
+        from worker.host.cpu_kernels import cpu_kernels
 
         module = cpu_kernels()
         if module is not None:

@@ -78,7 +78,7 @@ def team_enabled() -> bool:
 def team_takeovers() -> int:
     """Tasks a step's master computed for a thread that was late with them, in this process
     so far: how often the engine's threads lost their core mid-step and the step went on."""
-    from worker.cpu_kernels import cpu_kernels
+    from worker.host.cpu_kernels import cpu_kernels
 
     module = cpu_kernels()
     return int(module.step_team_counts()[0]) if module is not None else 0
@@ -102,7 +102,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
     native path does not apply (the caller then runs the Python layers)."""
     if not applies(x, kv_cache, meta):
         return None
-    from worker.cpu_kernels import decode_layers_kernel
+    from worker.host.cpu_kernels import decode_layers_kernel
 
     kernel = decode_layers_kernel()
     if kernel is None:

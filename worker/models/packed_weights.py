@@ -54,7 +54,7 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
     version = tuple((_version(t), t.data_ptr()) for t in _sources(weight))
     if entry is not None and entry[0] == version:
         return entry[1]
-    from worker.cpu_kernels import cpu_kernels
+    from worker.host.cpu_kernels import cpu_kernels
 
     module = cpu_kernels()
     if module is None:

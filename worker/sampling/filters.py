@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine.step_upload import Staged
 from worker.sampling.subsets import RowSubsets, rows_at
-from worker.step_upload import Staged
 
 # The top-p histogram: bins of 1/512 nat below the row's best logit, 16 nats in all (the
 # last bin also takes everything further down, under 1e-7 of the best token's likelihood).

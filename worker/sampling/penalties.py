@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.cpu_kernels import penalize_kernel
+from worker.host.cpu_kernels import penalize_kernel
 from worker.sampling.rows import PenaltyTokens
 from worker.sampling.subsets import LogitBias
 

@@ -1,0 +1,208 @@
+"""The asyncio client: the same verbs as :class:`producer.client.client.Client`, awaited.
+
+Everything but the Redis calls is shared with the synchronous client
+(:class:`producer.client.client.ClientBase`, :mod:`producer.client.stream_follow`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis.asyncio
+
+from producer.client.backpressure import add_if_room_async
+from producer.client.client import (
+    READ_COUNT,
+    ClientBase,
+    parse_model_info,
+    tokenizer_from,
+)
+from producer.client.connection import connect_async
+from producer.client.models import (
+    ModelState,
+    decode_hash,
+    heartbeat_keys,
+    member_names,
+    model_states,
+    state_of,
+)
+from producer.client.stream_events import StreamEvent, completion_from, event_from
+from producer.client.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
+from producer.clock import Clock
+from producer.wire.completion import Completion
+from producer.wire.errors import LaneBlocked
+from producer.wire.protocol import FIELD
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+T = TypeVar("T")
+
+
+class AsyncClient(ClientBase):
+    """Submit generation requests and read their output from asyncio code.
+
+    ``url`` None means the embedded redis-server; pass ``connection`` to share an
+    existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
+    default for :meth:`submit`'s (None: no limit); ``clock`` (default: the system's)
+    decides every timeout and deadline.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        namespace: str = "conveyor",
+        *,
+        connection: redis.asyncio.Redis | None = None,
+        max_queue: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(namespace, connection, max_queue, clock)
+        self.redis = connection if connection is not None else connect_async(url)
+
+    async def submit(
+        self, prompt: str | list[int] | None = None, *, model: str,
+        messages: list[dict[str, str]] | None = None, lane: str = "interactive",
+        request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
+        timeout: float | None = None, pipeline: redis.asyncio.client.Pipeline | None = None,
+        max_queue: int | None = None, allow_unregistered: bool = False, **sampling: Any,
+    ) -> str:
+        """Enqueue one request and return its id; ValueError (nothing written) when invalid.
+
+        See :meth:`producer.client.client.Client.submit`; with ``pipeline`` the XADD is only queued,
+        and ``max_queue`` raises QueueFull when the stream is full (never checked in a pipeline).
+        A model nobody registered raises ModelNotFound unless ``allow_unregistered``; one
+        without a live worker is queued with a warning logged.
+        """
+        sub = self._submission(
+            prompt, max_queue, pipeline is not None, model=model, messages=messages, lane=lane,
+            request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
+            sampling=sampling)
+        if allow_unregistered:
+            if sub.model not in self._requested:  # so that `conveyor top` shows its lane
+                await self.redis.sadd(self.keys.requested, sub.model)
+                self._requested.add(sub.model)
+        else:
+            await self._check_model(sub.model, sub.request_id)
+        try:
+            if sub.limit is not None:
+                await add_if_room_async(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
+            elif pipeline is not None:
+                pipeline.xadd(sub.key, {FIELD: sub.payload})
+            else:
+                await self.redis.xadd(sub.key, {FIELD: sub.payload})
+        except redis.ResponseError as exc:
+            if LaneBlocked.matches(exc):
+                raise LaneBlocked(sub.key) from exc
+            raise
+        return sub.request_id
+
+    async def _check_model(self, model: str, request_id: str) -> None:
+        state = self._recent_state(model)
+        fresh = state is None
+        if state is None:
+            state = await self.model_state(model)
+        self._judge(state, fresh, request_id, None if state.known else await self.models())
+
+    def stream(
+        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """Async-iterate a request's ChunkEvents in token order, then its FinalEvent.
+
+        Same resume, each-index-once, gap and timeout rules as
+        :meth:`producer.client.client.Client.stream`.
+        """
+        return self._follow_one(self._follower(request_id, from_id, timeout))
+
+    async def _follow_one(self, follower: StreamFollower) -> AsyncIterator[StreamEvent]:
+        if follower.needs_probe:
+            follower.probe(await self.redis.xrevrange(follower.key, count=1))
+        async for event in self._follow(follower):
+            yield event
+
+    async def _follow(self, follower: OutputFollower[T]) -> AsyncIterator[T]:
+        # The only I/O of following: the follower decides what to read and what it means.
+        while not follower.done:
+            streams, block = follower.streams(), follower.block_ms()
+            reply = await self.redis.xread(streams, count=READ_COUNT, block=block)
+            for item in follower.feed(reply):
+                yield item
+            follower.check_deadline()
+
+    async def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for a request to finish and return its whole Completion."""
+        events = [e async for e in self.stream(request_id, timeout=timeout)]
+        return completion_from(request_id, events)
+
+    async def last_event(self, request_id: str) -> StreamEvent | None:
+        """The last entry of a request's output stream, decoded; None when it has none."""
+        last = await self.redis.xrevrange(self.keys.output(request_id), count=1)
+        return event_from(*last[0]) if last else None
+
+    async def wait_for_output(self, request_id: str, timeout: float | None) -> bool:
+        """Whether the request's output stream exists, waiting up to ``timeout`` seconds."""
+        key = self.keys.output(request_id)
+        deadline = deadline_after(timeout, self.clock)
+        while not await self.redis.exists(key):
+            if deadline is not None and self.clock.monotonic() >= deadline:
+                return False
+            await self.redis.xread({key: "0-0"}, count=1, block=block_ms(deadline, self.clock))
+        return True
+
+    async def cancel(
+        self, request_id: str, *, pipeline: redis.asyncio.client.Pipeline | None = None
+    ) -> None:
+        """Ask workers to stop a request: a marker key plus an announcement, in one go."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
+        self._queue_cancel(pipe, request_id)
+        if pipeline is None:
+            await pipe.execute()
+
+    async def models(self, *, live_only: bool = False) -> list[str]:
+        """Names of the models workers have registered, sorted; with ``live_only``, the
+        models a live worker serves. See :meth:`producer.client.client.Client.models`."""
+        if live_only:
+            return [s.name for s in await self.model_states() if s.live]
+        return member_names(await self.redis.smembers(self.keys.models))
+
+    async def model_states(self) -> list[ModelState]:
+        """Every known model with its live workers; see :meth:`Client.model_states`."""
+        states = model_states(await self.models(), await self._heartbeats())
+        for state in states:
+            self._remember(state)
+        return states
+
+    async def model_state(self, name: str) -> ModelState:
+        """One model's state: registered or not, and its live workers."""
+        registered = bool(await self.redis.exists(self.keys.model(name)))
+        return self._remember(state_of(name, registered, await self._heartbeats()))
+
+    async def _heartbeats(self) -> list[dict[str, str]] | None:
+        try:
+            members = await self.redis.smembers(self.keys.workers)
+            pipe = self.redis.pipeline(transaction=False)
+            for key in heartbeat_keys(self.keys, members):
+                pipe.hgetall(key)
+            return [decode_hash(raw) for raw in await pipe.execute() if raw]
+        except redis.exceptions.NoPermissionError:
+            return None
+
+    async def model_info(self, name: str) -> dict[str, Any] | None:
+        """A registered model's description, or None; see :meth:`Client.model_info`."""
+        return parse_model_info(await self.redis.hgetall(self.keys.model(name)))
+
+    async def tokenizer(self, name: str) -> Tokenizer | None:
+        """The model's tokenizer, built from its registered tokenizer.json, or None."""
+        return tokenizer_from(await self.redis.hget(self.keys.model(name), "tokenizer_json"))
+
+    async def close(self) -> None:
+        """Close the connection, unless it was passed in by the caller."""
+        if self._owns_connection:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,261 @@
+"""Run a workload through the real fleet: this process is the client, the worker a child process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.client.client import Client
+from producer.client.stream_events import ChunkEvent, FinalEvent
+from worker.bench.results.records import KVSample, RequestRecord, RunResult
+from worker.bench.run import cpu
+from worker.bench.run.arrivals import ArrivalPlan
+from worker.bench.run.follower import StreamFollower
+from worker.bench.run.worker_process import HEARTBEAT_INTERVAL_S, WorkerProcess
+from worker.bench.run.workloads import WorkItem
+from worker.host.cpu_placement import Placement
+
+# How often the worker's heartbeat hash is read for the KV plot.
+KV_SAMPLE_INTERVAL_S = 0.1
+# Longest one XREAD waits, so arrivals, KV samples and a dead worker are noticed in time.
+MAX_BLOCK_MS = 50
+
+
+@dataclass
+class FleetTarget:
+    """Where and how the benchmarked worker runs."""
+
+    model_dir: Path
+    redis_url: str
+    namespace: str
+    # `conveyor worker` flags: engine settings and threads.
+    worker_flags: list[str]
+    log_dir: Path
+    # More workers serving the same model, each with its flags (e.g. a decode worker
+    # beside a prefill one); the first worker's heartbeat gives the KV samples.
+    more_workers: tuple[tuple[str, ...], ...] = ()
+    # Where the worker places its threads (None: it does not); the client, and Redis when
+    # it is the bench's own, then run on its I/O CPUs for the measured run.
+    placement: Placement | None = None
+    own_redis: bool = False
+
+
+def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
+              concurrency: int | None, settings: dict[str, Any], timeout_s: float,
+              repeat: int = 0) -> RunResult:
+    """Start a worker, warm it up, drive the workload through Redis, stop the worker."""
+    label = f"{name}-{repeat}"
+    model = f"bench-{os.getpid()}-{label}"  # its own request stream: no other worker serves it
+    flags = [list(target.worker_flags), *(list(f) for f in target.more_workers)]
+    with Client(target.redis_url, target.namespace) as client, ExitStack() as stack:
+        workers = [stack.enter_context(WorkerProcess(
+            f"{label}-{i}" if i else label, target.model_dir, model, target.redis_url,
+            target.namespace, f, target.log_dir / f"worker-{label}{f'-{i}' if i else ''}.log"))
+            for i, f in enumerate(flags)]
+        for w in workers:
+            w.start(client.redis)
+        group = _Group(workers)
+        _warm_up(client, model, group)
+        plan = ArrivalPlan(items, concurrency)
+        time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
+        counted_before = _heartbeat_sums(client, workers)
+        with _beside_the_worker(client, target):
+            before = _cpu_now(client, workers)
+            preempted_before = _over_workers(cpu.process_preemptions, workers)
+            threads_before = [_threads(w) for w in workers]
+            stolen_before, idle_before = cpu.stolen_cpu_s(), cpu.idle_cpu_s()
+            records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
+            stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
+            idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
+            after = _cpu_now(client, workers)
+            threads = _summed_by_name(threads_before, [_threads(w) for w in workers])
+        preempted = {"worker": cpu.delta(preempted_before,
+                                         _over_workers(cpu.process_preemptions, workers))}
+        used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+        time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
+        counted = {k: v - counted_before[k]
+                   for k, v in _heartbeat_sums(client, workers).items()}
+        taken = {"worker": int(counted.pop(TAKEOVERS))}
+        moved = counted if len(workers) > 1 else {}
+    where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
+    notes = [f"client in the bench process, {where}"]
+    if target.placement is not None:
+        io = ",".join(map(str, sorted(target.placement.io)))
+        notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
+                     "worker's I/O CPUs")
+    return RunResult(name, settings, records, duration, kv, used, preempted,
+                     notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen, idle_s=idle,
+                     thread_cpu_s=threads)
+
+
+@contextmanager
+def _beside_the_worker(client: Client, target: FleetTarget) -> Iterator[None]:
+    """The calling thread (the client), and Redis when it is the bench's own, on the
+    worker's I/O CPUs until the block ends; then back where they were."""
+    if target.placement is None:
+        yield
+        return
+    io = target.placement.io
+    threads = [0]  # the calling thread
+    if target.own_redis:
+        pid = int(client.redis.info("server")["process_id"])
+        threads += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    before: dict[int, set[int]] = {}
+    try:
+        for t in threads:
+            with suppress(OSError):  # a Redis thread that ended meanwhile
+                before[t] = os.sched_getaffinity(t)
+                os.sched_setaffinity(t, io)
+        yield
+    finally:
+        for t, cpus in before.items():
+            with suppress(OSError):
+                os.sched_setaffinity(t, cpus)
+
+
+TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "kv_get_s",
+                   "kv_get_count", "kv_imported_tokens")
+# Decode-step tasks a worker's master took over from a late thread (csrc/step_team.h).
+TAKEOVERS = "step_team_takeovers"
+
+
+def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
+    """The workers' KV transfer counters and step take-overs (their heartbeats), summed."""
+    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS), 0.0)
+    for w in workers:
+        raw = client.redis.hgetall(w.key)
+        for name in total:
+            total[name] += float(raw.get(name.encode(), b"0") or 0)
+    return total
+
+
+class _Group:
+    """The run's workers as one: any of them dead fails the run; the first one's heartbeat
+    is sampled for KV use."""
+
+    def __init__(self, workers: list[WorkerProcess]) -> None:
+        self.workers = workers
+        self.key = workers[0].key
+
+    def check_alive(self) -> None:
+        for w in self.workers:
+            w.check_alive()
+
+
+def _cpu_now(client: Client, workers: list[WorkerProcess]) -> dict[str, float | None]:
+    return {"worker": _over_workers(cpu.process_cpu_s, workers),
+            "client": time.process_time(), "redis": cpu.redis_cpu_s(client.redis)}
+
+
+def _over_workers(measure: Callable[[int], float | None],
+                  workers: list[WorkerProcess]) -> float | None:
+    """``measure`` of each worker process, summed; None when one of them is unknown."""
+    values = [measure(w.proc.pid) if w.proc else None for w in workers]
+    return None if None in values else sum(values)  # type: ignore[arg-type]
+
+
+def _threads(worker: WorkerProcess) -> dict[int, tuple[str, float]] | None:
+    return cpu.thread_cpu_s(worker.proc.pid) if worker.proc else None
+
+
+def _summed_by_name(before: list, after: list) -> dict[str, float]:
+    """CPU seconds by thread name over the workers, summed, most first; empty where one is
+    unknown."""
+    total: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        used = cpu.threads_delta(b, a)
+        if used is None:
+            return {}
+        for name, seconds in used.items():
+            total[name] = round(total.get(name, 0.0) + seconds, 3)
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def _warm_up(client: Client, model: str, worker: _Group) -> None:
+    # First forwards allocate and pick kernels: keep that out of the measured run.
+    ids = [client.submit(list(range(2, 2 + n)), model=model, max_tokens=4, temperature=0,
+                         ignore_eos=True) for _ in worker.workers for n in (8, 64)]
+    for rid in ids:
+        worker.check_alive()
+        client.result(rid, timeout=300)
+
+
+def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
+           worker: _Group, timeout_s: float
+           ) -> tuple[list[RequestRecord], list[KVSample], float]:
+    follower = StreamFollower(client.redis, client.keys)
+    records: dict[str, RequestRecord] = {}
+    kv = _HeartbeatSampler(client, worker.key)
+    start = time.perf_counter()
+    kv.wall_start = time.time()
+    max_seen, finished, next_check = 0, 0, 0.0
+    while finished < len(items):
+        now = time.perf_counter() - start
+        due = plan.due(now, len(follower), max_seen)
+        if due:
+            for rid, i in _submit(client, model, items, due):
+                records[rid] = RequestRecord.for_item(i, items[i], now)
+                follower.add(rid)
+        if now >= next_check:
+            worker.check_alive()
+            kv.sample()
+            next_check = now + KV_SAMPLE_INTERVAL_S
+            if now > timeout_s:
+                raise TimeoutError(f"the fleet run took over {timeout_s:.0f} s")
+        wait = plan.seconds_to_next(now)
+        if not len(follower):
+            time.sleep(min(wait or 0.005, MAX_BLOCK_MS / 1000))
+            continue
+        block = MAX_BLOCK_MS if wait is None else min(MAX_BLOCK_MS, int(wait * 1000) + 1)
+        events = follower.poll(block)
+        t = time.perf_counter() - start
+        for rid, event in events:
+            rec = records[rid]
+            if isinstance(event, ChunkEvent):
+                rec.chunks.append((t, len(event.token_ids)))
+                # The chunk's end is the tokens streamed so far (rec.output_tokens would sum
+                # every chunk again at every event).
+                max_seen = max(max_seen, event.index + len(event.token_ids))
+            elif isinstance(event, FinalEvent):
+                rec.finish_s, rec.finish_reason, rec.error = t, event.finish_reason, event.error
+                finished += 1
+    duration = time.perf_counter() - start
+    kv.sample()
+    return sorted(records.values(), key=lambda r: r.index), kv.samples, duration
+
+
+def _submit(client: Client, model: str, items: list[WorkItem], due: list[int]
+            ) -> list[tuple[str, int]]:
+    """Enqueue the due requests in one round trip; (request id, workload index) of each."""
+    pipe = client.redis.pipeline(transaction=False)
+    ids = [client.submit(items[i].prompt_token_ids, model=model, pipeline=pipe,
+                         max_tokens=items[i].max_tokens, temperature=0, ignore_eos=True)
+           for i in due]
+    pipe.execute()
+    return list(zip(ids, due, strict=True))
+
+
+class _HeartbeatSampler:
+    """KV use over time from the worker's heartbeat hash (one sample per new heartbeat)."""
+
+    def __init__(self, client: Client, key: str) -> None:
+        self.client, self.key = client, key
+        self.wall_start = time.time()
+        self.samples: list[KVSample] = []
+        self._last_ms = 0
+
+    def sample(self) -> None:
+        raw = {k.decode(): v.decode() for k, v in self.client.redis.hgetall(self.key).items()}
+        updated = int(raw.get("updated_ms", 0))
+        if not raw or updated == self._last_ms:
+            return
+        self._last_ms = updated
+        self.samples.append(KVSample(max(0.0, updated / 1000 - self.wall_start),
+                                     int(raw.get("kv_blocks_used", 0)),
+                                     int(raw.get("kv_blocks_total", 0)),
+                                     int(raw.get("running", 0)), int(raw.get("waiting", 0))))

@@ -1,0 +1,62 @@
+"""`conveyor gateway`: serve the OpenAI-compatible HTTP API (producer/gateway) with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from worker.cli.redis_verbs import add_connection_args
+
+DEFAULT_PORT = 8000
+
+
+def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "gateway",
+        help="serve the OpenAI-compatible HTTP API (chat and completions) in front of the fleet",
+        description="An OpenAI-compatible HTTP server: POST /v1/chat/completions and "
+        "/v1/completions (streaming or not), GET /v1/models (models with a live worker), "
+        "/health and /metrics. Stateless: run as many as you like (docs/gateway.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    add_connection_args(p)
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", metavar="KEY", default=None,
+                      help="accept only requests with 'Authorization: Bearer KEY' (visible in "
+                      "the process list: prefer --api-key-file)")
+    keys.add_argument("--api-key-file", metavar="PATH", default=None,
+                      help="accept the keys in this file, one per line")
+    p.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="answer 429 when the model's interactive lane already holds N "
+                   "waiting requests (default: no bound)")
+    p.set_defaults(handler=gateway_cmd)
+    return p
+
+
+def gateway_cmd(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from producer.gateway import GatewaySettings, create_app
+        from producer.gateway.settings import read_key_file
+    except ImportError as exc:
+        print(f"conveyor gateway: error: {exc.name} is missing: pip install "
+              "'conveyor[gateway]'", file=sys.stderr)
+        return 2
+    keys: tuple[str, ...] = ()
+    if args.api_key:
+        keys = (args.api_key,)
+    elif args.api_key_file:
+        keys = read_key_file(args.api_key_file)
+    settings = GatewaySettings(redis_url=args.redis, namespace=args.namespace, api_keys=keys,
+                               max_queue=args.max_queue)
+    if not keys:
+        print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
+              f"{args.host}:{args.port} may use the fleet", file=sys.stderr)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+                access_log=False)
+    return 0

@@ -1,0 +1,237 @@
+"""The worker-side CLI verbs (make-model, generate, worker, demo): their arguments and handlers.
+
+Importing this module loads no torch; a handler imports what it runs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+from producer.paths import default_model_dir
+from worker.cli.redis_verbs import add_redis_url_option
+from worker.engine.config import EngineConfig, field_default
+from worker.fleet.config import WorkerConfig
+from worker.modelgen.ensure import ensure_model, make_marked
+
+
+def add_worker_parsers(subparsers: Any) -> None:
+    """Add make-model, generate, worker and demo to the `conveyor` command's subparsers."""
+    p = subparsers.add_parser("make-model",
+                              help="write a small deterministic checkpoint (no model hub)")
+    p.add_argument("dir", nargs="?",
+                   help="output folder (default: the data folder's models/PRESET)")
+    p.add_argument("--preset", choices=["tiny", "small"], default="small",
+                   help="model size: tiny (tests, under 1M parameters) or small (about 32M)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama",
+                   help="architecture written to config.json")
+    p.add_argument("--seed", type=int, default=0,
+                   help="weight seed: the same arguments always give the same files")
+    p.add_argument("--force", action="store_true",
+                   help="delete and make again a folder make-model made (it holds "
+                   ".conveyor-model); any other folder is refused")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="do nothing when the folder already holds a model (config.json)")
+    p.set_defaults(handler=make_model_cmd)
+
+    p = subparsers.add_parser("generate", help="run prompts through the offline engine (no Redis)")
+    p.add_argument("prompts", nargs="+", help="prompt texts")
+    p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none, random)")
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"),
+                   help="precision: auto (float32 on CPU, bfloat16 on CUDA), float32, float64, "
+                   "bfloat16 or float16")
+    p.set_defaults(handler=generate_cmd)
+
+    _add_serve_parser(subparsers)
+
+    p = subparsers.add_parser(
+        "demo",
+        help="start Redis and a worker, stream short questions and one long document live",
+        description="Makes the small model if missing, starts the embedded Redis (unless --redis "
+        "is given) and a worker process, submits short questions and one long document, shows "
+        "them streaming, and ends with a summary (tokens/s, TTFT p50/p99).",
+    )
+    p.add_argument("--model", help="checkpoint folder (default: the small preset, made if missing)")
+    p.add_argument("--requests", type=int, default=24, help="number of short questions")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the worker")
+    add_redis_url_option(p)
+    p.set_defaults(handler=demo_cmd)
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    # Every default comes from WorkerConfig or EngineConfig: the flags cannot drift from them.
+    def worker(name: str) -> Any:
+        return field_default(WorkerConfig, name)
+
+    def engine(name: str) -> Any:
+        return field_default(EngineConfig, name)
+
+    p = subparsers.add_parser("worker", help="serve a model from Redis until SIGTERM (then drain)")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--served-model-name", help="name producers address (default: folder name)")
+    add_redis_url_option(p)
+    p.add_argument("--namespace", default=worker("namespace"),
+                   help="prefix of every conveyor key: the fleet's namespace")
+    p.add_argument("--name", dest="worker_id", help="worker id (default: HOST-PID)")
+    p.add_argument("--max-num-seqs", type=int, default=engine("max_num_seqs"),
+                   help="requests running at once (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=engine("max_num_batched_tokens"),
+                   help="token budget of a step, at least --max-num-seqs "
+                   "(default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="device KV pool in blocks (default: sized from 0.5 GiB, capped at "
+                   "what --max-num-seqs full-length sequences use)")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step (needs --max-num-batched-tokens >= the "
+                   "model's max length)")
+    p.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
+                   help="cap on one request's prefill chunk in a step (default: the budget)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="schedule each step while the one before runs: auto is on for CUDA "
+                   "and off on a CPU, where it was measured slower; a prefill worker never "
+                   "does (default: %(default)s)")
+    p.add_argument("--stream-interval", type=int, default=worker("stream_interval"),
+                   metavar="N", help="publish a decoding request's tokens N at a time (its "
+                   "first token and its end at once): fewer writes to Redis and reads by its "
+                   "clients, each token up to N - 1 steps later (default: %(default)s)")
+    p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
+                   metavar="S", help="seconds between heartbeats (status and load in Redis; "
+                   "default: %(default)s)")
+    p.add_argument("--housekeeping-interval", type=float,
+                   default=worker("housekeeping_interval_s"), metavar="S",
+                   help="seconds between the reaper's housekeeping: trimming served entries "
+                   "off the request streams, removing dead workers' consumers and stale "
+                   "workers, checking for closed lanes (default: %(default)s)")
+    p.add_argument("--dtype", default=engine("dtype"),
+                   help="precision: auto (float32 on CPU, bfloat16 on CUDA), float32, float64, "
+                   "bfloat16 or float16 (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for this process (default: torch's own choice)")
+    p.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU engine whose one or two threads fill the process's CPUs "
+                   "(one to spare at most), pin each engine thread to a CPU and the I/O "
+                   "threads beside the last (worker/host/cpu_placement.py; default: on)")
+    p.add_argument("--lease-ms", type=int, default=worker("lease_ms"),
+                   help="in-flight entries idle this long are claimed by other workers "
+                   "(default: %(default)s)")
+    p.add_argument("--max-deliveries", type=int, default=worker("max_deliveries"),
+                   help="a request delivered more often goes to the dead-letter stream "
+                   "(default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=worker("drain_timeout_s"),
+                   help="seconds in-flight requests may take to finish after SIGTERM "
+                   "(default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics on http://HOST:N/metrics (0: any free port; "
+                   "default: not served)")
+    p.add_argument("--metrics-host", default=worker("metrics_host"), metavar="ADDR",
+                   help="address the metrics server binds (default: all interfaces)")
+    p.add_argument("--allow-eviction", action="store_true",
+                   help="serve even if Redis's maxmemory-policy may evict keys (an evicted "
+                   "request stream loses its requests; default: refuse to start)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default=worker("role"),
+                   help="prefill: compute prompts and hand requests on after their first "
+                   "token; decode: continue handed-on requests only; both: whole requests, "
+                   "and handed-on ones too (default: %(default)s)")
+    p.add_argument("--kv-redis", metavar="URL", default=None,
+                   help="Redis for the fleet KV tier (default: the queues' Redis; its own "
+                   "Redis is the production choice)")
+    p.add_argument("--handoff-max-waiting", type=int, default=worker("handoff_max_waiting"),
+                   metavar="N", help="a prefill worker reads no new request while N wait in "
+                   "its model's handoff streams for a decode worker (default: %(default)s)")
+    p.add_argument("--kv-share-prefixes", action="store_true",
+                   help="put computed prompt blocks in the fleet KV tier and reuse other "
+                   "workers' blocks on a local prefix-cache miss (default: off)")
+    p.set_defaults(handler=worker_cmd)
+
+
+def make_model_cmd(args: argparse.Namespace) -> int:
+    """Write a checkpoint and mark its folder as one make-model made; only such a folder may
+    ``--force`` delete (FileExistsError, exit 2, for any other)."""
+    from worker.modelgen.make_model import MARKER_FILE, is_marked_folder
+
+    out = Path(args.dir) if args.dir else default_model_dir(args.preset)
+    if args.exist_ok and (out / "config.json").is_file():
+        print(out)
+        return 0
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()):
+        if not args.force:
+            raise FileExistsError(f"{out} exists and is not empty (use --force to make it "
+                                  "again, if make-model made it)")
+        if not is_marked_folder(out):
+            raise FileExistsError(f"{out} is not a folder make-model made (it has no "
+                                  f"{MARKER_FILE}): --force deletes only those; pick another "
+                                  "folder, or delete this one yourself")
+        shutil.rmtree(out)
+    make_marked(out, preset=args.preset, arch=args.arch, seed=args.seed)
+    print(out)
+    return 0
+
+
+def generate_cmd(args: argparse.Namespace) -> int:
+    from worker import Engine, SamplingParams
+
+    engine = Engine(ensure_model(args.model), dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    for completion in engine.generate(list(args.prompts), params):
+        print(f"[{completion.finish_reason}] {completion.text!r}")
+    return 0
+
+
+def worker_cmd(args: argparse.Namespace) -> int:
+    from worker.fleet.process import Worker
+
+    return Worker(worker_config(args)).run_until_signalled()
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig `conveyor worker`'s flags ask for (the model made if missing)."""
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
+              args.max_num_batched_tokens, "dtype": args.dtype}
+    if args.num_kv_blocks:
+        engine["num_kv_blocks"] = args.num_kv_blocks
+    if args.threads:
+        engine["num_threads"] = args.threads
+    if not args.chunked_prefill:
+        engine["enable_chunked_prefill"] = False
+    if args.max_prefill_chunk:
+        engine["max_prefill_chunk"] = args.max_prefill_chunk
+    if args.async_scheduling != "auto":
+        engine["async_scheduling"] = args.async_scheduling == "on"
+    config = WorkerConfig(model_dir=ensure_model(args.model),
+                          served_model_name=args.served_model_name,
+                          redis_url=args.redis, namespace=args.namespace,
+                          engine=engine, drain_timeout_s=args.drain_timeout,
+                          lease_ms=args.lease_ms, max_deliveries=args.max_deliveries,
+                          heartbeat_interval_s=args.heartbeat_interval,
+                          housekeeping_interval_s=args.housekeeping_interval,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          allow_eviction=args.allow_eviction, role=args.role,
+                          place_threads=args.place_threads,
+                          kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
+                          handoff_max_waiting=args.handoff_max_waiting,
+                          stream_interval=args.stream_interval,
+                          **({"worker_id": args.worker_id} if args.worker_id else {}))
+    return config
+
+
+def demo_cmd(args: argparse.Namespace) -> int:
+    from producer.redis.server import ensure_running
+    from worker.cli.demo import run_demo
+
+    model_dir = ensure_model(args.model)
+    redis_url = args.redis or ensure_running()
+    run_demo(model_dir, redis_url, num_questions=args.requests, threads=args.threads)
+    if not args.redis:
+        print("the embedded Redis keeps running for later commands; stop it with "
+              "`conveyor redis stop`")
+    return 0

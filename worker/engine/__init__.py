@@ -1,0 +1,29 @@
+"""The engine: continuous batching of one model on one device, with no I/O but the device.
+
+One step: ``engine`` asks the scheduler for a batch → ``model_runner`` lays it out
+(``block_table_rows``, ``step_upload``: one host-to-device copy) and runs the forward →
+the sampler picks tokens → ``output_processor`` turns them into each request's output.
+``step_pipeline`` overlaps a step's scheduling with the forward before it; ``config`` is
+every engine setting with its meaning, ``device`` picks device and dtype, ``tokenizer``
+encodes prompts and decodes tokens incrementally.
+
+``from worker.engine import Engine`` loads torch; ``worker.engine.config`` alone does not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.engine.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        from worker.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'worker.engine' has no attribute {name!r}")
+
+
+__all__ = ["Engine"]

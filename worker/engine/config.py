@@ -1,0 +1,93 @@
+"""Engine settings: every knob of the offline engine, with its default and meaning. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from scheduler.config import SchedulerConfig, check_preemption_mode
+
+# Precisions an engine computes in, as torch spells them (worker.engine.device maps them to dtypes).
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine lays out memory and batches work."""
+
+    # Token slots per KV block.
+    block_size: int = 16
+    # Device KV pool size in blocks; None sizes it from kv_cache_memory_gib.
+    num_kv_blocks: int | None = None
+    # Memory for the device KV pool when num_kv_blocks is None (capped at what max_num_seqs
+    # full-length sequences can use). A small fixed pool, not a share of RAM: on a CPU the
+    # KV cache shares memory with everything else.
+    kv_cache_memory_gib: float = 0.5
+    # Host swap tier in blocks; None sizes it from swap_space_gib (0 turns swapping off).
+    swap_blocks: int | None = None
+    # Host memory for swapped-out KV when swap_blocks is None (pinned on CUDA).
+    swap_space_gib: float = 0.5
+    # Settings the scheduler owns take its defaults (scheduler/config.py says why each).
+    # "auto" (swap when the host has room and it beats recomputing), "swap", "recompute".
+    preemption_mode: str = SchedulerConfig.preemption_mode
+    # Share the KV of identical full prompt blocks between requests.
+    enable_prefix_caching: bool = True
+    # Token budget of one step (prefill chunks plus one per decode).
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    # Requests running at once.
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    # Cap on one request's prefill chunk in a step; None means the whole budget.
+    max_prefill_chunk: int | None = SchedulerConfig.max_prefill_chunk
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    # Longest prompt + output; None means the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # "auto": float32 on CPU, bfloat16 on CUDA; or float32, float64, bfloat16, float16.
+    dtype: str = "auto"
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # Attention backend by name ("torch"; "auto" picks the best available).
+    attention_backend: str = "auto"
+    # torch intra-op threads for this process; None leaves torch's default.
+    num_threads: int | None = None
+    # On a CPU, keep large allocations in glibc's heap instead of fresh mmaps (which cost a
+    # page fault per 4 KiB every step): worker/host/allocator.py. Process-wide.
+    tune_host_allocator: bool = True
+    # Detokenize and apply stop strings in the engine. The fleet worker turns this off and
+    # does both on its publisher thread, off the engine loop.
+    detokenize: bool = True
+    # Hand out KV blocks in a scrambled order (tests use it to prove order never matters).
+    block_shuffle_seed: int | None = None
+    # Overlapped steps: schedule step N+1 while step N runs on a runner thread
+    # (worker/engine/step_pipeline.py). None: on for CUDA, where the device would otherwise wait
+    # for the host between steps; off on a CPU, where the host work and the forward share
+    # the same cores (docs/benchmarks.md measures both).
+    async_scheduling: bool | None = None
+
+    @classmethod
+    def from_kwargs(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown ones with a ValueError."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.swap_blocks is not None and self.swap_blocks < 0:
+            raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
+        check_preemption_mode(self.preemption_mode)
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got "
+                             f"{self.dtype!r}")
+
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of one config dataclass field: the CLI's flags use and show these."""
+    default = next(f.default for f in fields(cls) if f.name == name)
+    if default is MISSING:
+        raise ValueError(f"{cls.__name__}.{name} has no plain default")
+    return default

@@ -1,0 +1,110 @@
+"""Per-request output bookkeeping in the engine: text deltas, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
+from producer.wire.params import SamplingParams
+from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Text that became final this step (stop strings removed, partial matches held back).
+    text_delta: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    # Set on the last output of a request.
+    completion: Completion | None = None
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutputState:
+    """Everything the engine accumulates for a request besides its KV."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""  # text so far, cut at a stop string once one is found
+    emitted: int = 0  # characters of text already handed out
+    hit_stop_string: bool = False
+    num_cached_tokens: int = 0
+    # Tokens whose KV was imported from the fleet tier when the request was added.
+    num_transferred_tokens: int = 0
+
+    @classmethod
+    def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,
+               tokenizer: Tokenizer | None) -> RequestOutputState:
+        detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        return cls(request_id, params, seed, num_prompt_tokens, detok)
+
+    def add_tokens(self, token_ids: list[int], logprob: TokenLogprob | None) -> None:
+        """Record new tokens; sets hit_stop_string when the text now contains a stop string."""
+        self.token_ids.extend(token_ids)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.detokenizer is None or self.hit_stop_string:
+            return
+        if not self.params.stop:  # most requests: nothing to look for, every step
+            self.text += self.detokenizer.add(token_ids)
+            return
+        start = max(0, len(self.text) - self._longest_stop() + 1)
+        self.text += self.detokenizer.add(token_ids)
+        self._cut_at_stop_string(start)
+
+    def finish_text(self) -> None:
+        """Release text held back in the detokenizer once the request ends."""
+        if self.detokenizer is not None and not self.hit_stop_string:
+            start = max(0, len(self.text) - self._longest_stop() + 1)
+            self.text += self.detokenizer.flush()
+            self._cut_at_stop_string(start)
+
+    def take_delta(self, final: bool) -> str:
+        """Text not yet emitted, holding back a tail that may still become a stop string."""
+        hold_nothing = final or self.hit_stop_string or not self.params.stop
+        end = len(self.text) if hold_nothing else self._safe_end()
+        delta = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def completion(self, reason: FinishReason, num_cached_tokens: int = 0) -> Completion:
+        return Completion(
+            request_id=self.request_id,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            finish_reason=reason,
+            usage=Usage(self.num_prompt_tokens, len(self.token_ids), num_cached_tokens,
+                        min(self.num_transferred_tokens, self.num_prompt_tokens)),
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+        )
+
+    def _longest_stop(self) -> int:
+        return max((len(s) for s in self.params.stop), default=1)
+
+    def _cut_at_stop_string(self, start: int) -> None:
+        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.hit_stop_string = True
+
+    def _safe_end(self) -> int:
+        # The longest tail of the text that is a proper prefix of some stop string.
+        held = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return len(self.text) - held

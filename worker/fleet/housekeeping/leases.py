@@ -1,0 +1,85 @@
+"""Leases on in-flight request entries: renewed while we own them, handed back on drain.
+
+A pending entry's idle time is its lease: a live worker resets it well inside
+``lease_ms``; an entry idle for longer belongs to a dead worker and any reaper claims it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import structlog
+
+from producer.wire.keys import GROUP
+from producer.wire.replies import as_text
+from worker.fleet.inflight import InflightTable
+from worker.fleet.publishing.ownership import OwnedEntries
+from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
+
+class LeaseKeeper(SupervisedThread):
+    """Renews every in-flight entry's lease; reports entries another worker took over."""
+
+    def __init__(self, client: redis.Redis, worker_id: str, inflight: InflightTable,
+                 lease_ms: int, on_lost: Callable[[str], None], **supervision: Any) -> None:
+        # Three renewals per lease: one late renewal never lets an entry lapse.
+        super().__init__("lease-keeper", worker_id=worker_id, interval_s=lease_ms / 3000,
+                         **supervision)
+        self.client = client
+        self.inflight = inflight
+        self.lease_ms = lease_ms
+        self.on_lost = on_lost
+        # Renews only entries still ours: XCLAIM alone would steal them back from a worker
+        # that claimed them meanwhile.
+        self.owned = OwnedEntries(client, worker_id)
+        self.renewals = 0
+
+    def tick(self) -> None:
+        self.renew_all()
+
+    def renew_all(self) -> None:
+        held = {(e.stream, e.entry_id): rid for rid in self.inflight.ids()
+                if (e := self.inflight.get(rid)) is not None}
+        if not held:
+            return
+        kept = self.owned.renew(list(held))
+        self.renewals += len(kept)
+        for entry, rid in held.items():
+            if entry not in kept and rid in self.inflight:
+                log.warning("lease lost: another worker owns the request now", request_id=rid)
+                self.on_lost(rid)
+
+
+def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]],
+              lease_ms: int) -> None:
+    """Make our pending entries look expired so another worker claims them at once.
+
+    Deleting the consumer would drop its pending entries from the group (lost requests);
+    instead each entry's idle time is set past the lease. A hand-back is not a failure: the
+    delivery count is set one lower, so the claim that follows (which counts one) leaves it
+    where it was, and a request drained through many restarts never looks like poison.
+    """
+    by_stream: dict[str, list[str]] = defaultdict(list)
+    for stream, entry_id in entries:
+        by_stream[stream].append(entry_id)
+    for stream, ids in by_stream.items():
+        counts = {as_text(p["message_id"]): int(p["times_delivered"])
+                  for p in client.xpending_range(stream, GROUP, "-", "+", 10_000,
+                                                 consumername=worker_id)}
+        # Only entries still ours (nobody claimed them meanwhile).
+        release(client, worker_id, stream,
+                {eid: max(0, counts[eid] - 1) for eid in ids if eid in counts}, lease_ms)
+
+
+def release(client: redis.Redis, worker_id: str, stream: str, counts: dict[str, int],
+            lease_ms: int) -> None:
+    """Make entries claimable at once (idle past the lease), their delivery counts set to
+    ``counts`` (entry id -> count)."""
+    for eid, count in counts.items():
+        client.xclaim(stream, GROUP, worker_id, 0, [eid], idle=10 * lease_ms,
+                      retrycount=count, justid=True)
+

@@ -1,0 +1,218 @@
+"""The reaper thread: claims entries whose lease lapsed (their worker died) and resumes them.
+
+Also runs at start-up, so a worker restarted under the same name takes back its own work.
+Entries delivered more often than ``max_deliveries`` are poison: dead-lettered, not retried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import structlog
+
+from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.wire.replies import as_text
+from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
+from worker.fleet.housekeeping.leases import release
+from worker.fleet.inflight import InflightTable
+from worker.fleet.intake.intake import Intake
+from worker.fleet.intake.resume import read_published
+from worker.fleet.publishing.publisher import Rejection
+from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
+
+
+# A request delivered this often already (its workers died holding it) is a suspect: the
+# next worker serves it alone. It is dead-lettered once over the delivery limit and after
+# CONVICTING_KILLS runs alone that each ended with a dead worker. The count of runs alone
+# is kept this long.
+SUSPECT_DELIVERIES = 2
+CONVICTING_KILLS = 2
+ISOLATION_MEMORY_S = 24 * 3600
+# A consumer idle this many leases with nothing pending is a dead worker's: removed.
+DEAD_CONSUMER_LEASES = 10
+# XAUTOCLAIM calls one tick may make while following the cursor through the pending list.
+MAX_SCANS_PER_TICK = 16
+# XAUTOCLAIM ... JUSTID, returning its raw reply: [cursor, ids] (6.2) or [cursor, ids, deleted]
+# (7). redis-py's own parsing of JUSTID replies drops the cursor.
+AUTOCLAIM_SCRIPT = """
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5],
+                  'JUSTID')
+"""
+
+
+class Reaper(SupervisedThread):
+    """Every ``interval_s``, claims up to the room left of entries idle past the lease.
+
+    It also trims the request streams now and then: only entries below the oldest
+    pending one go, so nothing undelivered or in flight is ever removed.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, intake: Intake,
+                 inflight: InflightTable, lease_ms: int, max_deliveries: int,
+                 interval_s: float, housekeeping_interval_s: float,
+                 **supervision: Any) -> None:
+        super().__init__("reaper", worker_id=worker_id, interval_s=interval_s, **supervision)
+        self.client = client
+        self.keys = keys
+        self.intake = intake
+        self.inflight = inflight
+        self.lease_ms = lease_ms
+        self.max_deliveries = max_deliveries
+        self.claimed = 0
+        self.isolated = 0  # suspects served alone
+        self._saw_suspect = False
+        self._cursors: dict[str, str] = {}  # per stream: where the next pending scan starts
+        self._autoclaim_script = client.register_script(AUTOCLAIM_SCRIPT)
+        # Consumers of workers gone for ten leases, holding nothing, leave the group.
+        self.sweeper = ConsumerSweeper(client, worker_id, DEAD_CONSUMER_LEASES * lease_ms)
+        self.housekeeping_interval_s = housekeeping_interval_s
+        # Every housekeeping_interval_s: trim served entries, sweep dead consumers, prune
+        # the worker set, check for lanes closed to new requests (tick).
+        self._next_housekeeping = self.clock.monotonic() + housekeeping_interval_s
+        # Request streams an entry at the largest id closed to new requests (check_lanes).
+        self.blocked_lanes: list[str] = []
+
+    def tick(self) -> None:
+        # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
+        # the supervisor retries it, like any other refusal.
+        self._saw_suspect = False
+        for stream in self.intake.streams:
+            self.reap(stream)
+        # A suspect waits for an empty worker: stop reading new work until one is taken.
+        self.inflight.hold(self._saw_suspect and self.inflight.alone is None)
+        if self.clock.monotonic() >= self._next_housekeeping:
+            self._next_housekeeping = self.clock.monotonic() + self.housekeeping_interval_s
+            for stream in self.intake.streams:
+                trim_request_stream(self.client, stream)
+                self.sweeper.sweep(stream)
+            prune_worker_set(self.client, self.keys)
+            self.check_lanes()
+
+    def check_lanes(self) -> list[str]:
+        """Note (and log, when it changes) the lanes that take no new request."""
+        blocked = [s for s in self.intake.streams if lane_blocked(self.client, s)]
+        if blocked != self.blocked_lanes:
+            for stream in blocked:
+                log.error("request lane blocked: its last entry id is the largest possible, so "
+                          "no producer can add a request to it", stream=stream,
+                          remedy=BLOCKED_HINT)
+            self.blocked_lanes = blocked
+        return blocked
+
+    def reap(self, stream: str) -> int:
+        """Claim and resume lapsed entries of one stream; returns how many were claimed.
+
+        The scan of the pending list goes on from where the last one stopped (XAUTOCLAIM's
+        cursor), so lapsed entries behind many live ones are reached too.
+        """
+        claimed = 0
+        for _ in range(MAX_SCANS_PER_TICK):
+            room = self.inflight.room()
+            if room == 0:
+                break
+            cursor, ids = self._autoclaim(stream, self._cursors.get(stream, "0-0"), room)
+            self._cursors[stream] = cursor
+            claimed += self._take(stream, ids)
+            if self._saw_suspect:
+                # Released for now: the next scan starts over, so it is found again soon.
+                self._cursors[stream] = "0-0"
+                break
+            if cursor == "0-0":  # the whole pending list was scanned
+                break
+        return claimed
+
+    def _autoclaim(self, stream: str, start: str, count: int) -> tuple[str, list[str]]:
+        """(next cursor, ids claimed): entries idle past the lease from ``start`` on."""
+        # JUSTID: cheap, and it leaves delivery counts alone (the XCLAIM below counts them).
+        reply = self._autoclaim_script(keys=[stream], args=[GROUP, self.worker_id,
+                                                            self.lease_ms, start, count])
+        return as_text(reply[0]), [as_text(e) for e in reply[1]]
+
+    def _take(self, stream: str, ids: list[str]) -> int:
+        # An entry this worker is serving lapsed while it could not reach Redis (an outage
+        # longer than the lease): the claim renewed it; nothing else to do.
+        ours = {e.entry_id for rid in self.inflight.ids()
+                if (e := self.inflight.get(rid)) is not None and e.stream == stream}
+        ids = [eid for eid in ids if eid not in ours]
+        if not ids:
+            return 0
+        # Delivery counts before this claim (JUSTID did not count it).
+        counts = {eid: self._deliveries(stream, eid) for eid in ids}
+        suspects = [eid for eid in ids if counts[eid] >= SUSPECT_DELIVERIES]
+        alone = None
+        if suspects:
+            # Died with workers twice or more: served alone, so that it dies alone if it is
+            # what kills them, and innocent requests batched with it stop dying too.
+            self._saw_suspect = True
+            if len(self.inflight) == 0 and self.inflight.alone is None:
+                alone = suspects[0]
+            take = [alone] if alone else []
+        else:
+            take = ids
+        left = {eid: counts[eid] for eid in ids if eid not in take}
+        if left:  # claimable again at once, their counts as they were
+            release(self.client, self.worker_id, stream, left, self.lease_ms)
+        if not take:
+            return 0
+        claimed = self.client.xclaim(stream, GROUP, self.worker_id, 0, take)  # counts one
+        found = {as_text(eid): fields for eid, fields in claimed if eid is not None}
+        for eid in take:
+            fields = found.get(eid)
+            if fields is None:  # trimmed away: nothing left to serve
+                self.client.xack(stream, GROUP, eid)
+                continue
+            self._resume(stream, eid, fields, counts[eid] + 1, alone=eid == alone)
+        self.claimed += len(take)
+        return len(take)
+
+    def _deliveries(self, stream: str, entry_id: str) -> int:
+        info = self.client.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 0
+
+    def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int,
+                alone: bool) -> None:
+        request_id = _request_id(fields)
+        published = read_published(self.client, self.keys, request_id) if request_id else None
+        if published is not None and published.finished:
+            self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
+            return
+        num = len(published.token_ids) if published else 0
+        if request_id is None:  # unreadable: the intake dead-letters it
+            alone = False
+        if alone:
+            # Its earlier runs alone each ended with a dead worker (else it was acknowledged).
+            runs_alone = int(self.client.get(self.keys.isolated(request_id)) or 0)
+            if runs_alone >= CONVICTING_KILLS and deliveries > self.max_deliveries:
+                reason = (f"delivered {deliveries} times (limit {self.max_deliveries}), "
+                          f"{runs_alone} of them alone, each ending with its worker dead: "
+                          "it is what kills the workers that take it")
+                log.error("poison request dead-lettered", request_id=request_id,
+                          entry_id=entry_id, deliveries=deliveries, runs_alone=runs_alone)
+                self.intake.publisher.publish([Rejection(stream, entry_id, reason, request_id,
+                                                         fields.get(FIELD), num_tokens=num)])
+                return
+        log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
+                 published_tokens=num, deliveries=deliveries, alone=alone)
+        adm = self.intake.accept(stream, entry_id, fields, published, alone=alone)
+        if adm is None:
+            return
+        if alone:  # counted once it really runs alone
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incr(self.keys.isolated(request_id))
+            pipe.expire(self.keys.isolated(request_id), ISOLATION_MEMORY_S)
+            pipe.execute()
+            self.isolated += 1
+        self.intake.hand_over([adm], self.client)
+
+
+
+def _request_id(fields: dict) -> str | None:
+    try:
+        return GenerationRequest.decode(fields.get(FIELD)).request_id
+    except ProtocolError as exc:
+        return exc.request_id

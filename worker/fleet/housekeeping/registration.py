@@ -1,0 +1,83 @@
+"""A worker announces its model so producers can tokenize without the model's files."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import redis
+import structlog
+
+from producer.clock import Clock
+from producer.wire.keys import Keys
+from producer.wire.protocol import now_ms
+from worker.engine.engine import Engine
+from worker.fleet.intake.chat_template import CHAT_FIELDS, ChatTemplate
+
+log = structlog.get_logger(__name__)
+
+
+def register_model(client: redis.Redis, keys: Keys, name: str, engine: Engine,
+                   model_dir: Path, worker_id: str,
+                   chat_template: ChatTemplate | None = None) -> None:
+    """Write the model hash: name, max length, eos ids, vocab size, tokenizer.json and the
+    chat template."""
+    tokenizer_file = Path(model_dir) / "tokenizer.json"
+    mapping = {
+        "name": name,
+        "max_model_len": engine.max_model_len,
+        "eos_token_ids": json.dumps(sorted(engine.eos_token_ids)),
+        "vocab_size": engine.model_config.vocab_size,
+        "served_by": worker_id,
+        "updated_ms": now_ms(),
+    }
+    if tokenizer_file.is_file():
+        mapping["tokenizer_json"] = tokenizer_file.read_text(encoding="utf-8")
+    if chat_template is not None:
+        # Producers that count prompt tokens render messages exactly as workers do.
+        mapping.update(chat_template.to_registration())
+    pipe = client.pipeline(transaction=False)  # two keys: no MULTI (Redis Cluster)
+    if chat_template is None:  # a template an earlier registration left must not linger
+        pipe.hdel(keys.model(name), *CHAT_FIELDS)
+    pipe.hset(keys.model(name), mapping=mapping)
+    # The set lists models without SCAN; a reader that finds a name sees its hash.
+    pipe.sadd(keys.models, name)
+    pipe.execute()
+
+
+def load_chat_template(model_dir: Path, clock: Clock) -> ChatTemplate | None:
+    """The model folder's chat template (its date from ``clock``); None when it has none,
+    or when it does not compile (logged: the worker still serves prompts, and refuses
+    messages with that reason)."""
+    try:
+        return ChatTemplate.from_model_dir(
+            model_dir, now=lambda: datetime.fromtimestamp(clock.time()))
+    except ValueError as exc:
+        log.error("the model's chat template cannot be used: requests with messages will be "
+                  "refused", model_dir=str(model_dir), error=str(exc))
+        return None
+
+
+def check_eviction_policy(client: redis.Redis, allowed: bool) -> str:
+    """Refuse (ValueError) to serve from a Redis that may evict keys, unless ``allowed``.
+
+    Streams hold the requests and their consumer group: under any policy but noeviction a
+    full Redis may drop a whole request stream, and every request in it with no trace.
+    Returns the policy found.
+    """
+    try:
+        policy = str(client.info("memory").get("maxmemory_policy", "noeviction"))
+    except redis.ResponseError as exc:
+        if allowed:
+            return "unknown"
+        raise ValueError(f"cannot read Redis's maxmemory-policy ({exc}): grant the worker "
+                         "INFO, or pass --allow-eviction if its keys may be evicted") from exc
+    if policy != "noeviction" and not allowed:
+        raise ValueError(
+            f"Redis's maxmemory-policy is {policy!r}: it may evict a request stream with its "
+            "consumer group and every request in it. Set `maxmemory-policy noeviction` (a full "
+            "Redis then refuses writes, which workers retry), or pass --allow-eviction to "
+            "accept the loss")
+    return policy
+

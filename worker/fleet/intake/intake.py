@@ -1,0 +1,288 @@
+"""The intake thread: reads only as many requests as the worker can serve soon."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import structlog
+
+from kvstore.handoff import KVHandoff
+from producer.client.queues import waiting
+from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from worker.engine.tokenizer import Tokenizer
+from worker.fleet.handoff.handoff import HandoffReader, streams_for
+from worker.fleet.handoff.prefix_share import PrefixFinder
+from worker.fleet.housekeeping.leases import hand_back
+from worker.fleet.inflight import InflightRequest, InflightTable
+from worker.fleet.intake.cancellation import cancelled_ids
+from worker.fleet.intake.chat_template import ChatTemplate
+from worker.fleet.intake.resume import Published, read_published
+from worker.fleet.publishing.publisher import Publisher, Rejection
+from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Admission:
+    """A decoded, tokenized request on its way to the engine loop."""
+
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    stream: str
+    entry_id: str
+    # What an earlier worker already published (a claimed request resumes after it).
+    published: Published | None = None
+    # KV of its first tokens from the fleet tier, if usable, and where it came from:
+    # "handoff" (a prefill worker) or "prefix" (fleet prefix reuse).
+    kv: KVHandoff | None = None
+    kv_source: str = ""
+
+
+def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
+    """Create the consumer group on each request stream if missing (from the stream's start,
+    so requests queued before any worker existed are served)."""
+    for stream in streams:
+        try:
+            client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+class Intake(SupervisedThread):
+    """XREADGROUP up to the room left in the in-flight table; interactive lane first."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        model: str,
+        worker_id: str,
+        inflight: InflightTable,
+        inbox: queue.Queue[list[Admission]],
+        publisher: Publisher,
+        tokenizer: Tokenizer | None,
+        read_block_ms: int,
+        on_cancel: Callable[[str], None],
+        lease_ms: int,
+        role: str = "both",
+        handoffs: HandoffReader | None = None,
+        prefixes: PrefixFinder | None = None,
+        handoff_max_waiting: int | None = None,
+        chat_template: ChatTemplate | None = None,
+        **supervision: Any,
+    ) -> None:
+        super().__init__("intake", worker_id=worker_id, **supervision)
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.inflight = inflight
+        self.inbox = inbox
+        self.publisher = publisher
+        self.tokenizer = tokenizer
+        self.read_block_ms = read_block_ms
+        self.on_cancel = on_cancel
+        self.lease_ms = lease_ms
+        self.role = role
+        self.streams = streams_for(keys, model, role)
+        self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
+        self.handoffs = handoffs
+        self.prefixes = prefixes
+        self.chat_template = chat_template
+        self.handoff_max_waiting = handoff_max_waiting if role == "prefill" else None
+        # Requests waiting in the handoff streams when a prefill worker last looked.
+        self.handoff_backlog = 0
+        self.num_read = 0
+        self._groups_ready = False
+
+    def tick(self) -> None:
+        """Read what there is room for and hand it to the engine loop."""
+        if not self._groups_ready:
+            self.prepare_streams(self.client)
+            self._groups_ready = True
+        room = self.inflight.room()
+        if room == 0:
+            self.inflight.wait_for_room(timeout=0.2)
+            return
+        if self.handoff_max_waiting is not None:
+            room = min(room, self._handoff_room())
+            if room == 0:
+                # Decode workers are behind: computing more prompts now would only park
+                # their KV in the tier. Look again after a read's worth of time.
+                self.clock.wait(self.stopping, self.read_block_ms / 1000)
+                return
+        try:
+            entries = self._read(room)
+        except redis.ResponseError as exc:
+            # The stream or its group was deleted (a restart without persistence, a
+            # flush): Redis 6.2 says NOGROUP, 7 unblocks the read with UNBLOCKED.
+            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
+                self._groups_ready = False
+                return
+            raise  # any other refusal (an ACL change, say): retried by the supervisor
+        admitted: list[Admission] = []
+        try:
+            for stream, entry_id, fields in entries:
+                if (adm := self.accept(stream, entry_id, fields)) is not None:
+                    admitted.append(adm)
+        finally:
+            # Even when one entry's reads failed: those accepted before it are in the
+            # in-flight table, and only the inbox gets them served.
+            self.hand_over(admitted, self.client)
+
+    def _handoff_room(self) -> int:
+        """How many more requests a prefill worker may take before the handoff streams
+        hold ``handoff_max_waiting`` (those it is computing add to them: the bound is
+        exceeded by at most its own capacity)."""
+        self.handoff_backlog = waiting(self.client, self.handoff_streams)
+        return max(0, self.handoff_max_waiting - self.handoff_backlog)
+
+    def prepare_streams(self, client: redis.Redis) -> None:
+        """Make the consumer group on each stream this worker reads. A `both` worker whose
+        ACL user predates the handoff stream (no ``{ns}:handoff:*``) serves whole requests
+        only, and says so, rather than not starting."""
+        try:
+            ensure_groups(client, self.streams)
+        except redis.exceptions.NoPermissionError:
+            if self.role != "both" or not set(self.handoff_streams) & set(self.streams):
+                raise
+            log.warning("this worker's Redis user may not read the handoff streams: it serves "
+                        "whole requests only (grant ~NS:handoff:* to take handed-on ones)",
+                        streams=self.handoff_streams)
+            self.streams[:] = [s for s in self.streams if s not in self.handoff_streams]
+            ensure_groups(client, self.streams)
+
+    def hand_over(self, admitted: list[Admission], client: redis.Redis) -> None:
+        """Send accepted requests to the engine loop, those cancelled already marked so.
+
+        Read fresh or claimed from a dead worker alike: a request cancelled while nobody
+        served it (its marker ``{ns}:cancelled:{id}`` is set) ends ``cancelled`` without
+        running. The admissions are in the in-flight table already: they reach the inbox even
+        when the marker check loses its connection (the caller's supervisor then retries).
+        """
+        try:
+            for rid in cancelled_ids(client, self.keys, [a.request.request_id for a in admitted]):
+                self.on_cancel(rid)
+        finally:
+            if admitted:  # at once: the engine loop admits them all before its next step
+                self.inbox.put(list(admitted))
+
+    def _read(self, room: int) -> list[tuple[str, str, dict]]:
+        got = self._read_waiting(room)
+        if got:
+            return got
+        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=self.read_block_ms)
+        if got and len(got) < room:
+            # Redis answers a blocked read as soon as the first entry lands: of a burst sent
+            # in one go (a client's pipeline), the rest is in the stream by now. Taking it
+            # with this read lets the engine's next step start with the whole burst, not
+            # with its first request alone (an extra, nearly empty prefill step).
+            got += self._read_waiting(room - len(got))
+        return got
+
+    def _read_waiting(self, room: int) -> list[tuple[str, str, dict]]:
+        """Up to ``room`` entries already waiting, without blocking: interactive first,
+        batch only gets the room left."""
+        got: list[tuple[str, str, dict]] = []
+        for stream in self.streams:
+            if len(got) < room:
+                got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
+        return got
+
+    def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None):
+        reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=count, block=block)
+        out = []
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((name, eid, fields or {}))
+        return out
+
+    def accept(self, stream: str, entry_id: str, fields: dict,
+               published: Published | None = None, alone: bool = False) -> Admission | None:
+        """Decode, validate and tokenize an entry; None when it is rejected (malformed) or
+        handed back (``alone`` asked for an empty worker, or a suspect runs alone here)."""
+        self.num_read += 1
+        raw = fields.get(FIELD)
+        try:
+            req = GenerationRequest.decode(raw)
+            if req.model != self.model:
+                raise ProtocolError(f"request for model {req.model!r} on a stream of "
+                                    f"{self.model!r}", req.request_id)
+            prompt_ids = self._tokenize(req)
+        except ProtocolError as exc:
+            self._reject(stream, entry_id, exc.reason, exc.request_id, raw,
+                         num_tokens=len(published.token_ids) if published else 0)
+            return None
+        live = self.inflight.get(req.request_id)
+        if live is not None and (live.stream, live.entry_id) == (stream, entry_id):
+            return None  # the very entry this worker is serving (claimed back): nothing to do
+        if live is not None:
+            # A second request with a live id: answering it would corrupt the first one's stream.
+            self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
+                         req.request_id, raw, write_final=False)
+            return None
+        if stream in self.handoff_streams and published is None:
+            # Handed on by a prefill worker: resume after the tokens it published. Read
+            # before the entry counts as in flight here: a failed read leaves it to lapse
+            # and be claimed, never held without being served.
+            published = read_published(self.client, self.keys, req.request_id)
+        item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
+                               len(published.token_ids) if published else 0,
+                               message=raw if self.role == "prefill" else None)
+        if not self.inflight.add(item, alone):
+            # A suspect is served alone here now (or this one needs an empty worker): give
+            # the entry back as if never delivered here.
+            hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
+            return None
+        kv, source = None, ""
+        if stream in self.handoff_streams and self.handoffs is not None and published \
+                and published.token_ids and not published.finished:
+            kv = self.handoffs.fetch(req.request_id, prompt_ids + published.token_ids)
+            source = "handoff"
+        elif self.prefixes is not None and not (published and published.token_ids):
+            kv = self.prefixes.find(prompt_ids)
+            source = "prefix"
+        return Admission(req, prompt_ids, stream, entry_id, published, kv,
+                         source if kv is not None else "")
+
+    def _tokenize(self, req: GenerationRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer: send prompt_token_ids",
+                                req.request_id)
+        if req.messages is not None:
+            return self._render(req)
+        ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise ProtocolError("prompt encodes to no tokens", req.request_id)
+        return ids
+
+    def _render(self, req: GenerationRequest) -> list[int]:
+        """A chat request's prompt: its messages through the model's chat template."""
+        if self.chat_template is None:
+            raise ProtocolError(f"model {self.model!r} has no chat template: send a prompt or "
+                                "prompt_token_ids instead of messages", req.request_id)
+        try:
+            text = self.chat_template.render(req.messages)
+        except Exception as exc:  # noqa: BLE001 (a template is untrusted code: see render)
+            raise ProtocolError(str(exc), req.request_id) from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ProtocolError("the messages render to no tokens", req.request_id)
+        return ids
+
+    def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True,
+                num_tokens: int = 0) -> None:
+        log.warning("request rejected", request_id=request_id, entry_id=entry_id, reason=reason)
+        self.publisher.publish([Rejection(stream, entry_id, reason, request_id,
+                                          raw if isinstance(raw, bytes) else None, write_final,
+                                          num_tokens)])

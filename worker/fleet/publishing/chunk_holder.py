@@ -1,0 +1,141 @@
+"""Fewer, larger output chunks: a decoding request's tokens go out every ``interval`` tokens.
+
+Each chunk written costs a fixed price whatever it carries: the publisher's command, a
+Redis write, and a wake-up and parse in every client that follows the stream. At 64
+decoding requests that is 64 writes a step, and on a machine whose cores the engine shares
+with Redis and the clients, their CPU is the engine's loss (docs/benchmarks.md, "Fleet vs
+`--offline` throughput"). Holding a request's chunks until they carry ``interval`` tokens
+divides that price by ``interval``; each token then waits up to ``interval - 1`` steps
+longer to be seen. vLLM's ``stream_interval`` makes the same trade.
+
+What is never held: a request's first chunk (time to first token stays as it is), a final
+(with whatever was held before it, in one chunk), anything of a request that a step leaves
+out (a preempted or waiting request's tokens do not wait for its next step) or that ended
+here (cancelled, its lease lost), and everything when the publisher closes or the engine
+idles. Held chunks are the publisher's prepared output: stop strings were applied and text
+decoded before holding, so a stop is seen at once.
+
+A joined chunk keeps the steps' chunks it was made of (``Publication.pieces``): its entry id
+says only where it ends, so two writers of one request (a worker that lost its lease and
+the one that claimed it) that joined different runs of tokens could otherwise write some
+indexes twice. The publisher appends a joined chunk only where the stream ends right before
+it, and otherwise its pieces one by one (worker/fleet/publishing/publisher.py, ``APPEND_JOINED``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from producer.wire.protocol import OutputChunk
+from worker.fleet.publishing.publication import Publication
+
+
+def joined(pieces: list[OutputChunk]) -> OutputChunk:
+    """One chunk with the pieces' tokens, text and log-probabilities, in order."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    logprobs = None if first.logprobs is None else [lp for p in pieces for lp in p.logprobs]
+    return OutputChunk(first.index, [t for p in pieces for t in p.token_ids],
+                       "".join(p.text for p in pieces), logprobs)
+
+
+def follows(pieces: list[OutputChunk], then: OutputChunk) -> bool:
+    """Whether ``then`` can join ``pieces``: its tokens come right after theirs, and it has
+    log-probabilities exactly when they do (a joined chunk's must match its tokens)."""
+    last = pieces[-1]
+    return (last.index + len(last.token_ids) == then.index
+            and (last.logprobs is None) == (then.logprobs is None))
+
+
+class ChunkHolder:
+    """Holds prepared publications (publisher.py's ``Publication``) by request
+    until their chunks carry ``interval`` tokens; ``release`` gives back what to write."""
+
+    def __init__(self, interval: int) -> None:
+        if interval < 1:
+            raise ValueError(f"stream interval must be >= 1, got {interval}")
+        self.interval = interval
+        # Requests whose first chunk went out, and each one's held chunks (if any).
+        self._started: set[str] = set()
+        self._held: dict[str, list[OutputChunk]] = {}
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._held)
+
+    def release(self, items: list, ended: frozenset[str] | set[str] = frozenset(),
+                flush_all: bool = False) -> list:
+        """``items`` (one or more steps' prepared output, in order) less the chunks held
+        back, with held chunks put before the next output of their request. Nothing stays
+        held of a request in ``ended`` (ended here without a final of ours: cancelled, its
+        lease lost, handed on), of one the items' steps leave out, or of any with
+        ``flush_all`` (closing, or no step for a while).
+
+        A request's joined chunk (with its final, if any) is the last of its output in what
+        this returns, and there is at most one: the publisher writes it by a script, and a
+        write after a refused script in the same transaction could land over missing
+        tokens. Whatever must go before something else goes as its steps' chunks, one by
+        one."""
+        if self.interval == 1:
+            return items
+        out: list = []
+        # This call's pieces by request (held ones first), in the order requests came.
+        taken: dict[str, list[OutputChunk]] = {}
+        for item in items:
+            rid = getattr(item, "request_id", None)
+            if type(item) is not Publication:
+                out.extend(self._singly(rid, self._take(rid, taken)))  # before it
+                out.append(item)
+                continue
+            if rid not in self._started and rid not in self._held and rid not in taken:
+                if item.final is None:  # its first chunk: at once
+                    self._started.add(rid)
+                out.append(item)
+                continue
+            pieces = self._take(rid, taken)
+            if item.chunk is not None:
+                if pieces and not follows(pieces, item.chunk):  # not joinable
+                    out.extend(self._singly(rid, pieces))
+                    pieces = []
+                pieces.append(item.chunk)
+            if item.final is None:
+                if pieces:  # (a publication with neither a chunk nor a final adds nothing)
+                    taken[rid] = pieces
+                continue
+            self._started.discard(rid)  # its end: with what came before it
+            if len(pieces) > 1:
+                out.append(replace(item, chunk=joined(pieces), pieces=pieces))
+            elif pieces:
+                out.append(replace(item, chunk=pieces[0]))
+            else:
+                out.append(item)
+        for rid in ended:
+            self._started.discard(rid)
+        stepped = set(taken)
+        for rid, pieces in taken.items():
+            if flush_all or rid in ended or (
+                    sum(len(p.token_ids) for p in pieces) >= self.interval):
+                out.append(self._publication(rid, pieces))
+            else:
+                self._held[rid] = pieces
+        # Items with no step in them (the engine loop's other messages) say nothing of who
+        # was stepped.
+        for rid in [r for r in self._held if r not in stepped and (
+                flush_all or r in ended or stepped)]:
+            out.append(self._publication(rid, self._held.pop(rid)))
+        return out
+
+    def _take(self, rid: str | None, taken: dict[str, list[OutputChunk]]) -> list[OutputChunk]:
+        """The request's pieces so far (held, then this call's), no longer kept."""
+        if rid is None:
+            return []
+        return self._held.pop(rid, []) + taken.pop(rid, [])
+
+    @staticmethod
+    def _singly(rid: str | None, pieces: list[OutputChunk]) -> list:
+        return [Publication(rid, piece) for piece in pieces]
+
+    @staticmethod
+    def _publication(rid: str, pieces: list[OutputChunk]):
+        return Publication(rid, joined(pieces), pieces=pieces if len(pieces) > 1 else None)

@@ -1,0 +1,461 @@
+"""The publisher thread: writes each step's output entries, then acknowledges finished requests.
+
+A request entry is acknowledged only after every entry it needs is in Redis: the writes go
+in one round trip, the commands of each key as one MULTI/EXEC where there are several
+(each transaction touches one key, as Redis Cluster requires), then the acknowledgements,
+owner-checked, in a second round trip. A write Redis refuses (out of memory, read-only
+after a failover) aborts its key's whole transaction, so no output stream ever gets a later
+entry without an earlier one; nothing of a batch with a refusal is acknowledged, and the
+supervisor retries what was not written after a backoff. Entry ids derived from token
+indexes make a repeated XADD fail harmlessly; a final that was already there is checked to
+be a final before its request is acknowledged.
+
+A decoding request's step usually costs one command, its XADD: the stream's TTL is renewed
+(to the TTL plus a slack of an eighth) only once less than the TTL plus half the slack is
+left, so it outlives its last write by the TTL, and the final sets it to exactly the TTL.
+A stream that Redis lost (a restart without persistence) and an XADD made again gets its
+TTL back within half the slack, or with its final. On a 2-core machine
+the publisher shares the cores with the engine: every command it saves is engine time.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import structlog
+
+from producer.wire.keys import Keys
+from producer.wire.protocol import FIELD, error_final, now_ms
+from worker.fleet.handoff.handoff import HandOn, HandOnWriter
+from worker.fleet.handoff.prefix_share import PrefixSharer, SharePrefix
+from worker.fleet.publishing.chunk_holder import ChunkHolder
+from worker.fleet.publishing.ownership import OwnedEntries
+from worker.fleet.publishing.publication import Publication
+from worker.fleet.publishing.raw_pipeline import run_commands
+from worker.fleet.publishing.text_stage import Forget, TextStage, Track
+from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
+
+# The dead-letter stream is for inspection, not an archive: about this many entries, each
+# with at most this much of the reason and of the raw entry. Its worst case (entries x
+# their largest size, see dead_letter_fields) stays under 64 MiB.
+DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_REASON_BYTES = 1000
+DEAD_LETTER_RAW_BYTES = 4096
+# Engine steps whose output may wait for the publisher; past it the engine loop stops
+# stepping (Redis refusing writes must not make output pile up without limit).
+MAX_BACKLOG_STEPS = 256
+# How often (in batches) the publisher forgets the TTLs of streams it no longer writes.
+PRUNE_EVERY_BATCHES = 1000
+# Output stream names kept, by request id, before the publisher forgets them all.
+MAX_CACHED_KEYS = 4096
+
+
+class WriteRefused(redis.ResponseError):
+    """Redis refused a write a batch needs: nothing of the batch was acknowledged."""
+
+
+# Appends a joined chunk, and the final after it when there is one. ARGV: the id the stream
+# must end at, the chunk's id, the field, its message, the final's id and message ("" when
+# none), then each piece's id and message. The joined entry goes where the stream ends right
+# before it; anywhere else (another writer got there first, or the stream is gone) each piece
+# whose id is past the stream's end goes as an entry of its own. A joined chunk's id tells
+# only where it ends, so appending it past an entry that ends inside it would write those
+# indexes twice; a piece's id is as exact a fence as a single step's chunk. The final is in
+# the script, not a command after it: Redis 6.2 may refuse a script only as its transaction
+# runs, and a final that then landed alone would close the stream over missing tokens.
+# Returns {entries added, 1 if the final was added / 0 if one was there / -1 if none}; a
+# refusal other than "equal or smaller" (out of memory, read-only) is the reply.
+APPEND_JOINED = """
+local added = 0
+local function add(id, message)
+  local r = redis.pcall('XADD', KEYS[1], id, ARGV[3], message)
+  if type(r) == 'table' and r.err then
+    if string.find(r.err, 'equal or smaller', 1, true) then return false end
+    error(r)
+  end
+  added = added + 1
+  return true
+end
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 and top[1][1] == ARGV[1] then
+  add(ARGV[2], ARGV[4])
+else
+  for i = 7, #ARGV, 2 do add(ARGV[i], ARGV[i + 1]) end
+end
+local final = -1
+if ARGV[5] ~= '' then
+  if add(ARGV[5], ARGV[6]) then final = 1 else final = 0 end
+end
+return {added, final}
+"""
+
+
+def already_written(result: object) -> bool:
+    """An XADD refused for an id at or below the stream's top: that index is written."""
+    return isinstance(result, redis.ResponseError) and "equal or smaller" in str(result)
+
+
+@dataclass
+class Rejection:
+    """A request entry that cannot be served: dead-lettered, answered when possible, acked."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    request_id: str | None = None
+    raw: bytes | None = None
+    # False when another request with this id is live: its stream must not get our error.
+    write_final: bool = True
+    # Tokens already on the request's output stream (the error final goes after them).
+    num_tokens: int = 0
+    # Progress across retries (a dead letter has no fixed id: it must not be added twice).
+    written: bool = False
+    dead_lettered: bool = False
+
+
+def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str, str | bytes]:
+    """The dead-letter entry of a rejection, every field bounded (ids are validated already:
+    a stream key, an entry id, a request id and a worker id are short)."""
+    reason = item.reason.encode()[:DEAD_LETTER_REASON_BYTES].decode(errors="ignore")
+    fields: dict[str, str | bytes] = {
+        "reason": reason,
+        "stream": item.stream,
+        "entry_id": item.entry_id,
+        "request_id": item.request_id or "",
+        "worker": worker_id,
+        "ts_ms": str(ts_ms),
+    }
+    if item.raw is not None:
+        fields["raw"] = item.raw[:DEAD_LETTER_RAW_BYTES]
+        fields["raw_bytes"] = str(len(item.raw))  # how long the entry really was
+    return fields
+
+
+# What the engine loop hands the publisher: output to write, a request to hand on to the
+# decode workers, or text state to start or end.
+Item = Publication | Rejection | HandOn | SharePrefix | Track | Forget
+
+
+@dataclass
+class Command:
+    """One write of a batch: whose it is, what it is for, the key it touches, its words."""
+
+    item: Publication | Rejection
+    kind: str  # "chunk", "final", "expire" or "dead"
+    key: str
+    args: tuple[Any, ...]
+    # An "expire" of a growing stream: on the publisher's clock, the stream lives until then.
+    lives_until: float | None = None
+
+
+class Publisher(SupervisedThread):
+    """Writes what the engine loop produced; the engine loop never waits on Redis.
+
+    A batch that could not be written (Redis unreachable) is kept and written first once
+    the supervisor's retry succeeds: entry ids make a repeated write harmless.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
+                 text: TextStage, hand_on: HandOnWriter | None = None,
+                 prefixes: PrefixSharer | None = None, stream_interval: int = 1,
+                 **supervision: Any) -> None:
+        super().__init__("publisher", worker_id=worker_id, **supervision)
+        # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
+        self.hand_on = hand_on
+        # Workers sharing prefixes: puts computed prompt blocks in the KV tier.
+        self.prefixes = prefixes
+        self.text = text
+        # Holds a decoding request's chunks until they carry stream_interval tokens.
+        self.holder = ChunkHolder(stream_interval)
+        self.client = client
+        self.keys = keys
+        self.output_ttl_s = output_ttl_s
+        self._queue: queue.Queue[list[Item] | None] = queue.Queue()
+        # Prepared output not yet written, and whether close() asked for a last flush.
+        self._owed: list[Publication | Rejection | HandOn | SharePrefix] | None = None
+        self._closing = False
+        self.owned = OwnedEntries(client, worker_id)
+        # Growing output streams whose TTL this publisher set, by request id: until when
+        # (publisher's clock) each surely lives. Renewed once that is due (_renewal_due).
+        self._lives_until: dict[str, float] = {}
+        self._output_keys: dict[str, str] = {}
+        self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
+        # Requests forgotten in the batch being written; batches written (for pruning).
+        self._forgotten: list[str] = []
+        self._batches = 0
+        self.published_entries = 0
+        self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
+        self.dead_letters = 0
+
+    def publish(self, items: list[Item]) -> None:
+        if items:
+            self._queue.put(items)
+
+    @property
+    def backlogged(self) -> bool:
+        """More steps wait for the publisher than MAX_BACKLOG_STEPS: stop producing."""
+        return self._queue.qsize() > MAX_BACKLOG_STEPS
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write everything queued so far, then stop; False when that did not finish within
+        ``timeout`` seconds (Redis unreachable): the thread is then told to stop as it is."""
+        self._queue.put(None)
+        if self.is_alive():
+            self.join(timeout)
+        if self.is_alive():
+            self.stopping.set()
+            return False
+        return True
+
+    def tick(self) -> None:
+        if self._owed is None:
+            batch = self._take()
+            ready = self._prepare(batch) if batch else []
+            # Held chunks leave with their request's next output, or at the latest with the
+            # batch that no longer steps it; all of them when closing or idle (no batch).
+            self._owed = self.holder.release(ready, set(self._forgotten),
+                                             flush_all=batch is None or self._closing) or None
+        if self._owed:
+            self._write(self._owed)
+        self._owed = None
+        # After the writes: a forgotten request's last chunk may be in the same batch.
+        for request_id in self._forgotten:
+            self._lives_until.pop(request_id, None)
+        self._forgotten.clear()
+        self._batches += 1
+        if self._batches % PRUNE_EVERY_BATCHES == 0:
+            self._prune_lives_until()
+        if self._closing:
+            self.stopping.set()
+
+    def _prune_lives_until(self) -> None:
+        """Drop entries that are due for renewal anyway (a missing entry means the same):
+        whatever way a stream stopped being written here, its entry does not outlive it
+        by more than the slack."""
+        now = self.clock.monotonic()
+        self._lives_until = {rid: t for rid, t in self._lives_until.items()
+                             if not self._renewal_due(t, now)}
+
+    def _renewal_due(self, lives_until: float, now: float) -> bool:
+        """Less than the TTL plus half the slack left: renew with the next write. That half
+        covers the time until the batch reaches Redis (a busy core, a busy Redis)."""
+        return lives_until - now < self.output_ttl_s + self.ttl_renew_slack_s / 2
+
+    def _take(self) -> list[Item] | None:
+        """The next queued items, coalesced: one round trip for several steps when behind."""
+        try:
+            first = self._queue.get(timeout=0.5)
+        except queue.Empty:
+            return None
+        if first is None:
+            self._closing = True
+            return None
+        batch = list(first)
+        while True:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                return batch
+            if more is None:
+                self._closing = True
+                return batch
+            batch.extend(more)
+
+    def _prepare(
+        self, batch: list[Item]
+    ) -> list[Publication | Rejection | HandOn | SharePrefix]:
+        """Detokenize, apply stop strings, and drop output of requests already ended here
+        (a request whose first token completed a stop string is not handed on: it ended)."""
+        ready: list[Publication | Rejection | HandOn | SharePrefix] = []
+        for item in batch:
+            if type(item) is Publication:  # nearly every item: one a request and step
+                if self.text.apply(item):
+                    ready.append(item)
+            elif isinstance(item, Track):
+                self.text.track(item)
+            elif isinstance(item, Forget):
+                self.text.forget(item)
+                self._forgotten.append(item.request_id)
+            elif isinstance(item, HandOn):
+                if not self.text.stopped(item.request_id):
+                    ready.append(item)
+            elif isinstance(item, SharePrefix):
+                ready.append(item)
+            elif isinstance(item, Rejection) or self.text.apply(item):
+                ready.append(item)
+        return ready
+
+    def _write(self, batch: list[Publication | Rejection | HandOn | SharePrefix]) -> None:
+        """Write what is not written yet, then hand on and share prefixes, then acknowledge;
+        WriteRefused leaves it all owed."""
+        tier_items: list[HandOn | SharePrefix] = []
+        entries: list[Publication | Rejection] = []
+        for item in batch:
+            if isinstance(item, (HandOn, SharePrefix)):
+                tier_items.append(item)
+            else:
+                entries.append(item)
+        todo = [item for item in entries if not item.written]
+        if todo:
+            commands: list[Command] = []
+            now = self.clock.monotonic()
+            for item in todo:
+                if isinstance(item, Rejection):
+                    self._add_rejection(commands, item)
+                else:
+                    self._add_publication(commands, item, now)
+            outcomes: dict[int, list[tuple[Command, object]]] = {id(item): [] for item in todo}
+            for command, result in zip(commands, self._transact(commands), strict=True):
+                outcomes[id(command.item)].append((command, result))
+            refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
+            if refused:
+                self.refused_writes += len(refused)
+                raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
+            self.published_entries += len(todo)
+        for item in tier_items:  # after the first tokens are written: the decode side reads them
+            if item.written:
+                continue
+            if isinstance(item, HandOn):
+                assert self.hand_on is not None, "a hand-on without a HandOnWriter"
+                self.hand_on.write(item)
+            elif self.prefixes is not None:
+                self.prefixes.write(item)
+        self._acknowledge(entries)
+
+    def _transact(self, commands: list[Command]) -> list[object]:
+        """Run ``commands`` as one MULTI/EXEC per key (a key's lone command as it is: atomic
+        already), all in one round trip; each command's result (an exception where Redis
+        refused it, or refused its whole transaction). The round trip is
+        ``run_commands``: at a step's 64 XADDs, redis-py's Pipeline cost twice its CPU.
+
+        One key per transaction: a stream never gets a later entry without an earlier one
+        (a refusal aborts everything written to that key in this batch), and every atomic
+        step touches a single key, as Redis Cluster requires.
+        """
+        by_key: dict[str, list[int]] = {}
+        for i, command in enumerate(commands):
+            by_key.setdefault(command.key, []).append(i)
+        wire: list[tuple[Any, ...]] = []
+        for indexes in by_key.values():
+            if len(indexes) == 1:
+                wire.append(commands[indexes[0]].args)
+                continue
+            wire.append(("MULTI",))
+            wire.extend(commands[i].args for i in indexes)
+            wire.append(("EXEC",))
+        replies = iter(run_commands(self.client, wire))
+        results: list[object] = [None] * len(commands)
+        for indexes in by_key.values():
+            if len(indexes) == 1:
+                results[indexes[0]] = next(replies)
+                continue
+            queued = [next(replies) for _ in range(len(indexes) + 1)]  # MULTI, then each
+            done = next(replies)
+            if isinstance(done, Exception) or not isinstance(done, list):
+                # EXECABORT (a command refused when queued: OOM, READONLY): none applied.
+                refusal = next((r for r in queued if isinstance(r, Exception)), done)
+                for i in indexes:
+                    results[i] = refusal
+            else:
+                for i, result in zip(indexes, done, strict=True):
+                    results[i] = result
+        return results
+
+    def _settle(self, item: Publication | Rejection,
+                results: list[tuple[Command, object]]) -> object | None:
+        """Record what of ``item`` is now in Redis; the first refusal, if any."""
+        refusal = None
+        for command, r in results:
+            kind = command.kind
+            if not isinstance(r, Exception):
+                if kind == "joined" and isinstance(item, Publication) and r[1] == 0:
+                    item.final_existed = True  # as an XADD final met an equal or higher id
+                elif kind == "dead" and isinstance(item, Rejection):
+                    item.dead_lettered = True
+                    self.dead_letters += 1
+                elif kind == "expire" and command.lives_until is not None and item.request_id:
+                    self._lives_until[item.request_id] = command.lives_until
+            elif kind in ("chunk", "final") and already_written(r):
+                if kind == "final" and isinstance(item, Publication):
+                    item.final_existed = True
+            elif refusal is None:
+                refusal = r
+        item.written = refusal is None
+        if item.written and isinstance(item, Publication) and item.final is not None:
+            self._lives_until.pop(item.request_id, None)
+        if refusal is not None:
+            log.warning("redis refused a write; the batch will be retried", error=str(refusal))
+        return refusal
+
+    def _acknowledge(self, batch: list[Publication | Rejection]) -> None:
+        """XACK each finished request entry this worker still owns, its final verified."""
+        wanted: list[tuple[str, str]] = []
+        for item in batch:
+            if isinstance(item, Rejection):
+                wanted.append((item.stream, item.entry_id))
+            elif item.ack is not None and (not item.final_existed or self._final_is_there(item)):
+                wanted.append(item.ack)
+        if not wanted:
+            return
+        acked = self.owned.ack(wanted)
+        for entry in set(wanted) - acked:
+            log.warning("not acknowledged: the entry is no longer this worker's",
+                        stream=entry[0], entry_id=entry[1])
+
+    def _final_is_there(self, item: Publication) -> bool:
+        """Our final's XADD met an equal or higher id: ack only if that id is our final."""
+        assert item.final is not None
+        eid = item.final.entry_id
+        found = self.client.xrange(self.keys.output(item.request_id), eid, eid)
+        if not found:
+            log.warning("another worker wrote past this request's end; not acknowledged",
+                        request_id=item.request_id)
+        return bool(found)
+
+    def _output_key(self, request_id: str) -> str:
+        """A request's output stream, made (and its id validated) once, not at every step."""
+        key = self._output_keys.get(request_id)
+        if key is None:
+            if len(self._output_keys) >= MAX_CACHED_KEYS:
+                self._output_keys.clear()  # ended requests' keys; the live ones come back
+            key = self._output_keys[request_id] = self.keys.output(request_id)
+        return key
+
+    def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
+        key = self._output_key(item.request_id)
+        if item.pieces:
+            chunk, final = item.chunk, item.final
+            assert chunk is not None, "pieces without their joined chunk"
+            commands.append(Command(item, "joined", key, (
+                "EVAL", APPEND_JOINED, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
+                chunk.encode(), final.entry_id if final else "", final.encode() if final else "",
+                *(part for piece in item.pieces for part in (piece.entry_id, piece.encode())))))
+        else:
+            for kind, entry in (("chunk", item.chunk), ("final", item.final)):
+                if entry is not None:
+                    commands.append(Command(item, kind, key, (
+                        "XADD", key, entry.entry_id, FIELD, entry.encode())))
+        if item.final is not None:  # an ended stream lives exactly the TTL past its end
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
+        elif self._renewal_due(self._lives_until.get(item.request_id, now), now):
+            ttl = self.output_ttl_s + self.ttl_renew_slack_s
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, ttl),
+                                    lives_until=now + ttl))
+
+    def _add_rejection(self, commands: list[Command], item: Rejection) -> None:
+        if not item.dead_lettered:
+            fields = dead_letter_fields(item, self.worker_id, now_ms())
+            commands.append(Command(item, "dead", self.keys.dead, (
+                "XADD", self.keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*",
+                *(part for pair in fields.items() for part in pair))))
+        if item.request_id and item.write_final:
+            key = self.keys.output(item.request_id)
+            final = error_final(item.reason, item.num_tokens)
+            commands.append(Command(item, "final", key, (
+                "XADD", key, final.entry_id, FIELD, final.encode())))
+            commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))

@@ -1,0 +1,114 @@
+"""Detokenization and stop strings on the publisher thread, off the engine loop.
+
+The engine loop hands over token ids only. Here each request's tokens become text deltas;
+when a stop string appears, the request's final entry is written at once and the engine is
+asked to abort it, and tokens it produced meanwhile are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from producer.wire.completion import FinishReason
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import FinalEntry
+from worker.engine.output_processor import RequestOutputState
+from worker.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Forget:
+    """Stop following a request without a final (another worker owns it now)."""
+
+    request_id: str
+
+
+@dataclass
+class Track:
+    """Start following a request: its parameters and where its entry came from."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    ack: tuple[str, str]
+    # A resumed request: the tokens and text an earlier worker already published.
+    published_token_ids: list[int] | None = None
+    published_text: str = ""
+
+
+class TextStage:
+    """Per-request text state, used only by the publisher thread."""
+
+    def __init__(self, tokenizer: Tokenizer | None, on_stop: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.on_stop = on_stop
+        self._states: dict[str, tuple[RequestOutputState, Track]] = {}
+        # Requests ended here by a stop string, until the engine's own final arrives.
+        self._stopped: set[str] = set()
+
+    def track(self, item: Track) -> None:
+        state = RequestOutputState.create(item.request_id, item.params, 0, item.num_prompt_tokens,
+                                          self.tokenizer)
+        if item.published_token_ids:
+            state.add_tokens(item.published_token_ids, None)
+            # Text the earlier worker held back (a partial character, a possible stop string)
+            # was never published: emit from where its stream's text ends, even where this
+            # detokenizer holds back more of it for now (the published tokens end inside a
+            # character): that text is out already, and is never sent twice.
+            state.emitted = len(item.published_text)
+        self._states[item.request_id] = (state, item)
+
+    def forget(self, item: Forget) -> None:
+        self._states.pop(item.request_id, None)
+        self._stopped.discard(item.request_id)
+
+    def stopped(self, request_id: str) -> bool:
+        """Whether a stop string ended the request here (its final is written or owed)."""
+        return request_id in self._stopped
+
+    @property
+    def num_followed(self) -> int:
+        """Requests with text state here (0 when the worker is idle)."""
+        return len(self._states) + len(self._stopped)
+
+    def apply(self, pub) -> bool:
+        """Fill in the publication's text (and a stop-string final); False means drop it."""
+        rid = pub.request_id
+        if rid in self._stopped:
+            if pub.final is not None:
+                self._stopped.discard(rid)  # the engine's abort caught up: forget the request
+            return False
+        entry = self._states.get(rid)
+        if entry is None:
+            return True  # never tracked (e.g. cancelled before it started): nothing to add
+        state, track = entry
+        if pub.chunk is not None:
+            state.add_tokens(pub.chunk.token_ids, None)
+        if state.hit_stop_string:
+            self._stop(pub, state, track)
+        elif pub.final is not None:
+            state.finish_text()
+        end = pub.final is not None
+        delta = state.take_delta(final=end)
+        if pub.chunk is not None:
+            pub.chunk.text = delta
+        elif pub.final is not None:
+            pub.final.text = delta
+        if end:
+            self._states.pop(rid, None)
+        return True
+
+    def _stop(self, pub, state: RequestOutputState, track: Track) -> None:
+        if pub.final is None:
+            # Finish here; the engine is told to abort and its later output is dropped.
+            num = pub.chunk.index + len(pub.chunk.token_ids)
+            pub.final = FinalEntry(str(FinishReason.STOP), num,
+                                   {"prompt_tokens": track.num_prompt_tokens,
+                                    "completion_tokens": len(state.token_ids),
+                                    "cached_tokens": pub.cached_tokens})
+            pub.ack = track.ack
+            self._stopped.add(pub.request_id)
+            self.on_stop(pub.request_id)
+        else:
+            pub.final.finish_reason = str(FinishReason.STOP)

@@ -1,0 +1,31 @@
+"""A model folder to run: the one given, or a preset made on first use (marked, so that a
+later ``make-model --force`` may replace it). Loads torch only when it makes a model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from producer.paths import default_model_dir
+
+
+def make_marked(out: Path, preset: str, arch: str = "llama", seed: int = 0) -> None:
+    """make_model, then the marker that lets a later ``make-model --force`` replace it."""
+    from worker.modelgen.make_model import make_model, mark_folder
+
+    make_model(out, preset=preset, arch=arch, seed=seed)
+    mark_folder(out, preset=preset, arch=arch, seed=seed)
+
+
+def ensure_model(model: str | None, preset: str = "small") -> Path:
+    """The given folder, or the preset model in the data folder, made on first use."""
+    if model:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
+        return path
+    path = default_model_dir(preset)
+    if not (path / "config.json").is_file():
+        print(f"making the {preset} model in {path} ...", file=sys.stderr)
+        make_marked(path, preset=preset)
+    return path

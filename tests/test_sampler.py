@@ -14,8 +14,8 @@ from kernel_fixtures import kernels_missing, needs_kernel
 import worker.host.cpu_kernels as kernel_loader
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
-from worker.engine.step_upload import StepUpload
 from worker.host.cpu_kernels import penalize_kernel, sample_rows_kernel
+from worker.host.step_upload import StepUpload
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties

@@ -1,4 +1,4 @@
-"""One host-to-device copy a step (worker/engine/step_upload.py): what is staged comes back intact
+"""One host-to-device copy a step (worker/host/step_upload.py): what is staged comes back intact
 from the one packed buffer, and an engine whose every step packs its inputs as on a device
 sends each step's inputs once and gives the tokens of one that does not pack.
 
@@ -20,8 +20,8 @@ import worker.attention.torch_backend as torch_backend
 import worker.engine.model_runner as model_runner
 import worker.sampling.sampler as sampler_module
 from worker import Engine
-from worker.engine.step_upload import StepUpload
 from worker.host.cpu_kernels import ENV_SWITCH
+from worker.host.step_upload import StepUpload
 
 
 def test_packed_arrays_come_back_with_their_values_shapes_and_dtypes():

@@ -11,7 +11,7 @@ import torch
 from worker.attention import torch_backend
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.torch_backend import TorchAttention
-from worker.engine.step_upload import StepUpload
+from worker.host.step_upload import StepUpload
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
 # (tokens this step, tokens in the context after it): a first chunk, a later chunk, a decode.

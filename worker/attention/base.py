@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import torch
 
 from worker.attention.metadata import AttentionMetadata
-from worker.engine.step_upload import StepUpload
+from worker.host.step_upload import StepUpload
 
 
 class AttentionBackend(Protocol):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.step_upload import Staged, StepUpload
+from worker.host.step_upload import Staged, StepUpload
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.metadata import AttentionMetadata
-from worker.engine.step_upload import Staged, StepUpload
+from worker.host.step_upload import Staged, StepUpload
 
 # Key under which this backend keeps its per-step plan in `AttentionMetadata.backend_plans`.
 _PLAN_KEY = "torch"

@@ -1,11 +1,12 @@
 """The engine: continuous batching of one model on one device, with no I/O but the device.
 
 One step: ``engine`` asks the scheduler for a batch → ``model_runner`` lays it out
-(``block_table_rows``, ``step_upload``: one host-to-device copy) and runs the forward →
-the sampler picks tokens → ``output_processor`` turns them into each request's output.
-``step_pipeline`` overlaps a step's scheduling with the forward before it; ``config`` is
-every engine setting with its meaning, ``device`` picks device and dtype, ``tokenizer``
-encodes prompts and decodes tokens incrementally.
+(``block_table_rows``; worker.host.step_upload moves it in one host-to-device copy) and runs
+the forward → the sampler (worker.sampling) picks tokens → ``output_processor`` turns them
+into each request's output. ``step_pipeline`` overlaps a step's scheduling with the forward
+before it; ``config`` is every engine setting with its meaning; ``tokenizer`` encodes prompts
+and decodes tokens incrementally. The models, attention backends and sampler below it never
+import this package.
 
 ``from worker.engine import Engine`` loads torch; ``worker.engine.config`` alone does not.
 """

@@ -22,7 +22,7 @@ class BlockTableRows:
 
     Rows and width grow when needed (doubling), so no setting has to bound them. A step's
     tables are gathered from them into a new array, which goes to the device with the rest
-    of the step's inputs (worker/engine/step_upload.py).
+    of the step's inputs (worker/host/step_upload.py).
     """
 
     def __init__(self, num_rows: int = 16, width: int = 16) -> None:

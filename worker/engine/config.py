@@ -6,9 +6,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from scheduler.config import SchedulerConfig, check_preemption_mode
-
-# Precisions an engine computes in, as torch spells them (worker.engine.device maps them to dtypes).
-DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+from worker.host.device import DTYPE_NAMES
 
 
 @dataclass(frozen=True)

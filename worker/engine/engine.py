@@ -24,12 +24,12 @@ from producer.wire.validation import validate_request_id, validate_token_ids
 from scheduler import Request, RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from worker.attention.torch_backend import keep_cudnn_attention_off
 from worker.engine.config import EngineConfig
-from worker.engine.device import engine_device, engine_dtype
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import RequestOutputState, StepOutput
 from worker.engine.step_pipeline import RunnerThread, StepResult
 from worker.engine.tokenizer import Tokenizer
 from worker.host.allocator import keep_large_allocations_in_heap
+from worker.host.device import engine_device, engine_dtype
 from worker.models import native_decode
 from worker.models.fingerprint import model_fingerprint
 from worker.models.loader import load_model
@@ -51,12 +51,12 @@ class Engine:
         self.clock = clock or SYSTEM_CLOCK
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        self.device = engine_device(cfg)
+        self.device = engine_device(cfg.device)
         if self.device.type == "cpu" and cfg.tune_host_allocator:
             keep_large_allocations_in_heap()
         if self.device.type == "cuda":
             keep_cudnn_attention_off()  # a plan per shape: 12x the decode step (its docstring)
-        self.dtype = engine_dtype(cfg, self.device)
+        self.dtype = engine_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu":
             # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
             from worker.host.cpu_kernels import paged_decode_kernel

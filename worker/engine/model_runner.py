@@ -13,7 +13,7 @@ from producer.wire.completion import TokenLogprob
 from scheduler.output import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
-from worker.engine.step_upload import StepUpload
+from worker.host.step_upload import StepUpload
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows

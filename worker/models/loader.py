@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.engine.device import resolve_dtype
+from worker.host.device import resolve_dtype
 from worker.models.config import ModelConfig
 from worker.models.llama import CausalLM
 from worker.models.weight_arena import place_in_arena

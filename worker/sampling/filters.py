@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.step_upload import Staged
+from worker.host.step_upload import Staged
 from worker.sampling.subsets import RowSubsets, rows_at
 
 # The top-p histogram: bins of 1/512 nat below the row's best logit, 16 nats in all (the

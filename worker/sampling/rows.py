@@ -10,7 +10,7 @@ hands the penalties flat lists of (batch row, token, value) with nothing left to
 deduplicate. A step gathers its rows with one index, draws every uniform with one vectorised
 hash (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
 and stages the per-row values, penalty tokens and row subsets in the step's upload
-(worker/engine/step_upload.py), which moves every input of the step in one copy. The runner
+(worker/host/step_upload.py), which moves every input of the step in one copy. The runner
 releases a row when its request finishes or is preempted, as it does the request's block
 table.
 """
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.engine.step_upload import Staged, StepUpload
+from worker.host.step_upload import Staged, StepUpload
 from worker.sampling.randomness import MASK64, uniforms
 from worker.sampling.subsets import RowSubsets
 

@@ -21,8 +21,8 @@ import torch
 
 from producer.wire.completion import TokenLogprob
 from producer.wire.params import SamplingParams
-from worker.engine.step_upload import StepUpload
 from worker.host.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
+from worker.host.step_upload import StepUpload
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows

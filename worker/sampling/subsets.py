@@ -3,7 +3,7 @@
 Every subset (greedy rows, sampled rows, top-k, min-p and top-p rows among the sampled,
 rows asking for logprobs, logit-bias entries) follows from the rows' parameters alone, so
 it is known on the host before the logits exist. Its device index goes into the step's one
-host-to-device copy (worker/engine/step_upload.py) with the rest of the step's inputs: on CUDA an
+host-to-device copy (worker/host/step_upload.py) with the rest of the step's inputs: on CUDA an
 index tensor made from a Python list inside the sampler was a transfer of its own, up to a
 dozen a step. A subset that is every row has no index (the pass reads the whole tensor).
 """
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.engine.step_upload import Staged, StepUpload
+from worker.host.step_upload import Staged, StepUpload
 
 
 class RowSubsets:

@@ -15,38 +15,69 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imports every module of the packages named in argv (all of a package's modules, found
-# with pkgutil.walk_packages) except the ones listed after "--skip", then prints what
-# got loaded: third-party top-level names and the project's own modules.
+# Imports every module of the packages named in argv (every .py file of the package's
+# folders) except the ones listed after "--skip", then prints what
+# got loaded: third-party top-level names and the project's own modules. "--extend PKG DIR"
+# first adds DIR to PKG's search path: a test plants a module there to break a contract.
 _PROBE = r"""
-import importlib, json, pkgutil, sys
+import importlib, json, os, sys
 args = sys.argv[1:]
+if "--extend" in args:
+    at = args.index("--extend")
+    importlib.import_module(args[at + 1]).__path__.append(args[at + 2])
+    del args[at:at + 3]
 skip = set(args[args.index("--skip") + 1:]) if "--skip" in args else set()
 packages = args[:args.index("--skip")] if "--skip" in args else args
+
+def modules(name):
+    # From the files, not pkgutil.walk_packages: that imports every subpackage to walk it,
+    # skipped ones too. __main__ modules run a program: never imported.
+    pkg = importlib.import_module(name)
+    yield name
+    for base in getattr(pkg, "__path__", []):
+        for folder, dirs, files in os.walk(base):
+            rel = os.path.relpath(folder, base)
+            parts = [] if rel == "." else rel.split(os.sep)
+            if parts and not os.path.isfile(os.path.join(folder, "__init__.py")):
+                dirs[:] = []
+                continue
+            for f in sorted(files):
+                if f.endswith(".py") and f != "__main__.py":
+                    stem = [] if f == "__init__.py" else [f[:-3]]
+                    if parts or stem:
+                        yield ".".join([name, *parts, *stem])
+
 imported = []
 for name in packages:
-    pkg = importlib.import_module(name)
-    imported.append(name)
-    for info in pkgutil.walk_packages(getattr(pkg, "__path__", []), prefix=name + "."):
-        if info.name in skip or any(info.name.startswith(s + ".") for s in skip):
+    for module in modules(name):
+        if module in skip or any(module.startswith(s + ".") for s in skip):
             continue
-        importlib.import_module(info.name)
-        imported.append(info.name)
-print(json.dumps({"imported": imported, "loaded": sorted(sys.modules)}))
+        importlib.import_module(module)
+        imported.append(module)
+packages = sorted(n for n, m in sys.modules.items() if hasattr(m, "__path__"))
+print(json.dumps({"imported": imported, "loaded": sorted(sys.modules), "packages": packages}))
 """
 
 OWN = ("producer", "worker", "scheduler", "kvstore")
 
 
-def probe(*packages: str, skip: tuple[str, ...] = ()) -> tuple[list[str], set[str]]:
+def probe(*packages: str, skip: tuple[str, ...] = (),
+          extend: tuple[str, Path] | None = None) -> tuple[list[str], set[str]]:
     """(modules imported, modules loaded) after importing every module of ``packages``."""
+    imported, loaded, _ = _run_probe(packages, skip, extend)
+    return imported, loaded
+
+
+def _run_probe(packages, skip=(), extend=None) -> tuple[list[str], set[str], set[str]]:
     argv = [sys.executable, "-c", _PROBE, *packages]
+    if extend is not None:
+        argv += ["--extend", extend[0], str(extend[1])]
     if skip:
         argv += ["--skip", *skip]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["imported"], set(report["loaded"])
+    return report["imported"], set(report["loaded"]), set(report["packages"])
 
 
 def top_level(loaded: set[str]) -> set[str]:
@@ -69,21 +100,107 @@ def own_packages(loaded: set[str]) -> set[str]:
     return out
 
 
-def test_the_wire_types_load_neither_redis_nor_torch_nor_other_project_code():
-    imported, loaded = probe("producer.wire")
-    assert "producer.wire.protocol" in imported
-    assert_none_of({"redis", "torch"}, loaded, "producer.wire")
-    own = {n for n in loaded if n.split(".")[0] in OWN}
-    assert own <= {"producer"} | {n for n in own if n.startswith("producer.wire")}, own
+# ----- the contracts: each folder, what of the project and of the world it may load -----
+
+# A contract names a folder, the folders its modules may load ("X/" is X with every folder
+# under it) and the third-party packages they must not load. Only plain modules count: a
+# package's __init__ is loaded on the way to its modules, and whatever it imports shows up
+# as modules of its own. Each contract imports every module of its folder in a fresh
+# interpreter: an import added anywhere, even deep inside a helper, breaks it.
+ENGINE_BELOW = ("worker.models", "worker.attention", "worker.sampling", "worker.host",
+                "kvstore/", "producer.wire", "producer")
+NO_IO = frozenset({"redis", "rq", "torch"})
+NO_REDIS = frozenset({"redis", "rq"})
+NO_TORCH = frozenset({"torch"})
+CONTRACTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "producer.wire": (("producer.wire",), NO_IO),
+    "scheduler": (("scheduler", "kvstore", "producer.wire"), NO_IO),
+    "producer/": (("producer/",), NO_TORCH),
+    "producer.redis": (("producer.redis", "producer.wire", "producer"), NO_TORCH),
+    "producer.client": (("producer.client", "producer.redis", "producer.wire", "producer"),
+                        NO_TORCH),
+    "producer.bulk": (("producer.bulk", "producer.client", "producer.redis", "producer.wire",
+                       "producer"), NO_TORCH),
+    "producer.gateway": (("producer.gateway", "producer.client", "producer.redis",
+                          "producer.wire", "producer"), NO_TORCH),
+    # worker/__init__ re-exports the wire types: every worker folder may load them.
+    "worker.host": (("worker.host", "producer.wire", "producer"), NO_REDIS),
+    "worker.modelgen": (("worker.modelgen", "producer.wire", "producer"), NO_REDIS),
+    "worker.models": (ENGINE_BELOW, NO_REDIS),
+    "worker.attention": (ENGINE_BELOW, NO_REDIS),
+    "worker.sampling": (ENGINE_BELOW, NO_REDIS),
+    "worker.engine": (("worker.engine", "scheduler", *ENGINE_BELOW), NO_REDIS),
+    # The fleet drives engines; only the CLI and the benchmarks stand above it.
+    "worker.fleet": (("worker.fleet/", "worker.engine", "scheduler", *ENGINE_BELOW,
+                      "producer/"), frozenset()),
+    "worker.cli": (("worker/", "scheduler", "kvstore/", "producer/"), frozenset()),
+    "worker.bench": (("worker/", "scheduler", "kvstore/", "producer/"), frozenset()),
+}
+# Folders whose contracts are written out below (kvstore: two of its modules may do I/O).
+CHECKED_ELSEWHERE = {"worker", "kvstore", "kvstore.tier"}
 
 
-def test_scheduler_loads_only_the_wire_types_and_kv_bookkeeping():
-    imported, loaded = probe("scheduler")
-    assert "scheduler.scheduler" in imported
-    assert_none_of({"redis", "torch"}, loaded, "scheduler")
-    assert own_packages(loaded) <= {"scheduler", "kvstore", "producer.wire", "producer"}
-    assert not {n for n in loaded if n.startswith("producer.") and
-                not n.startswith("producer.wire")}
+def folder_of(module: str, packages: set[str]) -> str:
+    """The folder a plain module sits in (a package is its own folder)."""
+    return module if module in packages else module.rpartition(".")[0]
+
+
+def allowed(folder: str, rules: tuple[str, ...]) -> bool:
+    return any(folder == r or (r.endswith("/") and (folder == r[:-1] or
+                                                     folder.startswith(r[:-1] + ".")))
+               for r in rules)
+
+
+def breaches(contract: str, extend: tuple[str, Path] | None = None) -> list[str]:
+    """What importing every module of the contract's folder loads outside the contract:
+    project modules (with the folder each belongs to) and forbidden packages."""
+    package = contract.removesuffix("/")
+    rules, forbidden = CONTRACTS[contract]
+    _, loaded, packages = _run_probe([package], extend=extend)
+    own = {m for m in loaded if m.split(".")[0] in OWN and m not in packages}
+    inside = (package, f"{package}/") if contract.endswith("/") else (package,)
+    found = sorted(f"{m} ({folder_of(m, packages)})" for m in own
+                   if not allowed(folder_of(m, packages), (*rules, *inside)))
+    return found + sorted(forbidden & top_level(loaded))
+
+
+@pytest.mark.parametrize("contract", sorted(CONTRACTS))
+def test_each_folder_loads_only_what_its_contract_allows(contract):
+    assert breaches(contract) == []
+
+
+def test_every_folder_of_the_house_has_a_contract():
+    folders = {".".join(p.relative_to(ROOT).parts) for top in OWN
+               for p in [ROOT / top, *(ROOT / top).rglob("*")]
+               if p.is_dir() and (p / "__init__.py").is_file()}
+    covered = {c.removesuffix("/") for c in CONTRACTS} | CHECKED_ELSEWHERE
+    uncovered = {f for f in folders
+                 if not any(f == c or f.startswith(c + ".") for c in covered)}
+    assert not uncovered, f"folders without a layering contract: {sorted(uncovered)}"
+
+
+def test_an_arrow_back_up_breaks_the_contract(tmp_path):
+    # A module planted in the engine's folder that imports the fleet above it.
+    (tmp_path / "arrow_back_up.py").write_text("import worker.fleet.engine_loop\n")
+    found = breaches("worker.engine", extend=("worker.engine", tmp_path))
+    assert any(b.startswith("worker.fleet.engine_loop ") for b in found), found
+    assert "redis" in found  # and the fleet's Redis with it
+
+
+def test_the_benchmarks_and_the_cli_are_reached_from_nothing_below_them():
+    loaded = probe("producer", "scheduler", "kvstore", "worker",
+                   skip=("worker.cli", "worker.bench"))[1]
+    assert not {m for m in loaded if m.startswith(("worker.bench", "worker.cli"))}
+
+
+def test_every_package_level_holds_at_most_ten_modules():
+    crowded = {}
+    for top in OWN:
+        for init in (ROOT / top).rglob("__init__.py"):
+            modules = [p for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+            if len(modules) > 10:
+                crowded[str(init.parent.relative_to(ROOT))] = len(modules)
+    assert not crowded, crowded
 
 
 def test_kvstore_bookkeeping_loads_neither_redis_nor_torch():
@@ -94,14 +211,6 @@ def test_kvstore_bookkeeping_loads_neither_redis_nor_torch():
     assert "kvstore.tier.header" in imported
     assert_none_of({"redis", "torch"}, loaded, "kvstore (but kv_tensors, tier.redis_tier)")
     assert own_packages(loaded) <= {"kvstore"}
-
-
-def test_producer_loads_no_torch_and_nothing_of_the_worker():
-    imported, loaded = probe("producer")
-    assert {"producer.client.client", "producer.client.async_client",
-            "producer.bulk.analyze"} <= set(imported)
-    assert_none_of({"torch"}, loaded, "producer")
-    assert own_packages(loaded) <= {"producer", "producer.wire"}
 
 
 def test_import_producer_alone_loads_the_wire_types_only():

@@ -3,8 +3,8 @@
 A CPU decode step reads every running sequence's KV blocks, which the block pool places
 anywhere in a pool of gigabytes: with 4 KiB pages each 16 KiB block spans four pages, and
 the step's ~20 MiB a layer (batch 64, ~160 tokens) is far past what the TLB maps, so a good
-part of the reads wait on page walks. With 2 MiB pages the same reads took 15-20% less
-time here (docs/benchmarks.md, "Decode step against its own matmuls").
+part of the reads wait on page walks; 2 MiB pages take most of those walks away
+(docs/cpu-kernels.md, "Memory").
 
 Most Linux machines run THP in ``madvise`` mode: only ranges marked with
 ``madvise(MADV_HUGEPAGE)`` get huge pages, and only where the mark comes before the memory

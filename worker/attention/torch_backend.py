@@ -36,9 +36,9 @@ def keep_cudnn_attention_off() -> None:
     engine on CUDA does, when it is built).
 
     Torch prefers it for bfloat16 on recent GPUs, but it builds an execution plan for every
-    new shape, and a decode's context grows by a token every step: on an H200 that cost
-    ~9.5 ms of host time a call, 8 calls a step, 12x the step without it (docs/benchmarks.md,
-    "On a GPU (H200)"). The flash and memory-efficient kernels stay, and the math kernel
+    new shape, and a decode's context grows by a token every step, so every call built one
+    (docs/gpu.md; figures in docs/benchmarks.md, "On a GPU (H200)"). The flash and
+    memory-efficient kernels stay, and the math kernel
     where neither takes the shapes. A switch for the whole process, set once: torch's
     per-call context (``sdpa_kernel``) sets the same process-wide flags on every entry and
     exit, so two engines in one process could leave each other's flags behind.

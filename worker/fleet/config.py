@@ -70,8 +70,8 @@ class WorkerConfig:
     # How long a Python thread may keep the GIL while another waits for it, set for the
     # whole process by `conveyor worker` (None: keep Python's 5 ms). The engine thread
     # needs the GIL between its torch ops; with Python's 5 ms it waited that long whenever
-    # the publisher or intake thread was encoding, and W1 ran ~15% slower through the fleet
-    # (docs/benchmarks.md, "Fleet vs `--offline` throughput").
+    # the publisher or intake thread was encoding (docs/benchmarks.md, "Fleet vs `--offline`
+    # throughput").
     gil_switch_interval_s: float | None = 0.0005
     # Run the worker's I/O threads (intake, publisher, leases, heartbeat...) under
     # SCHED_BATCH, so that waking up they never preempt the engine's computing threads
@@ -81,8 +81,8 @@ class WorkerConfig:
     # that is while the loop's own Python runs between two steps and the OpenMP partner
     # only waits for it; taking the partner's core then costs the engine nothing it uses,
     # where under SCHED_BATCH the publisher ran a few ms later, in the middle of the next
-    # step (W1 fleet +4% tok/s in alternation; docs/benchmarks.md, "Fleet vs `--offline`
-    # throughput"). CONVEYOR_BATCH_PUBLISHER=1 puts it under SCHED_BATCH too (to compare).
+    # step (docs/benchmarks.md, "Fleet vs `--offline` throughput").
+    # CONVEYOR_BATCH_PUBLISHER=1 puts it under SCHED_BATCH too (to compare).
     batch_publisher: bool = field(
         default_factory=lambda: os.environ.get("CONVEYOR_BATCH_PUBLISHER", "0").strip().lower()
         in ("1", "true", "yes", "on"))

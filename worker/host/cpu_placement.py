@@ -14,10 +14,8 @@ So, where the team fills the process's CPUs (at most one CPU to spare), each tea
 is pinned to a CPU of its own, the master to the first, and the worker's I/O threads
 (publisher, intake, leases, heartbeat...) to the CPUs past the team, or, with none, to
 the team's last (the main thread, which only waits, and the metrics server's thread are
-left where they are). W1 through the fleet on 2 cores (`conveyor bench --workload w1 --threads
-2 --offline --repeat 3`, docs/benchmarks.md): fleet / offline 0.84-1.04 (median 0.94,
-twelve invocations) placed against 0.73-0.93 (median 0.895, six) left to Linux; the
-engine's threads lost their cores ~700-900 times a run instead of ~1,100-1,550.
+left where they are). Placed, the engine's threads lose their cores less often and the
+fleet less to the offline engine (docs/benchmarks.md, "Fleet vs `--offline` throughput").
 A process with more room than that, or a team of more than two threads (MAX_TEAM), is
 left to Linux. Several workers whose CPU sets overlap would pin their teams to the same
 CPUs: give each its own CPU set (`taskset`, Docker's `--cpuset-cpus`), or pass

@@ -3,8 +3,8 @@
 After torch, transformers and the model are loaded a worker process holds ~300,000
 objects that the collector tracks (functions, modules, dicts). Python runs a full
 collection whenever the objects that survived into its oldest generation grew by a quarter,
-and a full collection walks all of them: 70-140 ms here, with the GIL held, so every thread
-of the worker (the engine loop between steps, the publisher) stalls that long. Requests
+and a full collection walks all of them with the GIL held, so every thread of the worker
+(the engine loop between steps, the publisher) stalls that long (docs/cpu-kernels.md). Requests
 make such survivors all the time (their state lives for thousands of steps), so a serving
 worker would meet that stall again and again. ``gc.freeze()`` moves everything alive now
 into a generation the collector never walks; what the worker makes later is still collected.

@@ -5,8 +5,8 @@ every thread that has run a parallel region, and once a process holds more of th
 has CPUs it stops spinning between regions: its threads sleep, and every parallel region
 of a step (a few per layer) first waits for a wake-up. A worker builds its engine on the
 main thread, whose pool then stays, and steps it on the engine loop's thread, which makes
-a second pool: on 2 CPUs, 4 OpenMP threads, and decode steps 25-40% slower than the same
-steps of the offline engine (``python -m worker.bench.openmp_threads`` shows it).
+a second pool: on 2 CPUs, 4 OpenMP threads whose every region waits for a wake-up
+(``python -m worker.bench.openmp_threads`` measures it; docs/cpu-kernels.md).
 Releasing the main thread's pool once the engine is built leaves the loop's team alone.
 """
 

@@ -4,7 +4,7 @@ On a CPU in float32, where the kernels are built (worker/host/cpu_kernels.py), i
 kernels' ``linear`` (csrc/linear.h): given a packed copy of the weight
 (worker/models/packed_weights.py), the packed kernel for up to 192 rows; else the skinny
 kernel for up to 12 rows; oneDNN's matmul past that; all faster here than the BLAS
-``F.linear`` calls (0.4-0.9x its time by the row count). The results agree with
+``F.linear`` calls (docs/cpu-kernels.md, "Matmuls"). The results agree with
 ``F.linear``'s to float32 rounding (another order of additions). ``CONVEYOR_CPU_MATMUL=blas``
 keeps every matmul on ``F.linear`` (to compare), ``CONVEYOR_CPU_MATMUL=unpacked`` makes no
 packed copies; anything else, and anything autograd must differentiate, runs ``F.linear``.

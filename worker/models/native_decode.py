@@ -1,12 +1,11 @@
 """A decode-only step's decoder layers, final norm and (asked for) LM head in one native call
 (csrc/decode_layers.cpp).
 
-At batch 64 a decode step is ~30 ms of matmuls and, on the Python path, ~250 small ops
-whose dispatch, allocation and thread-team starts add ~8 ms; the native call makes the
-same matmul calls and fuses the rest (the final norm alone was ~0.2-0.45 ms of torch ops a
-step from batch 8 to 64, and the LM head a region of its own after the step team's). It
-runs without the GIL, so the worker's I/O threads are not queued behind the engine's ops
-either.
+On the Python path a decode step is its matmuls plus ~250 small ops whose dispatch,
+allocation and thread-team starts add up; the native call makes the same matmul calls and
+fuses the rest, the final norm and the LM head included (docs/cpu-kernels.md; figures in
+docs/benchmarks.md, "Decode step against its own matmuls"). It runs without the GIL, so
+the worker's I/O threads are not queued behind the engine's ops either.
 
 It applies to a step whose every sequence brings one token, on the CPU, with float32
 activations, weights and cache, where the CPU kernels are built; anything else (prefill

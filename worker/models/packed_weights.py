@@ -2,8 +2,8 @@
 
 A decode step's matmuls read every projection weight once per step for a few dozen rows of
 activations. From W laid out in panels of 32 transposed rows, the kernel streams each panel
-once and keeps its partial sums in registers, at 0.5-0.7x the time of the skinny kernel and
-0.4-0.9x oneDNN's at 1 to 192 rows here; and its panels go to the threads as they free
+once and keeps its partial sums in registers, faster than the skinny kernel and oneDNN's
+at 1 to 192 rows (csrc/packed_linear.h); and its panels go to the threads as they free
 up, so a thread that loses its core mid-matmul leaves its panels to the others (the worker
 shares its cores with its I/O threads, Redis and clients).
 

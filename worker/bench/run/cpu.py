@@ -50,7 +50,7 @@ def stolen_cpu_s() -> float | None:
     On a virtual machine whose host is busy, a run's CPUs stop for moments it cannot see:
     an OpenMP team waits at every barrier for a thread whose CPU was taken, so a few percent
     of steal slows an engine step by more than that. A run with much of it measured the
-    host, not the code (docs/benchmarks.md, "Notes on the measurements").
+    host, not the code (docs/benchmarks.md, "The machines and their noise").
     """
     try:
         with open("/proc/stat") as f:

@@ -6,9 +6,9 @@
 // - Else up to kSkinnyMaxRows rows: skinny_linear (W streamed once from memory,
 //   skinny_linear.h).
 // - Past it: oneDNN's matmul, the op torch's own compiler emits for CPU linears
-//   (mkldnn::_linear_pointwise), which on the CPU these were measured on takes 0.76-0.90x
-//   the time of at::linear (the BLAS torch's CPU build calls, which repacks W on every
-//   call) from 32 to 512 rows; `python -m worker.bench.skinny_linear` measures it again.
+//   (mkldnn::_linear_pointwise), faster than at::linear (the BLAS torch's CPU build calls,
+//   which repacks W on every call) past 32 rows; `python -m worker.bench.skinny_linear`
+//   measures it.
 // - at::linear where the build of torch has no oneDNN, or when `blas_only` asks for it.
 
 #pragma once

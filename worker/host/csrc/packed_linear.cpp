@@ -21,10 +21,9 @@ constexpr int64_t kChunkRows = 192;
 
 // The panel is walked in tiles of this many of its k rows (8 KiB, in L1 while every row
 // block reads it), and the first block's pass over a tile prefetches the next tile (or the
-// next panel's first) a row per k, both of its lines. Without it each tile arrived from
-// memory on demand, in the first block's pass, behind the hardware prefetcher: measured
-// 10-25% slower from 4 to 32 rows, where the matmul is bound by the weights' stream (2-7%
-// at 64 and 128, where it is bound by the FMAs).
+// next panel's first) a row per k, both of its lines: without it each tile arrives from
+// memory on demand, behind the hardware prefetcher, which costs most where the matmul is
+// bound by the weights' stream (few rows).
 constexpr int64_t kTileDepth = 64;
 
 struct NoScratch {};

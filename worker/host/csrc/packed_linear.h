@@ -13,11 +13,9 @@
 // (each_task.h), so a thread that loses its core mid-matmul to another process leaves its
 // panels to its partner instead of stalling the region.
 //
-// On the CPUs this was tuned on (AVX-512, 2 cores, the small preset's decode shapes) it took
-// 0.5-0.7x the time of the skinny kernel and 0.4-0.9x oneDNN's from 1 to 192 rows, about
-// oneDNN's at 256; on a later host with a faster BLAS, 0.6-0.85x `F.linear`'s from 4 to 64
-// rows and about its time at 128 (docs/benchmarks.md, decode step); `python -m
-// worker.bench.skinny_linear` measures it again. Its 24 accumulators fit AVX-512's 32
+// Tuned on AVX-512, 2 cores, the small preset's decode shapes, where it beats the skinny
+// kernel and oneDNN up to 192 rows (docs/cpu-kernels.md, "Matmuls"); `python -m
+// worker.bench.skinny_linear` measures it. Its 24 accumulators fit AVX-512's 32
 // registers; on AVX2 or NEON they spill, and it has not been measured there.
 
 #pragma once

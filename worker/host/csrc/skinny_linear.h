@@ -15,10 +15,9 @@
 
 namespace conveyor {
 
-// Up to this many rows of x, linear.h takes skinny_linear: on the CPU this was tuned on
-// (AVX-512, 2 cores, the small preset's shapes) it takes 0.35-0.61x at::linear's time at
-// 1-8 rows, and oneDNN's matmul catches up with it at 12-16 rows (0.70-0.75x); past that
-// oneDNN wins. `python -m worker.bench.skinny_linear` measures it again.
+// Up to this many rows of x, linear.h takes skinny_linear: on the CPU it was tuned on
+// (AVX-512, 2 cores) oneDNN's matmul catches up with it at 12-16 rows and wins past that
+// (`python -m worker.bench.skinny_linear` measures it).
 constexpr int64_t kSkinnyMaxRows = 12;
 
 // x [M, K] contiguous, weight [N, K] contiguous, bias [N] or empty; returns [M, N].

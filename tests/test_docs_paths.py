@@ -171,7 +171,7 @@ def test_every_python_m_module_in_the_docs_and_scripts_runs(named, probe_failure
 
 
 def test_every_import_in_the_docs_code_blocks_works(named, probe_failures):
-    assert "producer.client.client" in named["import"], "the collector missed the README"
+    assert "producer.client" in named["import"], "the collector missed the README"
     assert _report(probe_failures, "import", named) == []
 
 

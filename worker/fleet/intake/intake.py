@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import structlog
 
-from kvstore.handoff import KVHandoff
 from producer.client.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
@@ -22,26 +20,11 @@ from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
 from worker.fleet.intake.chat_template import ChatTemplate
 from worker.fleet.intake.resume import Published, read_published
-from worker.fleet.publishing.publisher import Publisher, Rejection
+from worker.fleet.messages import Admission, Rejection
+from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class Admission:
-    """A decoded, tokenized request on its way to the engine loop."""
-
-    request: GenerationRequest
-    prompt_token_ids: list[int]
-    stream: str
-    entry_id: str
-    # What an earlier worker already published (a claimed request resumes after it).
-    published: Published | None = None
-    # KV of its first tokens from the fleet tier, if usable, and where it came from:
-    # "handoff" (a prefill worker) or "prefix" (fleet prefix reuse).
-    kv: KVHandoff | None = None
-    kv_source: str = ""
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:

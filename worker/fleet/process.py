@@ -37,7 +37,7 @@ from worker.fleet.housekeeping.registration import (
 )
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.cancellation import CancelListener
-from worker.fleet.intake.intake import Intake
+from worker.fleet.intake.intake import Intake, IntakeParts
 from worker.fleet.messages import Admission
 from worker.fleet.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
 from worker.fleet.publishing.publisher import Publisher
@@ -106,12 +106,9 @@ class Worker:
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, wid, role=config.role, kv_events=self.handoffs,
                                share_prefixes=share, on_admit=admission_fault_hook(), **sup)
-        self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
-                             self.inbox, self.publisher, self.engine.tokenizer,
-                             config.read_block_ms, self.loop.cancel, config.lease_ms,
-                             role=config.role, handoffs=self.handoffs,
-                             prefixes=self.prefix_finder, chat_template=self.chat_template,
-                             handoff_max_waiting=config.handoff_max_waiting, **sup)
+        self.intake = Intake(self._client("intake"), config, IntakeParts(
+            self.inflight, self.inbox, self.publisher, self.loop.cancel, self.engine.tokenizer,
+            self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,

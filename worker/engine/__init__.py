@@ -1,11 +1,13 @@
 """The engine: continuous batching of one model on one device, with no I/O but the device.
 
-One step: ``engine`` asks the scheduler for a batch → ``model_runner`` lays it out
+A request is checked on its way in (``admission``: parameters, prompt, lengths, its token
+limit). One step: ``engine`` asks the scheduler for a batch → ``model_runner`` lays it out
 (``block_table_rows``, ``step_upload``: one host-to-device copy) and runs the forward →
 the sampler picks tokens → ``output_processor`` turns them into each request's output.
 ``step_pipeline`` overlaps a step's scheduling with the forward before it; ``config`` is
-every engine setting with its meaning, ``device`` picks device and dtype, ``tokenizer``
-encodes prompts and decodes tokens incrementally.
+every engine setting with its meaning, ``device`` picks device and dtype and lays out the
+KV memory, ``tokenizer`` encodes prompts and decodes tokens incrementally. The fleet's KV
+export and import live with the handoff (worker/fleet/handoff/engine_kv.py).
 
 ``from worker.engine import Engine`` loads torch; ``worker.engine.config`` alone does not.
 """

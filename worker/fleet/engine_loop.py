@@ -285,7 +285,7 @@ class EngineLoop(SupervisedThread):
         if adm.kv is not None:
             try:
                 add_with_kv(self.engine, adm.prompt_token_ids, params, adm.kv, **kwargs)
-            except KVNotAdopted as exc:  # no room for its blocks now: compute the prompt instead
+            except KVNotAdopted as exc:  # no room now, or the wrong span: compute the prompt
                 if adm.kv_source == "handoff" and self.kv_events is not None:
                     self.kv_events.fallback(req.request_id, exc.cause, str(exc))
             else:

@@ -144,3 +144,24 @@ def test_the_kv_tiers_redis_module_loads_no_torch():
     imported, loaded = probe("kvstore.tier.redis_tier")
     assert_none_of({"torch"}, loaded, "kvstore.tier.redis_tier")
     assert own_packages(loaded) <= {"kvstore"}
+
+
+# The house's size rules: a reader finds a thing by its folder, and one job per file.
+MAX_MODULES_PER_PACKAGE = 10
+MAX_ENGINE_FILE_LINES = 300
+
+
+def test_every_package_level_holds_at_most_ten_modules():
+    crowded = {}
+    for package in OWN:
+        for folder in [ROOT / package, *(ROOT / package).rglob("*/")]:
+            modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            if (folder / "__init__.py").exists() and len(modules) > MAX_MODULES_PER_PACKAGE:
+                crowded[str(folder.relative_to(ROOT))] = len(modules)
+    assert not crowded, crowded
+
+
+def test_every_engine_file_is_at_most_300_lines():
+    long = {p.name: n for p in (ROOT / "worker" / "engine").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_ENGINE_FILE_LINES}
+    assert not long, long

@@ -1,10 +1,10 @@
 """A request's KV as it crosses between engines: how many tokens it covers, and its bytes.
 
-The prefill side takes it with ``Engine.export_kv`` once a request's prompt is computed;
-the decode side hands it to ``Engine.add_request(..., kv=...)``, which writes it into
-fresh blocks and admits the request with those tokens already computed. In between it
-travels through the fleet KV tier (kvstore.tier), which checks it against the reader's
-model fingerprint and layout (``Engine.kv_layout``).
+The prefill side takes it with ``export_kv`` (worker/fleet/handoff/engine_kv.py) once a
+request's prompt is computed; the decode side hands it to ``add_with_kv`` there, which
+writes it into fresh blocks and admits the request with those tokens already computed. In
+between it travels through the fleet KV tier (kvstore.tier), which checks it against the
+reader's model fingerprint and layout (``kv_layout`` there).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer
 from waiting import eventually
 
 from producer.bulk import analyze_document, bulk_queue, enqueue_analyze, job_timeout_for
+from producer.bulk.analyze import AnalyzeOptions
 from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
 from producer.bulk.defaults import REDUCE_INSTRUCTION
 from producer.bulk.prompts import Templates
@@ -142,17 +144,34 @@ def test_failures_are_classified_as_invalid_or_transient():
 
 def test_invalid_options_fail_the_job_before_anything_is_sent(redis_url, redis_client):
     with pytest.raises(ValueError, match="unknown sampling parameter"):
-        analyze_document("text", "Summarise.", MODEL, sampling={"bogus": 1}, redis_url=redis_url)
+        analyze_document("text", "Summarise.", model=MODEL, sampling={"bogus": 1},
+                         redis_url=redis_url)
     with pytest.raises(ValueError, match="overlap_tokens"):
-        analyze_document("text", "Summarise.", MODEL, chunk_tokens=10, overlap_tokens=10,
+        analyze_document("text", "Summarise.", model=MODEL, chunk_tokens=10, overlap_tokens=10,
                          redis_url=redis_url)
     with pytest.raises(ValueError, match="model_wait_timeout"):
-        analyze_document("text", "Summarise.", MODEL, redis_url=redis_url,
+        analyze_document("text", "Summarise.", model=MODEL, redis_url=redis_url,
                          model_wait_timeout=-1)
     with pytest.raises(ValueError, match="not registered"):  # ModelNotFound, after no wait
-        analyze_document("text", "Summarise.", MODEL, redis_url=redis_url,
+        analyze_document("text", "Summarise.", model=MODEL, redis_url=redis_url,
                          model_wait_timeout=0)
     assert redis_client.xlen(KEYS.requests(MODEL, "batch")) == 0
+
+
+def test_the_options_are_one_dataclass_built_from_the_jobs_json_kwargs(redis_url):
+    flat = {"model": MODEL, "chunk_tokens": 64, "sampling": {"top_p": 0.5},
+            "redis_url": redis_url}
+    options = AnalyzeOptions.from_dict(json.loads(json.dumps(flat)))
+    assert (options.model, options.chunk_tokens, options.sampling) == (MODEL, 64, {"top_p": 0.5})
+    assert json.loads(json.dumps(asdict(options))) == asdict(options)  # JSON through and back
+    with pytest.raises(ValueError, match="unknown analysis option"):
+        AnalyzeOptions.from_dict({"model": MODEL, "chunk_size": 64})
+    with pytest.raises(ValueError, match="needs a model"):
+        AnalyzeOptions.from_dict({"chunk_tokens": 64})
+    # The dict and the dataclass are the same job as flat keyword arguments.
+    for given in ({**flat, "overlap_tokens": 64}, AnalyzeOptions(**flat, overlap_tokens=64)):
+        with pytest.raises(ValueError, match="overlap_tokens"):
+            analyze_document("text", "Summarise.", given)
 
 
 def test_the_job_finds_the_fleet_on_the_server_rq_uses(redis_url):

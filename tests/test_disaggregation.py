@@ -199,13 +199,15 @@ def test_a_hand_on_goes_through_when_the_tier_is_unreachable(redis_client, tiny_
     from kvstore.handoff import KVHandoff
     from kvstore.tier.redis_tier import RedisKVTier
     from producer.client.connection import connect
-    from worker.fleet.handoff.handoff import HandOn, HandOnWriter
+    from worker.fleet.handoff.engine_kv import kv_layout
+    from worker.fleet.handoff.handoff import HandOnWriter
+    from worker.fleet.messages import HandOn
 
     lane = KEYS.requests(MODEL, "interactive")
     redis_client.xgroup_create(lane, GROUP, id="0", mkstream=True)
     entry = redis_client.xadd(lane, {FIELD: b"request"})
     redis_client.xreadgroup(GROUP, "w", {lane: ">"})  # "w" owns the entry now
-    layout = Engine(tiny_llama, dtype="float64", num_kv_blocks=8).kv_layout()
+    layout = kv_layout(Engine(tiny_llama, dtype="float64", num_kv_blocks=8))
     nowhere = RedisKVTier(connect("redis://127.0.0.1:1/0", retry_attempts=0))
     writer = HandOnWriter(redis_client, nowhere, lambda: layout, KEYS, MODEL, "w")
     kv = KVHandoff(16, b"\0" * layout.bytes_per_block)

@@ -238,3 +238,25 @@ def test_healthy_requests_batched_with_a_poison_one_all_finish(redis_url, tiny_l
         assert [f[b"request_id"] for _, f in client.redis.xrange(KEYS.dead)] == [poison.encode()]
     finally:
         stop_all(procs)
+
+
+def test_without_fault_injection_configured_admission_runs_no_fault_check(
+        redis_url, tiny_llama, start_worker, monkeypatch):
+    monkeypatch.delenv("CONVEYOR_FAULT_KILL_ON_TOKEN", raising=False)
+    worker = start_worker("plain")
+    assert worker.loop.on_admit is None  # no hook: admission runs nothing for faults
+    client = Client(redis_url)
+    # The token a configured worker dies on is only a token here.
+    rid = client.submit([5, 999, 6], model=MODEL, max_tokens=4, temperature=0)
+    assert client.result(rid, timeout=60).finish_reason is FinishReason.LENGTH
+    assert worker.loop.is_alive()
+
+
+def test_fault_injection_is_wired_in_when_configured_at_worker_start(
+        tiny_llama, start_worker, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_FAULT_KILL_ON_TOKEN", "999")
+    armed = start_worker("armed", autostart=False)
+    # Read once, as the worker is built: a later change does not disarm it.
+    monkeypatch.delenv("CONVEYOR_FAULT_KILL_ON_TOKEN")
+    assert armed.loop.on_admit is not None
+    armed.loop.on_admit([5, 6, 7])  # a prompt without the token: nothing happens

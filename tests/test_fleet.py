@@ -309,3 +309,29 @@ def test_deadlines_expire_requests_before_and_during_generation(redis_url, start
     assert slow_result.finish_reason is FinishReason.EXPIRED
     assert 0 < len(slow_result.token_ids) < 1500
     assert pending(client) == 0
+
+
+@pytest.mark.parametrize("max_tokens", [300, None], ids=["max_tokens", "until-full"])
+def test_a_request_whose_max_tokens_exceeds_the_kv_pool_ends_as_in_the_engine(
+        redis_url, tiny_llama, start_worker, max_tokens):
+    """One token-limit rule (producer.wire.stopping.token_limit): a request that can never
+    fit the KV pool is refused with the same message by the offline engine and by a worker
+    (an error final); without max_tokens it runs until the pool is full, in both."""
+    pool = dict(num_kv_blocks=4, block_size=16)  # 64 tokens: less than the model's context
+    engine = Engine(tiny_llama, dtype="float64", **pool)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start_worker(**pool)
+    client = Client(redis_url)
+    got = client.result(client.submit([5, 6, 7], model=MODEL, max_tokens=max_tokens,
+                                      temperature=0, ignore_eos=True), timeout=60)
+    if max_tokens is not None:
+        with pytest.raises(ValueError, match="more than the whole KV pool") as refused:
+            engine.add_request([5, 6, 7], params)
+        assert not engine.has_unfinished()
+        assert got.finish_reason is FinishReason.ERROR and got.error == str(refused.value)
+        assert got.token_ids == []
+    else:
+        [want] = engine.generate([[5, 6, 7]], params)
+        assert want.finish_reason is FinishReason.LENGTH and len(want.token_ids) == 64 - 3
+        assert (got.finish_reason, got.token_ids) == (want.finish_reason, want.token_ids)
+    assert pending(client) == 0

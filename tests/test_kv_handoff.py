@@ -13,6 +13,7 @@ from kvstore.handoff import KVHandoff
 from kvstore.tier import TierCorrupt
 from kvstore.tier.redis_tier import RedisKVTier
 from worker import Engine, SamplingParams
+from worker.fleet.handoff.engine_kv import add_with_kv, export_kv, kv_layout
 
 SETTINGS = dict(dtype="float64", num_kv_blocks=400, block_size=16, max_num_batched_tokens=512)
 FINGERPRINT = "tiny-llama-float64"
@@ -36,7 +37,7 @@ def _prefill(engine: Engine, prompt: list[int], params: SamplingParams, rid: str
     while first is None:
         first = next((o.new_token_ids[0] for o in engine.step()
                       if o.request_id == rid and o.new_token_ids), None)
-    handoff = engine.export_kv(rid)
+    handoff = export_kv(engine, rid)
     engine.abort(rid)
     return first, handoff
 
@@ -59,13 +60,13 @@ def test_decode_engine_continues_from_transferred_kv_exactly(tiny_llama, redis_c
     for i, prompt in enumerate(prompts):
         first, handoff = _prefill(prefill, prompt, _params(i), f"r{i}")
         assert handoff.num_tokens == len(prompt)
-        tier.put(f"r{i}", prefill.kv_layout(), handoff.payload,
+        tier.put(f"r{i}", kv_layout(prefill), handoff.payload,
                  -(-handoff.num_tokens // 16), handoff.num_tokens)
-        header, payload = tier.get(f"r{i}", decode.kv_layout())
+        header, payload = tier.get(f"r{i}", kv_layout(decode))
         # Free blocks full of NaN: only the imported KV can make the outputs right.
         decode.kv_cache.fill_blocks_(decode.block_pool.free_block_ids(), float("nan"))
-        decode.add_request(prompt, _params(i), request_id=f"r{i}", generated_token_ids=[first],
-                           kv=KVHandoff(header.num_tokens, payload))
+        add_with_kv(decode, prompt, _params(i), KVHandoff(header.num_tokens, payload),
+                    request_id=f"r{i}", generated_token_ids=[first])
     done = _run(decode)
     for i, ref in enumerate(reference):
         got = done[f"r{i}"]
@@ -83,12 +84,12 @@ def test_an_unusable_transfer_falls_back_to_recomputing(tiny_llama, redis_client
     prefill, decode = Engine(tiny_llama, **SETTINGS), Engine(tiny_llama, **SETTINGS)
     tier = RedisKVTier(redis_client, chunk_bytes=4096)
     first, handoff = _prefill(prefill, prompt, params, "r")
-    tier.put("r", prefill.kv_layout(FINGERPRINT), handoff.payload, -(-handoff.num_tokens // 16),
+    tier.put("r", kv_layout(prefill, FINGERPRINT), handoff.payload, -(-handoff.num_tokens // 16),
              handoff.num_tokens)
     chunk = tier.chunk_key("r", 1)
     redis_client.set(chunk, redis_client.get(chunk)[:100])  # truncated in the tier
     with pytest.raises(TierCorrupt):
-        tier.get("r", decode.kv_layout(FINGERPRINT))
+        tier.get("r", kv_layout(decode, FINGERPRINT))
     # What a decode worker does then: the resumption path, computing the prompt.
     decode.add_request(prompt, params, request_id="r", generated_token_ids=[first])
     got = _run(decode)["r"]
@@ -102,8 +103,7 @@ def test_imported_kv_is_released_when_its_request_ends_before_admission(tiny_lla
     prompt = _prompts(5)[4]
     first, handoff = _prefill(prefill, prompt, _params(0), "r")
     free = decode.block_pool.num_free
-    decode.add_request(prompt, _params(0), request_id="r", generated_token_ids=[first],
-                       kv=handoff)
+    add_with_kv(decode, prompt, _params(0), handoff, request_id="r", generated_token_ids=[first])
     assert decode.block_pool.num_free == free - -(-len(prompt) // 16)  # held while waiting
     decode.abort("r")
     assert decode.block_pool.num_free == free
@@ -115,7 +115,7 @@ def test_imported_kv_must_leave_a_token_to_compute(tiny_llama):
     _, handoff = _prefill(prefill, prompt, _params(0), "r")
     free = decode.block_pool.num_free
     with pytest.raises(ValueError, match="leave one"):
-        decode.add_request(prompt, _params(0), request_id="r", kv=handoff)  # no first token
+        add_with_kv(decode, prompt, _params(0), handoff, request_id="r")  # no first token
     assert decode.block_pool.num_free == free and not decode.has_unfinished()
 
 
@@ -134,7 +134,7 @@ def test_the_fingerprint_names_config_weights_and_dtype_not_the_folder(tiny_llam
     weights.write_bytes(bytes(data))
     assert model_fingerprint(same, "float64") != model_fingerprint(tiny_llama, "float64")
     engine = Engine(tiny_llama, **SETTINGS)
-    assert engine.kv_layout().fingerprint == model_fingerprint(tiny_llama, "float64")
+    assert kv_layout(engine).fingerprint == model_fingerprint(tiny_llama, "float64")
 
 
 def test_held_imported_kv_never_keeps_the_head_of_the_queue_out(tiny_llama):
@@ -148,8 +148,8 @@ def test_held_imported_kv_never_keeps_the_head_of_the_queue_out(tiny_llama):
     reference = Engine(tiny_llama, **SETTINGS).generate([head_prompt, held_prompt], params)
     first, handoff = _prefill(prefill, held_prompt, params, "held")
     engine.add_request(head_prompt, params, request_id="head")
-    engine.add_request(held_prompt, params, request_id="held", generated_token_ids=[first],
-                       kv=handoff)
+    add_with_kv(engine, held_prompt, params, handoff, request_id="held",
+                generated_token_ids=[first])
     # The head needs 19 of the 20 blocks; the held KV takes 5 of them.
     assert engine.block_pool.num_free == 15
     done = _run(engine)

@@ -22,12 +22,12 @@ def idle_sizes(worker) -> dict[str, int]:
     return {
         "in flight": len(worker.inflight),
         "engine outputs": len(engine._outputs),
-        "engine deadlines": len(engine._deadlines) + len(engine._with_deadline),
+        "engine deadlines": len(engine._deadlines),
         "scheduler requests": len(engine.scheduler.requests),
         "scheduler waiting heap": len(engine.scheduler._waiting),
         "publisher text states": worker.publisher.text.num_followed,
         "publisher stream TTLs": len(worker.publisher._lives_until),
-        "engine steps under way": int(engine._inflight is not None) + len(engine._ready),
+        "engine steps under way": int(engine._pipeline is not None and engine._pipeline.busy),
         "engine loop ends and drops": len(loop._ends) + len(loop._drops),
     }
 

@@ -14,6 +14,7 @@ from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from scheduler.output import PENDING_TOKEN
 from worker import Engine, SamplingParams
+from worker.fleet.handoff.engine_kv import add_with_kv, export_kv, export_prefix_blocks
 
 
 def mixed_params(n: int, seed: int = 0, penalties: bool = False) -> list[SamplingParams]:
@@ -107,7 +108,7 @@ def test_a_request_cancelled_while_its_step_runs_gets_nothing_after_its_final(ti
     for _ in range(6):
         for out in engine.step():
             got[out.request_id].append(out)
-    assert engine._inflight is not None  # a step with both requests is under way
+    assert engine._pipeline.inflight is not None  # a step with both requests is under way
     final = engine.abort(drop)
     assert final is not None and final.finish_reason == FinishReason.CANCELLED
     while engine.has_unfinished():
@@ -157,14 +158,15 @@ def test_a_cancel_after_a_settled_step_gets_its_tokens_in_the_final(tiny_llama):
     source = Engine(tiny_llama, dtype="float64", num_kv_blocks=200)
     source.add_request([20, 21, 22, 23], greedy(5), request_id="s")
     source.step()  # its prompt's KV, to import
-    kv = source.export_kv("s")
+    kv = export_kv(source, "s")
     rid = engine.add_request([5, 6, 7], greedy(50))
     seen = []
     for _ in range(4):
         seen += engine.step()
-    assert engine._inflight is not None
-    engine.add_request(source.token_ids("s"), greedy(3), kv=kv)  # settles the running step
-    assert engine._inflight is None and any(o.request_id == rid for o in engine._ready)
+    assert engine._pipeline.inflight is not None
+    add_with_kv(engine, source.token_ids("s"), greedy(3), kv)  # settles the running step
+    pipeline = engine._pipeline
+    assert pipeline.inflight is None and any(o.request_id == rid for o in pipeline.ready)
     final = engine.abort(rid)
     assert final is not None and final.finished and final.new_token_ids
     seen.append(final)
@@ -188,11 +190,11 @@ def test_prefix_blocks_are_exported_beside_a_running_step_even_if_it_ends_the_re
     firsts = []
     while not firsts:
         firsts = [o for o in engine.step() if o.request_id == "p"]
-    assert engine._inflight is not None  # its second (last) token is being computed
-    blocks = engine.export_prefix_blocks("p")
-    assert engine._inflight is not None  # it did not have to wait for that step
+    assert engine._pipeline.inflight is not None  # its second (last) token is being computed
+    blocks = export_prefix_blocks(engine, "p")
+    assert engine._pipeline.inflight is not None  # it did not have to wait for that step
     plain.step()
-    assert blocks == plain.export_prefix_blocks("p") and len(blocks) == 2
+    assert blocks == export_prefix_blocks(plain, "p") and len(blocks) == 2
     engine.close()
 
 
@@ -208,13 +210,13 @@ def test_tokens_and_kv_read_from_outside(tiny_llama):
         seen += engine.step()
     for _ in range(7):  # the plain engine, to the steps the overlapped one returned
         plain.step()
-    assert engine._inflight is not None
+    assert engine._pipeline.inflight is not None
     tokens = engine.token_ids("r")
     assert PENDING_TOKEN not in tokens and tokens == plain.token_ids("r")
-    kv = engine.export_kv("r")  # finishes the running step first
-    assert engine._inflight is None
+    kv = export_kv(engine, "r")  # finishes the running step first
+    assert engine._pipeline.inflight is None
     plain.step()
-    assert plain.export_kv("r") == kv  # the same KV bytes
+    assert export_kv(plain, "r") == kv  # the same KV bytes
     assert engine.token_ids("r") == plain.token_ids("r")
     # The settled step's output is not lost: it comes with the next step.
     while engine.has_unfinished():
@@ -247,8 +249,8 @@ def test_an_id_reused_while_its_stopped_request_is_still_in_a_step(tiny_llama):
     while not any(o.request_id == "r" and o.finished for o in engine.step()):
         pass
     # The step after the one that stopped it is under way, with the old "r" in it.
-    assert engine._inflight is not None
-    assert "r" in {c.request_id for c in engine._inflight[0].chunks}
+    assert engine._pipeline.inflight is not None
+    assert "r" in {c.request_id for c in engine._pipeline.inflight[0].chunks}
     engine.add_request(new_prompt, SamplingParams(max_tokens=10, **greedy), request_id="r")
     tokens: list[int] = []
     while engine.has_unfinished():

@@ -21,7 +21,7 @@ LEASE_MS = 30_000  # WorkerConfig's default, which start_worker keeps
 
 
 
-def add_request(r: redis.Redis, rid: str, prompt: list[int], max_tokens: int) -> str:
+def add_request(r: redis.Redis, rid: str, prompt: list[int], max_tokens: int | None) -> str:
     req = GenerationRequest(rid, MODEL, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                        ignore_eos=True),
                             prompt_token_ids=prompt)
@@ -106,6 +106,24 @@ def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
     assert done.token_ids == [11, 12, 13]
     final_id = redis_client.xrevrange(KEYS.output(rid), count=1)[0][0]
     assert final_id == b"3-1"
+    eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
+
+
+def test_a_claimed_request_whose_published_tokens_fill_the_kv_pool_ends_length(
+        redis_url, redis_client, start_worker):
+    """One token-limit rule (producer.wire.stopping.token_limit): without max_tokens a
+    request generates until the KV pool is full, in the engine and on a worker that resumes
+    it, so tokens already published up to there end it as ``length``, not as an error."""
+    rid = "resumed-full"
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    add_request(redis_client, rid, list(range(5, 45)), None)
+    held_by(redis_client, "gone", 1, lapsed=True)
+    # 40 prompt tokens and the 24 the dead worker published fill 4 blocks of 16.
+    chunk = OutputChunk(0, list(range(11, 35)), "")
+    redis_client.xadd(KEYS.output(rid), {FIELD: chunk.encode()}, id=chunk.entry_id)
+    start_worker("small-pool", num_kv_blocks=4)
+    done = Client(redis_url).result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and done.token_ids == list(range(11, 35))
     eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
 
 

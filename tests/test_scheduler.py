@@ -9,6 +9,7 @@ import pytest
 from kvstore import BlockPool, KVCacheManager
 from producer.wire.completion import FinishReason
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.deadlines import Deadlines
 
 EOS = 0
 
@@ -242,3 +243,18 @@ def test_a_swapped_request_does_not_hash_its_blocks_again(hashed):
         run_step(s)
     assert s.counters["preemptions_swap"] > 0
     assert len(hashed) == len(set(hashed))
+
+
+def test_deadlines_give_live_overdue_requests_and_forget_finished_ones():
+    deadlines = Deadlines()
+    first, other, reused = object(), object(), object()
+    deadlines.add("a", 1.0, first)
+    deadlines.add("b", 5.0, other)
+    assert list(deadlines.overdue(0.5)) == []
+    deadlines.discard("a")  # finished before its deadline; then its id is used again
+    deadlines.add("a", 2.0, reused)
+    assert list(deadlines.overdue(1.5)) == []  # the finished request's entry is not live
+    assert list(deadlines.overdue(2.0)) == ["a"]
+    deadlines.discard("a")
+    deadlines.discard("b")
+    assert len(deadlines) == 0  # nothing outlives the requests

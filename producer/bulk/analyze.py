@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -85,27 +86,63 @@ def empty_usage() -> dict[str, int]:
             "total_tokens": 0, "requests": 0}
 
 
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    """Every option of an analysis job but the document and the question; plain JSON
+    values, as RQ's JSON serializer carries a job's keyword arguments."""
+
+    # The served model name to ask.
+    model: str
+    # Tokens per chunk, and how many of the previous chunk's last tokens each repeats.
+    chunk_tokens: int = defaults.CHUNK_TOKENS
+    overlap_tokens: int = defaults.OVERLAP_TOKENS
+    # The instruction of reduce requests (None: defaults.REDUCE_INSTRUCTION).
+    reduce_instruction: str | None = None
+    # Answer length of chunk requests, and of reduce requests (None: max_tokens).
+    max_tokens: int = defaults.MAX_TOKENS
+    reduce_max_tokens: int | None = None
+    # Other SamplingParams fields for every request (greedy unless it sets temperature).
+    sampling: dict[str, Any] | None = None
+    # Seconds a request may go without a final before it is retried under a new id.
+    request_timeout: float = defaults.REQUEST_TIMEOUT_S
+    # Tries per request, and the first backoff between them (seconds).
+    max_attempts: int = defaults.MAX_ATTEMPTS
+    backoff_base: float = defaults.BACKOFF_BASE_S
+    # Requests in flight at once.
+    concurrency: int = defaults.CONCURRENCY
+    # Priority of every request on the batch lane.
+    priority: int = 0
+    # The fleet's key namespace.
+    namespace: str = "conveyor"
+    # The fleet's Redis (None: $CONVEYOR_REDIS_URL, else the Redis the job came from).
+    redis_url: str | None = None
+    # Seconds to wait for the model to be registered and served before failing.
+    model_wait_timeout: float = defaults.MODEL_WAIT_S
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> AnalyzeOptions:
+        """Build from a job's keyword arguments, rejecting unknown ones with a ValueError."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown analysis option(s): {', '.join(map(str, unknown))}")
+        if "model" not in values:
+            raise ValueError("an analysis needs a model")
+        return cls(**values)
+
+
 def analyze_document(
     text: str,
     instruction: str,
-    model: str,
-    chunk_tokens: int = defaults.CHUNK_TOKENS,
-    overlap_tokens: int = defaults.OVERLAP_TOKENS,
-    reduce_instruction: str | None = None,
-    max_tokens: int = defaults.MAX_TOKENS,
-    reduce_max_tokens: int | None = None,
-    sampling: dict[str, Any] | None = None,
-    request_timeout: float = defaults.REQUEST_TIMEOUT_S,
-    max_attempts: int = defaults.MAX_ATTEMPTS,
-    backoff_base: float = defaults.BACKOFF_BASE_S,
-    concurrency: int = defaults.CONCURRENCY,
-    priority: int = 0,
-    namespace: str = "conveyor",
-    redis_url: str | None = None,
-    model_wait_timeout: float = defaults.MODEL_WAIT_S,
+    options: AnalyzeOptions | Mapping[str, Any] | None = None,
+    *,
     clock: Clock | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
-    """Answer ``instruction`` about ``text`` with ``model`` and return a JSON-ready dict.
+    """Answer ``instruction`` about ``text`` and return a JSON-ready dict.
+
+    ``options`` (AnalyzeOptions, or a dict of its fields) and ``option_fields`` (the same
+    fields as keyword arguments: how RQ passes a job enqueued with flat kwargs, as
+    ``enqueue_analyze`` and ``rq enqueue`` do) say how; ``model`` is required.
 
     The document is tokenized with the model's registered tokenizer and cut into chunks of
     ``chunk_tokens`` that repeat the last ``overlap_tokens`` of the previous chunk; each
@@ -130,25 +167,37 @@ def analyze_document(
     Reach the fleet through ``redis_url``, else ``$CONVEYOR_REDIS_URL``, else the Redis the
     job came from.
     """
+    if not isinstance(options, AnalyzeOptions):
+        options = AnalyzeOptions.from_dict({**(options or {}), **option_fields})
+    elif option_fields:
+        options = replace(options, **option_fields)
+    return _analyze(text, instruction, options, clock or SYSTEM_CLOCK)
+
+
+def _analyze(text: str, instruction: str, options: AnalyzeOptions,
+             clock: Clock) -> dict[str, Any]:
+    o = options
+    model, chunk_tokens, overlap_tokens, max_tokens = (o.model, o.chunk_tokens,
+                                                       o.overlap_tokens, o.max_tokens)
+    model_wait_timeout, backoff_base = o.model_wait_timeout, o.backoff_base
     marks = {"started": time.monotonic()}
     started_at = datetime.now(UTC).isoformat()
-    base = {"temperature": 0.0, **(sampling or {})}
-    reduce_max = max_tokens if reduce_max_tokens is None else reduce_max_tokens
+    base = {"temperature": 0.0, **(o.sampling or {})}
+    reduce_max = max_tokens if o.reduce_max_tokens is None else o.reduce_max_tokens
     spec = Analysis(instruction, model, chunk_tokens, overlap_tokens,
-                    reduce_instruction or defaults.REDUCE_INSTRUCTION,
+                    o.reduce_instruction or defaults.REDUCE_INSTRUCTION,
                     {**base, "max_tokens": max_tokens}, {**base, "max_tokens": reduce_max})
-    policy = RetryPolicy(request_timeout, max_attempts, backoff_base,
+    policy = RetryPolicy(o.request_timeout, o.max_attempts, backoff_base,
                          max(backoff_base, defaults.BACKOFF_CAP_S))
     check_wait(model_wait_timeout)
     job = get_current_job()
     progress = Progress(job)
-    with (fleet_connection(redis_url, job) as connection,
-          Client(namespace=namespace, connection=connection) as client):
-        runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
-                               concurrency=concurrency, on_retry=progress.retried)
+    with (fleet_connection(o.redis_url, job) as connection,
+          Client(namespace=o.namespace, connection=connection) as client):
+        runner = RequestRunner(client, lane="batch", priority=o.priority, policy=policy,
+                               concurrency=o.concurrency, on_retry=progress.retried)
         try:
-            wait_for_model(client, model, model_wait_timeout, progress,
-                           clock=clock or SYSTEM_CLOCK)
+            wait_for_model(client, model, model_wait_timeout, progress, clock=clock)
             marks["model_ready"] = time.monotonic()
             tokenizer, info = _model_tokenizer(client, model)
             doc_ids = tokenizer.encode(text, add_special_tokens=False).ids

@@ -53,7 +53,8 @@ class SamplingParams:
     ``logit_bias`` maps token ids to a number added to their logits (-100 bans one).
     """
 
-    # None: until the context is full, or the whole KV pool where it holds less (or a stop).
+    # None: until the context is full, or the whole KV pool where it holds less (or a stop):
+    # producer.wire.stopping.token_limit, the one rule.
     # The defaults are OpenAI's, and the same for Client.submit, `conveyor submit` and the
     # gateway (docs/protocol.md).
     max_tokens: int | None = None
@@ -86,12 +87,6 @@ class SamplingParams:
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
-
-    @property
-    def token_limit(self) -> int:
-        """``max_tokens``, or the largest value it may hold when None (the model's context
-        length then ends the request first)."""
-        return MAX_NEW_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def greedy(self) -> bool:

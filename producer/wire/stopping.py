@@ -1,4 +1,5 @@
-"""When a request stops generating: the one rule the scheduler and a resuming worker share."""
+"""When a request stops generating: the rules the engine, the scheduler and a resuming
+worker share."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def stop_reason(
     if num_output_tokens >= max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def token_limit(max_tokens: int | None, num_prompt_tokens: int, *, max_model_len: int,
+                kv_pool_tokens: int) -> int:
+    """How many tokens a request may generate: its ``max_tokens``; without one, until the
+    context is full or the whole KV pool is, whichever holds less (the request then ends
+    ``length`` there rather than waiting for blocks that cannot exist). At least one: a
+    prompt that fills either is refused where lengths are checked, not here."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(1, min(max_model_len, kv_pool_tokens) - num_prompt_tokens)

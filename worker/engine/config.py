@@ -69,6 +69,18 @@ class EngineConfig:
             raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
         return cls(**values)
 
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings for an engine whose requests are at most ``max_model_len``
+        tokens long."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_prefill_chunk=self.max_prefill_chunk,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

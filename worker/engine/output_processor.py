@@ -26,6 +26,16 @@ class StepOutput:
     num_cached_tokens: int = 0
 
 
+def merged_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Several outputs of one request as one (the last one's ending)."""
+    last = outputs[-1]
+    logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
+    return StepOutput(last.request_id, [t for o in outputs for t in o.new_token_ids],
+                      "".join(o.text_delta for o in outputs), last.finished,
+                      last.finish_reason, logprobs or None, last.completion,
+                      last.num_cached_tokens)
+
+
 @dataclass
 class RequestOutputState:
     """Everything the engine accumulates for a request besides its KV."""

@@ -15,9 +15,13 @@ What cannot be done without the running step's tokens makes the engine finish th
 first: preemption (a step scheduled beside a running one never preempts; it reports a
 request that did not fit, and the next step is scheduled after the running one ends),
 penalties (they read every output token), reading or writing a request's KV from outside
-(``Engine.export_kv``, ``add_request(kv=...)``), and ending a request (``Engine.abort``: it
-keeps every token computed for it). ``export_prefix_blocks`` need not wait (the running
-step never writes full prompt blocks); ``token_ids`` gives what steps returned so far.
+(``Engine.settle``, which worker/fleet/handoff/engine_kv.py calls before it exports or
+imports KV), and ending a request (``Engine.abort``: it keeps every token computed for it).
+Exporting full prompt blocks need not wait (the running step never writes them);
+``Engine.token_ids`` gives what steps returned so far.
+
+``RunnerThread`` is the runner's side; ``OverlappedSteps`` the engine's: the step in flight,
+and the outputs of steps finished outside ``Engine.step``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,17 @@ from typing import Any
 import torch
 
 from producer.wire.completion import TokenLogprob
+from scheduler import RequestUpdate, Scheduler
 from scheduler.output import SchedulerOutput
 from worker.engine.model_runner import ModelRunner
+from worker.engine.output_processor import StepOutput
 from worker.sampling import SampleRequest
 
 StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None]]
+# Turns a step's scheduler updates and logprobs into each request's output (the engine's).
+OutputsOf = Callable[[list[RequestUpdate], dict[str, Any]], list[StepOutput]]
+# The sampling rows of a scheduled step (the engine's).
+RowsOf = Callable[[SchedulerOutput], dict[str, SampleRequest]]
 
 
 class RunnerThread:
@@ -69,3 +79,76 @@ class RunnerThread:
         # Done already (one thread, in order); its error, if any, is this step's too.
         pending = before.result()[0] if before is not None else None
         return self.runner.execute(out, rows, pending)
+
+
+class OverlappedSteps:
+    """The engine's side of overlapped steps: schedules a step while the one before it runs
+    on the runner thread, and keeps what finished outside ``Engine.step``."""
+
+    def __init__(self, runner: ModelRunner, device: torch.device, scheduler: Scheduler,
+                 outputs_of: OutputsOf) -> None:
+        self.runner = runner
+        self.thread = RunnerThread(runner, device)
+        self.scheduler = scheduler
+        self.outputs_of = outputs_of
+        # The step running on the runner thread (scheduled, advanced, tokens not applied).
+        self.inflight: tuple[SchedulerOutput, Future[StepResult]] | None = None
+        # Outputs of a step finished outside step() (to read KV or tokens): the next step's.
+        self.ready: list[StepOutput] = []
+        # The last step scheduled beside a running one left a request out for lack of
+        # blocks: schedule the next with nothing running, so that it may preempt.
+        self.sync_next = False
+        # Steps scheduled while the step before them ran.
+        self.num_overlapped_steps = 0
+
+    @property
+    def busy(self) -> bool:
+        """A step runs, or outputs wait for the next ``step``."""
+        return self.inflight is not None or bool(self.ready)
+
+    def step(self, outputs: list[StepOutput], rows_of: RowsOf,
+             must_sync: bool) -> tuple[list[StepOutput], bool]:
+        """Hand the next step to the runner thread and apply the running one's tokens;
+        (``outputs`` and the outputs ready now, whether a step was scheduled).
+        ``must_sync``: finish the running step before scheduling (penalties read every token)."""
+        outputs, self.ready = self.ready + outputs, []
+        if self.inflight is not None and (self.sync_next or must_sync):
+            outputs += self.finish_inflight()
+        before = self.inflight
+        sched = self.scheduler.schedule(may_preempt=before is None)
+        self.sync_next = sched.starved
+        if sched.is_empty:
+            self.thread.submit(self.runner.release, sched)  # after the running step, in order
+            return outputs + (self.finish_inflight() if before is not None else []), False
+        future = self.thread.submit_step(sched, rows_of(sched),
+                                         before[1] if before is not None else None)
+        if before is not None:
+            self.num_overlapped_steps += 1
+            outputs += self.finish_inflight()
+        # After the running step's tokens: a request they finished gets no pending token.
+        self.scheduler.advance(sched)
+        self.inflight = (sched, future)
+        return outputs, True
+
+    def finish_inflight(self) -> list[StepOutput]:
+        """Wait for the running step's tokens and apply them."""
+        assert self.inflight is not None
+        sched, future = self.inflight
+        self.inflight = None
+        tokens, logprobs = future.result()
+        return self.outputs_of(self.scheduler.resolve(sched, tokens), logprobs)
+
+    def settle(self) -> None:
+        """Finish the running step, if any (its outputs come with the next step())."""
+        if self.inflight is not None:
+            self.ready += self.finish_inflight()
+
+    def take_ready(self, request_id: str) -> list[StepOutput]:
+        """The outputs of ``request_id`` waiting for the next step(), taken out."""
+        mine = [o for o in self.ready if o.request_id == request_id]
+        if mine:
+            self.ready = [o for o in self.ready if o.request_id != request_id]
+        return mine
+
+    def close(self) -> None:
+        self.thread.close()

@@ -16,15 +16,26 @@ from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, now_ms
 from producer.wire.stopping import stop_reason
 from worker.engine.engine import Engine
 from worker.engine.output_processor import StepOutput
-from worker.fleet.faults import maybe_die
-from worker.fleet.handoff.handoff import HandoffReader, HandOn, tokens_hash
-from worker.fleet.handoff.prefix_share import SharePrefix
+from worker.fleet.faults import AdmissionHook
+from worker.fleet.handoff.engine_kv import (
+    KVNotAdopted,
+    add_with_kv,
+    export_kv,
+    export_prefix_blocks,
+)
+from worker.fleet.handoff.handoff import HandoffReader, tokens_hash
 from worker.fleet.inflight import InflightRequest, InflightTable
-from worker.fleet.intake.intake import Admission
+from worker.fleet.messages import (
+    Admission,
+    Forget,
+    HandOn,
+    Publication,
+    Rejection,
+    SharePrefix,
+    Track,
+)
 from worker.fleet.metrics import WorkerMetrics
-from worker.fleet.publishing.publication import Publication
-from worker.fleet.publishing.publisher import Publisher, Rejection
-from worker.fleet.publishing.text_stage import Forget, Track
+from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
@@ -45,7 +56,8 @@ class EngineLoop(SupervisedThread):
                  inbox: queue.Queue[list[Admission]], publisher: Publisher,
                  metrics: WorkerMetrics, worker_id: str,
                  role: str = "both", kv_events: HandoffReader | None = None,
-                 share_prefixes: bool = False, **supervision: Any) -> None:
+                 share_prefixes: bool = False, on_admit: AdmissionHook | None = None,
+                 **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
         # "prefill": hand every request on once its first token is out (fleet/handoff.py).
         self.role = role
@@ -54,6 +66,9 @@ class EngineLoop(SupervisedThread):
         self.handed_on = 0
         # Put each fresh request's prompt blocks in the KV tier (fleet/prefix_share.py).
         self.share_prefixes = share_prefixes
+        # Runs on every admission's prompt (test-only fault injection, worker/fleet/faults.py);
+        # None unless configured, and then admission runs nothing for it.
+        self.on_admit = on_admit
         self.engine = engine
         self.inflight = inflight
         self.inbox = inbox
@@ -172,7 +187,7 @@ class EngineLoop(SupervisedThread):
             entry = self.inflight.get(out.request_id)
             if out.finished or not out.new_token_ids or entry is None or entry.next_index:
                 continue  # ended already, or resumed (its prompt was shared where it began)
-            blocks = self.engine.export_prefix_blocks(out.request_id)
+            blocks = export_prefix_blocks(self.engine, out.request_id)
             if blocks:
                 items.append(SharePrefix(out.request_id, blocks))
         self._send(items)
@@ -188,7 +203,7 @@ class EngineLoop(SupervisedThread):
             if out.finished or not out.new_token_ids or entry is None or entry.message is None:
                 keep.append(out)
                 continue
-            kv = self.engine.export_kv(out.request_id)
+            kv = export_kv(self.engine, out.request_id)
             tokens[out.request_id] = self.engine.token_ids(out.request_id)
             self.engine.abort(out.request_id)  # its final is not ours to publish
             handed.append((out, entry, kv))
@@ -232,7 +247,8 @@ class EngineLoop(SupervisedThread):
         entry = self.inflight.get(req.request_id)
         if entry is not None:
             entry.created = time.monotonic() - wait_s
-        maybe_die(adm.prompt_token_ids)
+        if self.on_admit is not None:
+            self.on_admit(adm.prompt_token_ids)
         generated = adm.published.token_ids if adm.published else []
         if generated and (reason := self._already_done(adm, generated)) is not None:
             self._finish_unstarted(adm, FinalEntry(str(reason), len(generated),
@@ -268,10 +284,10 @@ class EngineLoop(SupervisedThread):
                       generated_token_ids=generated, deadline=deadline)
         if adm.kv is not None:
             try:
-                self.engine.add_request(adm.prompt_token_ids, params, kv=adm.kv, **kwargs)
-            except ValueError as exc:  # no room for its blocks now: compute the prompt instead
+                add_with_kv(self.engine, adm.prompt_token_ids, params, adm.kv, **kwargs)
+            except KVNotAdopted as exc:  # no room now, or the wrong span: compute the prompt
                 if adm.kv_source == "handoff" and self.kv_events is not None:
-                    self.kv_events.fallback(req.request_id, "no_room", str(exc))
+                    self.kv_events.fallback(req.request_id, exc.cause, str(exc))
             else:
                 if adm.kv_source == "handoff" and self.kv_events is not None:
                     self.kv_events.adopted()
@@ -279,10 +295,12 @@ class EngineLoop(SupervisedThread):
         self.engine.add_request(adm.prompt_token_ids, params, **kwargs)
 
     def _already_done(self, adm: Admission, generated: list[int]) -> FinishReason | None:
-        """A resumed request whose published tokens already end it (its worker died first)."""
+        """A resumed request whose published tokens already end it (its worker died first);
+        its token limit is the engine's rule (worker/engine/admission.py)."""
         p = adm.request.params
+        limit = self.engine.checks.token_limit(len(adm.prompt_token_ids), p)
         return stop_reason(generated[-1], len(generated),
-                           len(adm.prompt_token_ids) + len(generated), max_tokens=p.token_limit,
+                           len(adm.prompt_token_ids) + len(generated), max_tokens=limit,
                            max_model_len=self.engine.max_model_len,
                            stop_token_ids=p.stop_token_ids,
                            eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos)

@@ -23,6 +23,8 @@ from producer.wire.keys import Keys
 from worker.engine.engine import Engine
 from worker.fleet.config import WorkerConfig
 from worker.fleet.engine_loop import EngineLoop
+from worker.fleet.faults import admission_fault_hook
+from worker.fleet.handoff.engine_kv import kv_layout
 from worker.fleet.handoff.handoff import HandoffReader, HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixFinder, PrefixSharer
 from worker.fleet.housekeeping.heartbeat import Heartbeat
@@ -35,7 +37,8 @@ from worker.fleet.housekeeping.registration import (
 )
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.cancellation import CancelListener
-from worker.fleet.intake.intake import Admission, Intake
+from worker.fleet.intake.intake import Intake, IntakeParts
+from worker.fleet.messages import Admission
 from worker.fleet.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
 from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.publishing.text_stage import TextStage
@@ -85,7 +88,7 @@ class Worker:
                          lambda rid: self.loop.end(rid, FinishReason.STOP))
         # The fleet KV tier (kvstore/tier): prefill workers write handoffs' KV, decode and
         # `both` workers read it. Checked against this engine's model fingerprint.
-        layout = self.engine.kv_layout  # called at the first transfer, not at start
+        layout = functools.partial(kv_layout, self.engine)  # at the first transfer, not now
         publisher_client = self._client("publisher")
         hand_on = (HandOnWriter(publisher_client, self._kv_tier("kv-writer"), layout,
                                 self.keys, self.model, wid)
@@ -102,13 +105,10 @@ class Worker:
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, wid, role=config.role, kv_events=self.handoffs,
-                               share_prefixes=share, **sup)
-        self.intake = Intake(self._client("intake"), self.keys, self.model, wid, self.inflight,
-                             self.inbox, self.publisher, self.engine.tokenizer,
-                             config.read_block_ms, self.loop.cancel, config.lease_ms,
-                             role=config.role, handoffs=self.handoffs,
-                             prefixes=self.prefix_finder, chat_template=self.chat_template,
-                             handoff_max_waiting=config.handoff_max_waiting, **sup)
+                               share_prefixes=share, on_admit=admission_fault_hook(), **sup)
+        self.intake = Intake(self._client("intake"), config, IntakeParts(
+            self.inflight, self.inbox, self.publisher, self.loop.cancel, self.engine.tokenizer,
+            self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,

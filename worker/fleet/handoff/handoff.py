@@ -29,6 +29,7 @@ from kvstore.handoff import KVHandoff
 from kvstore.tier import BlockLayout, TierError, TierRefused
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.wire.keys import GROUP, LANES, Keys
+from worker.fleet.messages import HandOn
 
 log = structlog.get_logger(__name__)
 
@@ -88,21 +89,6 @@ def streams_for(keys: Keys, model: str, role: str) -> list[str]:
     if role == "decode":
         return handoffs
     return [*handoffs, *lanes]
-
-
-@dataclass
-class HandOn:
-    """A request this prefill worker computed the prompt of, to hand on (publisher item)."""
-
-    request_id: str
-    stream: str  # the lane entry to acknowledge
-    entry_id: str
-    message: bytes  # the request as the producer sent it
-    field: str
-    kv: KVHandoff
-    # Of the token ids the KV covers: a reader checks its own tokens against it.
-    tokens_hash: str = ""
-    written: bool = False
 
 
 class HandOnWriter(UsesLayout):

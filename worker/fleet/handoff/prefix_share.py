@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 import structlog
@@ -24,6 +23,7 @@ from kvstore.tier import BlockLayout, TierError, TierMiss, TierRefused
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.clock import SYSTEM_CLOCK, Clock
 from worker.fleet.handoff.handoff import UsesLayout
+from worker.fleet.messages import SharePrefix
 
 log = structlog.get_logger(__name__)
 
@@ -33,15 +33,6 @@ MAX_REMEMBERED = 100_000
 
 def prefix_name(layout: Callable[[], BlockLayout], block_hash: bytes) -> str:
     return f"prefix:{layout.fingerprint[:16]}:{block_hash.hex()}"
-
-
-@dataclass
-class SharePrefix:
-    """Full prompt blocks of a request, (chain hash, bytes) each, to put in the tier."""
-
-    request_id: str
-    blocks: list[tuple[bytes, bytes]]
-    written: bool = False
 
 
 class PrefixSharer(UsesLayout):

@@ -20,7 +20,7 @@ from worker.fleet.housekeeping.leases import release
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.intake import Intake
 from worker.fleet.intake.resume import read_published
-from worker.fleet.publishing.publisher import Rejection
+from worker.fleet.messages import Rejection
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)

@@ -10,11 +10,11 @@ from typing import Any
 import redis
 import structlog
 
-from kvstore.handoff import KVHandoff
 from producer.client.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.engine.tokenizer import Tokenizer
+from worker.fleet.config import WorkerConfig
 from worker.fleet.handoff.handoff import HandoffReader, streams_for
 from worker.fleet.handoff.prefix_share import PrefixFinder
 from worker.fleet.housekeeping.leases import hand_back
@@ -22,26 +22,11 @@ from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
 from worker.fleet.intake.chat_template import ChatTemplate
 from worker.fleet.intake.resume import Published, read_published
-from worker.fleet.publishing.publisher import Publisher, Rejection
+from worker.fleet.messages import Admission, Rejection
+from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class Admission:
-    """A decoded, tokenized request on its way to the engine loop."""
-
-    request: GenerationRequest
-    prompt_token_ids: list[int]
-    stream: str
-    entry_id: str
-    # What an earlier worker already published (a claimed request resumes after it).
-    published: Published | None = None
-    # KV of its first tokens from the fleet tier, if usable, and where it came from:
-    # "handoff" (a prefill worker) or "prefix" (fleet prefix reuse).
-    kv: KVHandoff | None = None
-    kv_source: str = ""
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -55,47 +40,54 @@ def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
                 raise
 
 
-class Intake(SupervisedThread):
-    """XREADGROUP up to the room left in the in-flight table; interactive lane first."""
+@dataclass
+class IntakeParts:
+    """What the intake works with besides Redis: where admitted requests go, and what turns
+    an entry into an admission."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        model: str,
-        worker_id: str,
-        inflight: InflightTable,
-        inbox: queue.Queue[list[Admission]],
-        publisher: Publisher,
-        tokenizer: Tokenizer | None,
-        read_block_ms: int,
-        on_cancel: Callable[[str], None],
-        lease_ms: int,
-        role: str = "both",
-        handoffs: HandoffReader | None = None,
-        prefixes: PrefixFinder | None = None,
-        handoff_max_waiting: int | None = None,
-        chat_template: ChatTemplate | None = None,
-        **supervision: Any,
-    ) -> None:
-        super().__init__("intake", worker_id=worker_id, **supervision)
+    # Requests this worker serves now; the intake reads only as many as it has room for.
+    inflight: InflightTable
+    # The engine loop's inbox: each read's admissions, as one list.
+    inbox: queue.Queue[list[Admission]]
+    # Writes rejections (malformed entries, ids already in flight).
+    publisher: Publisher
+    # Ends a request at the engine loop's next step (one already cancelled when read).
+    on_cancel: Callable[[str], None]
+    # Encodes text prompts (None: the model has none; only token ids are served).
+    tokenizer: Tokenizer | None
+    # Renders chat messages (None: the model has no chat template).
+    chat_template: ChatTemplate | None = None
+    # KV of handed-on requests from the tier (decode and `both` workers).
+    handoffs: HandoffReader | None = None
+    # KV of shared prompt prefixes from the tier (--kv-share-prefixes).
+    prefixes: PrefixFinder | None = None
+
+
+class Intake(SupervisedThread):
+    """XREADGROUP up to the room left in the in-flight table; interactive lane first.
+
+    ``config`` gives the model, worker id, role, read block, lease and handoff bound."""
+
+    def __init__(self, client: redis.Redis, config: WorkerConfig, parts: IntakeParts,
+                 **supervision: Any) -> None:
+        super().__init__("intake", worker_id=config.worker_id, **supervision)
         self.client = client
-        self.keys = keys
-        self.model = model
-        self.inflight = inflight
-        self.inbox = inbox
-        self.publisher = publisher
-        self.tokenizer = tokenizer
-        self.read_block_ms = read_block_ms
-        self.on_cancel = on_cancel
-        self.lease_ms = lease_ms
-        self.role = role
+        self.keys = keys = Keys(config.namespace)
+        self.model = model = config.model_name
+        self.inflight = parts.inflight
+        self.inbox = parts.inbox
+        self.publisher = parts.publisher
+        self.tokenizer = parts.tokenizer
+        self.read_block_ms = config.read_block_ms
+        self.on_cancel = parts.on_cancel
+        self.lease_ms = config.lease_ms
+        self.role = role = config.role
         self.streams = streams_for(keys, model, role)
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
-        self.handoffs = handoffs
-        self.prefixes = prefixes
-        self.chat_template = chat_template
-        self.handoff_max_waiting = handoff_max_waiting if role == "prefill" else None
+        self.handoffs = parts.handoffs
+        self.prefixes = parts.prefixes
+        self.chat_template = parts.chat_template
+        self.handoff_max_waiting = config.handoff_max_waiting if role == "prefill" else None
         # Requests waiting in the handoff streams when a prefill worker last looked.
         self.handoff_backlog = 0
         self.num_read = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from producer.wire.protocol import OutputChunk
-from worker.fleet.publishing.publication import Publication
+from worker.fleet.messages import Publication
 
 
 def joined(pieces: list[OutputChunk]) -> OutputChunk:

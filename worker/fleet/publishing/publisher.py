@@ -29,13 +29,21 @@ import structlog
 
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, error_final, now_ms
-from worker.fleet.handoff.handoff import HandOn, HandOnWriter
-from worker.fleet.handoff.prefix_share import PrefixSharer, SharePrefix
+from worker.fleet.handoff.handoff import HandOnWriter
+from worker.fleet.handoff.prefix_share import PrefixSharer
+from worker.fleet.messages import (
+    Forget,
+    HandOn,
+    Publication,
+    PublisherItem,
+    Rejection,
+    SharePrefix,
+    Track,
+)
 from worker.fleet.publishing.chunk_holder import ChunkHolder
 from worker.fleet.publishing.ownership import OwnedEntries
-from worker.fleet.publishing.publication import Publication
 from worker.fleet.publishing.raw_pipeline import run_commands
-from worker.fleet.publishing.text_stage import Forget, TextStage, Track
+from worker.fleet.publishing.text_stage import TextStage
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
@@ -100,24 +108,6 @@ def already_written(result: object) -> bool:
     return isinstance(result, redis.ResponseError) and "equal or smaller" in str(result)
 
 
-@dataclass
-class Rejection:
-    """A request entry that cannot be served: dead-lettered, answered when possible, acked."""
-
-    stream: str
-    entry_id: str
-    reason: str
-    request_id: str | None = None
-    raw: bytes | None = None
-    # False when another request with this id is live: its stream must not get our error.
-    write_final: bool = True
-    # Tokens already on the request's output stream (the error final goes after them).
-    num_tokens: int = 0
-    # Progress across retries (a dead letter has no fixed id: it must not be added twice).
-    written: bool = False
-    dead_lettered: bool = False
-
-
 def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str, str | bytes]:
     """The dead-letter entry of a rejection, every field bounded (ids are validated already:
     a stream key, an entry id, a request id and a worker id are short)."""
@@ -134,11 +124,6 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
         fields["raw"] = item.raw[:DEAD_LETTER_RAW_BYTES]
         fields["raw_bytes"] = str(len(item.raw))  # how long the entry really was
     return fields
-
-
-# What the engine loop hands the publisher: output to write, a request to hand on to the
-# decode workers, or text state to start or end.
-Item = Publication | Rejection | HandOn | SharePrefix | Track | Forget
 
 
 @dataclass
@@ -175,7 +160,7 @@ class Publisher(SupervisedThread):
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
-        self._queue: queue.Queue[list[Item] | None] = queue.Queue()
+        self._queue: queue.Queue[list[PublisherItem] | None] = queue.Queue()
         # Prepared output not yet written, and whether close() asked for a last flush.
         self._owed: list[Publication | Rejection | HandOn | SharePrefix] | None = None
         self._closing = False
@@ -192,7 +177,7 @@ class Publisher(SupervisedThread):
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
 
-    def publish(self, items: list[Item]) -> None:
+    def publish(self, items: list[PublisherItem]) -> None:
         if items:
             self._queue.put(items)
 
@@ -246,7 +231,7 @@ class Publisher(SupervisedThread):
         covers the time until the batch reaches Redis (a busy core, a busy Redis)."""
         return lives_until - now < self.output_ttl_s + self.ttl_renew_slack_s / 2
 
-    def _take(self) -> list[Item] | None:
+    def _take(self) -> list[PublisherItem] | None:
         """The next queued items, coalesced: one round trip for several steps when behind."""
         try:
             first = self._queue.get(timeout=0.5)
@@ -267,7 +252,7 @@ class Publisher(SupervisedThread):
             batch.extend(more)
 
     def _prepare(
-        self, batch: list[Item]
+        self, batch: list[PublisherItem]
     ) -> list[Publication | Rejection | HandOn | SharePrefix]:
         """Detokenize, apply stop strings, and drop output of requests already ended here
         (a request whose first token completed a stop string is not handed on: it ended)."""

@@ -8,33 +8,12 @@ asked to abort it, and tokens it produced meanwhile are dropped.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from producer.wire.completion import FinishReason
-from producer.wire.params import SamplingParams
 from producer.wire.protocol import FinalEntry
 from worker.engine.output_processor import RequestOutputState
 from worker.engine.tokenizer import Tokenizer
-
-
-@dataclass
-class Forget:
-    """Stop following a request without a final (another worker owns it now)."""
-
-    request_id: str
-
-
-@dataclass
-class Track:
-    """Start following a request: its parameters and where its entry came from."""
-
-    request_id: str
-    params: SamplingParams
-    num_prompt_tokens: int
-    ack: tuple[str, str]
-    # A resumed request: the tokens and text an earlier worker already published.
-    published_token_ids: list[int] | None = None
-    published_text: str = ""
+from worker.fleet.messages import Forget, Track
 
 
 class TextStage:

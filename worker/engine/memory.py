@@ -1,0 +1,89 @@
+"""An engine's place: the device and precision it runs in, set up for it (process-wide
+settings made before its model loads), and the KV memory it lays out there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore import BlockPool, KVCacheManager, blocks_for
+from kvstore.kv_tensors import PagedKVCache
+from worker.attention.torch_backend import keep_cudnn_attention_off
+from worker.engine.config import EngineConfig
+from worker.host.allocator import keep_large_allocations_in_heap
+from worker.host.device import engine_device, engine_dtype
+
+if TYPE_CHECKING:
+    from worker.models.config import ModelConfig
+
+
+def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The engine's device and dtype, and the process-wide settings for them, made before
+    its model loads."""
+    device = engine_device(config.device)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    if device.type == "cpu" and config.tune_host_allocator:
+        keep_large_allocations_in_heap()
+    if device.type == "cuda":
+        keep_cudnn_attention_off()  # a plan per shape: 12x the decode step (its docstring)
+    if device.type == "cpu":
+        # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
+        from worker.host.cpu_kernels import paged_decode_kernel
+
+        paged_decode_kernel()
+    return device, engine_dtype(config.dtype, device)
+
+
+@dataclass
+class KVMemory:
+    """An engine's KV: the device pool, and the host tier preempted requests swap to."""
+
+    cache: PagedKVCache
+    pool: BlockPool
+    # None: no swapping (recompute preemption, or no host memory given to it).
+    host_cache: PagedKVCache | None
+    host_pool: BlockPool | None
+    # The block tables, prefix cache and swap bookkeeping over both pools.
+    manager: KVCacheManager
+
+    def stats(self) -> dict[str, int]:
+        """Gauges of both pools now, and prefix cache evictions since start."""
+        host = self.host_pool
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_cached": self.pool.num_cached,
+            "host_blocks_total": host.num_blocks if host else 0,
+            "host_blocks_used": host.num_used if host else 0,
+            "prefix_cache_evictions": self.pool.num_evictions,
+        }
+
+
+def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
+              dtype: torch.dtype, max_model_len: int) -> KVMemory:
+    """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks)."""
+    def tensors(num_blocks: int, on: torch.device, pin: bool = False) -> PagedKVCache:
+        return PagedKVCache(model.num_hidden_layers, num_blocks, config.block_size,
+                            model.num_key_value_heads, model.head_dim, dtype, on, pin)
+
+    per_block = PagedKVCache.bytes_per_block(model.num_hidden_layers, config.block_size,
+                                             model.num_key_value_heads, model.head_dim, dtype)
+    # No more than max_num_seqs full-length sequences use.
+    useful = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
+    num_blocks = config.num_kv_blocks or max(
+        1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
+    swap_blocks = (config.swap_blocks if config.swap_blocks is not None
+                   else int(config.swap_space_gib * 2**30) // per_block)
+    if config.preemption_mode == "recompute":
+        swap_blocks = 0
+    pool = BlockPool(num_blocks, shuffle_seed=config.block_shuffle_seed)
+    host_pool = BlockPool(swap_blocks) if swap_blocks else None
+    manager = KVCacheManager(pool, config.block_size, host_pool=host_pool,
+                             enable_prefix_caching=config.enable_prefix_caching,
+                             watermark_blocks=max(1, num_blocks // 100))
+    host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda")
+                  if swap_blocks else None)
+    return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager)

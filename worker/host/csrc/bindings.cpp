@@ -1,5 +1,7 @@
 // Python names of the CPU kernels (loaded by worker/cpu_kernels.py).
 
+#include <torch/extension.h>
+
 #include "kernels.h"
 #include "linear.h"
 #include "packed_linear.h"

@@ -58,10 +58,11 @@ class Engine:
             keep_cudnn_attention_off()  # a plan per shape: 12x the decode step (its docstring)
         self.dtype = engine_dtype(cfg, self.device)
         if self.device.type == "cpu":
-            # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
-            from worker.host.cpu_kernels import paged_decode_kernel
+            # The CPU kernels now, not mid-step; where not built yet, the torch path for this
+            # process's life while they build in the background.
+            from worker.host.cpu_kernels import engine_kernels
 
-            paged_decode_kernel()
+            engine_kernels()
         self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
         if self.device.type == "cpu":

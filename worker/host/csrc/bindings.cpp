@@ -1,6 +1,8 @@
 // Python names of the CPU kernels (loaded by worker/cpu_kernels.py).
 
-#include <torch/extension.h>
+// pybind11 with torch's Tensor casters, not all of torch (<torch/extension.h>, whose parse
+// was most of the build's time).
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 #include "linear.h"

@@ -58,8 +58,6 @@ HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_li
                                          "packed_linear.h", "linear.h", "vec.h",
                                          "each_task.h", "step_team.h", "tensor_api.h")]
 ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
-# A build lock older than this was left by a build that died: torch would wait on it forever.
-STALE_LOCK_S = 600.0
 
 # The builder process's niceness: an engine serving on the torch path meanwhile goes first.
 BUILDER_NICENESS = 10
@@ -172,7 +170,10 @@ def _load_or_start_build() -> Any | None:
     folder = build_folder()
     state = start_in_background(folder, _spawn_builder)
     if state == READY:
-        return _build_now()
+        module = _build_now()
+        log.info("CPU kernels built: serving with them" if module is not None else
+                 "CPU kernels did not load; serving on the torch path")
+        return module
     if state == FAILED_STATE:
         log.warning("cpu kernels unavailable; decodes use torch ops",
                     error=_first_line(folder.failure() or ""))
@@ -208,7 +209,7 @@ def _build_locked(folder: BuildFolder) -> Any | None:
 def _compile(folder: Path) -> Any:
     from torch.utils import cpp_extension
 
-    _clear_stale_lock(folder)
+    _clear_torch_lock(folder)
     started = time.monotonic()
     with _first_on_path(_ninja()):
         module = cpp_extension.load(
@@ -292,14 +293,13 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _clear_stale_lock(folder: Path) -> None:
+def _clear_torch_lock(folder: Path) -> None:
+    """Remove torch's own build lock, left by a build that died: under ours nobody else
+    builds, and torch would wait on it forever."""
     lock = folder / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            log.warning("removed a stale build lock", path=str(lock))
-    except FileNotFoundError:
-        pass
+    if lock.exists():
+        lock.unlink(missing_ok=True)
+        log.warning("removed a build lock a dead build left", path=str(lock))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,3 +188,18 @@ def test_an_engine_whose_kernels_are_not_built_starts_on_torch_with_the_same_gre
     assert native_steps == 0 and loader.cpu_kernels() is None  # it served on the torch path
     assert len(builder.threads) == 1 and compiled == []  # and left the build to a builder
     assert torch_tokens == kernel_tokens
+
+
+def test_the_background_builder_is_a_process_of_its_own_that_takes_the_lock_along(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    # Switched off in the builder it starts (the environment is inherited): it builds
+    # nothing, so the test sees the lock handed over and let go, not a minutes-long build.
+    monkeypatch.setenv(loader.ENV_SWITCH, "0")
+    folder = loader.build_folder()
+    assert start_in_background(folder, loader._spawn_builder) == STARTED
+    assert not loader.wait_for_build()  # waited for the builder to exit; it built nothing
+    assert "cpu kernels: unavailable" in folder.log.read_text()
+    fd = folder.try_lock()
+    assert fd is not None
+    os.close(fd)

@@ -99,7 +99,7 @@ fi
 echo "setup: installing conveyor with its worker, redis-server and dev extras" >&2
 pip install -e ".[worker,redis-server,gateway,dev]"
 "$VENV/bin/python" -c "import torch, producer, worker" # fails loudly if the install did not take
-# Build the CPU attention kernel now rather than in the first engine that wants it (about
-# 30 s). Where it cannot be built, attention keeps to the torch path: not an error.
-"$VENV/bin/python" -m worker.host.cpu_kernels >&2 || true
+# Start the CPU kernels' build in the background: engines serve on the torch path until it
+# is done, the tests wait for it. Where they cannot be built, the torch path: not an error.
+"$VENV/bin/python" -m worker.host.cpu_kernels --background >&2 || true
 echo "$want" > "$STAMP"

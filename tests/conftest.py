@@ -14,6 +14,10 @@ def pytest_configure(config):
     except ImportError:
         return
     torch.set_num_threads(1)
+    # The suite's engines build (or wait for) the CPU kernels rather than serve on torch.
+    from worker.host.cpu_kernels import engines_wait_for_build
+
+    engines_wait_for_build()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """The CPU kernels (worker/host/cpu_kernels.py) in the tests: a test that needs them skips on a
 developer's machine that cannot build them (no C++ compiler) and fails under CI=true, where
-scripts/setup.sh builds them, so a skip would hide untested kernels."""
+they must build, so a skip would hide untested kernels. The session builds them, or waits for
+the background build scripts/setup.sh starts: its engines too (conftest.py), never quietly
+serving on the torch path meanwhile."""
 
 from __future__ import annotations
 

@@ -114,9 +114,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def bench_cmd(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; writes results.json and plots."""
+    from worker.host.cpu_kernels import cpu_kernels
     from worker.modelgen.ensure import ensure_model
 
     _check(args)
+    cpu_kernels()  # built before any worker starts: none measures the torch path meanwhile
     model_dir = ensure_model(args.model, "tiny" if args.quick else "small")
     config = json.loads((model_dir / "config.json").read_text())
     items = workloads.build_workload(args.workload, args.requests, config["vocab_size"],

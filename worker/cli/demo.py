@@ -44,6 +44,39 @@ def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path,
         time.sleep(0.2)
 
 
+def start_kernel_build() -> bool:
+    """Start the CPU kernels' build in the background where they are not built, and say which
+    path the demo's worker serves on; whether a build is running."""
+    from worker.host import kernel_build
+    from worker.host.cpu_kernels import build_folder, start_background_build
+
+    state = start_background_build()
+    if state == kernel_build.READY:
+        print("CPU kernels built: the worker serves with them", flush=True)
+    elif state in (kernel_build.STARTED, kernel_build.BUILDING):
+        print("CPU kernels building in the background; serving on the torch path "
+              f"(build log: {build_folder().log})", flush=True)
+        return True
+    else:
+        print(f"CPU kernels {'switched off' if state == 'off' else 'unavailable'}: "
+              "serving on the torch path", flush=True)
+    return False
+
+
+def finish_kernel_build() -> None:
+    """Wait for the CPU kernels' background build, so that the next start uses them."""
+    from worker.host.cpu_kernels import build_folder, wait_for_build
+
+    print("waiting for the CPU kernels' build to finish (the next start uses them) ...",
+          flush=True)
+    started = time.monotonic()
+    built = wait_for_build()
+    waited = time.monotonic() - started
+    print(f"CPU kernels built (waited {waited:.1f} s): the next `conveyor demo` uses them"
+          if built else f"CPU kernels could not be built (log: {build_folder().log}); "
+          "demos keep to the torch path", flush=True)
+
+
 def _prompts(rng: random.Random, num_questions: int, count_tokens: Callable[[str], int],
              max_model_len: int) -> list[tuple[str, int]]:
     """Short questions, then one long document cut to fit the served model's length."""

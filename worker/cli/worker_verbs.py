@@ -226,11 +226,14 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def demo_cmd(args: argparse.Namespace) -> int:
     from producer.redis.server import ensure_running
-    from worker.cli.demo import run_demo
+    from worker.cli.demo import finish_kernel_build, run_demo, start_kernel_build
 
+    building = start_kernel_build()  # first: it compiles while the model is made and served
     model_dir = ensure_model(args.model)
     redis_url = args.redis or ensure_running()
     run_demo(model_dir, redis_url, num_questions=args.requests, threads=args.threads)
+    if building:
+        finish_kernel_build()
     if not args.redis:
         print("the embedded Redis keeps running for later commands; stop it with "
               "`conveyor redis stop`")

@@ -30,10 +30,11 @@ def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     if device.type == "cuda":
         keep_cudnn_attention_off()  # a plan per shape: 12x the decode step (its docstring)
     if device.type == "cpu":
-        # Load (or build, once per machine) the CPU decode kernel now, not mid-step.
-        from worker.host.cpu_kernels import paged_decode_kernel
+        # The CPU kernels now, not mid-step; where not built yet, the torch path for this
+        # process's life while they build in the background.
+        from worker.host.cpu_kernels import engine_kernels
 
-        paged_decode_kernel()
+        engine_kernels()
     return device, engine_dtype(config.dtype, device)
 
 

@@ -75,7 +75,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
               "logits are a float32 [rows, vocab] CPU tensor with vocab > 0");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   for_each_task<NoScratch>(rows, [&](int64_t r, NoScratch&) { o[r] = argmax_row(x + r * n, n); });

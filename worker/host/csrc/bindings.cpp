@@ -1,5 +1,9 @@
 // Python names of the CPU kernels (loaded by worker/cpu_kernels.py).
 
+// pybind11 with torch's Tensor casters, not all of torch (<torch/extension.h>, whose parse
+// was most of the build's time).
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
 #include "linear.h"
 #include "packed_linear.h"

@@ -2,7 +2,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <vector>
 

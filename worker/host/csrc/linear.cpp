@@ -3,6 +3,7 @@
 #include "linear.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
 
 #include <optional>
 #include <string>

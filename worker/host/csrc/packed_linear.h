@@ -20,7 +20,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <functional>
 

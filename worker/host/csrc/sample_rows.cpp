@@ -316,7 +316,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
   top_k = top_k.to(at::kLong).contiguous();
   min_p = min_p.to(at::kDouble).contiguous();
   draws = draws.to(at::kDouble).contiguous();
-  torch::Tensor picks = torch::empty({rows}, logits.options().dtype(at::kLong));
+  torch::Tensor picks = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* xp = logits.data_ptr<float>();
   const double* tp = temperature.data_ptr<double>();
   const double* pp = top_p.data_ptr<double>();

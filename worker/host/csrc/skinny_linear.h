@@ -11,7 +11,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 namespace conveyor {
 

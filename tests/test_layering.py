@@ -242,7 +242,11 @@ def test_the_kv_tiers_redis_module_loads_no_torch():
     # Workers and tools that only move tier bytes need not load torch for it.
     imported, loaded = probe("kvstore.tier.redis_tier")
     assert_none_of({"torch"}, loaded, "kvstore.tier.redis_tier")
-    assert own_packages(loaded) <= {"kvstore"}
+    # Its key names come from the one key builder (producer.wire.keys), a shared wire type
+    # like the scheduler's: exactly producer.wire, nothing else of the producer.
+    assert own_packages(loaded) <= {"kvstore", "producer.wire", "producer"}
+    assert not {n for n in loaded if n.startswith("producer.") and
+                not n.startswith("producer.wire")}
 
 
 # The house's size rules: a reader finds a thing by its folder, and one job per file.

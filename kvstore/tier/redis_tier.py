@@ -35,6 +35,7 @@ from kvstore.tier.header import (
     TierRefused,
     checksum,
 )
+from producer.wire.keys import Keys
 
 DEFAULT_CHUNK_BYTES = 512 * 1024
 DEFAULT_TTL_S = 600
@@ -56,7 +57,7 @@ class RedisKVTier:
             raise ValueError("ttl_s, max_bytes and chunk_bytes must be >= 1 and "
                              "maxmemory_fraction in (0, 1]")
         self.client = client
-        self.ns = namespace
+        self.keys = Keys(namespace)
         self.ttl_ms = ttl_s * 1000
         self.max_bytes = max_bytes
         self.chunk_bytes = chunk_bytes
@@ -67,10 +68,10 @@ class RedisKVTier:
     # ----- keys -----
 
     def header_key(self, name: str) -> str:
-        return f"{self.ns}:kv:{{{name}}}:h"
+        return self.keys.kv_header(name)
 
     def chunk_key(self, name: str, index: int) -> str:
-        return f"{self.ns}:kv:{{{name}}}:c{index}"
+        return self.keys.kv_chunk(name, index)
 
     # ----- the interface -----
 
@@ -155,7 +156,7 @@ class RedisKVTier:
     # ----- room -----
 
     def bytes_key(self, bucket: int) -> str:
-        return f"{self.ns}:kv:bytes:{bucket}"
+        return self.keys.kv_bytes(bucket)
 
     def _bucket(self, t: float) -> int:
         return int(t // self.bucket_s)

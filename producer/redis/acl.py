@@ -19,36 +19,40 @@ ROLES = ("producer", "worker", "observer")
 VERSIONS = (7, 6)
 
 
-def _producer_selectors(ns: str) -> list[tuple[list[str], list[str]]]:
+def _producer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
     """(key patterns, commands) of each producer selector on Redis 7, with why."""
     return [
         # Submit: XADD to a lane, or FCALL conveyor_add_if_room for max_queue, which
         # counts the lane and its handoff stream (EXISTS, XINFO GROUPS, XLEN) and XADDs to
         # the lane as this user. Lane depths: XLEN, XINFO GROUPS. No XRANGE/XREAD/XINFO
         # STREAM: other producers' prompts stay unread; no XADD to a handoff stream.
-        ([f"~{ns}:req:*"], ["xadd"]),
-        ([f"~{ns}:req:*", f"~{ns}:handoff:*"], ["fcall", "exists", "xinfo|groups", "xlen"]),
+        ([f"~{k.requests_pattern}"], ["xadd"]),
+        ([f"~{k.requests_pattern}", f"~{k.handoff_pattern}"],
+         ["fcall", "exists", "xinfo|groups", "xlen"]),
         # Stream, result, follow_many; XREVRANGE for the last entry when resuming. Read
         # only: a producer cannot forge another request's tokens or final.
-        ([f"%R~{ns}:out:*"], ["xread", "xrevrange"]),
+        ([f"%R~{k.output_pattern}"], ["xread", "xrevrange"]),
         # Cancel: the marker (write only), with its announcement (PUBLISH, below).
-        ([f"%W~{ns}:cancelled:*"], ["set"]),
+        ([f"%W~{k.cancelled_pattern}"], ["set"]),
         # Models and their tokenizers, live workers: sets and hashes, never SCAN.
-        ([f"%R~{ns}:model:*", f"%R~{ns}:models", f"%R~{ns}:worker:*", f"%R~{ns}:workers"],
-         ["hget", "hgetall", "smembers", "exists"]),
+        ([f"%R~{p}" for p in _fleet(k)], ["hget", "hgetall", "smembers", "exists"]),
         # A request for a model nobody registered (allow_unregistered): noted for `top`.
-        ([f"%W~{ns}:requested"], ["sadd"]),
+        ([f"%W~{k.requested}"], ["sadd"]),
     ]
 
 
-def _observer_selectors(ns: str) -> list[tuple[list[str], list[str]]]:
+def _observer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
     """(key patterns, commands) of each observer (`conveyor top`) selector on Redis 7."""
     return [
         # Counts only, never an entry: of the lanes and of the handoff streams.
-        ([f"~{ns}:req:*", f"~{ns}:handoff:*"], ["xlen", "xinfo|groups"]),
-        ([f"%R~{ns}:model:*", f"%R~{ns}:models", f"%R~{ns}:worker:*", f"%R~{ns}:workers",
-          f"%R~{ns}:requested"], ["hgetall", "smembers"]),
+        ([f"~{k.requests_pattern}", f"~{k.handoff_pattern}"], ["xlen", "xinfo|groups"]),
+        ([f"%R~{p}" for p in (*_fleet(k), k.requested)], ["hgetall", "smembers"]),
     ]
+
+
+def _fleet(k: Keys) -> list[str]:
+    """The models and the live workers: what every role reads."""
+    return [k.model_pattern, k.models, k.worker_pattern, k.workers]
 
 
 # Commands a producer sends on Redis 6.2 (one key list for all), and why.
@@ -107,19 +111,18 @@ def _check(role: str, version: int) -> None:
 def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
     """Glob patterns of the keys ``role`` may touch, whatever the command (Redis 6.2 rules)."""
     _check(role, 6)
-    ns = Keys(namespace).ns
-    fleet = [f"{ns}:model:*", f"{ns}:models", f"{ns}:worker:*", f"{ns}:workers"]
+    k = Keys(namespace)
     if role == "producer":
         # The handoff streams: submit(max_queue=...) counts them (their XADD stays open
         # on 6.2, where one key list serves every command).
-        return [f"{ns}:req:*", f"{ns}:handoff:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet,
-                f"{ns}:requested"]
+        return [k.requests_pattern, k.handoff_pattern, k.output_pattern, k.cancelled_pattern,
+                *_fleet(k), k.requested]
     if role == "worker":
-        # {ns}:kv:* (the fleet KV tier) is the workers' alone: KV reveals prompts, and a
+        # The fleet KV tier's keys are the workers' alone: KV reveals prompts, and a
         # planted block would poison every output computed from it.
-        return [f"{ns}:req:*", f"{ns}:out:*", f"{ns}:cancelled:*", *fleet, f"{ns}:dead",
-                f"{ns}:isolated:*", f"{ns}:kv:*", f"{ns}:handoff:*"]
-    return [f"{ns}:req:*", f"{ns}:handoff:*", *fleet, f"{ns}:requested"]
+        return [k.requests_pattern, k.output_pattern, k.cancelled_pattern, *_fleet(k), k.dead,
+                k.isolated_pattern, k.kv_pattern, k.handoff_pattern]
+    return [k.requests_pattern, k.handoff_pattern, *_fleet(k), k.requested]
 
 
 def acl_rules(role: str, namespace: str = "conveyor", version: int = 7) -> list[str]:
@@ -127,11 +130,11 @@ def acl_rules(role: str, namespace: str = "conveyor", version: int = 7) -> list[
     ``user <name> reset on >PASSWORD`` in an ACL file): its keys, its channel, its commands.
     ``version`` 7 uses selectors (Redis >= 7); 6 gives the rules Redis 6.2 accepts."""
     _check(role, version)
-    ns = Keys(namespace).ns  # validates the namespace
+    keys = Keys(namespace)  # validates the namespace
     # resetchannels: Redis 6.2 starts a reset user with every channel (acl-pubsub-default).
     channels = ["resetchannels"]
     if role != "observer":
-        channels.append(f"&{Keys(namespace).cancel_channel}")
+        channels.append(f"&{keys.cancel_channel}")
     if version == 6 or role == "worker":
         commands = {"producer": PRODUCER_COMMANDS_6, "worker": WORKER_COMMANDS,
                     "observer": OBSERVER_COMMANDS_6}[role]
@@ -141,9 +144,9 @@ def acl_rules(role: str, namespace: str = "conveyor", version: int = 7) -> list[
                 *(f"+{c}" for c in commands)]
     # Redis 7: the user itself has no keys; each selector grants commands on its keys.
     if role == "producer":
-        own, selectors = ["ping", "multi", "exec", "discard", "publish"], _producer_selectors(ns)
+        own, selectors = ["ping", "multi", "exec", "discard", "publish"], _producer_selectors(keys)
     else:
-        own, selectors = ["ping"], _observer_selectors(ns)
+        own, selectors = ["ping"], _observer_selectors(keys)
     return ["resetkeys", *channels, "-@all", *(f"+{c}" for c in own),
             *(_selector(keys, commands) for keys, commands in selectors)]
 

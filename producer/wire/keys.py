@@ -1,4 +1,9 @@
-"""Every Redis key and channel name conveyor uses comes from here."""
+"""Every Redis key, key pattern and channel name conveyor uses comes from here.
+
+No other module formats a ``{ns}:`` key (tests/test_one_place.py checks the source): the
+ACL rules (producer/redis/acl.py) and the fleet KV tier (kvstore/tier/redis_tier.py) take
+theirs from :class:`Keys` too.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +46,12 @@ class Keys:
         """
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:{validate_lane(lane)}"
 
+    def old_layout_requests(self, model: str, lane: str) -> str:
+        """Where requests went before key layout 2 (``conveyor:req:tiny:interactive``, no hash
+        tag). No worker reads it: housekeeping answers what it finds there with an error
+        naming :meth:`requests` (docs/protocol.md, "Changelog")."""
+        return f"{self.ns}:req:{validate_name('model', model)}:{validate_lane(lane)}"
+
     def handoff(self, model: str, lane: str) -> str:
         """Stream of requests of one lane a prefill worker computed the prompt of, for a
         decode worker to continue (consumer group ``workers``; the KV is in the fleet tier
@@ -68,6 +79,7 @@ class Keys:
 
     @property
     def worker_pattern(self) -> str:
+        """Glob of every worker's heartbeat hash."""
         return f"{self.ns}:worker:*"
 
     @property
@@ -103,3 +115,55 @@ class Keys:
     def cancelled(self, request_id: str) -> str:
         """Marker key of a cancelled request, for workers that missed the announcement."""
         return f"{self.ns}:cancelled:{validate_request_id(request_id)}"
+
+    # ----- the fleet KV tier (kvstore/tier/redis_tier.py) -----
+
+    def kv_header(self, name: str) -> str:
+        """Header of the run of KV blocks named ``name``; hash-tagged on the name, so the
+        header and its chunks share one Redis Cluster slot."""
+        return f"{self.ns}:kv:{{{name}}}:h"
+
+    def kv_chunk(self, name: str, index: int) -> str:
+        """Chunk ``index`` of the bytes of the run of KV blocks named ``name``."""
+        return f"{self.ns}:kv:{{{name}}}:c{index}"
+
+    def kv_bytes(self, bucket: int) -> str:
+        """Counter of the bytes the KV tier stored in one time bucket."""
+        return f"{self.ns}:kv:bytes:{bucket}"
+
+    # ----- globs of key families, for ACL rules (producer/redis/acl.py) -----
+
+    @property
+    def requests_pattern(self) -> str:
+        """Every request lane, old layout included (``{ns}:req:*``)."""
+        return f"{self.ns}:req:*"
+
+    @property
+    def handoff_pattern(self) -> str:
+        """Every handoff stream."""
+        return f"{self.ns}:handoff:*"
+
+    @property
+    def output_pattern(self) -> str:
+        """Every request's output stream."""
+        return f"{self.ns}:out:*"
+
+    @property
+    def cancelled_pattern(self) -> str:
+        """Every cancellation marker."""
+        return f"{self.ns}:cancelled:*"
+
+    @property
+    def model_pattern(self) -> str:
+        """Every registered model's hash."""
+        return f"{self.ns}:model:*"
+
+    @property
+    def isolated_pattern(self) -> str:
+        """Every poison-isolation counter."""
+        return f"{self.ns}:isolated:*"
+
+    @property
+    def kv_pattern(self) -> str:
+        """Every key of the fleet KV tier."""
+        return f"{self.ns}:kv:*"

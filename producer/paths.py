@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from producer import settings
+
 
 def data_dir() -> Path:
     """``$CONVEYOR_HOME``, else ``$XDG_DATA_HOME/conveyor``, else ``~/.local/share/conveyor``."""
-    if home := os.environ.get("CONVEYOR_HOME"):
-        return Path(home)
+    if home := settings.home():
+        return home
     xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(xdg) / "conveyor"
 

@@ -50,7 +50,7 @@ def test_the_kernel_attends_like_the_torch_path(dtype, tol, heads, kv_heads, dim
     attn = TorchAttention(heads, kv_heads, dim, dim**-0.5)
     results = {}
     for switch in ("1", "0"):
-        monkeypatch.setenv("CONVEYOR_CPU_ATTENTION_KERNEL", switch)
+        monkeypatch.setenv("CONVEYOR_CPU_KERNELS", switch)
         # The new token of each sequence is its last context position; write it again.
         meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size=16)
         flat_k = k_cache.view(-1, kv_heads, dim)

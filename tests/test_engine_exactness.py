@@ -146,7 +146,7 @@ def test_greedy_float64_equals_transformers_on_the_torch_decode_path(model_facto
                                                                      monkeypatch):
     """The path decodes take where the CPU kernel is switched off or cannot be built (and on
     every other device): gathered context and fused scaled-dot-product attention."""
-    monkeypatch.setenv("CONVEYOR_CPU_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "0")
     model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
     settings, arrival = PATHS["chunked-shuffled-nan"]
     engine = Engine(model_dir, dtype="float64", **settings)

@@ -13,12 +13,14 @@ from model_fixtures import KINDS, VOCAB, write_checkpoint
 
 import worker.host.cpu_kernels as kernel_loader
 from kvstore.kv_tensors import PagedKVCache
+from producer.settings import CPU_DECODE_LAYERS, CPU_MATMUL
 from worker.attention.metadata import AttentionMetadata
 from worker.host.cpu_kernels import cpu_kernels, decode_layers_kernel
 from worker.models import load_model, native_decode
-from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
 from worker.models.linear import linear
-from worker.models.native_decode import ENV_SWITCH
+
+ENV_SWITCH = CPU_DECODE_LAYERS.name
+MATMUL_SWITCH = CPU_MATMUL.name
 
 kernel = decode_layers_kernel()
 

@@ -129,3 +129,45 @@ def test_no_module_but_the_key_builder_formats_a_conveyor_key():
 def test_the_key_builder_itself_is_seen_formatting_keys():
     # The rule's positive case on the real tree: were the checker blind, this would fail.
     assert formatted_keys(KEY_BUILDER.read_text())
+
+
+# ----- environment switches: named in producer/settings.py alone -----
+
+_SWITCH_NAME = re.compile("CONVEYOR_")
+
+
+def named_switches(source: str) -> list[int]:
+    """Line numbers of string literals (docstrings apart) that name a CONVEYOR_ variable:
+    code that reads, sets or spells out a switch itself instead of asking the settings."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if (text := _str(node)) is not None and id(node) not in docstrings
+                   and _SWITCH_NAME.search(text)})
+
+
+@pytest.mark.parametrize("snippet", [
+    'flag = os.environ.get("CONVEYOR_CPU_KERNELS", "1")',
+    'os.environ["CONVEYOR_CPU_MATMUL"] = "blas"',
+    'url = os.getenv(f"CONVEYOR_{what}")',
+    'help = "default: $CONVEYOR_REDIS_URL"',
+])
+def test_the_switch_checker_catches_a_variable_named_anywhere(snippet):
+    assert named_switches(snippet) == [1]
+
+
+def test_the_switch_checker_lets_docstrings_and_comments_be():
+    source = ('def f():\n    """``CONVEYOR_CPU_KERNELS=0`` turns the kernels off."""\n'
+              '    return settings.cpu_kernels()  # CONVEYOR_CPU_KERNELS\n')
+    assert named_switches(source) == []
+
+
+def test_nothing_outside_the_settings_module_names_a_conveyor_variable():
+    offenders = {}
+    for path in project_sources():
+        if path == SETTINGS:
+            continue
+        if lines := named_switches(path.read_text()):
+            offenders[str(path.relative_to(ROOT))] = lines
+    assert offenders == {}, "read CONVEYOR_* variables through producer.settings"
+    assert named_switches(SETTINGS.read_text())  # the rule's positive case, on the real tree

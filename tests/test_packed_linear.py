@@ -10,9 +10,12 @@ import pytest
 import torch
 from kernel_fixtures import needs_kernel
 
+from producer.settings import CPU_MATMUL
 from worker.host.cpu_kernels import cpu_kernels
 from worker.models import packed_weights
-from worker.models.linear import ENV_SWITCH, linear
+from worker.models.linear import linear
+
+ENV_SWITCH = CPU_MATMUL.name
 
 
 def _case(rows: int, n: int, k: int, seed: int):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_fixtures import kernels_missing, needs_kernel
 
-import worker.host.cpu_kernels as kernel_loader
+from producer.settings import CPU_KERNELS
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import GenerationRequest
 from worker.host.cpu_kernels import penalize_kernel, sample_rows_kernel
@@ -22,6 +22,8 @@ from worker.sampling.penalties import apply_penalties
 from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
 from worker.sampling.subsets import RowSubsets
+
+KERNELS_SWITCH = CPU_KERNELS.name
 
 DRAWS = 4000
 kernel = sample_rows_kernel()
@@ -35,7 +37,7 @@ def draw_path(request, monkeypatch):
         if kernel is None:
             kernels_missing()
     else:
-        monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")
+        monkeypatch.setenv(KERNELS_SWITCH, "0")
         assert sample_rows_kernel() is None
     return request.param
 
@@ -245,7 +247,7 @@ def test_the_penalty_kernel_changes_the_logits_as_the_torch_path_does(monkeypatc
     logits = torch.randn(len(rows), 300, generator=generator) * 4
     native = logits.clone()
     apply_penalties(native, step.penalties)
-    monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")
+    monkeypatch.setenv(KERNELS_SWITCH, "0")
     assert penalize_kernel() is None
     plain = logits.clone()
     apply_penalties(plain, step.penalties)
@@ -375,7 +377,7 @@ def test_a_top_k_of_the_whole_vocabulary_cuts_nothing_and_rows_laid_out_for_anot
     """Subsets are worked out before the logits exist, from the width the runner gives: a
     top-k at or past it is no cut (topk could not take it), and logits of another width are
     refused rather than filtered by the wrong subsets."""
-    monkeypatch.setenv(kernel_loader.ENV_SWITCH, "0")  # the torch path, CUDA's
+    monkeypatch.setenv(KERNELS_SWITCH, "0")  # the torch path, CUDA's
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     rows = [row(seed=1, temperature=1.0, top_k=100), row(seed=2, temperature=1.0, top_k=50)]
     step = step_rows(SamplingRows(), ["a", "b"], rows, logits.device, 50)

@@ -13,10 +13,13 @@ from kernel_fixtures import needs_kernel
 from model_fixtures import KINDS, VOCAB, write_checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from producer.settings import CPU_DECODE_LAYERS, CPU_MATMUL, CPU_STEP_TEAM
 from worker.host.cpu_kernels import cpu_kernels
 from worker.models import load_model
-from worker.models.linear import ENV_SWITCH as MATMUL_SWITCH
-from worker.models.native_decode import ENV_SWITCH, TEAM_SWITCH
+
+ENV_SWITCH = CPU_DECODE_LAYERS.name
+MATMUL_SWITCH = CPU_MATMUL.name
+TEAM_SWITCH = CPU_STEP_TEAM.name
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,11 @@ import worker.attention.metadata as metadata_module
 import worker.attention.torch_backend as torch_backend
 import worker.engine.model_runner as model_runner
 import worker.sampling.sampler as sampler_module
+from producer.settings import CPU_KERNELS
 from worker import Engine
-from worker.host.cpu_kernels import ENV_SWITCH
 from worker.host.step_upload import StepUpload
+
+ENV_SWITCH = CPU_KERNELS.name
 
 
 def test_packed_arrays_come_back_with_their_values_shapes_and_dtypes():

@@ -11,10 +11,12 @@ from model_fixtures import write_checkpoint
 from safetensors.torch import load_file
 
 from kvstore.kv_tensors import PagedKVCache
+from producer.settings import CPU_DECODE_LAYERS
 from worker.attention.metadata import AttentionMetadata
 from worker.models import load_model
-from worker.models.native_decode import ENV_SWITCH
 from worker.models.weight_arena import joined
+
+ENV_SWITCH = CPU_DECODE_LAYERS.name
 
 
 @pytest.fixture(scope="module")

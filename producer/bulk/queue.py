@@ -4,7 +4,6 @@ running job uses to reach the fleet."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 from urllib.parse import quote
 
@@ -13,13 +12,12 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from producer import settings
 from producer.bulk import defaults
 from producer.client.connection import connect
 
 # Where another service (or `rq enqueue`) finds the analysis job.
 ANALYZE_FUNC = "producer.bulk.analyze_document"
-# The environment variable conveyor's CLI reads for its Redis URL; jobs honour it too.
-REDIS_URL_ENV = "CONVEYOR_REDIS_URL"
 
 
 def bulk_queue(url: str | None = None, name: str = defaults.DEFAULT_QUEUE, *,
@@ -96,7 +94,7 @@ def fleet_url_for(connection: redis.Redis) -> str:
 def fleet_connection(redis_url: str | None, job: Job | None) -> redis.Redis:
     """The connection an analysis job reaches the fleet with: ``redis_url`` if given, else
     ``$CONVEYOR_REDIS_URL``, else the server the job itself came from, else the embedded one."""
-    url = redis_url or os.environ.get(REDIS_URL_ENV)
+    url = redis_url or settings.redis_url()
     if url is None and job is not None:
         url = fleet_url_for(job.connection)
     return connect(url)

@@ -9,12 +9,14 @@ import random
 
 import pytest
 
+from producer.settings import CPU_DECODE_LAYERS
 from worker import Engine, SamplingParams
 from worker.bench.decode_step import kv_buffers, matmul_seconds, read_seconds, weight_shapes
 from worker.bench.sampling_steps import MODES, decoding_engine
 from worker.bench.step_overhead import HostStep, busy_scheduler
 from worker.host.cpu_kernels import decode_layers_kernel
-from worker.models.native_decode import ENV_SWITCH
+
+ENV_SWITCH = CPU_DECODE_LAYERS.name
 
 
 def test_bench_schedule_256_running_1000_waiting(benchmark):

@@ -25,7 +25,6 @@ and prints the step's floor, its own matmuls plus that read.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -34,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from producer import settings
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
 from worker.host.long_lived import long_lived_frozen
 from worker.models import packed_weights
 from worker.models.linear import linear
-from worker.models.native_decode import ENV_SWITCH
 
 
 def weight_shapes(config) -> list[tuple[int, int]]:
@@ -97,13 +96,10 @@ def read_seconds(buffers: list[torch.Tensor]) -> float:
 
 def step_seconds(engine, native: bool) -> float:
     """One engine step, with the native decode layers on or off."""
-    os.environ[ENV_SWITCH] = "1" if native else "0"
-    try:
+    with settings.overridden(settings.CPU_DECODE_LAYERS, "1" if native else "0"):
         start = time.perf_counter()
         engine.step()
         return time.perf_counter() - start
-    finally:
-        os.environ.pop(ENV_SWITCH)
 
 
 def measure(engine, batch: int, rounds: int) -> dict[str, float]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from producer import settings
 from producer.client.connection import describe
 from producer.redis import server as redis_server
 
 ACTIONS = ("run", "stop", "status", "setup")
-REDIS_URL_ENV = "CONVEYOR_REDIS_URL"
+REDIS_URL_ENV = settings.REDIS_URL.name
 
 # `conveyor redis status` exit codes, as init scripts use them: 0 running, 3 not running.
 STATUS_NOT_RUNNING = 3
@@ -23,7 +23,7 @@ def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis",
         metavar="URL",
-        default=os.environ.get(REDIS_URL_ENV),
+        default=settings.redis_url(),
         help="Redis >= 6.2 or Valkey: redis://[user:password@]host:port/db, rediss:// (TLS) "
         f"or unix:///path.sock (default: ${REDIS_URL_ENV}, else the embedded server)",
     )
@@ -104,7 +104,7 @@ def run_redis_cmd(args: argparse.Namespace) -> int:
 def setup_url(args: argparse.Namespace) -> str | None:
     """`redis setup`'s Redis: --redis (before or after the verb), else $CONVEYOR_REDIS_URL, else
     None (the embedded server)."""
-    return getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV)
+    return getattr(args, "redis", None) or settings.redis_url()
 
 
 def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> int:

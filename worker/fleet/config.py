@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from producer import settings
 from producer.defaults import MAX_BLOCK_MS
 from producer.wire.keys import validate_name
 from worker.engine.config import EngineConfig
@@ -84,8 +85,7 @@ class WorkerConfig:
     # step (docs/benchmarks.md, "Fleet vs `--offline` throughput").
     # CONVEYOR_BATCH_PUBLISHER=1 puts it under SCHED_BATCH too (to compare).
     batch_publisher: bool = field(
-        default_factory=lambda: os.environ.get("CONVEYOR_BATCH_PUBLISHER", "0").strip().lower()
-        in ("1", "true", "yes", "on"))
+        default_factory=settings.batch_publisher)
     # On a CPU engine whose one or two OpenMP threads fill the process's CPUs (one to spare
     # at most), pin each to a CPU of its own and the I/O threads beside the last
     # (worker/host/cpu_placement.py). Off by default here, where several workers may share a

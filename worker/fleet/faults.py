@@ -12,16 +12,17 @@ import os
 import signal
 from collections.abc import Callable
 
+from producer import settings
+
 # Runs on every admission with the request's prompt token ids.
 AdmissionHook = Callable[[list[int]], None]
 
 
 def admission_fault_hook() -> AdmissionHook | None:
     """The fault to inject at each admission, or None when none is configured."""
-    value = os.environ.get("CONVEYOR_FAULT_KILL_ON_TOKEN")
-    if value is None:
+    poison = settings.fault_kill_on_token()
+    if poison is None:
         return None
-    poison = int(value)
 
     def kill_on_poison(prompt_token_ids: list[int]) -> None:
         if poison in prompt_token_ids:

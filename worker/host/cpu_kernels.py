@@ -17,8 +17,8 @@ serves on the torch path for its process's life while one background process per
 builds it (worker/host/kernel_build.py), and the next start loads it. A direct user of the
 kernels (``cpu_kernels``: a benchmark, a kernel's test, the command above) builds them, or
 waits for the background build. Where they cannot be built (no C++ compiler, no ninja), or
-with ``CONVEYOR_CPU_ATTENTION_KERNEL=0``, every function here returns None, says why once in
-the log, and the engine keeps to torch ops: the same results, slower (a sampled draw is the
+with ``CONVEYOR_CPU_KERNELS=0``, every function here returns None, says why once in the
+log, and the engine keeps to torch ops: the same results, slower (a sampled draw is the
 same definition, summed in another order: where it lands within rounding of a token
 boundary, the neighbouring token may be picked).
 """
@@ -39,6 +39,7 @@ from typing import Any
 
 import structlog
 
+from producer import settings
 from worker.host.kernel_build import (
     FAILED_STATE,
     READY,
@@ -57,7 +58,6 @@ SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "packed_linear.h", "linear.h", "vec.h",
                                          "each_task.h", "step_team.h", "tensor_api.h")]
-ENV_SWITCH = "CONVEYOR_CPU_ATTENTION_KERNEL"
 
 # The builder process's niceness: an engine serving on the torch path meanwhile goes first.
 BUILDER_NICENESS = 10
@@ -69,7 +69,8 @@ _engines_wait = False
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether the kernels may be used (producer.settings.cpu_kernels)."""
+    return settings.cpu_kernels()
 
 
 def paged_decode_kernel() -> Any | None:

@@ -12,20 +12,19 @@ packed copies; anything else, and anything autograd must differentiate, runs ``F
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-ENV_SWITCH = "CONVEYOR_CPU_MATMUL"
+from producer import settings
+
 # What the kernels take for "no bias" (on the CPU, where they run).
 NO_BIAS = torch.empty(0, device="cpu")
 
 
 def blas_only() -> bool:
     """Whether ``CONVEYOR_CPU_MATMUL=blas`` keeps the CPU matmuls on the BLAS."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() == "blas"
+    return settings.cpu_matmul() == "blas"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -28,13 +28,13 @@ loop instead (to compare); both compute the same bits.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.kv_tensors import PagedKVCache
+from producer import settings
 from worker.attention.metadata import AttentionMetadata
 from worker.models import packed_weights
 from worker.models.linear import NO_BIAS, blas_only
@@ -42,9 +42,6 @@ from worker.models.weight_arena import joined
 
 if TYPE_CHECKING:
     from worker.models.llama import CausalLM
-
-ENV_SWITCH = "CONVEYOR_CPU_DECODE_LAYERS"
-TEAM_SWITCH = "CONVEYOR_CPU_STEP_TEAM"
 
 # Each model's projection weights, their parameters' versions and their packed copies, as
 # _packed_projections last made them.
@@ -61,17 +58,13 @@ _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] 
     weakref.WeakKeyDictionary())
 
 
-def _on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
-    return _on(ENV_SWITCH)
+    return settings.cpu_decode_layers()
 
 
 def team_enabled() -> bool:
     """Whether the step runs as one region with take-overs (csrc/step_team.h)."""
-    return _on(TEAM_SWITCH)
+    return settings.cpu_step_team()
 
 
 def team_takeovers() -> int:

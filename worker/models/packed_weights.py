@@ -19,11 +19,10 @@ new data afterwards.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from worker.models.linear import ENV_SWITCH, blas_only
+from producer import settings
+from worker.models.linear import blas_only
 
 # The attribute of a weight tensor that holds its packed copy (so the copy lives as long as
 # the weight), under what it was packed from: the weight's version and the address of its
@@ -38,7 +37,7 @@ SOURCES = "_conveyor_sources"
 def enabled() -> bool:
     """Whether decode matmuls take packed copies (not with ``CONVEYOR_CPU_MATMUL`` set to
     ``unpacked`` or ``blas``)."""
-    return not blas_only() and os.environ.get(ENV_SWITCH, "").strip().lower() != "unpacked"
+    return not blas_only() and settings.cpu_matmul() != "unpacked"
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor | None:

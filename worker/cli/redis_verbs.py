@@ -121,6 +121,7 @@ def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> in
             before = install_functions(client)
             if reopen:
                 _reopen_lanes(client, namespace)
+            _report_old_lanes(client, namespace)
     except (redis.ConnectionError, redis.TimeoutError):
         raise  # `conveyor`'s main says it in one line, like every verb's
     except (redis.RedisError, ValueError) as exc:
@@ -157,6 +158,30 @@ def _reopen_lanes(client: object, namespace: str) -> None:
         for lane in LANES:
             if reopen_lane(client, keys.requests(model, lane)):
                 print(f"reopened {keys.requests(model, lane)}")
+
+
+def _report_old_lanes(client: object, namespace: str) -> None:
+    """Name the lane keys of key layout 1 that hold requests (docs/protocol.md, Changelog)."""
+    import redis
+
+    from producer.client.models import member_names
+    from producer.wire.keys import LANES, Keys
+
+    keys = Keys(namespace)
+    models = set(member_names(client.smembers(keys.models)))
+    models |= set(member_names(client.smembers(keys.requested)))
+    for model in sorted(models):
+        for lane in LANES:
+            old = keys.old_layout_requests(model, lane)
+            try:
+                waiting = client.xlen(old)
+            except redis.ResponseError:  # not a stream: nothing a client of ours added
+                continue
+            if waiting:
+                print(f"{old} (key layout 1) holds {waiting} request(s) no worker reads: "
+                      f"workers of {model} answer each with an error naming "
+                      f"{keys.requests(model, lane)}, where its clients must now add them "
+                      "(docs/protocol.md, Changelog)")
 
 
 def _announce(urls: list[str]) -> None:

@@ -17,6 +17,7 @@ from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from producer.wire.replies import as_text
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release
+from worker.fleet.housekeeping.old_lanes import OldLanes
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.intake import Intake
 from worker.fleet.intake.resume import read_published
@@ -72,10 +73,14 @@ class Reaper(SupervisedThread):
         self.sweeper = ConsumerSweeper(client, worker_id, DEAD_CONSUMER_LEASES * lease_ms)
         self.housekeeping_interval_s = housekeeping_interval_s
         # Every housekeeping_interval_s: trim served entries, sweep dead consumers, prune
-        # the worker set, check for lanes closed to new requests (tick).
+        # the worker set, check for lanes closed to new requests, answer requests on the
+        # old-layout lane keys (tick).
         self._next_housekeeping = self.clock.monotonic() + housekeeping_interval_s
         # Request streams an entry at the largest id closed to new requests (check_lanes).
         self.blocked_lanes: list[str] = []
+        # Requests added to the model's lane keys of the old layout, answered (old_lanes.py).
+        self.old_lanes = OldLanes(client, keys, intake.model, worker_id,
+                                  intake.publisher.output_ttl_s)
 
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
@@ -92,6 +97,7 @@ class Reaper(SupervisedThread):
                 self.sweeper.sweep(stream)
             prune_worker_set(self.client, self.keys)
             self.check_lanes()
+            self.old_lanes.answer()
 
     def check_lanes(self) -> list[str]:
         """Note (and log, when it changes) the lanes that take no new request."""

@@ -78,7 +78,6 @@ class OldLanes:
                             new_key=self.keys.requests(self.model, lane))
                 done += sum(self.answer_entry(lane, _text(eid), fields)
                             for eid, fields in entries)
-        self.answered += done
         return done
 
     def answer_entry(self, lane: str, entry_id: str, fields: dict) -> bool:
@@ -105,6 +104,7 @@ class OldLanes:
         # because the worker's ACL already grants it (trimming served requests).
         if not self.client.xtrim(old, minid=_after(entry_id), approximate=False):
             return False
+        self.answered += 1
         item = Rejection(old, entry_id, reason, request_id, raw if isinstance(raw, bytes) else None)
         fields_out = dead_letter_fields(item, self.worker_id, now_ms())
         self.client.xadd(self.keys.dead, fields_out, maxlen=DEAD_LETTER_MAXLEN, approximate=True)

@@ -105,7 +105,7 @@ class OldLanes:
         if not self.client.xtrim(old, minid=_after(entry_id), approximate=False):
             return False
         self.answered += 1
-        item = Rejection(old, entry_id, reason, request_id, raw if isinstance(raw, bytes) else None)
+        item = Rejection(old, entry_id, reason, request_id, raw)
         fields_out = dead_letter_fields(item, self.worker_id, now_ms())
         self.client.xadd(self.keys.dead, fields_out, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         return True

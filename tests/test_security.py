@@ -61,6 +61,7 @@ from producer.wire.validation import MAX_TOKEN_ID, brief
 from worker.cli.command import build_parser
 from worker.cli.redis_verbs import run_redis_cmd
 from worker.cli.top import render, take_snapshot
+from worker.fleet.housekeeping.old_lanes import OldLanes
 
 KEYS = Keys()
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"
@@ -311,6 +312,17 @@ def test_reopening_a_lane_requeues_requests_written_after_the_blocking_entry(
         assert client.result(honest, timeout=60).finish_reason == "length"
         assert client.result(client.submit([1, 2], model=MODEL, max_tokens=1),
                              timeout=60).finish_reason == "length"
+
+
+def test_the_worker_user_may_answer_requests_on_old_layout_lane_keys(acl_server, admin):
+    old = KEYS.old_layout_requests(MODEL, "interactive")
+    admin.xadd(old, {"m": msgpack.packb({"v": 1, "id": "old-1", "model": MODEL,
+                                         "prompt_token_ids": [1], "params": {}})})
+    with connect(user_url(acl_server, "worker")) as worker:
+        assert OldLanes(worker, KEYS, MODEL, "w0", 3600).answer() == 1
+    assert refused_commands(admin) == []
+    assert admin.xlen(old) == 0 and admin.xlen(KEYS.dead) == 1
+    assert admin.xlen(KEYS.output("old-1")) == 1
 
 
 @pytest.mark.parametrize("attempt", [

@@ -14,6 +14,7 @@ import pytest
 from kernel_fixtures import needs_kernel
 
 import worker.host.cpu_kernels as loader
+from producer.settings import CPU_KERNELS
 from worker.engine.engine import Engine
 from worker.host.kernel_build import (
     BUILDING,
@@ -119,7 +120,7 @@ def fresh_process(tmp_path, monkeypatch):
     """This process as if just started, on a machine whose kernels were never built; the
     build is fake: a sentinel module, counted."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    monkeypatch.setenv(loader.ENV_SWITCH, "1")
+    monkeypatch.setenv(CPU_KERNELS.name, "1")
     monkeypatch.setattr(loader, "_loaded", {})
     monkeypatch.setattr(loader, "_engines_wait", False)
     compiled: list[str] = []
@@ -195,7 +196,7 @@ def test_the_background_builder_is_a_process_of_its_own_that_takes_the_lock_alon
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     # Switched off in the builder it starts (the environment is inherited): it builds
     # nothing, so the test sees the lock handed over and let go, not a minutes-long build.
-    monkeypatch.setenv(loader.ENV_SWITCH, "0")
+    monkeypatch.setenv(CPU_KERNELS.name, "0")
     folder = loader.build_folder()
     assert start_in_background(folder, loader._spawn_builder) == STARTED
     assert not loader.wait_for_build()  # waited for the builder to exit; it built nothing

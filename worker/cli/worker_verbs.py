@@ -14,7 +14,6 @@ from producer.paths import default_model_dir
 from worker.cli.redis_verbs import add_redis_url_option
 from worker.engine.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
-from worker.modelgen.ensure import ensure_model, make_marked
 
 
 def add_worker_parsers(subparsers: Any) -> None:
@@ -154,6 +153,7 @@ def _add_serve_parser(subparsers: Any) -> None:
 def make_model_cmd(args: argparse.Namespace) -> int:
     """Write a checkpoint and mark its folder as one make-model made; only such a folder may
     ``--force`` delete (FileExistsError, exit 2, for any other)."""
+    from worker.modelgen.ensure import make_marked  # loads torch: not at parse time
     from worker.modelgen.make_model import MARKER_FILE, is_marked_folder
 
     out = Path(args.dir) if args.dir else default_model_dir(args.preset)
@@ -178,6 +178,7 @@ def make_model_cmd(args: argparse.Namespace) -> int:
 
 def generate_cmd(args: argparse.Namespace) -> int:
     from worker import Engine, SamplingParams
+    from worker.modelgen.ensure import ensure_model  # loads torch: not at parse time
 
     engine = Engine(ensure_model(args.model), dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -195,6 +196,8 @@ def worker_cmd(args: argparse.Namespace) -> int:
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     """The WorkerConfig `conveyor worker`'s flags ask for (the model made if missing)."""
+    from worker.modelgen.ensure import ensure_model  # loads torch: not at parse time
+
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
               args.max_num_batched_tokens, "dtype": args.dtype}
     if args.num_kv_blocks:
@@ -227,6 +230,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 def demo_cmd(args: argparse.Namespace) -> int:
     from producer.redis.server import ensure_running
     from worker.cli.demo import finish_kernel_build, run_demo, start_kernel_build
+    from worker.modelgen.ensure import ensure_model  # loads torch: not at parse time
 
     building = start_kernel_build()  # first: it compiles while the model is made and served
     model_dir = ensure_model(args.model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -116,14 +116,18 @@ def test_the_key_checker_lets_other_strings_be(snippet):
     assert formatted_keys(snippet) == []
 
 
-def test_no_module_but_the_key_builder_formats_a_conveyor_key():
-    offenders = {}
+def offenders(check: Callable[[str], list[int]], exempt: Path) -> dict[str, list[int]]:
+    """The project's modules (``exempt`` apart) where ``check`` finds lines, with those lines."""
+    found = {}
     for path in project_sources():
-        if path == KEY_BUILDER:
-            continue
-        if lines := formatted_keys(path.read_text()):
-            offenders[str(path.relative_to(ROOT))] = lines
-    assert offenders == {}, "format these keys in producer/wire/keys.py (Keys)"
+        if path != exempt and (lines := check(path.read_text())):
+            found[str(path.relative_to(ROOT))] = lines
+    return found
+
+
+def test_no_module_but_the_key_builder_formats_a_conveyor_key():
+    assert offenders(formatted_keys, KEY_BUILDER) == {}, \
+        "format these keys in producer/wire/keys.py (Keys)"
 
 
 def test_the_key_builder_itself_is_seen_formatting_keys():
@@ -163,11 +167,6 @@ def test_the_switch_checker_lets_docstrings_and_comments_be():
 
 
 def test_nothing_outside_the_settings_module_names_a_conveyor_variable():
-    offenders = {}
-    for path in project_sources():
-        if path == SETTINGS:
-            continue
-        if lines := named_switches(path.read_text()):
-            offenders[str(path.relative_to(ROOT))] = lines
-    assert offenders == {}, "read CONVEYOR_* variables through producer.settings"
+    assert offenders(named_switches, SETTINGS) == {}, \
+        "read CONVEYOR_* variables through producer.settings"
     assert named_switches(SETTINGS.read_text())  # the rule's positive case, on the real tree

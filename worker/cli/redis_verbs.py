@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from producer import settings
 from producer.client.connection import describe
 from producer.redis import server as redis_server
+from producer.wire.keys import LANES, Keys
 
 ACTIONS = ("run", "stop", "status", "setup")
 REDIS_URL_ENV = settings.REDIS_URL.name
@@ -146,42 +148,42 @@ def _setup(url: str | None, print_acl: bool, reopen: bool, namespace: str) -> in
     return 0
 
 
-def _reopen_lanes(client: object, namespace: str) -> None:
+def _lanes_of_known_models(client: object, keys: Keys) -> Iterator[tuple[str, str]]:
+    """(model, lane) of every model a worker registered or a client asked for."""
     from producer.client.models import member_names
-    from producer.client.queues import reopen_lane
-    from producer.wire.keys import LANES, Keys
 
-    keys = Keys(namespace)
     models = set(member_names(client.smembers(keys.models)))
     models |= set(member_names(client.smembers(keys.requested)))
     for model in sorted(models):
         for lane in LANES:
-            if reopen_lane(client, keys.requests(model, lane)):
-                print(f"reopened {keys.requests(model, lane)}")
+            yield model, lane
+
+
+def _reopen_lanes(client: object, namespace: str) -> None:
+    from producer.client.queues import reopen_lane
+
+    keys = Keys(namespace)
+    for model, lane in _lanes_of_known_models(client, keys):
+        if reopen_lane(client, keys.requests(model, lane)):
+            print(f"reopened {keys.requests(model, lane)}")
 
 
 def _report_old_lanes(client: object, namespace: str) -> None:
     """Name the lane keys of key layout 1 that hold requests (docs/protocol.md, Changelog)."""
     import redis
 
-    from producer.client.models import member_names
-    from producer.wire.keys import LANES, Keys
-
     keys = Keys(namespace)
-    models = set(member_names(client.smembers(keys.models)))
-    models |= set(member_names(client.smembers(keys.requested)))
-    for model in sorted(models):
-        for lane in LANES:
-            old = keys.old_layout_requests(model, lane)
-            try:
-                waiting = client.xlen(old)
-            except redis.ResponseError:  # not a stream: nothing a client of ours added
-                continue
-            if waiting:
-                print(f"{old} (key layout 1) holds {waiting} request(s) no worker reads: "
-                      f"workers of {model} answer each with an error naming "
-                      f"{keys.requests(model, lane)}, where its clients must now add them "
-                      "(docs/protocol.md, Changelog)")
+    for model, lane in _lanes_of_known_models(client, keys):
+        old = keys.old_layout_requests(model, lane)
+        try:
+            waiting = client.xlen(old)
+        except redis.ResponseError:  # not a stream: nothing a client of ours added
+            continue
+        if waiting:
+            print(f"{old} (key layout 1) holds {waiting} request(s) no worker reads: "
+                  f"workers of {model} answer each with an error naming "
+                  f"{keys.requests(model, lane)}, where its clients must now add them "
+                  "(docs/protocol.md, Changelog)")
 
 
 def _announce(urls: list[str]) -> None:

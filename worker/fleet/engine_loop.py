@@ -69,11 +69,10 @@ class EngineLoop(SupervisedThread):
         # Runs on every admission's prompt (test-only fault injection, worker/fleet/faults.py);
         # None unless configured, and then admission runs nothing for it.
         self.on_admit = on_admit
-        self.engine = engine
-        self.inflight = inflight
-        self.inbox = inbox
-        self.publisher = publisher
-        self.metrics = metrics
+        # Its collaborators: the engine it steps, the requests it holds, where work comes in
+        # and where outputs and measurements go.
+        self.engine, self.inflight, self.inbox = engine, inflight, inbox
+        self.publisher, self.metrics = publisher, metrics
         self._cancel_lock = threading.Lock()
         # Requests to end at the next step, and why (cancelled, or a stop string's stop).
         self._ends: dict[str, FinishReason] = {}

@@ -1,5 +1,5 @@
 """A model folder to run: the one given, or a preset made on first use (marked, so that a
-later ``make-model --force`` may replace it).
+later ``make-model --force`` may replace it)."""
 
 from __future__ import annotations
 

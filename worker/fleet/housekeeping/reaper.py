@@ -58,12 +58,9 @@ class Reaper(SupervisedThread):
                  interval_s: float, housekeeping_interval_s: float,
                  **supervision: Any) -> None:
         super().__init__("reaper", worker_id=worker_id, interval_s=interval_s, **supervision)
-        self.client = client
-        self.keys = keys
-        self.intake = intake
-        self.inflight = inflight
-        self.lease_ms = lease_ms
-        self.max_deliveries = max_deliveries
+        # Where it reads and claims, the requests it hands back or tracks, and the lease rules.
+        self.client, self.keys, self.intake, self.inflight = client, keys, intake, inflight
+        self.lease_ms, self.max_deliveries = lease_ms, max_deliveries
         self.claimed = 0
         self.isolated = 0  # suspects served alone
         self._saw_suspect = False

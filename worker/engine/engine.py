@@ -33,7 +33,7 @@ from worker.host.device import engine_device, engine_dtype
 from worker.models import native_decode
 from worker.models.fingerprint import model_fingerprint
 from worker.models.loader import load_model
-from worker.sampling import SampleRequest, fresh_seed
+from worker.sampling import fresh_seed
 
 Prompt = str | Sequence[int]
 
@@ -160,6 +160,7 @@ class Engine:
                                         "generated_token_ids") if generated_token_ids else [])
         limit = self._token_limit(prompt_ids, params)
         self._check_lengths(prompt_ids, generated, params, limit)
+        seed = params.seed if params.seed is not None else fresh_seed()
 
         req = Request(
             request_id=request_id,
@@ -170,11 +171,12 @@ class Engine:
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             output_token_ids=list(generated),
+            sampling_params=params,
+            seed=seed,
         )
         if kv is not None:
             self._settle()  # the runner thread must not be writing blocks we are about to fill
             req.preloaded = self._hold_imported_kv(kv, len(prompt_ids) + len(generated))
-        seed = params.seed if params.seed is not None else fresh_seed()
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
                                           self.tokenizer if self.config.detokenize else None)
         try:
@@ -315,8 +317,7 @@ class Engine:
         if sched.is_empty:
             self.runner.release(sched)
             return expired
-        rows = self._sample_rows(sched)
-        tokens, logprobs = self.runner.execute(sched, rows)
+        tokens, logprobs = self.runner.execute(sched)
         self.num_steps += 1
         return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
 
@@ -331,8 +332,7 @@ class Engine:
         if sched.is_empty:
             pipeline.submit(self.runner.release, sched)  # after the running step, in order
             return outputs + (self._finish_inflight() if before is not None else [])
-        future = pipeline.submit_step(sched, self._sample_rows(sched),
-                                      before[1] if before is not None else None)
+        future = pipeline.submit_step(sched, before[1] if before is not None else None)
         self.num_steps += 1
         if before is not None:
             self.num_overlapped_steps += 1
@@ -355,10 +355,6 @@ class Engine:
         KV and tokens are then what the scheduler says they are."""
         if self._inflight is not None:
             self._ready += self._finish_inflight()
-
-    def _sample_rows(self, sched: SchedulerOutput) -> dict[str, SampleRequest]:
-        return {c.request_id: self._sample_request(c.request_id, c.output_index)
-                for c in sched.chunks if c.sample}
 
     def _step_outputs(self, updates: list[RequestUpdate],
                       logprobs: dict[str, Any]) -> list[StepOutput]:
@@ -473,16 +469,6 @@ class Engine:
         if isinstance(params, Mapping):
             return SamplingParams.from_dict(params)
         raise ValueError(f"params must be SamplingParams or a mapping, got {type(params).__name__}")
-
-    def _sample_request(self, request_id: str, output_index: int) -> SampleRequest:
-        state, req = self._outputs[request_id], self.scheduler.requests[request_id]
-        # The request's own token lists (read by penalties only), not copies; a copy of the
-        # output where the runner thread reads it while this thread appends to it.
-        outputs = req.output_token_ids
-        if self._pipeline is not None and state.params.penalized:
-            outputs = list(outputs)
-        return SampleRequest(state.params, state.seed, output_index,
-                             req.prompt_token_ids, outputs)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -31,7 +31,6 @@ import torch
 from producer.wire.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
 from worker.engine.model_runner import ModelRunner
-from worker.sampling import SampleRequest
 
 StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None]]
 
@@ -51,11 +50,11 @@ class RunnerThread:
                 torch.cuda.set_device(index)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-runner", initializer=init)
 
-    def submit_step(self, out: SchedulerOutput, rows: dict[str, SampleRequest],
+    def submit_step(self, out: SchedulerOutput,
                     before: Future[StepResult] | None) -> Future[StepResult]:
         """Run a step once the ones before it ran; ``before``: the step whose sampled
         tokens its PENDING_TOKEN inputs stand for (None: it has none)."""
-        return self._pool.submit(self._step, out, rows, before)
+        return self._pool.submit(self._step, out, before)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the runner thread, after everything submitted before."""
@@ -64,8 +63,7 @@ class RunnerThread:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _step(self, out: SchedulerOutput, rows: dict[str, SampleRequest],
-              before: Future[StepResult] | None) -> StepResult:
+    def _step(self, out: SchedulerOutput, before: Future[StepResult] | None) -> StepResult:
         # Done already (one thread, in order); its error, if any, is this step's too.
         pending = before.result()[0] if before is not None else None
-        return self.runner.execute(out, rows, pending)
+        return self.runner.execute(out, pending)

@@ -230,14 +230,12 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
                           out: SchedulerOutput) -> int:
-        # One pass serves the common decode (its next token fits in a block it holds, so
-        # nothing to allocate and nobody to preempt) inline: this runs for every running
-        # request every step. The rest (a decode that needs a block, then partial
-        # prefills) takes the general path after it.
-        # A decode whose next token starts a block takes one in its place when one is free
-        # without preempting: a steady batch keeps its order step after step (the runner
-        # lays its sampling rows out once for it). From the first that cannot, every such
-        # decode takes the general path, in order, as before.
+        # One pass serves the common decode inline (nobody to preempt: its next token fits
+        # in a block it holds, or starts one that is free): this runs for every running
+        # request every step. Taking the free block in its place keeps a steady batch's
+        # order step after step (the runner lays its sampling rows out once for it). The
+        # rest (from the first decode whose block is not free, every decode that needs a
+        # block, then partial prefills) takes the general path after it, in order.
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
         kv = self.kv
         tables = kv.block_tables

@@ -183,7 +183,6 @@ class SamplingRows:
         self._penalties: list[PenaltyRow | None] = []
         # The last step's layout: reused while steps sample the same rows in the same order.
         self._batch: BatchLayout | None = None
-        self._batch_vocab = 0
         # Layouts made so far (tests read it): one per change of the sampled rows.
         self.num_rebuilds = 0
         self._grow_rows(max(1, num_rows))
@@ -211,7 +210,7 @@ class SamplingRows:
             self._free.append(row)
             self._batch = None  # it may hold this row
 
-    def step(self, request_ids: Sequence[str], output_indices: Sequence[int],
+    def step(self, request_ids: list[str], output_indices: Sequence[int],
              upload: StepUpload, vocab: int, *, counted: bool = True) -> StepRows:
         """The rows of one step's sampled requests (each added before), drawing output
         token ``output_indices[i]`` in batch row i; what changes each step (the draws,
@@ -220,9 +219,8 @@ class SamplingRows:
         penalised row must have counted every output token before the one it draws (the
         runner's steps; a call of its own may draw at any index)."""
         batch = self._batch
-        if batch is None or vocab != self._batch_vocab or batch.request_ids != request_ids:
+        if batch is None or batch.request_ids != request_ids or batch.subsets.vocab != vocab:
             batch = self._batch = self._lay_out(list(request_ids), upload, vocab)
-            self._batch_vocab = vocab
         for k, state in batch.penalised if counted else ():
             if state.num_outputs != output_indices[k]:
                 raise RuntimeError(f"request {request_ids[k]!r} draws output token "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from producer.wire.params import SamplingParams
+
 # Stands for a token that a step still running samples (overlapped scheduling): the runner
 # feeds the real one, known by the time the next step computes.
 PENDING_TOKEN = -1
@@ -38,12 +40,31 @@ class ScheduledChunk:
         return len(self.token_ids) == 1 and self.sample
 
 
+@dataclass(slots=True)
+class NewRequestData:
+    """What the runner keeps of a request while it runs, sent once: in the step that gives
+    it a table of its own (admission, swap-in, resumption after recompute). The runner
+    forgets it when the request finishes or is preempted, as it forgets its block table."""
+
+    request_id: str
+    # How its tokens are picked; its draws are a pure function of (seed, output index).
+    sampling_params: SamplingParams
+    seed: int
+    # Its prompt (never changed) and a copy of its output so far: penalties count them,
+    # and the runner adds each token it samples for the request from here on.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     """Everything the runner computes in one step, decodes first."""
 
     # One entry per scheduled request, decodes first, then prefill chunks.
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests the runner has no state for, among this step's chunks (their chunks have
+    # num_known_blocks 0): their sampling state, once.
+    new_requests: list[NewRequestData] = field(default_factory=list)
     # Requests preempted during this step's scheduling (swapped out or dropped).
     preempted_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous step (the runner forgets their tables).

@@ -7,6 +7,7 @@ from enum import Enum
 
 from kvstore.kv_manager import PrefixHit
 from producer.wire.completion import FinishReason
+from producer.wire.params import SamplingParams
 
 
 class RequestStatus(Enum):
@@ -42,6 +43,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # How its tokens are picked and the seed of its draws: the scheduler only hands them to
+    # the runner (NewRequestData) when the request gets a table of its own.
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
     # Tokens generated so far; a resumed request starts with the ones already published.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

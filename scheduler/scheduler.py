@@ -12,6 +12,7 @@ from producer.wire.stopping import stop_reason
 from scheduler.config import SchedulerConfig
 from scheduler.output import (
     PENDING_TOKEN,
+    NewRequestData,
     RequestUpdate,
     ScheduledChunk,
     SchedulerOutput,
@@ -114,7 +115,7 @@ class Scheduler:
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
         if not out.preempted_ids:
             budget = self._swap_in(budget, scheduled, out)
-            self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, out)
         out.chunks = list(scheduled.values())
         return out
 
@@ -229,13 +230,16 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
                           out: SchedulerOutput) -> int:
-        # One pass serves the common decode (its next token fits in a block it holds, so
-        # nothing to allocate and nobody to preempt) inline: this runs for every running
-        # request every step. The rest (a decode that needs a block, then partial
-        # prefills) takes the general path after it.
+        # One pass serves the common decode inline (nobody to preempt: its next token fits
+        # in a block it holds, or starts one that is free): this runs for every running
+        # request every step. Taking the free block in its place keeps a steady batch's
+        # order step after step (the runner lays its sampling rows out once for it). The
+        # rest (from the first decode whose block is not free, every decode that needs a
+        # block, then partial prefills) takes the general path after it, in order.
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
-        tables = self.kv.block_tables
-        block_capacity = self.kv.block_size
+        kv = self.kv
+        tables = kv.block_tables
+        block_capacity = kv.block_size
         growing, prefills = [], []
         for req in self.running:
             status = req.status
@@ -248,8 +252,14 @@ class Scheduler:
             table = tables.get(request_id, ())
             num_blocks = len(table)
             if num_blocks * block_capacity <= req.num_computed_tokens:
-                growing.append(req)
-                continue
+                if growing or not kv.can_append_slots(request_id, req.num_computed_tokens + 1):
+                    growing.append(req)
+                    continue
+                if budget == 0:
+                    return budget
+                kv.append_slots(request_id, req.num_computed_tokens + 1)
+                table = tables[request_id]
+                num_blocks = len(table)
             if budget == 0:
                 return budget
             # ScheduledChunk of the one newest token, from which a token is sampled.
@@ -292,10 +302,12 @@ class Scheduler:
                           else RequestStatus.RUNNING_CTX)
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
+            out.new_requests.append(self._new_request_data(req))
             budget -= n
         return budget
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk],
+                       out: SchedulerOutput) -> int:
         deferred = []
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._waiting[0][2]
@@ -330,6 +342,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING_CTX
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
+            out.new_requests.append(self._new_request_data(req))
             budget -= n
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
@@ -431,6 +444,13 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             output_index=req.num_output_tokens,
         )
+
+    @staticmethod
+    def _new_request_data(req: Request) -> NewRequestData:
+        """What the runner keeps of ``req`` from the step that gives it a table of its own
+        (no token of it is pending then: it ran in no step since it was last preempted)."""
+        return NewRequestData(req.request_id, req.sampling_params, req.seed,
+                              req.prompt_token_ids, list(req.output_token_ids))
 
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self._waiting, (req.priority, req.arrival, req))

@@ -19,7 +19,6 @@ from worker.host.step_upload import StepUpload
 from worker.sampling import Sampler, SampleRequest
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
 from worker.sampling.penalties import apply_penalties
-from worker.sampling.rows import SamplingRows
 from worker.sampling.sampler import step_rows
 from worker.sampling.subsets import RowSubsets
 
@@ -219,8 +218,7 @@ def test_penalties_match_a_plain_reference():
             v -= p.frequency_penalty * counts[t] + p.presence_penalty * (counts[t] > 0)
             want[r, t] = v
     penalized = logits.clone()
-    step = step_rows(SamplingRows(), [str(i) for i in range(len(rows))], rows, logits.device,
-                     vocab)
+    step = step_rows(rows, logits.device, vocab)
     apply_penalties(penalized, step.penalties)
     assert torch.allclose(penalized, want, rtol=0, atol=1e-12)
     assert not torch.equal(penalized[:2], logits[:2]) and torch.equal(penalized[2], logits[2])
@@ -241,8 +239,7 @@ def penalty_rows(generator: torch.Generator, rows: int, vocab: int) -> list[Samp
 def test_the_penalty_kernel_changes_the_logits_as_the_torch_path_does(monkeypatch):
     generator = torch.Generator().manual_seed(11)
     rows = penalty_rows(generator, 40, 300)
-    step = step_rows(SamplingRows(), [str(i) for i in range(len(rows))], rows,
-                     torch.device("cpu"), 300)
+    step = step_rows(rows, torch.device("cpu"), 300)
     assert step.penalties.context.shape[1] > 300 and step.penalties.outputs.shape[1] > 300
     logits = torch.randn(len(rows), 300, generator=generator) * 4
     native = logits.clone()
@@ -380,9 +377,9 @@ def test_a_top_k_of_the_whole_vocabulary_cuts_nothing_and_rows_laid_out_for_anot
     monkeypatch.setenv(KERNELS_SWITCH, "0")  # the torch path, CUDA's
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     rows = [row(seed=1, temperature=1.0, top_k=100), row(seed=2, temperature=1.0, top_k=50)]
-    step = step_rows(SamplingRows(), ["a", "b"], rows, logits.device, 50)
+    step = step_rows(rows, logits.device, 50)
     assert step.subsets.top_k == [0, 0] and not step.subsets.ranked
-    assert Sampler()(logits, rows, step)[0] == Sampler()(logits, rows)[0]
-    wider = step_rows(SamplingRows(), ["a", "b"], rows, logits.device, 200)
+    assert Sampler()(logits, step)[0] == Sampler()(logits, rows)[0]
+    wider = step_rows(rows, logits.device, 200)
     with pytest.raises(ValueError, match="200 logits a row, not 50"):
-        Sampler()(logits, rows, wider)
+        Sampler()(logits, wider)

@@ -1,6 +1,9 @@
 """Sampling rows kept across steps (worker/sampling/rows.py): the vectorised draws equal the
-per-row function bit for bit, a penalised request's distinct tokens and counts follow it step
-by step, and a row handed to another request carries nothing of its last holder."""
+per-row function bit for bit, a penalised request's distinct tokens and counts follow the
+tokens sampled for it step by step, a row handed to another request carries nothing of its
+last holder, and the step's row layout is made once per change of the sampled rows: a
+steady decode batch reuses it, a request joining or leaving makes it again once, and the
+tokens stay those of each request alone."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ import random
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 
 from producer.wire.params import SamplingParams
-from worker.sampling import SampleRequest, uniform
+from worker.host.step_upload import StepUpload
+from worker.sampling import uniform
 from worker.sampling.randomness import uniforms
 from worker.sampling.rows import DRAW, TEMPERATURE, TOP_P, SamplingRows, StepRows
-from worker.sampling.sampler import step_rows
 
 CPU = torch.device("cpu")
 VOCAB = 32000
@@ -26,6 +30,14 @@ def test_vectorised_draws_equal_the_per_row_function_bit_for_bit():
     indices = [rng.getrandbits(rng.choice([4, 32, 64])) for _ in seeds]
     got = uniforms(np.array(seeds, dtype=np.uint64), np.array(indices, dtype=np.uint64))
     assert got.tolist() == [uniform(s, i) for s, i in zip(seeds, indices, strict=True)]
+
+
+def step(state: SamplingRows, request_ids: list[str], output_indices: list[int]) -> StepRows:
+    """One step's rows, their upload sent (a CPU one: the arrays are the tensors)."""
+    upload = StepUpload(CPU)
+    got = state.step(request_ids, output_indices, upload, VOCAB)
+    upload.send()
+    return got
 
 
 def _context(got: StepRows, row: int) -> list[int]:
@@ -46,44 +58,86 @@ def test_a_penalised_request_keeps_its_row_and_gains_only_its_new_tokens():
     params = SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5,
                             frequency_penalty=0.25, repetition_penalty=1.2, seed=3)
     prompt, output = [5, 9, 5, 2], []
-    rows_seen = set()
+    state.add("a", params, 3, prompt, output)
+    row = state.rows["a"]
     for token in [7, 7, 3, 5, 7, 30]:
-        req = SampleRequest(params, 3, len(output), prompt, output)
-        got = step_rows(state, ["a"], [req], CPU, VOCAB)
-        rows_seen.add(state.rows["a"])
+        got = step(state, ["a"], [len(output)])
+        assert state.rows["a"] == row
         assert got.values[0, TEMPERATURE] == 0.7 and got.values[0, TOP_P] == 0.9
         assert got.values[0, DRAW].item() == uniform(3, len(output))
         assert _context(got, 0) == sorted(set(prompt) | set(output))  # distinct, once
         assert got.penalties.context_factors.tolist() == [1.2] * len(_context(got, 0))
         assert _outputs(got, 0) == {t: 0.5 + 0.25 * n for t, n in Counter(output).items()}
-        output.append(token)  # what the engine appends after the step
-    assert len(rows_seen) == 1
+        state.record(got, [token])  # what the runner does with the token it sampled
+        output.append(token)
+    assert state.num_rebuilds == 1  # one request, decoding: one layout
 
 
 def test_a_released_row_goes_to_the_next_request_clean():
     state = SamplingRows(num_rows=1)
     penalised = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.1)
-    step_rows(state, ["old"], [SampleRequest(penalised, 1, 3, [1, 2, 3, 4, 5], [6, 7, 8])],
-              CPU, VOCAB)
+    state.add("old", penalised, 1, [1, 2, 3, 4, 5], [6, 7, 8])
+    step(state, ["old"], [3])
     row = state.rows["old"]
     state.release("old")
-    got = step_rows(state, ["new", "other"], [
-        SampleRequest(penalised, 2, 0, [9], []),
-        SampleRequest(SamplingParams(temperature=0.5), 4, 0, [1], []),
-    ], CPU, VOCAB)
+    state.add("new", penalised, 2, [9], [])
+    state.add("other", SamplingParams(temperature=0.5), 4, [1], [])
+    got = step(state, ["new", "other"], [0, 0])
     assert state.rows["new"] == row and len(state.rows) == 2  # reused, then grown
     assert got.penalties.context.tolist() == [[0], [9]]  # batch row 0, token 9 alone
     assert _outputs(got, 0) == {}
     assert got.values[:, TEMPERATURE].tolist() == [1.0, 0.5]
 
 
-def test_an_output_cut_back_on_resumption_is_laid_out_again():
+def test_a_request_added_again_on_resumption_starts_from_the_output_it_brings():
     state = SamplingRows()
     params = SamplingParams(temperature=1.0, frequency_penalty=0.2)
-    step_rows(state, ["r"], [SampleRequest(params, 1, 4, [1], [4, 4, 5, 6])], CPU, VOCAB)
-    got = step_rows(state, ["r"], [SampleRequest(params, 1, 2, [1], [7, 8])], CPU, VOCAB)
+    state.add("r", params, 1, [1], [4, 4, 5, 6])
+    step(state, ["r"], [4])
+    state.add("r", params, 1, [1], [7, 8])  # resumed with another output (a new holder)
+    got = step(state, ["r"], [2])
     assert _outputs(got, 0) == {7: 0.2, 8: 0.2}
     assert got.penalties.context.shape == (2, 0)  # no repetition penalty: nothing to reach
+
+
+def test_a_penalised_row_out_of_step_with_its_draw_index_is_refused():
+    """Its tokens are counted by the runner itself: a draw at another output index than the
+    row has counted would penalise with the wrong tokens, so it is an error, not a guess."""
+    state = SamplingRows()
+    state.add("r", SamplingParams(temperature=1.0, presence_penalty=0.5), 1, [1], [4, 5])
+    with pytest.raises(RuntimeError, match="draws output token 3 but its row has 2"):
+        step(state, ["r"], [3])
+    with pytest.raises(RuntimeError, match="'q' samples without a row"):
+        step(state, ["q"], [0])
+
+
+def test_the_layout_is_made_once_per_change_of_the_sampled_rows():
+    state = SamplingRows(num_rows=2)
+    kinds = {"g": SamplingParams(temperature=0), "p": SamplingParams(top_p=0.8),
+             "k": SamplingParams(top_k=5, logprobs=1), "b": SamplingParams(logit_bias={3: 2})}
+    for i, (request_id, params) in enumerate(kinds.items()):
+        state.add(request_id, params, i, [1], [])
+    ids = list(kinds)
+    first = step(state, ids, [0, 0, 0, 0])
+    for n in range(1, 101):  # steady decode steps: the layout and its staged subsets stay
+        got = step(state, ids, [n] * 4)
+        assert got.subsets is first.subsets
+        assert got.values[:, DRAW].tolist() == [uniform(i, n) for i in range(4)]
+    assert state.num_rebuilds == 1
+    state.add("joins", SamplingParams(min_p=0.1), 9, [1], [])
+    step(state, ids, [101] * 4)  # added, not sampling yet (a prefill in chunks)
+    assert state.num_rebuilds == 1
+    step(state, [*ids, "joins"], [102] * 4 + [0])
+    step(state, [*ids, "joins"], [103] * 4 + [1])
+    assert state.num_rebuilds == 2
+    state.release("p")
+    left = ["g", "k", "b", "joins"]
+    got = step(state, left, [104, 104, 104, 2])
+    step(state, left, [105, 105, 105, 3])
+    assert state.num_rebuilds == 3
+    assert got.subsets.greedy == [0] and got.subsets.logprobs == [1]
+    step(state, list(reversed(left)), [3, 105, 105, 105])  # another order: laid out again
+    assert state.num_rebuilds == 4
 
 
 def test_an_aborted_request_gives_its_rows_back_even_when_nothing_runs_next(tiny_llama):
@@ -110,12 +164,74 @@ def test_penalised_rows_that_outgrow_their_buffers_keep_every_token():
                             frequency_penalty=0.25)
     prompts = [[rng.randrange(5000) for _ in range(300)], [1, 2, 3]]
     outputs: list[list[int]] = [[], []]
+    state.add("long", params, 7, prompts[0], [])
+    state.add("short", params, 7, prompts[1], [])
     for _ in range(400):
-        reqs = [SampleRequest(params, 7, len(o), p, o)
-                for p, o in zip(prompts, outputs, strict=True)]
-        got = step_rows(state, ["long", "short"], reqs, CPU, VOCAB)
+        got = step(state, ["long", "short"], [len(o) for o in outputs])
         for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             assert _context(got, row) == sorted(set(prompt) | set(output))
             assert _outputs(got, row) == {t: 0.5 + 0.25 * n for t, n in Counter(output).items()}
-        outputs[0].append(rng.randrange(5000))  # mostly new tokens: the buffers double
-        outputs[1].append(rng.randrange(4))  # a few tokens over and over
+        # Mostly new tokens (the buffers double), and a few tokens over and over.
+        tokens = [rng.randrange(5000), rng.randrange(4)]
+        state.record(got, tokens)
+        for output, token in zip(outputs, tokens, strict=True):
+            output.append(token)
+
+
+def mixed_batch() -> list[SamplingParams]:
+    """Greedy, sampled with top-p, top-k and min-p, penalised, biased, with logprobs."""
+    common = {"max_tokens": 140, "ignore_eos": True}
+    return [SamplingParams(temperature=0, **common),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common),
+            SamplingParams(temperature=1.0, top_k=20, seed=2, **common),
+            SamplingParams(temperature=0.9, min_p=0.1, seed=3, **common),
+            SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                           repetition_penalty=1.2, seed=4, **common),
+            SamplingParams(temperature=1.0, logit_bias={7: 5.0, 9: -100}, seed=5, **common),
+            SamplingParams(temperature=0, logprobs=2, **common)]
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_steady_decode_batch_lays_its_rows_out_once_and_its_tokens_are_each_alone(
+        tiny_llama, overlapped):
+    """Over 100 steady decode steps (block boundaries crossed on the way) the runner's row
+    layout is made 0 times; a request joining makes it once, one leaving once; and every
+    request's tokens are those it gets alone in a fresh engine."""
+    from worker import Engine
+
+    rng = random.Random(3)
+    params = mixed_batch()
+    prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 30))] for _ in params]
+    settings = dict(dtype="float64", num_kv_blocks=256, block_size=4,
+                    async_scheduling=overlapped)
+    engine = Engine(tiny_llama, **settings)
+    runner = engine.runner
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:-1], params[:-1], strict=True)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+
+    steps(3)  # every prompt in, every request decoding
+    assert all(r.num_output_tokens for r in engine.scheduler.running)
+    laid_out = runner.sampling_rows.num_rebuilds
+    steps(100)
+    assert runner.sampling_rows.num_rebuilds == laid_out
+    joining = engine.add_request(prompts[-1], params[-1])
+    tokens[joining] = []
+    steps(10)
+    assert runner.sampling_rows.num_rebuilds == laid_out + 1
+    engine.abort(ids[1])
+    steps(10)
+    assert runner.sampling_rows.num_rebuilds == laid_out + 2
+    while engine.has_unfinished():
+        steps(1)
+    engine.close()
+    for i, rid in enumerate([*ids, joining]):
+        alone = Engine(tiny_llama, **settings).generate([prompts[i]], params[i])[0].token_ids
+        if rid == ids[1]:  # aborted: what it had by then
+            assert 0 < len(tokens[rid]) < len(alone) and alone[:len(tokens[rid])] == tokens[rid]
+        else:
+            assert tokens[rid] == alone

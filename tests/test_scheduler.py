@@ -8,6 +8,7 @@ import pytest
 
 from kvstore import BlockPool, KVCacheManager
 from producer.wire.completion import FinishReason
+from producer.wire.params import SamplingParams
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from scheduler.deadlines import Deadlines
 
@@ -258,3 +259,45 @@ def test_deadlines_give_live_overdue_requests_and_forget_finished_ones():
     deadlines.discard("a")
     deadlines.discard("b")
     assert len(deadlines) == 0  # nothing outlives the requests
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_is_handed_to_the_runner_once_and_again_only_after_preemption(mode):
+    """``new_requests`` names exactly the chunks that start a table of their own (admission,
+    swap-in, resumption), with the request's sampling state and its output so far."""
+    s = Scheduler(SchedulerConfig(max_model_len=512, preemption_mode=mode),
+                  KVCacheManager(BlockPool(6), 4, host_pool=BlockPool(16)))
+    for rid in ("old", "new"):
+        s.add_request(Request(rid, list(range(1, 9)), max_tokens=8, seed=len(rid),
+                              sampling_params=SamplingParams(temperature=0.5 * len(rid))))
+    handed: dict[str, list[list[int]]] = {"old": [], "new": []}
+    preempted = []
+    while s.has_unfinished():
+        out, _ = run_step(s)
+        fresh = [c.request_id for c in out.chunks if c.num_known_blocks == 0]
+        assert [n.request_id for n in out.new_requests] == fresh
+        for n in out.new_requests:
+            assert (n.seed, n.sampling_params.temperature) == (len(n.request_id),
+                                                               0.5 * len(n.request_id))
+            handed[n.request_id].append(n.output_token_ids)
+        preempted += out.preempted_ids
+    assert preempted == ["new"] and s.counters[f"preemptions_{mode}"] == 1
+    assert handed["old"] == [[]]  # once, at admission
+    (first, again) = handed["new"]  # and again when it came back, with what it had
+    assert first == [] and again and again == [7] * len(again)
+
+
+def test_a_decode_that_takes_a_new_block_keeps_its_place_in_the_step():
+    """Decodes come in the order they run, step after step, whichever of them starts a
+    block: the runner lays a steady batch's sampling rows out once."""
+    s = make_scheduler(num_blocks=256, max_num_seqs=8)
+    for i in range(8):
+        s.add_request(request(f"r{i}", 1 + i, max_tokens=40))
+    run_step(s)
+    order = [c.request_id for c in run_step(s)[0].chunks]
+    crossed = 0
+    for _ in range(20):
+        out, _ = run_step(s)
+        assert [c.request_id for c in out.chunks] == order
+        crossed += sum(1 for c in out.chunks if c.new_block_ids)
+    assert crossed >= 20  # every few steps one of them started a block

@@ -16,7 +16,7 @@ from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_request_id
-from scheduler import Request, RequestUpdate, Scheduler, SchedulerOutput
+from scheduler import Request, RequestUpdate, Scheduler
 from scheduler.deadlines import Deadlines
 from worker.engine.admission import AdmissionChecks, Prompt, sampling_params
 from worker.engine.config import EngineConfig
@@ -27,7 +27,7 @@ from worker.engine.step_pipeline import OverlappedSteps
 from worker.engine.tokenizer import Tokenizer
 from worker.models import native_decode
 from worker.models.loader import load_model
-from worker.sampling import SampleRequest, fresh_seed
+from worker.sampling import fresh_seed
 
 # Scheduler counters (since start) that stats() reports: preemptions by kind, blocks swapped,
 # prefix cache use, and prompt tokens computed (prefill, recompute) or whose KV came from
@@ -110,6 +110,7 @@ class Engine:
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, generated, limit = self.checks.admit(prompt, params, generated_token_ids)
+        seed = params.seed if params.seed is not None else fresh_seed()
 
         req = Request(
             request_id=request_id,
@@ -120,9 +121,10 @@ class Engine:
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             output_token_ids=list(generated),
+            sampling_params=params,
+            seed=seed,
         )
         req.preloaded = preloaded
-        seed = params.seed if params.seed is not None else fresh_seed()
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
                                           self.tokenizer if self.config.detokenize else None)
         if generated:
@@ -198,22 +200,17 @@ class Engine:
         expired = [out for rid in self._deadlines.overdue(self.clock.time())
                    if (out := self.abort(rid, FinishReason.EXPIRED)) is not None]
         if self._pipeline is not None:
-            outputs, stepped = self._pipeline.step(expired, self._sample_rows,
-                                                   must_sync=self._num_penalized > 0)
+            outputs, stepped = self._pipeline.step(expired, must_sync=self._num_penalized > 0)
             self.num_steps += stepped
             return outputs
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.release(sched)
             return expired
-        rows = self._sample_rows(sched)
-        tokens, logprobs = self.runner.execute(sched, rows)
+        tokens, logprobs = self.runner.execute(sched)
         self.num_steps += 1
         return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
 
-    def _sample_rows(self, sched: SchedulerOutput) -> dict[str, SampleRequest]:
-        return {c.request_id: self._sample_request(c.request_id, c.output_index)
-                for c in sched.chunks if c.sample}
 
     def _step_outputs(self, updates: list[RequestUpdate],
                       logprobs: dict[str, Any]) -> list[StepOutput]:
@@ -289,12 +286,3 @@ class Engine:
                           state.completion(reason, state.num_cached_tokens),
                           state.num_cached_tokens)
 
-    def _sample_request(self, request_id: str, output_index: int) -> SampleRequest:
-        state, req = self._outputs[request_id], self.scheduler.requests[request_id]
-        # The request's own token lists (read by penalties only), not copies; a copy of the
-        # output where the runner thread reads it while this thread appends to it.
-        outputs = req.output_token_ids
-        if self._pipeline is not None and state.params.penalized:
-            outputs = list(outputs)
-        return SampleRequest(state.params, state.seed, output_index,
-                             req.prompt_token_ids, outputs)

@@ -14,9 +14,8 @@ from scheduler.output import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
 from worker.host.step_upload import StepUpload
-from worker.sampling import Sampler, SampleRequest
+from worker.sampling import Sampler
 from worker.sampling.rows import SamplingRows
-from worker.sampling.sampler import step_rows
 
 
 class ModelRunner:
@@ -42,7 +41,8 @@ class ModelRunner:
         # Each running request's block table, kept across steps (a step's tables are
         # gathered from them into its one upload).
         self.block_tables = BlockTableRows()
-        # Each sampling request's parameters, seed and penalty tokens, kept across steps.
+        # Each running request's parameters, seed and penalty tokens, kept across steps
+        # (handed over once: SchedulerOutput.new_requests), and the step's row layout.
         self.sampling_rows = SamplingRows()
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
@@ -50,8 +50,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, rows: dict[str, SampleRequest],
-        pending: dict[str, int] | None = None,
+        self, out: SchedulerOutput, pending: dict[str, int] | None = None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
         """Compute every chunk of the step; sample a token for each chunk that asks for one.
 
@@ -60,6 +59,9 @@ class ModelRunner:
         """
         self._swap(out)
         self.release(out)
+        for new in out.new_requests:
+            self.sampling_rows.add(new.request_id, new.sampling_params, new.seed,
+                                   new.prompt_token_ids, new.output_token_ids)
         rows_of_chunks = self.block_tables.apply(out)
         chunks = out.chunks
         if not chunks:
@@ -81,9 +83,8 @@ class ModelRunner:
         plans = self.attention_backend.stage(query_lens, seq_lens, upload)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids_out = [chunks[i].request_id for i in sampling]
-        sample_rows = [rows[i] for i in ids_out]
-        step = (step_rows(self.sampling_rows, ids_out, sample_rows, self.device,
-                          self.vocab_size, upload=upload) if sampling else None)
+        step = (self.sampling_rows.step(ids_out, [chunks[i].output_index for i in sampling],
+                                        upload, self.vocab_size) if sampling else None)
         # The rows whose logits are made: every token (one-token chunks, all sampling: a
         # decode step; the native step makes them with its layers), else the sampling
         # chunks' last tokens.
@@ -105,7 +106,8 @@ class ModelRunner:
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.
             torch.cuda.current_stream(self.device).synchronize()
-        tokens, logprobs = self.sampler(logits, sample_rows, step, scratch=True)
+        tokens, logprobs = self.sampler(logits, step, scratch=True)
+        self.sampling_rows.record(step, tokens)
         return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
 
     def _computed(self, tokens: int) -> None:

@@ -37,13 +37,10 @@ from scheduler import RequestUpdate, Scheduler
 from scheduler.output import SchedulerOutput
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import StepOutput
-from worker.sampling import SampleRequest
 
 StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None]]
 # Turns a step's scheduler updates and logprobs into each request's output (the engine's).
 OutputsOf = Callable[[list[RequestUpdate], dict[str, Any]], list[StepOutput]]
-# The sampling rows of a scheduled step (the engine's).
-RowsOf = Callable[[SchedulerOutput], dict[str, SampleRequest]]
 
 
 class RunnerThread:
@@ -61,11 +58,11 @@ class RunnerThread:
                 torch.cuda.set_device(index)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-runner", initializer=init)
 
-    def submit_step(self, out: SchedulerOutput, rows: dict[str, SampleRequest],
+    def submit_step(self, out: SchedulerOutput,
                     before: Future[StepResult] | None) -> Future[StepResult]:
         """Run a step once the ones before it ran; ``before``: the step whose sampled
         tokens its PENDING_TOKEN inputs stand for (None: it has none)."""
-        return self._pool.submit(self._step, out, rows, before)
+        return self._pool.submit(self._step, out, before)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the runner thread, after everything submitted before."""
@@ -74,11 +71,10 @@ class RunnerThread:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _step(self, out: SchedulerOutput, rows: dict[str, SampleRequest],
-              before: Future[StepResult] | None) -> StepResult:
+    def _step(self, out: SchedulerOutput, before: Future[StepResult] | None) -> StepResult:
         # Done already (one thread, in order); its error, if any, is this step's too.
         pending = before.result()[0] if before is not None else None
-        return self.runner.execute(out, rows, pending)
+        return self.runner.execute(out, pending)
 
 
 class OverlappedSteps:
@@ -106,8 +102,7 @@ class OverlappedSteps:
         """A step runs, or outputs wait for the next ``step``."""
         return self.inflight is not None or bool(self.ready)
 
-    def step(self, outputs: list[StepOutput], rows_of: RowsOf,
-             must_sync: bool) -> tuple[list[StepOutput], bool]:
+    def step(self, outputs: list[StepOutput], must_sync: bool) -> tuple[list[StepOutput], bool]:
         """Hand the next step to the runner thread and apply the running one's tokens;
         (``outputs`` and the outputs ready now, whether a step was scheduled).
         ``must_sync``: finish the running step before scheduling (penalties read every token)."""
@@ -120,8 +115,7 @@ class OverlappedSteps:
         if sched.is_empty:
             self.thread.submit(self.runner.release, sched)  # after the running step, in order
             return outputs + (self.finish_inflight() if before is not None else []), False
-        future = self.thread.submit_step(sched, rows_of(sched),
-                                         before[1] if before is not None else None)
+        future = self.thread.submit_step(sched, before[1] if before is not None else None)
         if before is not None:
             self.num_overlapped_steps += 1
             outputs += self.finish_inflight()

@@ -1,20 +1,25 @@
 """Sampling state kept across steps: one preallocated row per request that samples.
 
 Rebuilding it every step cost time in proportion to the batch and, for penalties, to the
-whole context of every penalised request: a tensor of each parameter from Python lists, a
-draw per row by hashing in Python, and a flat Python list of every prompt and output token.
-Here a request's parameters and seed go into its row once, when it first samples. A
-penalised request's distinct tokens are kept with it (:class:`PenaltyRow`): its prompt's
-once, its output's as they come, one a step, with how often each was generated; a step then
-hands the penalties flat lists of (batch row, token, value) with nothing left to sort or
-deduplicate. A step gathers its rows with one index, draws every uniform with one vectorised
-hash (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row function)
-and stages the per-row values, penalty tokens and row subsets in the step's upload
-(worker/host/step_upload.py), which moves every input of the step in one copy. The runner
-releases a row when its request finishes or is preempted, as it does the request's block
-table.
-"""
+whole context of every penalised request. Here a request's parameters and seed go into its
+row once, when the scheduler first hands the request to the runner (``add``: admission,
+swap-in, resumption); the runner releases the row when the request finishes or is
+preempted, as it does the request's block table. A penalised request's distinct tokens are
+kept with it (:class:`PenaltyRow`): its prompt's and its output's so far when it is added,
+then each token the runner samples for it (``record``), with how often each was generated;
+a step hands the penalties flat lists of (batch row, token, value) with nothing left to
+sort or deduplicate.
 
+What follows from the order of the step's sampled rows alone (their row index, parameters,
+per-row values and the subsets each sampling pass touches, :class:`BatchLayout`) is laid out
+when that order changes and reused by every step after it that samples the same rows in
+the same order: a steady decode batch lays it out once. Its staged device indices stay
+valid while reused (each holds a view of the device copy it came in, which keeps that
+copy alive; no host buffer is ever reused). Per step there remain one vectorised hash for
+the draws (:func:`worker.sampling.randomness.uniforms`, the same numbers as the per-row
+function) and the penalised rows' tokens, staged in the step's one upload
+(worker/host/step_upload.py).
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -84,27 +89,31 @@ class PenaltyRow:
     def deltas(self) -> np.ndarray:
         return self._deltas[:self.num_distinct]
 
-    def add(self, output: Sequence[int]) -> None:
-        """Take in ``output``'s tokens past the ones already seen."""
-        for token in output[self.num_outputs:]:
-            if token not in self._seen:
-                self._seen.add(token)
-                if self.num_context == len(self._context):
-                    self._context = _grown(self._context, 2 * len(self._context))
-                self._context[self.num_context] = token
-                self.num_context += 1
-            i = self._index.get(token)
-            if i is None:
-                i = self._index[token] = self.num_distinct
-                if i == len(self._outputs):
-                    n = 2 * len(self._outputs)
-                    self._outputs, self._deltas = _grown(self._outputs, n), _grown(self._deltas, n)
-                self._outputs[i] = token
-                self._deltas[i] = self.presence + self.frequency
-                self.num_distinct += 1
-            else:
-                self._deltas[i] += self.frequency
-        self.num_outputs = len(output)
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Take in output tokens, in order."""
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """Take in the request's next output token."""
+        if token not in self._seen:
+            self._seen.add(token)
+            if self.num_context == len(self._context):
+                self._context = _grown(self._context, 2 * len(self._context))
+            self._context[self.num_context] = token
+            self.num_context += 1
+        i = self._index.get(token)
+        if i is None:
+            i = self._index[token] = self.num_distinct
+            if i == len(self._outputs):
+                n = 2 * len(self._outputs)
+                self._outputs, self._deltas = _grown(self._outputs, n), _grown(self._deltas, n)
+            self._outputs[i] = token
+            self._deltas[i] = self.presence + self.frequency
+            self.num_distinct += 1
+        else:
+            self._deltas[i] += self.frequency
+        self.num_outputs += 1
 
 
 def _grown(a: np.ndarray, rows: int) -> np.ndarray:
@@ -118,16 +127,32 @@ def _grown(a: np.ndarray, rows: int) -> np.ndarray:
 NO_VALUES = torch.empty(0, 4, dtype=torch.float64, device="cpu")
 
 
+@dataclass
+class BatchLayout:
+    """What follows from which rows a step samples, in which order: laid out when that
+    changes, then reused step after step."""
+
+    request_ids: list[str]
+    params: list[SamplingParams]
+    subsets: RowSubsets
+    # The sampled rows' [n, 3] temperature, top_p, min_p and [n] seeds (uint64); None
+    # where every row is greedy (an argmax reads none of them).
+    values: np.ndarray | None
+    seeds: np.ndarray | None
+    # (batch row, its tokens) of each penalised row.
+    penalised: list[tuple[int, PenaltyRow]]
+
+
 class StepRows:
     """What one step samples with, row i for the batch's row i. Made before the forward,
     its tensors staged in the step's upload: ``values`` and ``penalties`` are read once the
     upload is sent."""
 
-    def __init__(self, params: list[SamplingParams], values: Staged | None,
-                 penalties: tuple[Staged, Staged, Staged, Staged] | None,
-                 subsets: RowSubsets) -> None:
-        self.params = params
-        self.subsets = subsets
+    def __init__(self, batch: BatchLayout, values: Staged | None,
+                 penalties: tuple[Staged, Staged, Staged, Staged] | None) -> None:
+        self.params = batch.params
+        self.subsets = batch.subsets
+        self.penalised = batch.penalised
         self._values = values
         self._penalties = penalties
 
@@ -156,47 +181,16 @@ class SamplingRows:
         self.seeds = np.zeros(0, dtype=np.uint64)
         # Penalised rows only: their distinct tokens.
         self._penalties: list[PenaltyRow | None] = []
+        # The last step's layout: reused while steps sample the same rows in the same order.
+        self._batch: BatchLayout | None = None
+        # Layouts made so far (tests read it): one per change of the sampled rows.
+        self.num_rebuilds = 0
         self._grow_rows(max(1, num_rows))
 
-    def release(self, request_id: str) -> None:
-        row = self.rows.pop(request_id, None)
-        if row is not None:
-            self._params[row] = None
-            self._penalties[row] = None
-            self._free.append(row)
-
-    def step(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
-             seeds: Sequence[int], output_indices: Sequence[int],
-             prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-             upload: StepUpload, vocab: int) -> StepRows:
-        """The rows of one step's sampled requests (rows of new requests written first),
-        their values, penalty tokens and subsets added to ``upload``.
-
-        ``prompts`` and ``outputs`` are the requests' own token lists; only penalised rows
-        read them, and only what is new since the last step. ``vocab``: the logits' width
-        (a top-k of all of it cuts nothing).
-        """
-        index = []
-        penalised: list[tuple[int, PenaltyRow]] = []
-        for i, request_id in enumerate(request_ids):
-            row = self.rows.get(request_id)
-            if row is None or self._params[row] is not params[i]:
-                row = self._admit(request_id, params[i], seeds[i])
-            index.append(row)
-            if params[i].penalized:
-                penalised.append((i, self._sync_tokens(row, params[i], prompts[i], outputs[i])))
-        penalties = _penalty_tokens(penalised, upload) if penalised else None
-        subsets = RowSubsets(params, upload, vocab)
-        if all(p.greedy for p in params):  # an argmax reads none of the values
-            return StepRows(list(params), None, penalties, subsets)
-        rows = np.asarray(index, dtype=np.int64)
-        packed = np.empty((len(index), 4), dtype=np.float64)
-        packed[:, :3] = self.values[rows]
-        # Output indices are never negative: as uint64 they are the same numbers.
-        packed[:, DRAW] = uniforms(self.seeds[rows], np.asarray(output_indices, dtype=np.uint64))
-        return StepRows(list(params), upload.add(packed), penalties, subsets)
-
-    def _admit(self, request_id: str, params: SamplingParams, seed: int) -> int:
+    def add(self, request_id: str, params: SamplingParams, seed: int, prompt: Sequence[int],
+            output: Sequence[int]) -> None:
+        """Give ``request_id`` a row (in place of one it had): its parameters and seed and,
+        if penalised, the distinct tokens of ``prompt`` and ``output`` (its tokens so far)."""
         self.release(request_id)
         if not self._free:
             self._grow_rows(2 * len(self._params))
@@ -204,18 +198,64 @@ class SamplingRows:
         self._params[row] = params
         self.values[row] = (params.temperature, params.top_p, params.min_p)
         self.seeds[row] = seed & MASK64
-        return row
-
-    def _sync_tokens(self, row: int, params: SamplingParams, prompt: Sequence[int],
-                     output: Sequence[int]) -> PenaltyRow:
-        """A penalised row's tokens, brought up to date with its request's output."""
-        state = self._penalties[row]
-        if state is None or len(output) < state.num_outputs:
-            # New, or its output was cut back (it resumed): start over.
+        if params.penalized:
             state = self._penalties[row] = PenaltyRow(prompt, params)
-        if len(output) > state.num_outputs:
-            state.add(output)
-        return state
+            state.extend(output)
+
+    def release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self._params[row] = None
+            self._penalties[row] = None
+            self._free.append(row)
+            self._batch = None  # it may hold this row
+
+    def step(self, request_ids: list[str], output_indices: Sequence[int],
+             upload: StepUpload, vocab: int, *, counted: bool = True) -> StepRows:
+        """The rows of one step's sampled requests (each added before), drawing output
+        token ``output_indices[i]`` in batch row i; what changes each step (the draws,
+        penalty tokens) is added to ``upload``, and the layout too when it is new.
+        ``vocab``: the logits' width (a top-k of all of it cuts nothing). ``counted``: a
+        penalised row must have counted every output token before the one it draws (the
+        runner's steps; a call of its own may draw at any index)."""
+        batch = self._batch
+        if batch is None or batch.request_ids != request_ids or batch.subsets.vocab != vocab:
+            batch = self._batch = self._lay_out(list(request_ids), upload, vocab)
+        for k, state in batch.penalised if counted else ():
+            if state.num_outputs != output_indices[k]:
+                raise RuntimeError(f"request {request_ids[k]!r} draws output token "
+                                   f"{output_indices[k]} but its row has {state.num_outputs}")
+        penalties = _penalty_tokens(batch.penalised, upload) if batch.penalised else None
+        if batch.values is None or batch.seeds is None:
+            return StepRows(batch, None, penalties)
+        packed = np.empty((len(request_ids), 4), dtype=np.float64)
+        packed[:, :3] = batch.values
+        # Output indices are never negative: as uint64 they are the same numbers.
+        packed[:, DRAW] = uniforms(batch.seeds, np.asarray(output_indices, dtype=np.uint64))
+        return StepRows(batch, upload.add(packed), penalties)
+
+    def record(self, step: StepRows, tokens: Sequence[int]) -> None:
+        """Take in the tokens a step sampled (``tokens[i]``: batch row i's): its penalised
+        rows count them from the next step on."""
+        for k, state in step.penalised:
+            state.append(tokens[k])
+
+    def _lay_out(self, request_ids: list[str], upload: StepUpload, vocab: int) -> BatchLayout:
+        try:
+            rows = [self.rows[request_id] for request_id in request_ids]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]!r} samples without a row: it was "
+                               "never added, or was released") from None
+        params: list[SamplingParams] = [self._params[row] for row in rows]  # type: ignore[misc]
+        subsets = RowSubsets(params, upload, vocab)
+        index = np.asarray(rows, dtype=np.int64)
+        sampled = bool(subsets.sampled)
+        penalised = [(k, state) for k, row in enumerate(rows)
+                     if (state := self._penalties[row]) is not None]
+        self.num_rebuilds += 1
+        return BatchLayout(request_ids, params, subsets,
+                           self.values[index] if sampled else None,
+                           self.seeds[index] if sampled else None, penalised)
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)

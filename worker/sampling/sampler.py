@@ -6,7 +6,8 @@ filter, and no sort of the vocabulary at all (worker/sampling/filters.py). A sam
 token is drawn by inverse CDF, in token-id order, at one uniform number per row that is a
 pure function of (seed, output index): a seeded request gets the same tokens alone, in any
 batch, and after resuming at any token. Per-row values (temperature, top-p, min-p, the
-draw) and penalty tokens come from rows kept across steps (worker/sampling/rows.py).
+draw), penalty tokens and the row subsets come from rows kept across steps
+(worker/sampling/rows.py).
 Float32 CPU rows are scaled, cut and drawn by one native kernel (csrc/sample_rows.cpp), each
 row's passes in cache: on the torch path temperature, softmax and top-p took a dozen passes
 over the batch's logits.
@@ -31,10 +32,9 @@ from worker.sampling.subsets import RowSubsets, rows_at
 
 @dataclass
 class SampleRequest:
-    """One row to sample: its parameters, seed and the output index being drawn.
-
-    ``prompt_token_ids`` and ``output_token_ids`` (the request's own lists, not copies) are
-    read only by penalties.
+    """One row to sample in a call of its own (the engine's runner keeps its rows across
+    steps instead: worker/sampling/rows.py): its parameters, seed and the output index
+    being drawn. ``prompt_token_ids`` and ``output_token_ids`` are read only by penalties.
     """
 
     params: SamplingParams
@@ -44,20 +44,17 @@ class SampleRequest:
     output_token_ids: Sequence[int] = ()
 
 
-def step_rows(state: SamplingRows, request_ids: Sequence[str], rows: Sequence[SampleRequest],
-              device: torch.device, vocab: int, *, upload: StepUpload | None = None
-              ) -> StepRows:
-    """The step's rows from ``state`` (new requests' rows written first), for logits
-    ``vocab`` wide. With ``upload`` (the runner's, before the forward) they are staged
-    there, to be read once it is sent; without, they are moved to ``device`` here, in one
+def step_rows(rows: Sequence[SampleRequest], device: torch.device, vocab: int) -> StepRows:
+    """``rows`` laid out for one call on logits ``vocab`` wide, moved to ``device`` in one
     copy."""
-    own = upload is None
-    upload = StepUpload(device) if upload is None else upload
-    step = state.step(request_ids, [r.params for r in rows], [r.seed for r in rows],
-                      [r.output_index for r in rows], [r.prompt_token_ids for r in rows],
-                      [r.output_token_ids for r in rows], upload, vocab)
-    if own:
-        upload.send()
+    state = SamplingRows(len(rows))
+    request_ids = [str(i) for i in range(len(rows))]
+    for request_id, r in zip(request_ids, rows, strict=True):
+        state.add(request_id, r.params, r.seed, r.prompt_token_ids, r.output_token_ids)
+    upload = StepUpload(device)
+    step = state.step(request_ids, [r.output_index for r in rows], upload, vocab,
+                      counted=False)
+    upload.send()
     return step
 
 
@@ -65,19 +62,18 @@ class Sampler:
     """Picks one token per row; a row's result never depends on its neighbours."""
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SampleRequest], step: StepRows | None = None,
+        self, logits: torch.Tensor, rows: StepRows | Sequence[SampleRequest],
         scratch: bool = False,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Returns the chosen token per row and, where asked for, its logprobs.
 
-        ``step`` holds the rows' values and subsets from the runner's persistent rows
-        (already on the logits' device); without it they are laid out for this call alone.
+        ``rows``: the step's rows from the runner's persistent SamplingRows (already on the
+        logits' device), or one SampleRequest per row, laid out for this call alone.
         ``scratch``: the caller drops ``logits`` after the call, so penalties may change
         them in place (unless a row wants logprobs).
         """
-        if step is None:
-            step = step_rows(SamplingRows(len(rows)), [str(i) for i in range(len(rows))], rows,
-                             logits.device, logits.shape[-1])
+        step = rows if isinstance(rows, StepRows) else step_rows(rows, logits.device,
+                                                                  logits.shape[-1])
         raw = logits
         subsets = step.subsets
         if subsets.vocab != logits.shape[-1]:
@@ -92,8 +88,9 @@ class Sampler:
                 logits = logits.clone()
             apply_penalties(logits, step.penalties)
             apply_logit_bias(logits, subsets.bias)
-        tokens = [0] * len(rows)
-        if len(subsets.greedy) == len(rows):
+        num_rows = len(step.params)
+        tokens = [0] * num_rows
+        if len(subsets.greedy) == num_rows:
             tokens = _argmax(logits)
         elif subsets.greedy:
             picks = _argmax(rows_at(logits, subsets.greedy_index))
@@ -105,7 +102,7 @@ class Sampler:
             picks = self._sample(chosen.float(), subsets, values)
             for i, t in zip(subsets.sampled, picks, strict=True):
                 tokens[i] = t
-        return tokens, self._logprobs(raw, rows, tokens, subsets)
+        return tokens, self._logprobs(raw, step.params, tokens, subsets)
 
     @staticmethod
     def _sample(logits: torch.Tensor, subsets: RowSubsets, values: torch.Tensor) -> list[int]:
@@ -153,16 +150,16 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, rows: list[SampleRequest], tokens: list[int],
+        logits: torch.Tensor, params: list[SamplingParams], tokens: list[int],
         subsets: RowSubsets,
     ) -> list[TokenLogprob | None]:
-        result: list[TokenLogprob | None] = [None] * len(rows)
+        result: list[TokenLogprob | None] = [None] * len(params)
         if not subsets.logprobs:
             return result
         # Logprobs of the model's own distribution, before penalties, temperature, filters.
         logp = torch.log_softmax(rows_at(logits, subsets.logprobs_index).float(), dim=-1)
         for row, i in enumerate(subsets.logprobs):
-            n = rows[i].params.logprobs or 0
+            n = params[i].logprobs or 0
             top = torch.topk(logp[row], n) if n else None
             result[i] = TokenLogprob(
                 token_id=tokens[i],

@@ -6,28 +6,27 @@ Each contract imports every module of a package in a fresh interpreter and inspe
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imports every module of the packages named in argv (every .py file of the package's
-# folders) except the ones listed after "--skip", then prints what
-# got loaded: third-party top-level names and the project's own modules. "--extend PKG DIR"
-# first adds DIR to PKG's search path: a test plants a module there to break a contract.
+# Runs import jobs, each in a fresh copy of one interpreter: the request (JSON in argv) names
+# modules to load first ("preload": torch, which most of the worker may load and which takes
+# most of an interpreter's start) and the jobs; each job is run in a child forked from that
+# interpreter, so what a job loads is its own and the preload is paid once. A job imports
+# every module of its packages (every .py file of the package's folders) but those it
+# skips, then reports what got loaded: third-party top-level names and the project's own
+# modules. "extend" [PKG, DIR] first adds DIR to PKG's search path: a test plants a module
+# there to break a contract.
 _PROBE = r"""
-import importlib, json, os, sys
-args = sys.argv[1:]
-if "--extend" in args:
-    at = args.index("--extend")
-    importlib.import_module(args[at + 1]).__path__.append(args[at + 2])
-    del args[at:at + 3]
-skip = set(args[args.index("--skip") + 1:]) if "--skip" in args else set()
-packages = args[:args.index("--skip")] if "--skip" in args else args
+import importlib, json, os, sys, traceback
 
 def modules(name):
     # From the files, not pkgutil.walk_packages: that imports every subpackage to walk it,
@@ -47,37 +46,92 @@ def modules(name):
                     if parts or stem:
                         yield ".".join([name, *parts, *stem])
 
-imported = []
-for name in packages:
-    for module in modules(name):
-        if module in skip or any(module.startswith(s + ".") for s in skip):
-            continue
-        importlib.import_module(module)
-        imported.append(module)
-packages = sorted(n for n, m in sys.modules.items() if hasattr(m, "__path__"))
-print(json.dumps({"imported": imported, "loaded": sorted(sys.modules), "packages": packages}))
+def run(job):
+    if job["extend"]:
+        importlib.import_module(job["extend"][0]).__path__.append(job["extend"][1])
+    skip = set(job["skip"])
+    imported = []
+    for name in job["packages"]:
+        for module in modules(name):
+            if module in skip or any(module.startswith(s + ".") for s in skip):
+                continue
+            importlib.import_module(module)
+            imported.append(module)
+    packages = sorted(n for n, m in sys.modules.items() if hasattr(m, "__path__"))
+    return {"imported": imported, "loaded": sorted(sys.modules), "packages": packages}
+
+request = json.loads(sys.argv[1])
+for name in request["preload"]:
+    importlib.import_module(name)
+reports = []
+for job in request["jobs"]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            out = {"report": run(job)}
+        except BaseException:
+            out = {"error": traceback.format_exc()}
+        with os.fdopen(write, "w") as pipe:
+            json.dump(out, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reports.append(json.load(pipe))
+    os.waitpid(pid, 0)
+print(json.dumps(reports))
 """
 
 OWN = ("producer", "worker", "scheduler", "kvstore")
 
 
+@dataclass(frozen=True)
+class Job:
+    """Import every module of ``packages`` but ``skip``; ``torch_allowed``: the job may run
+    where torch is loaded already (what it loads of the project is the same)."""
+
+    packages: tuple[str, ...]
+    skip: tuple[str, ...] = ()
+    extend: tuple[str, str] | None = None
+    torch_allowed: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    imported: list[str]
+    loaded: set[str]
+    packages: set[str]
+
+
+def run_jobs(jobs: list[Job]) -> list[Report]:
+    """Each job's report, in order: at most two interpreters (one with torch preloaded)."""
+    reports: dict[int, Report] = {}
+    for preload in ((), ("torch",)):
+        batch = [(i, job) for i, job in enumerate(jobs)
+                 if job.torch_allowed == bool(preload)]
+        if not batch:
+            continue
+        request = {"preload": list(preload), "jobs": [
+            {"packages": list(j.packages), "skip": list(j.skip),
+             "extend": list(j.extend) if j.extend else None} for _, j in batch]}
+        result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(request)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        for (i, _), out in zip(batch, json.loads(result.stdout.strip().splitlines()[-1]),
+                               strict=True):
+            assert "error" not in out, out.get("error")
+            report = out["report"]
+            reports[i] = Report(report["imported"], set(report["loaded"]),
+                                set(report["packages"]))
+    return [reports[i] for i in range(len(jobs))]
+
+
 def probe(*packages: str, skip: tuple[str, ...] = (),
-          extend: tuple[str, Path] | None = None) -> tuple[list[str], set[str]]:
+          torch_allowed: bool = False) -> tuple[list[str], set[str]]:
     """(modules imported, modules loaded) after importing every module of ``packages``."""
-    imported, loaded, _ = _run_probe(packages, skip, extend)
-    return imported, loaded
-
-
-def _run_probe(packages, skip=(), extend=None) -> tuple[list[str], set[str], set[str]]:
-    argv = [sys.executable, "-c", _PROBE, *packages]
-    if extend is not None:
-        argv += ["--extend", extend[0], str(extend[1])]
-    if skip:
-        argv += ["--skip", *skip]
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["imported"], set(report["loaded"]), set(report["packages"])
+    report = run_jobs([Job(packages, skip, torch_allowed=torch_allowed)])[0]
+    return report.imported, report.loaded
 
 
 def top_level(loaded: set[str]) -> set[str]:
@@ -151,12 +205,26 @@ def allowed(folder: str, rules: tuple[str, ...]) -> bool:
                for r in rules)
 
 
-def breaches(contract: str, extend: tuple[str, Path] | None = None) -> list[str]:
-    """What importing every module of the contract's folder loads outside the contract:
+def contract_job(contract: str, extend: tuple[str, Path] | None = None) -> Job:
+    _, forbidden = CONTRACTS[contract]
+    return Job((contract.removesuffix("/"),),
+               extend=(extend[0], str(extend[1])) if extend is not None else None,
+               torch_allowed="torch" not in forbidden)
+
+
+@functools.cache
+def contract_reports() -> dict[str, Report]:
+    """Every contract's report, made in one go the first time a test asks."""
+    contracts = sorted(CONTRACTS)
+    return dict(zip(contracts, run_jobs([contract_job(c) for c in contracts]), strict=True))
+
+
+def breaches(contract: str, report: Report) -> list[str]:
+    """What importing every module of the contract's folder loaded outside the contract:
     project modules (with the folder each belongs to) and forbidden packages."""
     package = contract.removesuffix("/")
     rules, forbidden = CONTRACTS[contract]
-    _, loaded, packages = _run_probe([package], extend=extend)
+    loaded, packages = report.loaded, report.packages
     own = {m for m in loaded if m.split(".")[0] in OWN and m not in packages}
     inside = (package, f"{package}/") if contract.endswith("/") else (package,)
     found = sorted(f"{m} ({folder_of(m, packages)})" for m in own
@@ -166,7 +234,7 @@ def breaches(contract: str, extend: tuple[str, Path] | None = None) -> list[str]
 
 @pytest.mark.parametrize("contract", sorted(CONTRACTS))
 def test_each_folder_loads_only_what_its_contract_allows(contract):
-    assert breaches(contract) == []
+    assert breaches(contract, contract_reports()[contract]) == []
 
 
 def test_every_folder_of_the_house_has_a_contract():
@@ -182,14 +250,15 @@ def test_every_folder_of_the_house_has_a_contract():
 def test_an_arrow_back_up_breaks_the_contract(tmp_path):
     # A module planted in the engine's folder that imports the fleet above it.
     (tmp_path / "arrow_back_up.py").write_text("import worker.fleet.engine_loop\n")
-    found = breaches("worker.engine", extend=("worker.engine", tmp_path))
+    planted = run_jobs([contract_job("worker.engine", extend=("worker.engine", tmp_path))])[0]
+    found = breaches("worker.engine", planted)
     assert any(b.startswith("worker.fleet.engine_loop ") for b in found), found
     assert "redis" in found  # and the fleet's Redis with it
 
 
 def test_the_benchmarks_and_the_cli_are_reached_from_nothing_below_them():
     loaded = probe("producer", "scheduler", "kvstore", "worker",
-                   skip=("worker.cli", "worker.bench"))[1]
+                   skip=("worker.cli", "worker.bench"), torch_allowed=True)[1]
     assert not {m for m in loaded if m.startswith(("worker.bench", "worker.cli"))}
 
 

@@ -26,12 +26,14 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        untouched: bool = False,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [_zeros(shape, dtype, device, pin_memory) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device, pin_memory) for _ in range(num_layers)]
+        make = _untouched if untouched and not pin_memory else _zeros
+        self.k = [make(shape, dtype, device, pin_memory) for _ in range(num_layers)]
+        self.v = [make(shape, dtype, device, pin_memory) for _ in range(num_layers)]
 
     @property
     def num_layers(self) -> int:
@@ -67,6 +69,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if torch.device(device).type != "cpu" or pin_memory or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     return torch.frombuffer(zeroed_buffer(nbytes), dtype=dtype).view(shape).zero_()
+
+
+def _untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               pin_memory: bool) -> torch.Tensor:
+    """A pool whose memory is reserved, not touched: its pages come as blocks are first
+    written. For a pool whose blocks are always written before they are read (the swap
+    tier); faulting in gigabytes at start-up would only delay it (a fresh page costs most on
+    a VM, seconds for 0.5 GiB). Where the OS does not overcommit, a pool that cannot fit
+    still fails here."""
+    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
 def copy_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: list[tuple[int, int]],

@@ -66,9 +66,11 @@ class KVMemory:
 def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
               dtype: torch.dtype, max_model_len: int) -> KVMemory:
     """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks)."""
-    def tensors(num_blocks: int, on: torch.device, pin: bool = False) -> PagedKVCache:
+    def tensors(num_blocks: int, on: torch.device, pin: bool = False,
+                untouched: bool = False) -> PagedKVCache:
         return PagedKVCache(model.num_hidden_layers, num_blocks, config.block_size,
-                            model.num_key_value_heads, model.head_dim, dtype, on, pin)
+                            model.num_key_value_heads, model.head_dim, dtype, on, pin,
+                            untouched)
 
     per_block = PagedKVCache.bytes_per_block(model.num_hidden_layers, config.block_size,
                                              model.num_key_value_heads, model.head_dim, dtype)
@@ -85,6 +87,8 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     manager = KVCacheManager(pool, config.block_size, host_pool=host_pool,
                              enable_prefix_caching=config.enable_prefix_caching,
                              watermark_blocks=max(1, num_blocks // 100))
-    host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda")
-                  if swap_blocks else None)
+    # A block is swapped in only after it was swapped out: the swap tier's memory can come
+    # as it is first written (pinned memory for a GPU is touched when it is made anyway).
+    host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda",
+                          untouched=True) if swap_blocks else None)
     return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager)

@@ -163,7 +163,11 @@ def test_a_full_queue_is_429_with_retry_after(redis_url, start_worker, client, r
         response = httpx.post(running.api + "/completions",
                               json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert response.status_code == 429 and response.headers["retry-after"] == "1"
-        assert response.json()["error"]["code"] == "queue_full"
+        error = response.json()["error"]
+        assert error["code"] == "queue_full"
+        assert error["message"] == (f"model {MODEL!r} has 2 requests waiting, the most this "
+                                    "gateway queues is 2: try again later")
+        assert "conveyor:" not in error["message"]  # no internal key
         with openai.OpenAI(base_url=running.api, api_key="k", max_retries=0) as oai, \
                 pytest.raises(openai.RateLimitError):
             oai.completions.create(model=MODEL, prompt="x", max_tokens=2)

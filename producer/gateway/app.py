@@ -249,7 +249,9 @@ class Gateway:
                 api.prompt, messages=api.messages, model=api.model, lane=self.settings.lane,
                 max_queue=self.settings.max_queue, **api.sampling)
         except QueueFull as exc:
-            raise ApiError(f"the queue of model {api.model!r} is full: {exc}", status=429,
+            # The stream's key is the fleet's business, not the API caller's.
+            raise ApiError(f"model {api.model!r} has {exc.count} requests waiting, the most "
+                           f"this gateway queues is {exc.limit}: try again later", status=429,
                            kind="rate_limit_exceeded", code="queue_full") from None
         except ModelNotFound as exc:
             raise ApiError(str(exc), status=404, param="model", code="model_not_found") from None

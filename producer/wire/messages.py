@@ -21,8 +21,10 @@ MAX_MESSAGES_CHARS = 1_000_000
 def validate_messages(value: Any) -> list[dict[str, str]]:
     """``value`` as a list of ``{"role", "content"}`` maps, or a ValueError saying what is
     wrong with it."""
-    if not isinstance(value, list | tuple) or not value:
+    if not isinstance(value, list | tuple):
         raise ValueError(f"messages must be a non-empty list, got {brief(value)}")
+    if not value:
+        raise ValueError("messages must be a non-empty list, got an empty list")
     if len(value) > MAX_MESSAGES:
         raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(value)}")
     out: list[dict[str, str]] = []

@@ -15,8 +15,9 @@ from kvstore.tier.header import (
     TierMismatch,
     TierMiss,
     TierRefused,
+    TierUnavailable,
 )
 from kvstore.tier.interface import KVTier
 
 __all__ = ["BlockLayout", "KVHeader", "KVTier", "TierCorrupt", "TierError", "TierMismatch",
-           "TierMiss", "TierRefused"]
+           "TierMiss", "TierRefused", "TierUnavailable"]

@@ -41,6 +41,13 @@ class TierRefused(TierError):
     cause = "refused"
 
 
+class TierUnavailable(TierRefused):
+    """The tier did not answer in time, or is skipped for a while after it did not
+    (kvstore/tier/breaker.py): nothing is stored or read, as if it had refused."""
+
+    cause = "unreachable"
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """Everything a reader must share with the writer for the bytes to mean the same KV.

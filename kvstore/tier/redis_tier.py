@@ -18,21 +18,30 @@ Bytes are counted in time buckets of a quarter TTL (``{ns}:kv:bytes:<bucket>``):
 counts in the bucket it was written in until that bucket leaves the window of the last
 five, by when the run has expired; a delete takes its bytes back from that same bucket.
 So expired runs stop counting on their own, and nothing drifts.
+
+A tier that stops answering must not stall the worker that uses it: each round trip moves
+at most one chunk, under the client's own (short) socket timeout, and a round trip that
+gets no answer opens the worker's breaker (kvstore/tier/breaker.py), which then turns the
+tier's calls away at once for a while. Either way the caller sees TierUnavailable and
+goes on without the tier.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import redis
 
+from kvstore.tier.breaker import Breaker
 from kvstore.tier.header import (
     BlockLayout,
     KVHeader,
     TierCorrupt,
     TierMiss,
     TierRefused,
+    TierUnavailable,
     checksum,
 )
 from producer.wire.keys import Keys
@@ -52,7 +61,8 @@ class RedisKVTier:
                  ttl_s: int = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  maxmemory_fraction: float = 0.5,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time,
+                 breaker: Breaker | None = None) -> None:
         if ttl_s < 1 or max_bytes < 1 or chunk_bytes < 1 or not 0 < maxmemory_fraction <= 1:
             raise ValueError("ttl_s, max_bytes and chunk_bytes must be >= 1 and "
                              "maxmemory_fraction in (0, 1]")
@@ -64,6 +74,28 @@ class RedisKVTier:
         self.maxmemory_fraction = maxmemory_fraction
         self.now = now  # unix seconds; tests move it
         self.bucket_s = ttl_s / 4
+        # Shared by the worker's tier clients; None: every call tries the tier.
+        self.breaker = breaker
+
+    @contextmanager
+    def _guarded(self, what: str) -> Iterator[None]:
+        """Run one call of the interface past the breaker: turned away at once while it is
+        open; a round trip without an answer opens it; any answer closes it."""
+        if self.breaker is not None and not self.breaker.allow():
+            raise TierUnavailable(f"the KV tier is skipped for now (it did not answer a "
+                                  f"round trip within its timeout): no {what}")
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if self.breaker is not None:
+                self.breaker.failed()
+            raise TierUnavailable(f"the KV tier did not answer a {what}: {exc}") from exc
+        except BaseException:
+            if self.breaker is not None:
+                self.breaker.succeeded()  # an answer, even a refusal or a miss
+            raise
+        if self.breaker is not None:
+            self.breaker.succeeded()
 
     # ----- keys -----
 
@@ -80,6 +112,11 @@ class RedisKVTier:
         if len(payload) != num_blocks * layout.bytes_per_block:
             raise ValueError(f"{len(payload)} bytes are not {num_blocks} blocks of "
                              f"{layout.bytes_per_block}")
+        with self._guarded("write"):
+            return self._put(name, layout, payload, num_blocks, num_tokens, tokens_hash)
+
+    def _put(self, name: str, layout: BlockLayout, payload: bytes, num_blocks: int,
+             num_tokens: int, tokens_hash: str) -> KVHeader:
         try:
             self._check_room(len(payload))
         except redis.ResponseError as exc:  # its GET or INFO refused (e.g. LOADING)
@@ -91,13 +128,13 @@ class RedisKVTier:
         header = KVHeader(layout, num_blocks, num_tokens, tuple(len(c) for c in chunks),
                           checksum(view), tokens_hash, stored_at)
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for i, chunk in enumerate(chunks):
-                pipe.set(self.chunk_key(name, i), chunk.tobytes(), px=self.ttl_ms)
-            if any(isinstance(r, Exception) for r in pipe.execute(raise_on_error=False)):
-                # Some chunks may have landed: give their room back now, not at their TTL.
-                self.client.delete(*[self.chunk_key(name, i) for i in range(len(chunks))])
-                raise TierRefused(f"redis refused a KV write for {name!r}")
+            for i, chunk in enumerate(chunks):  # a round trip a chunk: each within the timeout
+                try:
+                    self.client.set(self.chunk_key(name, i), chunk.tobytes(), px=self.ttl_ms)
+                except redis.ResponseError:
+                    if i:  # some chunks landed: give their room back now, not at their TTL
+                        self.client.delete(*[self.chunk_key(name, j) for j in range(i)])
+                    raise TierRefused(f"redis refused a KV write for {name!r}") from None
             # The header last: a reader that sees it finds every chunk written.
             pipe = self.client.pipeline(transaction=False)
             pipe.set(self.header_key(name), header.encode(), px=self.ttl_ms)
@@ -110,6 +147,10 @@ class RedisKVTier:
         return header
 
     def get(self, name: str, layout: BlockLayout) -> tuple[KVHeader, bytes]:
+        with self._guarded("read"):
+            return self._get(name, layout)
+
+    def _get(self, name: str, layout: BlockLayout) -> tuple[KVHeader, bytes]:
         raw = self.client.get(self.header_key(name))
         if raw is None:
             raise TierMiss(f"no KV stored under {name!r}")
@@ -117,18 +158,20 @@ class RedisKVTier:
         header.check_layout(layout)
         if not header.chunk_sizes:
             raise TierCorrupt(f"the header under {name!r} names no chunks")
-        chunks = self.client.mget([self.chunk_key(name, i)
-                                   for i in range(len(header.chunk_sizes))])
-        for i, (chunk, size) in enumerate(zip(chunks, header.chunk_sizes, strict=True)):
+        chunks = []
+        for i, size in enumerate(header.chunk_sizes):  # a round trip a chunk, as written
+            chunk = self.client.get(self.chunk_key(name, i))
             if chunk is None or len(chunk) != size:
                 raise TierCorrupt(f"chunk {i} of {name!r} is missing or truncated")
+            chunks.append(chunk)
         payload = b"".join(chunks)
         if checksum(payload) != header.checksum:
             raise TierCorrupt(f"the bytes under {name!r} do not match their checksum")
         return header, payload
 
     def delete(self, name: str) -> None:
-        self._uncount(name, delete=True)
+        with self._guarded("delete"):
+            self._uncount(name, delete=True)
 
     def _uncount(self, name: str, delete: bool = False) -> None:
         """Take a stored run's bytes back from its bucket (and delete its keys)."""
@@ -151,7 +194,8 @@ class RedisKVTier:
         pipe.execute()
 
     def has(self, name: str) -> bool:
-        return bool(self.client.exists(self.header_key(name)))
+        with self._guarded("lookup"):
+            return bool(self.client.exists(self.header_key(name)))
 
     # ----- room -----
 

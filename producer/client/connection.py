@@ -44,6 +44,7 @@ def connect(
     socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
     client_name: str | None = None,
     retry_attempts: int = RETRY_ATTEMPTS,
+    connect_timeout: float | None = None,
 ) -> redis.Redis:
     """A Redis client for ``url`` (redis://, rediss:// or unix://, user:password allowed).
 
@@ -51,12 +52,15 @@ def connect(
     running. ``socket_timeout`` must stay above the longest BLOCK a caller uses.
     ``client_name`` names its connections in CLIENT LIST. ``retry_attempts=0`` hands every
     connection error to the caller at once (worker threads retry in their own loop, and say so).
-    Each retry logs a warning naming the server and the error.
+    Each retry logs a warning naming the server and the error. ``connect_timeout``: seconds
+    to connect (default: SOCKET_CONNECT_TIMEOUT).
     """
     url = resolve_url(url)
     retry = _TransientRetry(_backoff(), retry_attempts, supported_errors=TRANSIENT_ERRORS,
                             where=describe(url))
     options = _options(url, decode_responses, socket_timeout, retry)
+    if connect_timeout is not None:
+        options["socket_connect_timeout"] = connect_timeout
     if client_name is not None:
         options["client_name"] = client_name
     return redis.Redis.from_url(url, **options)

@@ -141,6 +141,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--kv-redis", metavar="URL", default=None,
                    help="Redis for the fleet KV tier (default: the queues' Redis; its own "
                    "Redis is the production choice)")
+    skip_s = worker("kv_breaker_open_s")
+    p.add_argument("--kv-timeout", type=float, default=worker("kv_timeout_s"), metavar="S",
+                   help="seconds a round trip to the KV tier may take; one that takes longer "
+                   f"skips the tier (hand on without KV, recompute) for {skip_s:g} s "
+                   "(default: %(default)s)")
     p.add_argument("--handoff-max-waiting", type=int, default=worker("handoff_max_waiting"),
                    metavar="N", help="a prefill worker reads no new request while N wait in "
                    "its model's handoff streams for a decode worker (default: %(default)s)")
@@ -221,6 +226,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           allow_eviction=args.allow_eviction, role=args.role,
                           place_threads=args.place_threads,
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
+                          kv_timeout_s=args.kv_timeout,
                           handoff_max_waiting=args.handoff_max_waiting,
                           stream_interval=args.stream_interval,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))

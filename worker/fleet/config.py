@@ -98,6 +98,14 @@ class WorkerConfig:
     kv_redis_url: str | None = None
     kv_ttl_s: int = 600
     kv_max_bytes: int = 256 * 1024 * 1024
+    # Seconds one round trip to the KV tier (at most a chunk, 512 KiB) may take before the
+    # tier is skipped for kv_breaker_open_s (kvstore/tier/breaker.py): a tier that stops
+    # answering costs a request at most this, never the worker its other requests.
+    kv_timeout_s: float = 1.0
+    kv_breaker_open_s: float = 30.0
+    # Tier transfers waiting on the worker's tier threads before new ones go on without
+    # the tier (worker/fleet/handoff/tier_io.py).
+    kv_queue: int = 64
     # A prefill worker reads no new request while this many wait in its model's handoff
     # streams (decode workers fall behind): prompts computed far ahead would only wait, their
     # KV filling the tier and expiring there. None: no bound.
@@ -121,6 +129,10 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _at_least("kv_ttl_s", self.kv_ttl_s, 1)
         _at_least("kv_max_bytes", self.kv_max_bytes, 1)
+        _at_least("kv_queue", self.kv_queue, 1)
+        for name in ("kv_timeout_s", "kv_breaker_open_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         _at_least("prefetch", self.prefetch, 0)
         if self.handoff_max_waiting is not None:
             _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)

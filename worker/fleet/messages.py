@@ -10,7 +10,8 @@ Plain data, never pickled: they stay inside one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvstore.handoff import KVHandoff
 from producer.wire.params import SamplingParams
@@ -36,6 +37,10 @@ class Admission:
     # Where that KV came from: "handoff" (a prefill worker), "prefix" (fleet prefix
     # reuse), "" when there is none.
     kv_source: str = ""
+    # Until it is fetched: what fetches its KV from the tier (never raising for the
+    # tier), and the source it would be; None once fetched or where none is wanted.
+    kv_fetch: Callable[[], KVHandoff | None] | None = field(default=None, repr=False)
+    kv_fetch_source: str = ""
 
 
 @dataclass

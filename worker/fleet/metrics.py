@@ -218,6 +218,11 @@ class HandoffCounts:
     # KV moved through the tier: (bytes, seconds, runs) put by a prefill worker, and got.
     put: tuple[int, float, int] = (0, 0.0, 0)
     got: tuple[int, float, int] = (0, 0.0, 0)
+    # The tier's breaker (kvstore/tier/breaker.py): open now, times it opened, and tier
+    # calls it turned away.
+    breaker_open: bool = False
+    breaker_opened: int = 0
+    tier_skipped: int = 0
 
 
 class _HandoffsCollector(Collector):
@@ -235,6 +240,11 @@ class _HandoffsCollector(Collector):
              h.kv_put_refused),
             ("conveyor_kv_handoffs_imported", "Handed-on requests taken with their KV.",
              h.kv_imported),
+            ("conveyor_kv_tier_breaker_opened",
+             "Times the KV tier's breaker opened: a round trip got no answer in time.",
+             h.breaker_opened),
+            ("conveyor_kv_tier_skipped", "KV tier calls skipped while its breaker was open.",
+             h.tier_skipped),
         ):
             c = CounterMetricFamily(name, doc, labels=["model"])
             c.add_metric([self.model], float(value))
@@ -251,9 +261,14 @@ class _HandoffsCollector(Collector):
         c = CounterMetricFamily("conveyor_kv_handoff_fallbacks",
                                 "Handed-on requests that recomputed their prompt, by cause.",
                                 labels=["model", "cause"])
-        for cause in ("missing", "corrupt", "mismatch", "no_room", "unreachable"):
+        for cause in ("missing", "corrupt", "mismatch", "no_room", "unreachable", "busy"):
             c.add_metric([self.model, cause], float(h.fallbacks.get(cause, 0)))
         yield c
+        g = GaugeMetricFamily("conveyor_kv_tier_breaker_open",
+                              "1 while the KV tier is skipped after a round trip got no "
+                              "answer, else 0.", labels=["model"])
+        g.add_metric([self.model], float(h.breaker_open))
+        yield g
 
 
 class _FaultsCollector(Collector):

@@ -15,6 +15,7 @@ import redis
 import structlog
 import torch
 
+from kvstore.tier.breaker import OPEN, Breaker
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.client.connection import connect, describe, resolve_url
 from producer.clock import SYSTEM_CLOCK, Clock
@@ -27,6 +28,7 @@ from worker.fleet.faults import admission_fault_hook
 from worker.fleet.handoff.engine_kv import kv_layout
 from worker.fleet.handoff.handoff import HandoffReader, HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixFinder, PrefixSharer
+from worker.fleet.handoff.tier_io import TierReader, TierWriter
 from worker.fleet.housekeeping.heartbeat import Heartbeat
 from worker.fleet.housekeeping.leases import LeaseKeeper, hand_back
 from worker.fleet.housekeeping.reaper import Reaper
@@ -89,6 +91,8 @@ class Worker:
         # The fleet KV tier (kvstore/tier): prefill workers write handoffs' KV, decode and
         # `both` workers read it. Checked against this engine's model fingerprint.
         layout = functools.partial(kv_layout, self.engine)  # at the first transfer, not now
+        # One breaker for the worker's tier clients: they share one Redis.
+        self.kv_breaker = Breaker(config.kv_breaker_open_s)
         publisher_client = self._client("publisher")
         hand_on = (HandOnWriter(publisher_client, self._kv_tier("kv-writer"), layout,
                                 self.keys, self.model, wid)
@@ -98,17 +102,23 @@ class Worker:
         share = config.kv_share_prefixes
         self.prefix_finder = (PrefixFinder(self._kv_tier("kv-prefix-reader"), layout,
                                            self._cached_here) if share else None)
+        prefixes = PrefixSharer(self._kv_tier("kv-prefix-writer"), layout) if share else None
+        # The tier's transfers run on threads of their own (worker/fleet/handoff/tier_io.py).
+        self.tier_writer = (TierWriter(hand_on, prefixes, wid, config.kv_queue, **sup)
+                            if hand_on is not None or prefixes is not None else None)
+        self.tier_reader = (TierReader(self.inbox, wid, config.kv_queue, **sup)
+                            if self.handoffs is not None or share else None)
         self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
                                    hand_on=hand_on, stream_interval=config.stream_interval,
-                                   prefixes=(PrefixSharer(self._kv_tier("kv-prefix-writer"),
-                                                          layout) if share else None), **sup)
+                                   prefixes=prefixes, tier_writer=self.tier_writer, **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, wid, role=config.role, kv_events=self.handoffs,
                                share_prefixes=share, on_admit=admission_fault_hook(), **sup)
         self.intake = Intake(self._client("intake"), config, IntakeParts(
             self.inflight, self.inbox, self.publisher, self.loop.cancel, self.engine.tokenizer,
-            self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder), **sup)
+            self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder,
+            tier_reader=self.tier_reader), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
@@ -142,10 +152,11 @@ class Worker:
     def _kv_tier(self, thread: str) -> RedisKVTier:
         url = resolve_url(self.config.kv_redis_url) if self.config.kv_redis_url \
             else self.redis_url
+        timeout = self.config.kv_timeout_s
         client = connect(url, client_name=f"{self.config.worker_id}:{thread}",
-                         retry_attempts=0)
+                         retry_attempts=0, socket_timeout=timeout, connect_timeout=timeout)
         return RedisKVTier(client, self.config.namespace, ttl_s=self.config.kv_ttl_s,
-                           max_bytes=self.config.kv_max_bytes)
+                           max_bytes=self.config.kv_max_bytes, breaker=self.kv_breaker)
 
     def _client(self, thread: str) -> redis.Redis:
         # No retries inside redis-py: the thread's supervisor retries, and reports it meanwhile.
@@ -200,7 +211,16 @@ class Worker:
             **_transfer_fields("kv_put", self.publisher.hand_on.transfers
                                if self.publisher.hand_on else None),
             **_transfer_fields("kv_get", self.handoffs.transfers if self.handoffs else None),
+            # The KV tier's breaker: closed, open (the tier is skipped: it did not answer
+            # within --kv-timeout), half-open (the next call probes it); "" without a tier.
+            "kv_tier_breaker": self.kv_breaker.state if self._uses_tier else "",
+            "kv_tier_breaker_opened": self.kv_breaker.opened,
+            "kv_tier_skipped": self.kv_breaker.skipped,
         }
+
+    @property
+    def _uses_tier(self) -> bool:
+        return self.tier_writer is not None or self.tier_reader is not None
 
     def handoff_counts(self) -> HandoffCounts:
         """This worker's prefill/decode handoffs, for its metrics."""
@@ -212,6 +232,9 @@ class Worker:
             fallbacks=dict(self.handoffs.fallbacks) if self.handoffs else {},
             put=astuple(writer.transfers) if writer else (0, 0.0, 0),
             got=astuple(self.handoffs.transfers) if self.handoffs else (0, 0.0, 0),
+            breaker_open=self.kv_breaker.state == OPEN,
+            breaker_opened=self.kv_breaker.opened,
+            tier_skipped=self.kv_breaker.skipped,
         )
 
     def fault_counts(self) -> FaultCounts:
@@ -245,6 +268,7 @@ class Worker:
         self.heartbeat.keep_functions()
         self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
                         self.leases, self.reaper]
+        self.threads += [t for t in (self.tier_writer, self.tier_reader) if t is not None]
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_port,
                                                    self.config.metrics_host)
@@ -287,6 +311,8 @@ class Worker:
         self._beat_once()
         for thread in (self.intake, self.reaper):
             thread.stop()
+        if self.tier_reader is not None:
+            self.tier_reader.close()  # what waits for a fetch goes on without it
         drained = not failed and self.inflight.wait_empty(timeout)
         self.loop.stop()
         if self._owns_engine:
@@ -294,6 +320,8 @@ class Worker:
         if not self.publisher.close(PUBLISHER_FLUSH_TIMEOUT_S):
             log.warning("output could not be flushed to redis; its requests are handed back "
                         "and resume from what was published")
+        if self.tier_writer is not None:
+            self.tier_writer.close()  # what waits for the tier is handed on without KV
         self._hand_back_unfinished()
         for thread in (self.leases, self.cancels, self.heartbeat, self.queue_poller):
             thread.stop()

@@ -26,22 +26,28 @@ import redis
 import structlog
 
 from kvstore.handoff import KVHandoff
-from kvstore.tier import BlockLayout, TierError, TierRefused
+from kvstore.tier import BlockLayout, TierError, TierUnavailable
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.wire.keys import GROUP, LANES, Keys
 from worker.fleet.messages import HandOn
 
 log = structlog.get_logger(__name__)
 
+# The handoff entry's field that says whether the tier took the KV ("1") or not ("0"): a
+# decode worker does not look the tier up for KV that was never stored (a frozen tier
+# would cost it a timeout for nothing). Entries without it (older workers): look it up.
+KV_STORED_FIELD = "kv"
+
 # KEYS[1]: the lane, KEYS[2]: the handoff stream. ARGV: group, consumer, entry id, field,
-# message. Adds the handoff and acknowledges the lane entry only while this consumer still
-# owns it (its lease did not lapse to another worker); the new entry id, or false.
+# message, KV_STORED_FIELD, "1" or "0". Adds the handoff and acknowledges the lane entry
+# only while this consumer still owns it (its lease did not lapse to another worker); the
+# new entry id, or false.
 HAND_ON_SCRIPT = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if not (p[1] and p[1][2] == ARGV[2]) then
   return false
 end
-local id = redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5])
+local id = redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return id
 """
@@ -107,25 +113,15 @@ class HandOnWriter(UsesLayout):
         self.kv_refused = 0
         self.transfers = Transfers()
 
-    def write(self, item: HandOn) -> None:
-        block = self.layout.block_size
-        try:
-            started = time.perf_counter()
-            self.tier.put(item.request_id, self.layout, item.kv.payload,
-                          -(-item.kv.num_tokens // block), item.kv.num_tokens,
-                          tokens_hash=item.tokens_hash)
-            self.transfers.add(len(item.kv.payload), time.perf_counter() - started)
-        except (TierRefused, redis.RedisError) as exc:
-            # Refused, or the tier's Redis unreachable: the decode worker will find no KV
-            # and recompute (slower, never wrong); the hand-on itself must not wait.
-            self.kv_refused += 1
-            log.warning("kv tier did not take a handoff's KV", request_id=item.request_id,
-                        error=str(exc))
-            self._forget_stale(item.request_id)
+    def write(self, item: HandOn, with_kv: bool = True) -> None:
+        """Put the KV in the tier (unless ``with_kv`` is False: the decode worker then
+        recomputes), then hand the request on. Tier errors never stop the hand-on; a
+        lost connection to the queues' Redis raises (the caller retries)."""
+        stored = with_kv and self._put(item)
         handoff = self.keys.handoff(self.model, self.keys.lane_of(item.stream))
         moved = self._script(keys=[item.stream, handoff],
                              args=[GROUP, self.worker_id, item.entry_id, item.field,
-                                   item.message])
+                                   item.message, KV_STORED_FIELD, "1" if stored else "0"])
         item.written = True
         if moved:
             self.handed_on += 1
@@ -133,12 +129,32 @@ class HandOnWriter(UsesLayout):
             log.warning("not handed on: the entry is no longer this worker's",
                         request_id=item.request_id, entry_id=item.entry_id)
 
+    def _put(self, item: HandOn) -> bool:
+        """Whether the tier took the request's KV."""
+        block = self.layout.block_size
+        try:
+            started = time.perf_counter()
+            self.tier.put(item.request_id, self.layout, item.kv.payload,
+                          -(-item.kv.num_tokens // block), item.kv.num_tokens,
+                          tokens_hash=item.tokens_hash)
+            self.transfers.add(len(item.kv.payload), time.perf_counter() - started)
+            return True
+        except (TierError, redis.RedisError) as exc:
+            # Refused, or the tier's Redis unreachable or skipped: the decode worker will
+            # find no KV and recompute (slower, never wrong); the hand-on must not wait.
+            self.kv_refused += 1
+            log.warning("kv tier did not take a handoff's KV", request_id=item.request_id,
+                        error=str(exc))
+            if not isinstance(exc, TierUnavailable):
+                self._forget_stale(item.request_id)
+            return False
+
     def _forget_stale(self, request_id: str) -> None:
         """A refused put must not leave an older run under the same id (a reused request
         id) for the decode worker to find; the token hash would catch it too."""
         try:
             self.tier.delete(request_id)
-        except redis.RedisError:
+        except (TierError, redis.RedisError):
             pass
 
 

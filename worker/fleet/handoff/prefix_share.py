@@ -19,7 +19,7 @@ import structlog
 
 from kvstore.handoff import KVHandoff
 from kvstore.prefix_hash import chain
-from kvstore.tier import BlockLayout, TierError, TierMiss, TierRefused
+from kvstore.tier import BlockLayout, TierError, TierMiss
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.clock import SYSTEM_CLOCK, Clock
 from worker.fleet.handoff.handoff import UsesLayout
@@ -60,7 +60,7 @@ class PrefixSharer(UsesLayout):
             try:
                 self.tier.put(prefix_name(self.layout, block_hash), self.layout, payload, 1,
                               self.layout.block_size)
-            except (TierRefused, redis.RedisError) as exc:
+            except (TierError, redis.RedisError) as exc:
                 self.refused += 1
                 log.info("kv tier did not take a prefix block", error=str(exc))
                 break  # later blocks are useless without this one

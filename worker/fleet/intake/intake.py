@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from worker.engine.tokenizer import Tokenizer
 from worker.fleet.config import WorkerConfig
-from worker.fleet.handoff.handoff import HandoffReader, streams_for
+from worker.fleet.handoff.handoff import KV_STORED_FIELD, HandoffReader, streams_for
 from worker.fleet.handoff.prefix_share import PrefixFinder
+from worker.fleet.handoff.tier_io import TierReader, resolve
 from worker.fleet.housekeeping.leases import hand_back
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
@@ -27,6 +29,8 @@ from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
+
+KV_STORED_BYTES = KV_STORED_FIELD.encode()
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -61,6 +65,8 @@ class IntakeParts:
     handoffs: HandoffReader | None = None
     # KV of shared prompt prefixes from the tier (--kv-share-prefixes).
     prefixes: PrefixFinder | None = None
+    # Fetches both off this thread (tier_io.py); None: this thread fetches them itself.
+    tier_reader: TierReader | None = None
 
 
 class Intake(SupervisedThread):
@@ -86,6 +92,7 @@ class Intake(SupervisedThread):
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = parts.handoffs
         self.prefixes = parts.prefixes
+        self.tier_reader = parts.tier_reader
         self.chat_template = parts.chat_template
         self.handoff_max_waiting = config.handoff_max_waiting if role == "prefill" else None
         # Requests waiting in the handoff streams when a prefill worker last looked.
@@ -162,8 +169,25 @@ class Intake(SupervisedThread):
             for rid in cancelled_ids(client, self.keys, [a.request.request_id for a in admitted]):
                 self.on_cancel(rid)
         finally:
-            if admitted:  # at once: the engine loop admits them all before its next step
-                self.inbox.put(list(admitted))
+            ready = [adm for adm in admitted if not self._fetch_later(adm)]
+            if ready:  # at once: the engine loop admits them all before its next step
+                self.inbox.put(ready)
+
+    def _fetch_later(self, adm: Admission) -> bool:
+        """Whether ``adm`` went to the tier reader, to reach the inbox once its KV is
+        fetched; without a reader its KV is fetched here, and with a full one not at all."""
+        if adm.kv_fetch is None:
+            return False
+        if self.tier_reader is None:
+            resolve(adm)
+            return False
+        if self.tier_reader.offer(adm):
+            return True
+        source, adm.kv_fetch = adm.kv_fetch_source, None
+        if source == "handoff" and self.handoffs is not None:
+            self.handoffs.fallback(adm.request.request_id, "busy",
+                                   "the tier reader's queue is full")
+        return False
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
         got = self._read_waiting(room)
@@ -234,16 +258,20 @@ class Intake(SupervisedThread):
             # the entry back as if never delivered here.
             hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
             return None
-        kv, source = None, ""
+        adm = Admission(req, prompt_ids, stream, entry_id, published)
         if stream in self.handoff_streams and self.handoffs is not None and published \
                 and published.token_ids and not published.finished:
-            kv = self.handoffs.fetch(req.request_id, prompt_ids + published.token_ids)
-            source = "handoff"
+            if fields.get(KV_STORED_BYTES) == b"0":  # the tier never took it: no lookup
+                self.handoffs.fallback(req.request_id, "missing", "the tier did not take "
+                                       "its KV when it was handed on")
+                return adm
+            adm.kv_fetch = functools.partial(self.handoffs.fetch, req.request_id,
+                                             prompt_ids + published.token_ids)
+            adm.kv_fetch_source = "handoff"
         elif self.prefixes is not None and not (published and published.token_ids):
-            kv = self.prefixes.find(prompt_ids)
-            source = "prefix"
-        return Admission(req, prompt_ids, stream, entry_id, published, kv,
-                         source if kv is not None else "")
+            adm.kv_fetch = functools.partial(self.prefixes.find, prompt_ids)
+            adm.kv_fetch_source = "prefix"
+        return adm
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -31,6 +31,7 @@ from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, error_final, now_ms
 from worker.fleet.handoff.handoff import HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixSharer
+from worker.fleet.handoff.tier_io import TierWriter
 from worker.fleet.messages import (
     Forget,
     HandOn,
@@ -148,12 +149,14 @@ class Publisher(SupervisedThread):
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
                  text: TextStage, hand_on: HandOnWriter | None = None,
                  prefixes: PrefixSharer | None = None, stream_interval: int = 1,
-                 **supervision: Any) -> None:
+                 tier_writer: TierWriter | None = None, **supervision: Any) -> None:
         super().__init__("publisher", worker_id=worker_id, **supervision)
         # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
         self.hand_on = hand_on
         # Workers sharing prefixes: puts computed prompt blocks in the KV tier.
         self.prefixes = prefixes
+        # Writes both off this thread (tier_io.py); None: this thread writes them itself.
+        self.tier_writer = tier_writer
         self.text = text
         # Holds a decoding request's chunks until they carry stream_interval tokens.
         self.holder = ChunkHolder(stream_interval)
@@ -303,14 +306,27 @@ class Publisher(SupervisedThread):
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
         for item in tier_items:  # after the first tokens are written: the decode side reads them
-            if item.written:
-                continue
+            if not item.written:
+                self._write_tier_item(item)
+        self._acknowledge(entries)
+
+    def _write_tier_item(self, item: HandOn | SharePrefix) -> None:
+        """To the tier writer's queue; where it is full, a hand-on goes on without its KV
+        (one script on the queues' Redis) and prefix blocks are not shared."""
+        if self.tier_writer is not None:
+            if self.tier_writer.offer(item):
+                item.written = True  # the tier writer's now: never offered twice
+                return
             if isinstance(item, HandOn):
                 assert self.hand_on is not None, "a hand-on without a HandOnWriter"
-                self.hand_on.write(item)
-            elif self.prefixes is not None:
-                self.prefixes.write(item)
-        self._acknowledge(entries)
+                self.hand_on.write(item, with_kv=False)
+            item.written = True
+            return
+        if isinstance(item, HandOn):
+            assert self.hand_on is not None, "a hand-on without a HandOnWriter"
+            self.hand_on.write(item)
+        elif self.prefixes is not None:
+            self.prefixes.write(item)
 
     def _transact(self, commands: list[Command]) -> list[object]:
         """Run ``commands`` as one MULTI/EXEC per key (a key's lone command as it is: atomic

@@ -1,0 +1,176 @@
+"""The KV tier's I/O on threads of its own, so that a slow or frozen tier never holds the
+threads that publish tokens and read requests.
+
+- ``TierWriter`` takes the publisher's hand-ons (the KV put, then the atomic hand-on) and
+  shared prefix blocks from a bounded queue.
+- ``TierReader`` takes the intake's admissions that may start from KV in the tier (a
+  handed-on request, a shared prefix), fetches it, and passes them to the engine loop.
+
+Where a queue is full, the work goes on without the tier: a hand-on without its KV (the
+decode worker recomputes), a prefix left unshared, an admission without its KV. A frozen
+tier costs each round trip at most the tier's timeout, and the breaker
+(kvstore/tier/breaker.py) then skips the tier altogether for a while.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import Any
+
+import structlog
+
+from worker.fleet.handoff.handoff import HandOnWriter
+from worker.fleet.handoff.prefix_share import PrefixSharer
+from worker.fleet.messages import Admission, HandOn, SharePrefix
+from worker.fleet.supervised import SupervisedThread
+
+log = structlog.get_logger(__name__)
+
+# Tier transfers waiting on a tier thread before new work goes on without the tier.
+DEFAULT_QUEUE = 64
+# How long an idle tier thread waits for work before it looks at its stop flag again.
+IDLE_WAIT_S = 0.2
+
+
+class _Bounded:
+    """A bounded FIFO whose head stays put until its work is done (a retried tick redoes it)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"a tier queue holds at least 1 item, got {max_waiting!r}")
+        self.max_waiting = max_waiting
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition()
+
+    def offer(self, item: Any) -> bool:
+        with self._cond:
+            if len(self._items) >= self.max_waiting:
+                return False
+            self._items.append(item)
+            self._cond.notify()
+            return True
+
+    def head(self, timeout: float) -> Any | None:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+            return self._items[0] if self._items else None
+
+    def done(self) -> None:
+        with self._cond:
+            self._items.popleft()
+
+    def take_all(self) -> list[Any]:
+        with self._cond:
+            items, self._items = list(self._items), deque()
+            return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class TierWriter(SupervisedThread):
+    """Hand-ons and shared prefixes, written off the publisher's thread, in order.
+
+    A hand-on's tier errors are its own (it goes on without KV); a lost connection to the
+    queues' Redis during its hand-on script fails the tick, and the supervisor retries it
+    (the put is an overwrite, the script checks the entry is still this worker's)."""
+
+    def __init__(self, hand_on: HandOnWriter | None, prefixes: PrefixSharer | None,
+                 worker_id: str, max_waiting: int = DEFAULT_QUEUE,
+                 **supervision: Any) -> None:
+        super().__init__("kv-tier-writer", worker_id=worker_id, **supervision)
+        self.hand_on = hand_on
+        self.prefixes = prefixes
+        self._queue = _Bounded(max_waiting)
+        # Hand-ons that went on without KV and prefixes left unshared: the queue was full.
+        self.overflowed = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def offer(self, item: HandOn | SharePrefix) -> bool:
+        """Queue ``item`` for the tier; False (counted) where the queue is full."""
+        if self._queue.offer(item):
+            return True
+        self.overflowed += 1
+        return False
+
+    def tick(self) -> None:
+        item = self._queue.head(IDLE_WAIT_S)
+        if item is None:
+            return
+        self._write(item, with_kv=True)
+        self._queue.done()
+
+    def close(self) -> None:
+        """Stop, then hand on what is left without KV (a stopping worker does not wait on
+        the tier); prefix blocks left are not shared."""
+        self.stop()
+        for item in self._queue.take_all():  # none of them handed on yet
+            if isinstance(item, HandOn):
+                try:
+                    self._write(item, with_kv=False)
+                except Exception as exc:  # its lane entry lapses and is claimed elsewhere
+                    log.warning("hand-on not written at stop", request_id=item.request_id,
+                                error=str(exc))
+
+    def _write(self, item: HandOn | SharePrefix, with_kv: bool) -> None:
+        if isinstance(item, HandOn):
+            assert self.hand_on is not None, "a hand-on without a HandOnWriter"
+            self.hand_on.write(item, with_kv=with_kv)
+        elif self.prefixes is not None:
+            self.prefixes.write(item)
+
+
+class TierReader(SupervisedThread):
+    """Admissions whose KV may be in the tier: fetched here, then passed to the engine
+    loop's inbox, with their KV or without it."""
+
+    def __init__(self, inbox: queue.Queue[list[Admission]], worker_id: str,
+                 max_waiting: int = DEFAULT_QUEUE, **supervision: Any) -> None:
+        super().__init__("kv-tier-reader", worker_id=worker_id, **supervision)
+        self.inbox = inbox
+        self._queue = _Bounded(max_waiting)
+        # Admissions sent on without a fetch: the queue was full.
+        self.overflowed = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def offer(self, adm: Admission) -> bool:
+        """Queue ``adm`` for its fetch (``adm.kv_fetch``); False (counted) where the queue
+        is full, and the caller passes it on without KV."""
+        if self._queue.offer(adm):
+            return True
+        self.overflowed += 1
+        return False
+
+    def tick(self) -> None:
+        adm = self._queue.head(IDLE_WAIT_S)
+        if adm is None:
+            return
+        resolve(adm)
+        self._queue.done()
+        self.inbox.put([adm])
+
+    def close(self) -> None:
+        """Stop, then pass what is left to the engine loop without KV (it recomputes)."""
+        self.stop()
+        left = self._queue.take_all()
+        for adm in left:
+            adm.kv_fetch = None
+        if left:
+            self.inbox.put(left)
+
+
+def resolve(adm: Admission) -> None:
+    """Fetch ``adm``'s KV (the fetch never raises for the tier: it falls back) and set it."""
+    assert adm.kv_fetch is not None, "an admission with nothing to fetch"
+    kv = adm.kv_fetch()
+    adm.kv, adm.kv_source = kv, adm.kv_fetch_source if kv is not None else ""
+    adm.kv_fetch = None

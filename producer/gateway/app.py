@@ -8,6 +8,10 @@ Errors come back in OpenAI's shape (``{"error": {"message", "type", "param", "co
 400 a field conveyor cannot honour (named), 401 a bad API key, 404 an unknown model, 429 a
 full queue (with ``Retry-After``), 503 no live worker for the model or Redis unreachable.
 A client that goes away (mid-stream or while waiting) cancels its request on the worker.
+
+Nothing waits in silence: a stream that waits sends an SSE comment every ``keepalive_s``,
+and a request whose model has had no live worker for ``orphan_timeout_s`` is cancelled and
+answered with ``no_live_worker`` (an error event, or 503 when not streamed).
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ log = structlog.get_logger(__name__)
 
 # How often a request that is not streamed checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
+# How often a waiting request looks at its model's liveness (the view is shared and cached
+# for model_state_ttl_s, so this costs no Redis round trip per request).
+LIVENESS_POLL_S = 1.0
+KEEPALIVE = ": keep-alive\n\n"
+
+
+class Orphaned(Exception):
+    """The request's model has had no live worker for the orphan timeout."""
 # Largest request body read (a request entry is at most 4 MiB of msgpack; JSON is wordier).
 MAX_BODY_BYTES = 16 * 2**20
 # Seconds a model's tokenizer (for logprobs' token texts) is kept before it is read again.
@@ -184,7 +196,7 @@ class Gateway:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
-        done = await self._wait(request, request_id)
+        done = await self._wait(request, request_id, api.model)
         if done is None:  # the client went away: nobody reads this answer
             return Response(status_code=499)
         if done.error:
@@ -273,10 +285,12 @@ class Gateway:
         self._tokenizers[model] = (now, tokenizer)
         return tokenizer
 
-    async def _wait(self, request: Request, request_id: str):
+    async def _wait(self, request: Request, request_id: str, model: str):
         """The request's Completion, or None (and the request cancelled) when the client
-        disconnects first."""
+        disconnects first; ApiError 503 (the request cancelled) once its model has had no
+        live worker for the orphan timeout."""
         task = asyncio.ensure_future(self.client.result(request_id))
+        orphan = OrphanWatch(self, model)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -286,6 +300,13 @@ class Gateway:
                     task.cancel()
                     await self._cancel(request_id, "the client disconnected")
                     return None
+                await orphan.check()
+        except Orphaned as exc:
+            task.cancel()
+            await self._cancel(request_id, str(exc), gone=False)
+            self.metrics.orphaned.inc()
+            raise ApiError(str(exc), status=503, kind="service_unavailable",
+                           code="no_live_worker", request_id=request_id) from None
         except BaseException as exc:
             # Reading the answer failed (or the server is stopping): nobody will read it.
             task.cancel()
@@ -304,7 +325,10 @@ class Gateway:
         try:
             if (first := writer.first()) is not None:
                 yield _sse(first)
-            async for event in self.client.stream(request_id):
+            async for event in self._speaking(self.client.stream(request_id), api.model):
+                if event is None:
+                    yield KEEPALIVE
+                    continue
                 if isinstance(event, ChunkEvent):
                     if event.text or (api.logprobs and event.logprobs):
                         yield _sse(writer.text(event.text, event.logprobs))
@@ -317,6 +341,14 @@ class Gateway:
                     yield _sse(writer.last(event.finish_reason, event.text))
                     if api.include_usage:
                         yield _sse(writer.usage(_usage(event.usage, event.num_tokens)))
+            yield "data: [DONE]\n\n"
+        except Orphaned as exc:
+            finished = True  # cancelled here, and said so
+            with anyio.CancelScope(shield=True):
+                await self._cancel(request_id, str(exc), gone=False)
+            self.metrics.orphaned.inc()
+            yield _sse(ApiError(str(exc), status=503, kind="service_unavailable",
+                                code="no_live_worker", request_id=request_id).body())
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 (any failure: the client must hear of it)
             # Streaming began: the status line is sent, so the error is an event.
@@ -334,6 +366,46 @@ class Gateway:
                            else "the client disconnected mid-stream")
                     await self._cancel(request_id, why, gone=not broken)
 
+    async def _speaking(self, events: AsyncIterator[Any], model: str
+                        ) -> AsyncIterator[Any | None]:
+        """``events`` as they come, and None (a keep-alive is due) each time ``keepalive_s``
+        passed without one; raises Orphaned once the model has had no live worker for the
+        orphan timeout."""
+        stream = aiter(events)
+        pending = asyncio.ensure_future(anext(stream))
+        orphan = OrphanWatch(self, model)
+        spoke = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=LIVENESS_POLL_S)
+                if done:
+                    try:
+                        event = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    yield event
+                    spoke = time.monotonic()
+                    orphan.heard()
+                    pending = asyncio.ensure_future(anext(stream))
+                    continue
+                if time.monotonic() - spoke >= self.settings.keepalive_s:
+                    yield None
+                    spoke = time.monotonic()
+                await orphan.check()
+        finally:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+    async def _live(self, model: str) -> bool:
+        """Whether a live worker serves ``model`` (True while Redis cannot say: an outage
+        is not an orphan, and the request's own read reports it)."""
+        try:
+            state = (await self._model_states()).get(model)
+        except UNREACHABLE:
+            return True
+        return state is not None and state.live
+
     async def _cancel(self, request_id: str, why: str, gone: bool = True) -> None:
         """Cancel a request nobody will read; ``gone``: because its client went away."""
         try:
@@ -343,6 +415,35 @@ class Gateway:
             log.info("request cancelled", request_id=request_id, reason=why)
         except UNREACHABLE as exc:
             log.warning("could not cancel a request", request_id=request_id, error=str(exc))
+
+
+class OrphanWatch:
+    """Whether a waiting request's model has had no live worker for the orphan timeout."""
+
+    def __init__(self, gateway: Gateway, model: str) -> None:
+        self.gateway = gateway
+        self.model = model
+        self.timeout = gateway.settings.orphan_timeout_s
+        self.alone_since: float | None = None
+        self._looked = -1e9
+
+    def heard(self) -> None:
+        """The request's stream moved: a worker serves it."""
+        self.alone_since = None
+
+    async def check(self) -> None:
+        """Look (at most every LIVENESS_POLL_S); raise Orphaned past the timeout."""
+        now = time.monotonic()
+        if self.timeout is None or now - self._looked < LIVENESS_POLL_S:
+            return
+        self._looked = now
+        if await self.gateway._live(self.model):
+            self.alone_since = None
+        elif self.alone_since is None:
+            self.alone_since = now
+        elif now - self.alone_since >= self.timeout:
+            raise Orphaned(f"no live worker served model {self.model!r} for "
+                           f"{self.timeout:g} s: the request was cancelled")
 
 
 def _model_entry(name: str) -> dict[str, Any]:

@@ -31,6 +31,9 @@ class GatewayMetrics:
         self.cancelled = Counter("conveyor_gateway_cancelled_total",
                                  "requests cancelled because their client went away",
                                  registry=self.registry)
+        self.orphaned = Counter("conveyor_gateway_orphaned_total",
+                                "requests cancelled because their model had no live worker "
+                                "for the orphan timeout", registry=self.registry)
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -11,6 +11,12 @@ from pathlib import Path
 MODEL_STATE_TTL_S = 1.0
 # What a 429 tells the client to wait before trying again.
 RETRY_AFTER_S = 1
+# A stream that waits sends an SSE comment this often, so that it is never silent for
+# longer (proxies cut idle connections, often after 30-60 s).
+KEEPALIVE_S = 10.0
+# A request whose model has had no live worker this long is cancelled and answered with
+# `no_live_worker`, rather than waiting for a worker that may never come.
+ORPHAN_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -29,9 +35,17 @@ class GatewaySettings:
     # Generation requests answered at once (each holds a Redis connection while it waits);
     # more get 429 until one ends.
     max_concurrent: int = 512
+    keepalive_s: float = KEEPALIVE_S
+    # None: wait for a worker however long it takes.
+    orphan_timeout_s: float | None = ORPHAN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+        if self.orphan_timeout_s is not None and not self.orphan_timeout_s > 0:
+            raise ValueError(f"orphan_timeout_s must be > 0 or None, got "
+                             f"{self.orphan_timeout_s!r}")
         if self.max_queue is not None and (not isinstance(self.max_queue, int)
                                            or self.max_queue < 1):
             raise ValueError(f"max_queue must be a positive integer, got {self.max_queue!r}")

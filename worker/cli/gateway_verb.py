@@ -9,6 +9,11 @@ from typing import Any
 from worker.cli.redis_verbs import add_connection_args
 
 DEFAULT_PORT = 8000
+# GatewaySettings' defaults (producer/gateway/settings.py), written out: the gateway package
+# needs the gateway extra, and the parser is built without it (tests/test_gateway.py checks
+# that the two agree).
+KEEPALIVE_S = 10.0
+ORPHAN_TIMEOUT_S = 60.0
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,6 +38,11 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="answer 429 when the model's interactive lane already holds N "
                    "waiting requests (default: no bound)")
+    p.add_argument("--keepalive", type=float, default=KEEPALIVE_S, metavar="S",
+                   help="a stream that waits sends an SSE comment every S seconds")
+    p.add_argument("--orphan-timeout", type=float, default=ORPHAN_TIMEOUT_S, metavar="S",
+                   help="cancel a request whose model has had no live worker for S seconds "
+                   "and answer it with no_live_worker (0: wait for a worker however long)")
     p.set_defaults(handler=gateway_cmd)
     return p
 
@@ -53,7 +63,8 @@ def gateway_cmd(args: argparse.Namespace) -> int:
     elif args.api_key_file:
         keys = read_key_file(args.api_key_file)
     settings = GatewaySettings(redis_url=args.redis, namespace=args.namespace, api_keys=keys,
-                               max_queue=args.max_queue)
+                               max_queue=args.max_queue, keepalive_s=args.keepalive,
+                               orphan_timeout_s=args.orphan_timeout or None)
     if not keys:
         print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
               f"{args.host}:{args.port} may use the fleet", file=sys.stderr)

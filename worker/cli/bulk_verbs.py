@@ -294,11 +294,12 @@ def _warn_without_workers(queue: Any) -> None:
 
 
 def _worker(client: Client, args: argparse.Namespace) -> int:
-    from rq import Worker
     from rq.serializers import JSONSerializer
+
+    from producer.bulk.workers import BulkWorker
 
     names = args.queue or [defaults.DEFAULT_QUEUE]
     queues = [bulk_queue(name=name, connection=client.redis) for name in names]
-    worker = Worker(queues, connection=client.redis, serializer=JSONSerializer)
+    worker = BulkWorker(queues, connection=client.redis, serializer=JSONSerializer)
     worker.work(burst=args.burst)
     return 0

@@ -157,6 +157,7 @@ def test_a_model_without_a_template_refuses_messages_on_their_stream(
 
 @pytest.mark.parametrize("bad, message", [
     ([], "non-empty list, got an empty list$"),
+    ({"role": "user", "content": "x"}, "non-empty list, got a dict$"),
     ([{"role": "user", "content": ["a", "b"]}], "content must be a string"),
     ([{"role": "wizard", "content": "x"}], "role must be one of"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "unsupported field"),

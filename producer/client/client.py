@@ -119,7 +119,9 @@ def build_request(
         params=params,
         prompt=text,
         prompt_token_ids=token_ids,
-        messages=None if messages is None else list(messages),
+        # A tuple becomes a list; anything else goes to validation as it is (list() would
+        # turn a dict into its keys, and the error would name the wrong thing).
+        messages=list(messages) if isinstance(messages, tuple) else messages,
         priority=priority,
         lane=lane,
         deadline_ms=deadline_ms,

@@ -37,21 +37,25 @@ class Now:
 def test_the_breaker_opens_on_a_failure_probes_once_and_closes_on_an_answer():
     now = Now()
     breaker = Breaker(open_s=30, now=now)
-    assert breaker.allow() and breaker.state == CLOSED
-    breaker.failed()
-    assert breaker.state == OPEN and not breaker.allow() and breaker.skipped == 1
+    before = breaker.allow()  # a call let through while closed...
+    assert before is not None and breaker.state == CLOSED
+    breaker.failed()  # ...and another one timed out
+    assert breaker.state == OPEN and breaker.allow() is None and breaker.skipped == 1
+    breaker.succeeded(before)  # the first one's answer, made before: proves nothing
+    assert breaker.state == OPEN
     now.t += 29.9
-    assert not breaker.allow()
+    assert breaker.allow() is None
     now.t += 0.1
     assert breaker.state == HALF_OPEN
-    assert breaker.allow()  # the probe
-    assert not breaker.allow()  # the others keep skipping while it runs
+    probe = breaker.allow()
+    assert probe is not None
+    assert breaker.allow() is None  # the others keep skipping while it runs
     breaker.failed()  # the probe got no answer: another open_s
     assert breaker.state == OPEN and breaker.opened == 2
     now.t += 30
-    assert breaker.allow()
-    breaker.succeeded()
-    assert breaker.state == CLOSED and breaker.allow() and breaker.skipped == 3
+    probe = breaker.allow()
+    breaker.succeeded(probe)
+    assert breaker.state == CLOSED and breaker.allow() is not None and breaker.skipped == 3
     with pytest.raises(ValueError, match="open_s"):
         Breaker(open_s=0)
 

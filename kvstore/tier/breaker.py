@@ -7,7 +7,10 @@ breaker opens and the tier is skipped (hand on without KV, recompute, fetch noth
 its success closes the breaker again, its failure opens it for another ``open_s``.
 
 A refusal (the tier is full, Redis answers OOM) is an answer: it proves the tier reachable.
-Only a round trip that gets no answer (a timeout, a lost connection) counts as a failure.
+Only a round trip without a usable answer counts as a failure: a timeout, a connection
+lost or refused (redis-py counts a server still loading its data, or a failed AUTH, as
+connection errors too). An answer closes the breaker only for a call let through since
+it last opened (the probe): a quick answer to a call made before a timeout proves nothing.
 One breaker serves every tier client of a worker: they share one Redis.
 """
 
@@ -36,6 +39,8 @@ class Breaker:
         self._lock = threading.Lock()
         self._state = CLOSED
         self._until = 0.0
+        # Bumped each time it opens: a call's answer counts only for its own generation.
+        self._generation = 0
         # Times it opened, and calls it turned away, for the heartbeat and metrics.
         self.opened = 0
         self.skipped = 0
@@ -47,22 +52,24 @@ class Breaker:
                 return HALF_OPEN  # the next call probes
             return self._state
 
-    def allow(self) -> bool:
-        """True where the caller may use the tier now (as the probe, once it has been open
-        for ``open_s``); False: skip it, as if it had refused."""
+    def allow(self) -> int | None:
+        """The call's generation where the caller may use the tier now (as the probe, once
+        it has been open for ``open_s``), to hand back to :meth:`succeeded`; None: skip it,
+        as if it had refused."""
         with self._lock:
             if self._state == CLOSED:
-                return True
+                return self._generation
             if self._state == OPEN and self.now() >= self._until:
                 self._state = HALF_OPEN  # this caller probes; the others keep skipping
-                return True
+                return self._generation
             self.skipped += 1
-            return False
+            return None
 
-    def succeeded(self) -> None:
-        """A round trip got its answer."""
+    def succeeded(self, generation: int) -> None:
+        """A round trip of a call let through in ``generation`` got its answer."""
         with self._lock:
-            self._state = CLOSED
+            if generation == self._generation:
+                self._state = CLOSED
 
     def failed(self) -> None:
         """A round trip got no answer: skip the tier for ``open_s``."""
@@ -71,3 +78,4 @@ class Breaker:
                 self.opened += 1
             self._state = OPEN
             self._until = self.now() + self.open_s
+            self._generation += 1

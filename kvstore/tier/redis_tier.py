@@ -81,7 +81,8 @@ class RedisKVTier:
     def _guarded(self, what: str) -> Iterator[None]:
         """Run one call of the interface past the breaker: turned away at once while it is
         open; a round trip without an answer opens it; any answer closes it."""
-        if self.breaker is not None and not self.breaker.allow():
+        generation = self.breaker.allow() if self.breaker is not None else 0
+        if generation is None:
             raise TierUnavailable(f"the KV tier is skipped for now (it did not answer a "
                                   f"round trip within its timeout): no {what}")
         try:
@@ -92,10 +93,10 @@ class RedisKVTier:
             raise TierUnavailable(f"the KV tier did not answer a {what}: {exc}") from exc
         except BaseException:
             if self.breaker is not None:
-                self.breaker.succeeded()  # an answer, even a refusal or a miss
+                self.breaker.succeeded(generation)  # an answer, even a refusal or a miss
             raise
         if self.breaker is not None:
-            self.breaker.succeeded()
+            self.breaker.succeeded(generation)
 
     # ----- keys -----
 

@@ -244,8 +244,12 @@ class EngineLoop(SupervisedThread):
             self._finish_unstarted(adm, FinalEntry(str(ended), published))
             return
         entry = self.inflight.get(req.request_id)
-        if entry is not None:
-            entry.created = time.monotonic() - wait_s
+        if entry is None:
+            # Dropped while it waited (its lease went to another worker, say while its KV
+            # was fetched): not this worker's to serve any more.
+            log.info("request dropped before it started", request_id=req.request_id)
+            return
+        entry.created = time.monotonic() - wait_s
         if self.on_admit is not None:
             self.on_admit(adm.prompt_token_ids)
         generated = adm.published.token_ids if adm.published else []

@@ -223,6 +223,8 @@ class HandoffCounts:
     breaker_open: bool = False
     breaker_opened: int = 0
     tier_skipped: int = 0
+    # Transfers sent on without the tier: its thread's queue was full.
+    queue_overflows: int = 0
 
 
 class _HandoffsCollector(Collector):
@@ -245,6 +247,9 @@ class _HandoffsCollector(Collector):
              h.breaker_opened),
             ("conveyor_kv_tier_skipped", "KV tier calls skipped while its breaker was open.",
              h.tier_skipped),
+            ("conveyor_kv_tier_queue_overflows",
+             "KV transfers sent on without the tier: its thread's queue was full.",
+             h.queue_overflows),
         ):
             c = CounterMetricFamily(name, doc, labels=["model"])
             c.add_metric([self.model], float(value))
@@ -265,8 +270,8 @@ class _HandoffsCollector(Collector):
             c.add_metric([self.model, cause], float(h.fallbacks.get(cause, 0)))
         yield c
         g = GaugeMetricFamily("conveyor_kv_tier_breaker_open",
-                              "1 while the KV tier is skipped after a round trip got no "
-                              "answer, else 0.", labels=["model"])
+                              "1 while the KV tier's breaker is not closed (calls are "
+                              "skipped, or one probes the tier), else 0.", labels=["model"])
         g.add_metric([self.model], float(h.breaker_open))
         yield g
 

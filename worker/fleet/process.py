@@ -15,7 +15,7 @@ import redis
 import structlog
 import torch
 
-from kvstore.tier.breaker import OPEN, Breaker
+from kvstore.tier.breaker import CLOSED, Breaker
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.client.connection import connect, describe, resolve_url
 from producer.clock import SYSTEM_CLOCK, Clock
@@ -53,6 +53,8 @@ log = structlog.get_logger(__name__)
 
 # At stop, how long the publisher may take to write what it still holds (Redis may be down).
 PUBLISHER_FLUSH_TIMEOUT_S = 10.0
+# How long a stopping worker lets its KV tier threads finish what is queued (with KV).
+TIER_DRAIN_S = 5.0
 
 
 class Worker:
@@ -106,7 +108,7 @@ class Worker:
         # The tier's transfers run on threads of their own (worker/fleet/handoff/tier_io.py).
         self.tier_writer = (TierWriter(hand_on, prefixes, wid, config.kv_queue, **sup)
                             if hand_on is not None or prefixes is not None else None)
-        self.tier_reader = (TierReader(self.inbox, wid, config.kv_queue, **sup)
+        self.tier_reader = (TierReader(self.inbox, wid, config.kv_queue, self.handoffs, **sup)
                             if self.handoffs is not None or share else None)
         self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
                                    hand_on=hand_on, stream_interval=config.stream_interval,
@@ -118,7 +120,9 @@ class Worker:
         self.intake = Intake(self._client("intake"), config, IntakeParts(
             self.inflight, self.inbox, self.publisher, self.loop.cancel, self.engine.tokenizer,
             self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder,
-            tier_reader=self.tier_reader), **sup)
+            tier_reader=self.tier_reader,
+            hand_ons_waiting=(lambda: self.tier_writer.waiting) if hand_on is not None else None,
+        ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
@@ -144,7 +148,7 @@ class Worker:
         self._rate_mark = (self._started, 0)
 
     def _cached_here(self, block_hash: bytes) -> bool:
-        """Whether this engine's own prefix cache holds the block (read from the intake
+        """Whether this engine's own prefix cache holds the block (read from the tier reader
         thread: a dict lookup, and a wrong answer costs only a transfer or a recompute)."""
         return (self.engine.config.enable_prefix_caching
                 and self.engine.block_pool.lookup(block_hash) is not None)
@@ -216,7 +220,12 @@ class Worker:
             "kv_tier_breaker": self.kv_breaker.state if self._uses_tier else "",
             "kv_tier_breaker_opened": self.kv_breaker.opened,
             "kv_tier_skipped": self.kv_breaker.skipped,
+            # Transfers sent on without the tier because its thread's queue was full.
+            "kv_tier_queue_overflows": self._tier_overflows(),
         }
+
+    def _tier_overflows(self) -> int:
+        return sum(t.overflowed for t in (self.tier_writer, self.tier_reader) if t is not None)
 
     @property
     def _uses_tier(self) -> bool:
@@ -232,7 +241,8 @@ class Worker:
             fallbacks=dict(self.handoffs.fallbacks) if self.handoffs else {},
             put=astuple(writer.transfers) if writer else (0, 0.0, 0),
             got=astuple(self.handoffs.transfers) if self.handoffs else (0, 0.0, 0),
-            breaker_open=self.kv_breaker.state == OPEN,
+            breaker_open=self.kv_breaker.state != CLOSED,
+            queue_overflows=self._tier_overflows(),
             breaker_opened=self.kv_breaker.opened,
             tier_skipped=self.kv_breaker.skipped,
         )
@@ -311,17 +321,18 @@ class Worker:
         self._beat_once()
         for thread in (self.intake, self.reaper):
             thread.stop()
-        if self.tier_reader is not None:
-            self.tier_reader.close()  # what waits for a fetch goes on without it
+        if self.tier_reader is not None:  # what still waits for a fetch goes on without it
+            self.tier_reader.close(min(TIER_DRAIN_S, timeout))
         drained = not failed and self.inflight.wait_empty(timeout)
         self.loop.stop()
         if self._owns_engine:
             self.engine.close()  # its runner thread, if it steps overlapped
-        if not self.publisher.close(PUBLISHER_FLUSH_TIMEOUT_S):
+        flushed = self.publisher.close(PUBLISHER_FLUSH_TIMEOUT_S)
+        if not flushed:
             log.warning("output could not be flushed to redis; its requests are handed back "
                         "and resume from what was published")
-        if self.tier_writer is not None:
-            self.tier_writer.close()  # what waits for the tier is handed on without KV
+        if self.tier_writer is not None:  # what still waits for the tier goes without KV
+            self.tier_writer.close(TIER_DRAIN_S, reachable=flushed)
         self._hand_back_unfinished()
         for thread in (self.leases, self.cancels, self.heartbeat, self.queue_poller):
             thread.stop()

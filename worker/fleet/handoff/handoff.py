@@ -1,15 +1,15 @@
 """Prefill/decode handoff: a prefill worker hands a request on once its prompt is computed
 and its first token published; a decode worker continues it from the transferred KV.
 
-The prefill side (publisher thread) stores the request's KV in the fleet tier under its
-request id, then in one script, owner-checked, adds the request's message to the model's
-handoff stream of its lane (``{ns}:handoff:{model}:{lane}``) and acknowledges its lane
-entry: the two keys share the model's hash tag, so this is one atomic step on Redis
-Cluster too. The decode side (intake thread) reads the handoff streams like lanes,
-interactive first, resumes after the tokens
-already published, and fetches the KV; where the KV cannot be used (missing, expired,
-corrupt, another model or dtype, no room) it recomputes the prompt instead: never worse
-than recompute, and the cause is counted.
+The prefill side (the tier writer thread, tier_io.py) stores the request's KV in the fleet
+tier under its request id, then in one script, owner-checked, adds the request's message
+to the model's handoff stream of its lane (``{ns}:handoff:{model}:{lane}``), saying
+whether the tier took the KV, and acknowledges its lane entry: the two keys share the
+model's hash tag, so this is one atomic step on Redis Cluster too. The decode side's
+intake reads the handoff streams like lanes, interactive first, resumes after the tokens
+already published, and its tier reader thread fetches the KV; where the KV cannot be used
+(missing, expired, corrupt, another model or dtype, no room) it recomputes the prompt
+instead: never worse than recompute, and the cause is counted.
 """
 
 from __future__ import annotations
@@ -185,14 +185,22 @@ class HandoffReader(UsesLayout):
             if header.tokens_hash != tokens_hash(tokens[:header.num_tokens]):
                 return self._fallback(request_id, "mismatch", "KV of other tokens (a reused "
                                       "request id)")
-            # Read once: a decode worker that dies after this recomputes (its successor
-            # misses).
-            self.tier.delete(request_id)
+            self._forget_read(request_id)
         except TierError as exc:
             return self._fallback(request_id, exc.cause, str(exc))
         except redis.RedisError as exc:
             return self._fallback(request_id, "unreachable", str(exc))
         return KVHandoff(header.num_tokens, payload)
+
+    def _forget_read(self, request_id: str) -> None:
+        """Read once: a decode worker that dies after this recomputes (its successor
+        misses). A delete that fails leaves the run to its TTL (and the token hash guards a
+        reused id): the KV just read is used all the same."""
+        try:
+            self.tier.delete(request_id)
+        except (TierError, redis.RedisError) as exc:
+            log.info("kv tier did not delete a handoff read", request_id=request_id,
+                     error=str(exc))
 
     def adopted(self) -> None:
         """The engine took a fetched KV (counted only then, never beside a fallback)."""

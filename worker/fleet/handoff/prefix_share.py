@@ -5,8 +5,8 @@ named by the block's chain hash (which names the whole prefix up to it, see
 kvstore/prefix_hash.py) and the model's fingerprint. A worker whose own prefix cache
 misses a new request's first block looks the request's blocks up in the tier, in order,
 and continues from the longest run it finds instead of computing it. Writes happen on
-the publisher thread and lookups on the intake thread: the engine loop never waits on
-Redis for either.
+the tier writer thread and lookups on the tier reader thread (tier_io.py): neither the
+engine loop nor the threads that publish tokens and read requests wait on the tier.
 """
 
 from __future__ import annotations

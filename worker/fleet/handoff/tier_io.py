@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from worker.fleet.handoff.handoff import HandOnWriter
+from worker.fleet.handoff.handoff import HandoffReader, HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixSharer
 from worker.fleet.messages import Admission, HandOn, SharePrefix
 from worker.fleet.supervised import SupervisedThread
@@ -61,10 +61,20 @@ class _Bounded:
     def done(self) -> None:
         with self._cond:
             self._items.popleft()
+            self._cond.notify_all()
 
-    def take_all(self) -> list[Any]:
+    def wait_empty(self, timeout: float) -> bool:
+        """Whether the queue emptied within ``timeout`` seconds."""
         with self._cond:
-            items, self._items = list(self._items), deque()
+            return self._cond.wait_for(lambda: not self._items, timeout)
+
+    def take_all(self, keep_head: bool = False) -> list[Any]:
+        """Everything queued, taken out; ``keep_head``: but the head, which a thread that
+        did not stop may still be working on."""
+        with self._cond:
+            kept = [self._items[0]] if keep_head and self._items else []
+            items = list(self._items)[len(kept):]
+            self._items = deque(kept)
             return items
 
     def __len__(self) -> int:
@@ -106,17 +116,26 @@ class TierWriter(SupervisedThread):
         self._write(item, with_kv=True)
         self._queue.done()
 
-    def close(self) -> None:
-        """Stop, then hand on what is left without KV (a stopping worker does not wait on
-        the tier); prefix blocks left are not shared."""
-        self.stop()
-        for item in self._queue.take_all():  # none of them handed on yet
+    def close(self, drain_s: float, reachable: bool) -> None:
+        """Let what is queued go out as usual for up to ``drain_s`` seconds (a drain loses
+        no KV), then stop. What is left is handed on without KV where the queues' Redis is
+        ``reachable`` (it took the publisher's last writes); else it is left as it is: its
+        lane entries lapse and another worker claims them, rather than this one waiting a
+        timeout per hand-on on a Redis that does not answer. Prefix blocks left are not
+        shared."""
+        self._queue.wait_empty(drain_s)
+        self.stop(timeout=drain_s)
+        left = self._queue.take_all(keep_head=self.is_alive())  # none of them handed on
+        if not reachable:
+            return
+        for item in left:
             if isinstance(item, HandOn):
                 try:
                     self._write(item, with_kv=False)
                 except Exception as exc:  # its lane entry lapses and is claimed elsewhere
                     log.warning("hand-on not written at stop", request_id=item.request_id,
                                 error=str(exc))
+                    return
 
     def _write(self, item: HandOn | SharePrefix, with_kv: bool) -> None:
         if isinstance(item, HandOn):
@@ -131,9 +150,12 @@ class TierReader(SupervisedThread):
     loop's inbox, with their KV or without it."""
 
     def __init__(self, inbox: queue.Queue[list[Admission]], worker_id: str,
-                 max_waiting: int = DEFAULT_QUEUE, **supervision: Any) -> None:
+                 max_waiting: int = DEFAULT_QUEUE, handoffs: HandoffReader | None = None,
+                 **supervision: Any) -> None:
         super().__init__("kv-tier-reader", worker_id=worker_id, **supervision)
         self.inbox = inbox
+        # Counts the handed-on requests sent on without their KV at a stop.
+        self.handoffs = handoffs
         self._queue = _Bounded(max_waiting)
         # Admissions sent on without a fetch: the queue was full.
         self.overflowed = 0
@@ -158,11 +180,16 @@ class TierReader(SupervisedThread):
         self._queue.done()
         self.inbox.put([adm])
 
-    def close(self) -> None:
-        """Stop, then pass what is left to the engine loop without KV (it recomputes)."""
-        self.stop()
-        left = self._queue.take_all()
+    def close(self, drain_s: float) -> None:
+        """Let what is queued be fetched as usual for up to ``drain_s`` seconds, then stop
+        and pass what is left to the engine loop without KV (it recomputes)."""
+        self._queue.wait_empty(drain_s)
+        self.stop(timeout=drain_s)
+        left = self._queue.take_all(keep_head=self.is_alive())
         for adm in left:
+            if adm.kv_fetch_source == "handoff" and self.handoffs is not None:
+                self.handoffs.fallback(adm.request.request_id, "busy",
+                                       "the worker stopped before its KV was fetched")
             adm.kv_fetch = None
         if left:
             self.inbox.put(left)

@@ -31,6 +31,8 @@ from worker.fleet.supervised import SupervisedThread
 log = structlog.get_logger(__name__)
 
 KV_STORED_BYTES = KV_STORED_FIELD.encode()
+# How long a prefill worker whose hand-ons fill its room waits before it looks again.
+HAND_ONS_BEHIND_WAIT_S = 0.05
 
 
 def ensure_groups(client: redis.Redis, streams: list[str]) -> None:
@@ -67,6 +69,9 @@ class IntakeParts:
     prefixes: PrefixFinder | None = None
     # Fetches both off this thread (tier_io.py); None: this thread fetches them itself.
     tier_reader: TierReader | None = None
+    # A prefill worker's hand-ons waiting for the tier writer: they count against its room,
+    # so that a slow tier slows its reads instead of piling up KV in memory.
+    hand_ons_waiting: Callable[[], int] | None = None
 
 
 class Intake(SupervisedThread):
@@ -93,6 +98,7 @@ class Intake(SupervisedThread):
         self.handoffs = parts.handoffs
         self.prefixes = parts.prefixes
         self.tier_reader = parts.tier_reader
+        self.hand_ons_waiting = parts.hand_ons_waiting
         self.chat_template = parts.chat_template
         self.handoff_max_waiting = config.handoff_max_waiting if role == "prefill" else None
         # Requests waiting in the handoff streams when a prefill worker last looked.
@@ -109,6 +115,11 @@ class Intake(SupervisedThread):
         if room == 0:
             self.inflight.wait_for_room(timeout=0.2)
             return
+        if self.hand_ons_waiting is not None:
+            room -= self.hand_ons_waiting()
+            if room <= 0:  # the tier writer is behind: look again in a moment
+                self.clock.wait(self.stopping, HAND_ONS_BEHIND_WAIT_S)
+                return
         if self.handoff_max_waiting is not None:
             room = min(room, self._handoff_room())
             if room == 0:

@@ -13,6 +13,7 @@ import redis.asyncio
 
 from producer.client.backpressure import add_if_room_async
 from producer.client.client import (
+    CLIENT_DEFAULT,
     READ_COUNT,
     ClientBase,
     parse_model_info,
@@ -27,6 +28,7 @@ from producer.client.models import (
     model_states,
     state_of,
 )
+from producer.client.orphans import ORPHAN_TIMEOUT_S, OrphanWatch, held_from
 from producer.client.stream_events import StreamEvent, completion_from, event_from
 from producer.client.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
 from producer.clock import Clock
@@ -46,7 +48,7 @@ class AsyncClient(ClientBase):
     ``url`` None means the embedded redis-server; pass ``connection`` to share an
     existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
     default for :meth:`submit`'s (None: no limit); ``clock`` (default: the system's)
-    decides every timeout and deadline.
+    decides every timeout and deadline; ``orphan_timeout`` as Client's.
     """
 
     def __init__(
@@ -57,8 +59,9 @@ class AsyncClient(ClientBase):
         connection: redis.asyncio.Redis | None = None,
         max_queue: int | None = None,
         clock: Clock | None = None,
+        orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock)
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout)
         self.redis = connection if connection is not None else connect_async(url)
 
     async def submit(
@@ -87,15 +90,18 @@ class AsyncClient(ClientBase):
             await self._check_model(sub.model, sub.request_id)
         try:
             if sub.limit is not None:
-                await add_if_room_async(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
+                entry_id = await add_if_room_async(self.redis, sub.counted, FIELD, sub.payload,
+                                                   sub.limit)
             elif pipeline is not None:
                 pipeline.xadd(sub.key, {FIELD: sub.payload})
+                entry_id = None
             else:
-                await self.redis.xadd(sub.key, {FIELD: sub.payload})
+                entry_id = await self.redis.xadd(sub.key, {FIELD: sub.payload})
         except redis.ResponseError as exc:
             if LaneBlocked.matches(exc):
                 raise LaneBlocked(sub.key) from exc
             raise
+        self._put_at(sub.request_id, sub.model, sub.key, entry_id)
         return sub.request_id
 
     async def _check_model(self, model: str, request_id: str) -> None:
@@ -106,33 +112,55 @@ class AsyncClient(ClientBase):
         self._judge(state, fresh, request_id, None if state.known else await self.models())
 
     def stream(
-        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
+        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None,
+        orphan_timeout: float | None | object = CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamEvent]:
         """Async-iterate a request's ChunkEvents in token order, then its FinalEvent.
 
-        Same resume, each-index-once, gap and timeout rules as
+        Same resume, each-index-once, gap, timeout and orphan rules as
         :meth:`producer.client.client.Client.stream`.
         """
-        return self._follow_one(self._follower(request_id, from_id, timeout))
+        return self._follow_one(self._follower(request_id, from_id, timeout),
+                                self._watch(request_id, orphan_timeout))
 
-    async def _follow_one(self, follower: StreamFollower) -> AsyncIterator[StreamEvent]:
+    async def _follow_one(self, follower: StreamFollower,
+                          watch: OrphanWatch | None = None) -> AsyncIterator[StreamEvent]:
         if follower.needs_probe:
             follower.probe(await self.redis.xrevrange(follower.key, count=1))
-        async for event in self._follow(follower):
+        async for event in self._follow(follower, watch):
             yield event
 
-    async def _follow(self, follower: OutputFollower[T]) -> AsyncIterator[T]:
-        # The only I/O of following: the follower decides what to read and what it means.
+    async def _follow(self, follower: OutputFollower[T],
+                      watch: OrphanWatch | None = None) -> AsyncIterator[T]:
+        # The only I/O of following: the follower decides what to read and what it means,
+        # the watch when to look at the model and the request's whereabouts.
         while not follower.done:
             streams, block = follower.streams(), follower.block_ms()
+            if watch is not None:
+                block = min(block, watch.block_ms())
             reply = await self.redis.xread(streams, count=READ_COUNT, block=block)
             for item in follower.feed(reply):
                 yield item
+            if watch is not None and not follower.done:
+                if reply:
+                    watch.heard()
+                elif watch.due():
+                    await self._look(watch)
             follower.check_deadline()
 
-    async def result(self, request_id: str, timeout: float | None = None) -> Completion:
-        """Wait for a request to finish and return its whole Completion."""
-        events = [e async for e in self.stream(request_id, timeout=timeout)]
+    async def _look(self, watch: OrphanWatch) -> None:
+        # Without a timeout only the whereabouts matter: no look at the model.
+        live = watch.timeout is None or (await self.model_state(watch.submitted.model)).live
+        pipe = self.redis.pipeline(transaction=False)
+        knows_entry = self._queue_look(pipe, watch)
+        watch.judge(live, held_from(await pipe.execute(raise_on_error=False), knows_entry))
+
+    async def result(self, request_id: str, timeout: float | None = None, *,
+                     orphan_timeout: float | None | object = CLIENT_DEFAULT) -> Completion:
+        """Wait for a request to finish and return its whole Completion (NoLiveWorker or
+        RequestLost as :meth:`producer.client.client.Client.result`)."""
+        events = [e async for e in self.stream(request_id, timeout=timeout,
+                                               orphan_timeout=orphan_timeout)]
         return completion_from(request_id, events)
 
     async def last_event(self, request_id: str) -> StreamEvent | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,6 +27,13 @@ from producer.client.models import (
     member_names,
     model_states,
     state_of,
+)
+from producer.client.orphans import (
+    MAX_REMEMBERED,
+    ORPHAN_TIMEOUT_S,
+    OrphanWatch,
+    Submitted,
+    held_from,
 )
 from producer.client.stream_events import (  # noqa: F401 (StreamGapError: re-export)
     StreamEvent,
@@ -44,7 +52,7 @@ from producer.client.stream_follow import (  # noqa: F401 (block_ms, deadline_af
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion
 from producer.wire.errors import LaneBlocked, ModelNotFound
-from producer.wire.keys import Keys
+from producer.wire.keys import GROUP, Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FIELD, GenerationRequest
 from producer.wire.validation import validate_request_id
@@ -57,6 +65,8 @@ if TYPE_CHECKING:
 CANCEL_MARKER_TTL_S = 3600
 # Entries fetched per XREAD; a reader that fell behind catches up in few round trips.
 READ_COUNT = 512
+# "The client's own orphan_timeout" where a call does not give one (None means forever).
+CLIENT_DEFAULT = object()
 # Streams one XREAD of follow_many covers; the rest wait for the next round.
 FOLLOW_MANY_KEYS = 256
 # How long (seconds on the client's clock) submit trusts what it last learnt of a registered
@@ -188,8 +198,15 @@ class ClientBase:
     """
 
     def __init__(
-        self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None
+        self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None,
+        orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
     ) -> None:
+        if orphan_timeout is not None and not orphan_timeout >= 0:
+            raise ValueError(f"orphan_timeout must be >= 0 seconds or None, got "
+                             f"{orphan_timeout!r}")
+        self.orphan_timeout = orphan_timeout
+        # Where this client put each request (for the orphan look), the oldest forgotten.
+        self._submitted: OrderedDict[str, Submitted] = OrderedDict()
         self.keys = Keys(namespace)
         self.max_queue = check_max_queue(max_queue)
         self.clock = SYSTEM_CLOCK if clock is None else clock
@@ -211,6 +228,33 @@ class ClientBase:
         key = self.keys.requests(built.model, built.lane)
         counted = (key, self.keys.handoff(built.model, built.lane))
         return Submission(built.request_id, key, built.encode(), limit, built.model, counted)
+
+    def _put_at(self, request_id: str, model: str, key: str, entry_id: Any) -> None:
+        """Remember where a request went (``entry_id`` None: a pipelined XADD)."""
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        self._submitted[request_id] = Submitted(model, key, eid)
+        if len(self._submitted) > MAX_REMEMBERED:
+            self._submitted.popitem(last=False)
+
+    def _watch(self, request_id: str, orphan_timeout: float | None | object
+               ) -> OrphanWatch | None:
+        """The orphan look of a wait for ``request_id``: only for a request this client
+        submitted (it knows the model and where the request went)."""
+        submitted = self._submitted.get(request_id)
+        if submitted is None:
+            return None
+        timeout = self.orphan_timeout if orphan_timeout is CLIENT_DEFAULT else orphan_timeout
+        return OrphanWatch(request_id, submitted, timeout, self.clock)  # type: ignore[arg-type]
+
+    def _queue_look(self, pipe: Any, watch: OrphanWatch) -> bool:
+        """Queue a look's reads on ``pipe``; whether the lane entry is among them."""
+        sub = watch.submitted
+        pipe.exists(self.keys.output(watch.request_id))
+        if sub.entry_id is None:
+            return False
+        pipe.xrange(sub.key, sub.entry_id, sub.entry_id, count=1)
+        pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
+        return True
 
     def _remember(self, state: ModelState) -> ModelState:
         self._model_checks[state.name] = (self.clock.monotonic(), state)
@@ -255,7 +299,9 @@ class Client(ClientBase):
     ``url`` None means the embedded redis-server (see :func:`producer.client.connection.connect`);
     pass ``connection`` to share an existing client instead (it is not closed by ``close``).
     ``max_queue`` is the default for :meth:`submit`'s (None: no limit). ``clock`` (default:
-    the system's) decides every timeout and deadline.
+    the system's) decides every timeout and deadline. ``orphan_timeout``: how long a wait
+    for a request this client submitted goes on while its model has no live worker (see
+    :meth:`stream`; None: forever).
     """
 
     def __init__(
@@ -266,8 +312,9 @@ class Client(ClientBase):
         connection: redis.Redis | None = None,
         max_queue: int | None = None,
         clock: Clock | None = None,
+        orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock)
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout)
         self.redis = connection if connection is not None else connect(url)
 
     def submit(
@@ -311,13 +358,17 @@ class Client(ClientBase):
             self._check_model(sub.model, sub.request_id)
         try:
             if sub.limit is not None:
-                add_if_room(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
+                entry_id = add_if_room(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
+            elif pipeline is not None:
+                pipeline.xadd(sub.key, {FIELD: sub.payload})
+                entry_id = None
             else:
-                (pipeline or self.redis).xadd(sub.key, {FIELD: sub.payload})
+                entry_id = self.redis.xadd(sub.key, {FIELD: sub.payload})
         except redis.ResponseError as exc:
             if LaneBlocked.matches(exc):
                 raise LaneBlocked(sub.key) from exc
             raise
+        self._put_at(sub.request_id, sub.model, sub.key, entry_id)
         return sub.request_id
 
     def _check_model(self, model: str, request_id: str) -> None:
@@ -328,7 +379,8 @@ class Client(ClientBase):
         self._judge(state, fresh, request_id, None if state.known else self.models())
 
     def stream(
-        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None
+        self, request_id: str, from_id: str | None = None, *, timeout: float | None = None,
+        orphan_timeout: float | None | object = CLIENT_DEFAULT,
     ) -> Iterator[StreamEvent]:
         """Yield a request's ChunkEvents in token order, then its FinalEvent, then stop.
 
@@ -339,13 +391,22 @@ class Client(ClientBase):
         tokens delivered, raises :class:`~producer.client.stream_events.StreamGapError` after the
         events before the gap. Resuming at or after the final entry yields nothing and
         returns at once.
-        """
-        return self._follow_one(self._follower(request_id, from_id, timeout))
 
-    def _follow_one(self, follower: StreamFollower) -> Iterator[StreamEvent]:
+        For a request this client submitted, the wait does not go on for nothing: once its
+        model has had no live worker for ``orphan_timeout`` seconds (default: the client's,
+        60; None waits for a worker forever) it raises
+        :class:`~producer.wire.errors.NoLiveWorker`, and where nothing holds the request
+        any more (neither its lane, a worker's pending list nor its output stream: a
+        failover lost it) :class:`~producer.wire.errors.RequestLost`, at once.
+        """
+        return self._follow_one(self._follower(request_id, from_id, timeout),
+                                self._watch(request_id, orphan_timeout))
+
+    def _follow_one(self, follower: StreamFollower,
+                    watch: OrphanWatch | None = None) -> Iterator[StreamEvent]:
         if follower.needs_probe:
             follower.probe(self.redis.xrevrange(follower.key, count=1))
-        yield from self._follow(follower)
+        yield from self._follow(follower, watch)
 
     def follow_many(
         self, request_ids: list[str], *, timeout: float | None = None
@@ -359,21 +420,40 @@ class Client(ClientBase):
         keys = {self.keys.output(rid): rid for rid in request_ids}
         yield from self._follow(ManyFollower(keys, timeout, self.clock, FOLLOW_MANY_KEYS))
 
-    def _follow(self, follower: OutputFollower[T]) -> Iterator[T]:
-        # The only I/O of following: the follower decides what to read and what it means.
+    def _follow(self, follower: OutputFollower[T],
+                watch: OrphanWatch | None = None) -> Iterator[T]:
+        # The only I/O of following: the follower decides what to read and what it means,
+        # the watch when to look at the model and the request's whereabouts.
         while not follower.done:
             streams, block = follower.streams(), follower.block_ms()
+            if watch is not None:
+                block = min(block, watch.block_ms())
             reply = self.redis.xread(streams, count=READ_COUNT, block=block)
             yield from follower.feed(reply)
+            if watch is not None and not follower.done:
+                if reply:
+                    watch.heard()
+                elif watch.due():
+                    self._look(watch)
             follower.check_deadline()
 
-    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+    def _look(self, watch: OrphanWatch) -> None:
+        # Without a timeout only the whereabouts matter: no look at the model.
+        live = watch.timeout is None or self.model_state(watch.submitted.model).live
+        pipe = self.redis.pipeline(transaction=False)
+        knows_entry = self._queue_look(pipe, watch)
+        watch.judge(live, held_from(pipe.execute(raise_on_error=False), knows_entry))
+
+    def result(self, request_id: str, timeout: float | None = None, *,
+               orphan_timeout: float | None | object = CLIENT_DEFAULT) -> Completion:
         """Wait for a request to finish and return its whole Completion.
 
         A failed request returns finish_reason ``error`` with the message in ``error``;
-        lost tokens raise :class:`~producer.client.stream_events.StreamGapError`.
+        lost tokens raise :class:`~producer.client.stream_events.StreamGapError`; a wait
+        for nothing raises NoLiveWorker or RequestLost (see :meth:`stream`).
         """
-        return completion_from(request_id, list(self.stream(request_id, timeout=timeout)))
+        return completion_from(request_id, list(self.stream(
+            request_id, timeout=timeout, orphan_timeout=orphan_timeout)))
 
     def last_event(self, request_id: str) -> StreamEvent | None:
         """The last entry of a request's output stream, decoded; None when it has no stream

@@ -100,7 +100,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.client is None:
-            self.client = AsyncClient(self.settings.redis_url, self.settings.namespace)
+            # The gateway watches for orphans itself (OrphanWatch below: it cancels them).
+            self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
+                                      orphan_timeout=None)
         log.info("gateway serving", namespace=self.settings.namespace,
                  api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue)
         try:

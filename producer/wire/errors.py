@@ -54,3 +54,29 @@ class ModelNotFound(LookupError, ValueError):
         self.model = model
         self.served = list(served)
         self.namespace = namespace
+
+
+class NoLiveWorker(RuntimeError):
+    """A request's model has had no live worker for the wait the reader allowed: nobody is
+    answering it, and nobody may ever (the request is still queued; cancel it, or read it
+    again later)."""
+
+    def __init__(self, request_id: str, model: str, waited_s: float) -> None:
+        super().__init__(f"request {request_id}: no live worker has served model {model!r} "
+                         f"for {waited_s:g} s")
+        self.request_id = request_id
+        self.model = model
+        self.waited_s = waited_s
+
+
+class RequestLost(NoLiveWorker):
+    """Nothing holds the request any more: it is in neither its lane, a worker's pending
+    list nor its output stream (a failover lost it, or its output expired). No worker will
+    ever answer it: submit it again."""
+
+    def __init__(self, request_id: str, where: str) -> None:
+        RuntimeError.__init__(self, f"request {request_id} is lost: it is in neither {where}, "
+                              "a worker's pending list nor its output stream")
+        self.request_id = request_id
+        self.model = ""
+        self.waited_s = 0.0

@@ -1,0 +1,109 @@
+"""A client's wait does not go on for nothing (docs/reliability.md, "Nothing waits in
+silence"): a request whose model has had no live worker for the client's orphan timeout
+raises NoLiveWorker, and one that nothing holds any more (a failover lost its lane entry,
+and it has no output stream) raises RequestLost at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fleet_fixtures import MODEL
+
+from producer.client.async_client import AsyncClient
+from producer.client.client import Client
+from producer.client.orphans import LOOK_S, OrphanWatch, Submitted, held_from
+from producer.clock import ManualClock
+from producer.wire.errors import NoLiveWorker, RequestLost
+from producer.wire.keys import Keys
+
+KEYS = Keys()
+WHERE = Submitted(MODEL, KEYS.requests(MODEL, "interactive"), "1-0")
+
+
+def test_the_watch_raises_after_the_timeout_without_a_live_worker_and_at_once_when_lost():
+    clock = ManualClock()
+    watch = OrphanWatch("r", WHERE, 60, clock)
+    assert not watch.due() and watch.block_ms() == 100  # the first look at once, nearly
+    clock.advance(0.1)
+    assert watch.due()
+    watch.judge(live=False, held=True)
+    assert not watch.due()
+    clock.advance(LOOK_S)
+    assert watch.due()
+    clock.advance(55)
+    watch.judge(live=False, held=True)
+    watch.heard()  # a worker wrote: the wait starts again
+    clock.advance(59)
+    watch.judge(live=False, held=True)
+    clock.advance(1)
+    watch.judge(live=False, held=None)  # (where it is, unknown: the wait alone counts)
+    clock.advance(59.9)
+    watch.judge(live=True, held=True)  # a live worker: no orphan
+    clock.advance(30)
+    watch.judge(live=False, held=True)
+    clock.advance(60)
+    with pytest.raises(NoLiveWorker, match="no live worker has served model 'tiny' for 60 s"):
+        watch.judge(live=False, held=True)
+    with pytest.raises(RequestLost, match="is lost"):
+        OrphanWatch("r", WHERE, None, clock).judge(live=True, held=False)
+    forever = OrphanWatch("r", WHERE, None, clock)
+    forever.judge(live=False, held=True)
+    clock.advance(10**6)
+    forever.judge(live=False, held=True)  # None: waits for a worker forever
+
+
+def test_a_look_finds_the_request_in_its_output_its_lane_or_a_pending_list():
+    error = ValueError("NOGROUP")
+    assert held_from([1], knows_entry=False) is True
+    assert held_from([0], knows_entry=False) is None  # the entry id was never known
+    assert held_from([0, [("1-0", {})], error], knows_entry=True) is True  # in its lane
+    assert held_from([0, [], [{"message_id": "1-0"}]], knows_entry=True) is True  # pending
+    assert held_from([0, [], []], knows_entry=True) is False
+    assert held_from([0, [], error], knows_entry=True) is False  # no group: never read
+    assert held_from([error], knows_entry=True) is None
+
+
+def test_result_raises_no_live_worker_once_the_model_had_none_for_the_timeout(redis_url):
+    with Client(redis_url, orphan_timeout=0.5) as client:
+        rid = client.submit("hello", model=MODEL, max_tokens=2, allow_unregistered=True)
+        with pytest.raises(NoLiveWorker) as raised:
+            client.result(rid)
+        assert not isinstance(raised.value, RequestLost)  # it waits in its lane
+        assert raised.value.request_id == rid and raised.value.model == MODEL
+        # None waits for a worker forever: here the caller's own timeout ends it.
+        with pytest.raises(TimeoutError):
+            client.result(rid, timeout=LOOK_S + 1, orphan_timeout=None)
+
+
+def test_result_raises_request_lost_at_once_when_a_failover_lost_the_request(
+        redis_url, redis_client):
+    with Client(redis_url, orphan_timeout=None) as client:
+        rid = client.submit("hello", model=MODEL, max_tokens=2, allow_unregistered=True)
+        lane = KEYS.requests(MODEL, "interactive")
+        [(entry_id, _)] = redis_client.xrange(lane)
+        assert redis_client.xdel(lane, entry_id) == 1  # the fault: its entry is gone
+        assert not redis_client.exists(KEYS.output(rid))
+        with pytest.raises(RequestLost, match=f"request {rid} is lost"):
+            client.result(rid, timeout=60)
+
+
+def test_the_async_client_raises_the_same(redis_url, redis_client):
+    async def main() -> None:
+        client = AsyncClient(redis_url, orphan_timeout=0.5)
+        try:
+            waiting = await client.submit("hello", model=MODEL, max_tokens=2,
+                                          allow_unregistered=True)
+            with pytest.raises(NoLiveWorker):
+                await client.result(waiting)
+            lost = await client.submit("bye", model=MODEL, max_tokens=2,
+                                       allow_unregistered=True)
+            lane = KEYS.requests(MODEL, "interactive")
+            entry_id = redis_client.xrange(lane)[-1][0]
+            assert redis_client.xdel(lane, entry_id) == 1
+            with pytest.raises(RequestLost):
+                await client.result(lost, timeout=60)
+        finally:
+            await client.close()
+
+    asyncio.run(main())

@@ -15,7 +15,7 @@ from producer.client.client import Client
 from producer.client.orphans import LOOK_S, OrphanWatch, Submitted, held_from
 from producer.clock import ManualClock
 from producer.wire.errors import NoLiveWorker, RequestLost
-from producer.wire.keys import Keys
+from producer.wire.keys import GROUP, Keys
 
 KEYS = Keys()
 WHERE = Submitted(MODEL, KEYS.requests(MODEL, "interactive"), "1-0")
@@ -54,14 +54,17 @@ def test_the_watch_raises_after_the_timeout_without_a_live_worker_and_at_once_wh
 
 
 def test_a_look_finds_the_request_in_its_output_its_lane_or_a_pending_list():
-    error = ValueError("NOGROUP")
-    assert held_from([1], knows_entry=False) is True
-    assert held_from([0], knows_entry=False) is None  # the entry id was never known
-    assert held_from([0, [("1-0", {})], error], knows_entry=True) is True  # in its lane
-    assert held_from([0, [], [{"message_id": "1-0"}]], knows_entry=True) is True  # pending
-    assert held_from([0, [], []], knows_entry=True) is False
-    assert held_from([0, [], error], knows_entry=True) is False  # no group: never read
-    assert held_from([error], knows_entry=True) is None
+    denied = ValueError("NOPERM")
+    group = {"name": b"workers", "last-delivered-id": b"5-0"}
+    assert held_from([1], None, "workers") is True  # its output stream
+    assert held_from([0], None, "workers") is None  # the entry id was never known
+    assert held_from([0, [{"message_id": b"3-0"}], [group]], "3-0", "workers") is True  # held
+    assert held_from([0, [], [group]], "7-0", "workers") is True  # not delivered yet
+    assert held_from([0, [], []], "3-0", "workers") is True  # no worker ever read the lane
+    assert held_from([0, [], [group]], "3-0", "workers") is False  # delivered, held nowhere
+    assert held_from([0, [], ValueError("ERR no such key")], "3-0", "workers") is False
+    assert held_from([0, [], denied], "3-0", "workers") is None
+    assert held_from([denied], "3-0", "workers") is None
 
 
 def test_result_raises_no_live_worker_once_the_model_had_none_for_the_timeout(redis_url):
@@ -81,8 +84,7 @@ def test_result_raises_request_lost_at_once_when_a_failover_lost_the_request(
     with Client(redis_url, orphan_timeout=None) as client:
         rid = client.submit("hello", model=MODEL, max_tokens=2, allow_unregistered=True)
         lane = KEYS.requests(MODEL, "interactive")
-        [(entry_id, _)] = redis_client.xrange(lane)
-        assert redis_client.xdel(lane, entry_id) == 1  # the fault: its entry is gone
+        assert redis_client.delete(lane) == 1  # the fault: the failover lost the lane
         assert not redis_client.exists(KEYS.output(rid))
         with pytest.raises(RequestLost, match=f"request {rid} is lost"):
             client.result(rid, timeout=60)
@@ -98,9 +100,12 @@ def test_the_async_client_raises_the_same(redis_url, redis_client):
                 await client.result(waiting)
             lost = await client.submit("bye", model=MODEL, max_tokens=2,
                                        allow_unregistered=True)
+            # A worker took it, and the failover lost what said so: delivered, pending
+            # nowhere, no output.
             lane = KEYS.requests(MODEL, "interactive")
-            entry_id = redis_client.xrange(lane)[-1][0]
-            assert redis_client.xdel(lane, entry_id) == 1
+            redis_client.xgroup_create(lane, GROUP, id="0")
+            [(_, entries)] = redis_client.xreadgroup(GROUP, "w", {lane: ">"})
+            redis_client.xack(lane, GROUP, *[entry_id for entry_id, _ in entries])
             with pytest.raises(RequestLost):
                 await client.result(lost, timeout=60)
         finally:

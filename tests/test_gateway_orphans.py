@@ -20,7 +20,7 @@ from worker_processes import spawn_worker, stop_all, wait_ready
 from producer.client.client import Client
 from producer.wire.keys import Keys
 from worker import Engine, SamplingParams
-from worker.cli.gateway_verb import KEEPALIVE_S, ORPHAN_TIMEOUT_S
+from worker.cli.gateway_verb import KEEPALIVE_S, ORPHAN_TIMEOUT_S, WATCH_TTL_S
 
 KEYS = Keys()
 PROMPT = [5, 9, 23, 4, 77, 31, 8]
@@ -70,8 +70,10 @@ def _reference_text(tiny_llama, max_tokens: int) -> str:
 def test_the_cli_defaults_are_the_settings_defaults():
     from producer.gateway.settings import KEEPALIVE_S as SETTINGS_KEEPALIVE
     from producer.gateway.settings import ORPHAN_TIMEOUT_S as SETTINGS_ORPHAN
+    from producer.gateway.settings import GatewaySettings
 
     assert (KEEPALIVE_S, ORPHAN_TIMEOUT_S) == (SETTINGS_KEEPALIVE, SETTINGS_ORPHAN)
+    assert WATCH_TTL_S == GatewaySettings().watch_ttl_s
     assert SETTINGS_KEEPALIVE <= 15  # a waiting stream speaks at least every 15 s
 
 

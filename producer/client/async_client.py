@@ -6,6 +6,7 @@ Everything but the Redis calls is shared with the synchronous client
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,9 +32,11 @@ from producer.client.models import (
 from producer.client.orphans import ORPHAN_TIMEOUT_S, OrphanWatch, held_from
 from producer.client.stream_events import StreamEvent, completion_from, event_from
 from producer.client.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
+from producer.client.watch import WATCH_TTL_S, AsyncWatchKeeper
 from producer.clock import Clock
 from producer.wire.completion import Completion
 from producer.wire.errors import LaneBlocked
+from producer.wire.keys import GROUP
 from producer.wire.protocol import FIELD
 
 if TYPE_CHECKING:
@@ -60,9 +63,14 @@ class AsyncClient(ClientBase):
         max_queue: int | None = None,
         clock: Clock | None = None,
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
+        watch: bool = False,
+        watch_ttl_s: int = WATCH_TTL_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock, orphan_timeout)
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch)
+        self.watch_ttl_s = watch_ttl_s
         self.redis = connection if connection is not None else connect_async(url)
+        self._watch_keeper: AsyncWatchKeeper | None = None
+        self._watch_lock = asyncio.Lock()
 
     async def submit(
         self, prompt: str | list[int] | None = None, *, model: str,
@@ -79,9 +87,9 @@ class AsyncClient(ClientBase):
         without a live worker is queued with a warning logged.
         """
         sub = self._submission(
-            prompt, max_queue, pipeline is not None, model=model, messages=messages, lane=lane,
-            request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
-            sampling=sampling)
+            prompt, max_queue, pipeline is not None, await self._watch_id(), model=model,
+            messages=messages, lane=lane, request_id=request_id, priority=priority,
+            deadline_ms=deadline_ms, timeout=timeout, sampling=sampling)
         if allow_unregistered:
             if sub.model not in self._requested:  # so that `conveyor top` shows its lane
                 await self.redis.sadd(self.keys.requested, sub.model)
@@ -103,6 +111,17 @@ class AsyncClient(ClientBase):
             raise
         self._put_at(sub.request_id, sub.model, sub.key, entry_id)
         return sub.request_id
+
+    async def _watch_id(self) -> str | None:
+        """This client's watch id (its keeper started on first use), or None without one."""
+        if not self.watches:
+            return None
+        async with self._watch_lock:  # many submits at once start one keeper
+            if self._watch_keeper is None:
+                keeper = AsyncWatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
+                await keeper.start()
+                self._watch_keeper = keeper
+        return self._watch_keeper.id
 
     async def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)
@@ -152,8 +171,9 @@ class AsyncClient(ClientBase):
         # Without a timeout only the whereabouts matter: no look at the model.
         live = watch.timeout is None or (await self.model_state(watch.submitted.model)).live
         pipe = self.redis.pipeline(transaction=False)
-        knows_entry = self._queue_look(pipe, watch)
-        watch.judge(live, held_from(await pipe.execute(raise_on_error=False), knows_entry))
+        self._queue_look(pipe, watch)
+        watch.judge(live, held_from(await pipe.execute(raise_on_error=False),
+                                    watch.submitted.entry_id, GROUP))
 
     async def result(self, request_id: str, timeout: float | None = None, *,
                      orphan_timeout: float | None | object = CLIENT_DEFAULT) -> Completion:
@@ -225,7 +245,10 @@ class AsyncClient(ClientBase):
         return tokenizer_from(await self.redis.hget(self.keys.model(name), "tokenizer_json"))
 
     async def close(self) -> None:
-        """Close the connection, unless it was passed in by the caller."""
+        """Stop renewing the watch, if any, and close the connection, unless it was passed
+        in by the caller."""
+        if self._watch_keeper is not None:
+            await self._watch_keeper.stop()
         if self._owns_connection:
             await self.redis.aclose()
 

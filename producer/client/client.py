@@ -49,6 +49,7 @@ from producer.client.stream_follow import (  # noqa: F401 (block_ms, deadline_af
     deadline_after,
     timed_out,
 )
+from producer.client.watch import WATCH_TTL_S, WatchKeeper
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion
 from producer.wire.errors import LaneBlocked, ModelNotFound
@@ -99,6 +100,7 @@ def build_request(
     timeout: float | None,
     sampling: dict[str, Any],
     clock: Clock = SYSTEM_CLOCK,
+    watch: str | None = None,
 ) -> GenerationRequest:
     """A validated GenerationRequest from ``submit``'s arguments; ValueError when invalid.
 
@@ -135,6 +137,7 @@ def build_request(
         priority=priority,
         lane=lane,
         deadline_ms=deadline_ms,
+        watch=watch,
     )
 
 
@@ -199,8 +202,11 @@ class ClientBase:
 
     def __init__(
         self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None,
-        orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
+        orphan_timeout: float | None = ORPHAN_TIMEOUT_S, watch: bool = False,
     ) -> None:
+        # Requests tied to this client's life (producer/client/watch.py): the keeper starts
+        # with the first submit.
+        self.watches = watch
         if orphan_timeout is not None and not orphan_timeout >= 0:
             raise ValueError(f"orphan_timeout must be >= 0 seconds or None, got "
                              f"{orphan_timeout!r}")
@@ -220,11 +226,11 @@ class ClientBase:
 
     def _submission(
         self, prompt: str | Sequence[int] | None, max_queue: int | None, pipelined: bool,
-        **request: Any
+        watch: str | None = None, **request: Any
     ) -> Submission:
         """Check a submit's arguments (``request``: build_request's keywords) and place it."""
         limit = queue_limit(max_queue, self.max_queue, pipelined)
-        built = build_request(prompt, clock=self.clock, **request)
+        built = build_request(prompt, clock=self.clock, watch=watch, **request)
         key = self.keys.requests(built.model, built.lane)
         counted = (key, self.keys.handoff(built.model, built.lane))
         return Submission(built.request_id, key, built.encode(), limit, built.model, counted)
@@ -246,15 +252,13 @@ class ClientBase:
         timeout = self.orphan_timeout if orphan_timeout is CLIENT_DEFAULT else orphan_timeout
         return OrphanWatch(request_id, submitted, timeout, self.clock)  # type: ignore[arg-type]
 
-    def _queue_look(self, pipe: Any, watch: OrphanWatch) -> bool:
-        """Queue a look's reads on ``pipe``; whether the lane entry is among them."""
+    def _queue_look(self, pipe: Any, watch: OrphanWatch) -> None:
+        """Queue a look's reads on ``pipe`` (orphans.held_from reads their replies)."""
         sub = watch.submitted
         pipe.exists(self.keys.output(watch.request_id))
-        if sub.entry_id is None:
-            return False
-        pipe.xrange(sub.key, sub.entry_id, sub.entry_id, count=1)
-        pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
-        return True
+        if sub.entry_id is not None:
+            pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
+            pipe.xinfo_groups(sub.key)
 
     def _remember(self, state: ModelState) -> ModelState:
         self._model_checks[state.name] = (self.clock.monotonic(), state)
@@ -301,7 +305,9 @@ class Client(ClientBase):
     ``max_queue`` is the default for :meth:`submit`'s (None: no limit). ``clock`` (default:
     the system's) decides every timeout and deadline. ``orphan_timeout``: how long a wait
     for a request this client submitted goes on while its model has no live worker (see
-    :meth:`stream`; None: forever).
+    :meth:`stream`; None: forever). ``watch``: tie this client's requests to its life: a
+    worker cancels them once the client stopped renewing its watch key for ``watch_ttl_s``
+    seconds (it died, or closed: producer/client/watch.py).
     """
 
     def __init__(
@@ -313,9 +319,13 @@ class Client(ClientBase):
         max_queue: int | None = None,
         clock: Clock | None = None,
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
+        watch: bool = False,
+        watch_ttl_s: int = WATCH_TTL_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock, orphan_timeout)
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch)
+        self.watch_ttl_s = watch_ttl_s
         self.redis = connection if connection is not None else connect(url)
+        self._watch_keeper: WatchKeeper | None = None
 
     def submit(
         self, prompt: str | list[int] | None = None, *, model: str,
@@ -347,9 +357,9 @@ class Client(ClientBase):
         caller bounds what it pipelines, and an explicit ``max_queue`` there is a ValueError.
         """
         sub = self._submission(
-            prompt, max_queue, pipeline is not None, model=model, messages=messages, lane=lane,
-            request_id=request_id, priority=priority, deadline_ms=deadline_ms, timeout=timeout,
-            sampling=sampling)
+            prompt, max_queue, pipeline is not None, self._watch_id(), model=model,
+            messages=messages, lane=lane, request_id=request_id, priority=priority,
+            deadline_ms=deadline_ms, timeout=timeout, sampling=sampling)
         if allow_unregistered:
             if sub.model not in self._requested:  # so that `conveyor top` shows its lane
                 self.redis.sadd(self.keys.requested, sub.model)
@@ -370,6 +380,16 @@ class Client(ClientBase):
             raise
         self._put_at(sub.request_id, sub.model, sub.key, entry_id)
         return sub.request_id
+
+    def _watch_id(self) -> str | None:
+        """This client's watch id (its keeper started on first use), or None without one."""
+        if not self.watches:
+            return None
+        if self._watch_keeper is None:
+            keeper = WatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
+            keeper.start()
+            self._watch_keeper = keeper
+        return self._watch_keeper.id
 
     def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)
@@ -441,8 +461,9 @@ class Client(ClientBase):
         # Without a timeout only the whereabouts matter: no look at the model.
         live = watch.timeout is None or self.model_state(watch.submitted.model).live
         pipe = self.redis.pipeline(transaction=False)
-        knows_entry = self._queue_look(pipe, watch)
-        watch.judge(live, held_from(pipe.execute(raise_on_error=False), knows_entry))
+        self._queue_look(pipe, watch)
+        watch.judge(live, held_from(pipe.execute(raise_on_error=False),
+                                    watch.submitted.entry_id, GROUP))
 
     def result(self, request_id: str, timeout: float | None = None, *,
                orphan_timeout: float | None | object = CLIENT_DEFAULT) -> Completion:
@@ -521,7 +542,10 @@ class Client(ClientBase):
         return tokenizer_from(self.redis.hget(self.keys.model(name), "tokenizer_json"))
 
     def close(self) -> None:
-        """Close the connection, unless it was passed in by the caller."""
+        """Stop renewing the watch, if any (what it marked is cancelled once it lapses), and
+        close the connection, unless it was passed in by the caller."""
+        if self._watch_keeper is not None:
+            self._watch_keeper.stop()
         if self._owns_connection:
             self.redis.close()
 

@@ -36,24 +36,39 @@ class Submitted:
     entry_id: str | None
 
 
-def held_from(replies: list[object], knows_entry: bool) -> bool | None:
-    """Whether anything holds the request, from a look's replies: EXISTS of its output
-    stream, then (``knows_entry``) XRANGE of its lane entry and XPENDING of it; None where
-    a reply was an error or the entry id is unknown."""
+def held_from(replies: list[object], entry_id: str | None, group: str) -> bool | None:
+    """Whether anything holds the request, from a look's replies (None where a reply was
+    an error or the entry id is unknown): EXISTS of its output stream, then (with its
+    lane ``entry_id``) XPENDING of that entry and XINFO GROUPS of the lane.
+
+    No reply reads an entry's content (a producer may not read others' prompts): an entry
+    past ``group``'s last delivered id still waits in the lane; one at or before it,
+    pending nowhere, with no output stream, was lost (or its output expired)."""
     out = replies[0]
     if isinstance(out, Exception):
         return None
     if out:
         return True
-    if not knows_entry:
+    if entry_id is None:
         return None
-    in_lane, pending = replies[1], replies[2]
-    if isinstance(in_lane, Exception):
-        return None
-    if in_lane or (isinstance(pending, list) and pending):
+    pending, groups = replies[1], replies[2]
+    if isinstance(pending, list) and pending:
         return True
-    # No group on the lane (NOGROUP) means no worker ever read it: nothing pending there.
-    return False
+    if isinstance(groups, Exception):
+        # The lane itself is gone (a failover, a flush): so is the entry.
+        return False if "no such key" in str(groups).lower() else None
+    delivered = next((g.get("last-delivered-id") for g in groups or []
+                      if _text(g.get("name")) == group), None)
+    return delivered is None or _id_key(entry_id) > _id_key(_text(delivered))
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class OrphanWatch:

@@ -100,9 +100,11 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.client is None:
-            # The gateway watches for orphans itself (OrphanWatch below: it cancels them).
+            # The gateway watches for orphans itself (OrphanWatch below: it cancels them),
+            # and ties its requests to its life (a watch: producer/client/watch.py).
             self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
-                                      orphan_timeout=None)
+                                      orphan_timeout=None, watch=True,
+                                      watch_ttl_s=self.settings.watch_ttl_s)
         log.info("gateway serving", namespace=self.settings.namespace,
                  api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue)
         try:

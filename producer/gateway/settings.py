@@ -6,6 +6,8 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
+from producer.client.watch import WATCH_TTL_S
+
 # Seconds a model's liveness (heartbeats) is trusted before the gateway reads it again: a
 # burst of requests costs one look, and a worker's death shows within this plus its lease.
 MODEL_STATE_TTL_S = 1.0
@@ -36,6 +38,9 @@ class GatewaySettings:
     # more get 429 until one ends.
     max_concurrent: int = 512
     keepalive_s: float = KEEPALIVE_S
+    # Seconds this gateway's watch outlives it: its requests are cancelled that long after
+    # it dies (producer/client/watch.py).
+    watch_ttl_s: int = WATCH_TTL_S
     # None: wait for a worker however long it takes.
     orphan_timeout_s: float | None = ORPHAN_TIMEOUT_S
 

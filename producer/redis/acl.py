@@ -29,11 +29,16 @@ def _producer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
         ([f"~{k.requests_pattern}"], ["xadd"]),
         ([f"~{k.requests_pattern}", f"~{k.handoff_pattern}"],
          ["fcall", "exists", "xinfo|groups", "xlen"]),
-        # Stream, result, follow_many; XREVRANGE for the last entry when resuming. Read
-        # only: a producer cannot forge another request's tokens or final.
-        ([f"%R~{k.output_pattern}"], ["xread", "xrevrange"]),
-        # Cancel: the marker (write only), with its announcement (PUBLISH, below).
-        ([f"%W~{k.cancelled_pattern}"], ["set"]),
+        # Whether its own request is still held (producer/client/orphans.py): who holds
+        # its entry (XPENDING names consumers, never content).
+        ([f"%R~{k.requests_pattern}"], ["xpending"]),
+        # Stream, result, follow_many; XREVRANGE for the last entry when resuming; EXISTS
+        # when a wait looks for its request. Read only: a producer cannot forge another
+        # request's tokens or final.
+        ([f"%R~{k.output_pattern}"], ["xread", "xrevrange", "exists"]),
+        # Cancel: the marker (write only), with its announcement (PUBLISH, below). The
+        # producer's watch key (SET with EX, renewed), which workers read.
+        ([f"%W~{k.cancelled_pattern}", f"%W~{k.watch_pattern}"], ["set"]),
         # Models and their tokenizers, live workers: sets and hashes, never SCAN.
         ([f"%R~{p}" for p in _fleet(k)], ["hget", "hgetall", "smembers", "exists"]),
         # A request for a model nobody registered (allow_unregistered): noted for `top`.
@@ -61,6 +66,7 @@ PRODUCER_COMMANDS_6 = (
     "xadd",  # submit
     "evalsha", "eval", "script|load",  # submit(max_queue=...): no functions on 6.2
     "exists", "xinfo", "xlen", "xrange",  # run by that script; lane depths (producer.client.queues)
+    "xpending",  # whether a request it waits for is still held (producer.client.orphans)
     "xread",  # stream, result, follow_many
     "xrevrange",  # a stream's last entry: resuming after its end, `conveyor tail`
     "set", "publish", "multi", "exec", "discard",  # cancel: marker and announcement at once
@@ -79,7 +85,7 @@ WORKER_COMMANDS = (
     "xreadgroup", "xack",  # intake; acknowledged after the final entry
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts
     "xadd", "expire", "xrange", "xrevrange",  # output streams, dead letters, resumption
-    "exists",  # cancellation markers; dead workers' heartbeats
+    "exists",  # cancellation markers; dead workers' heartbeats; producers' watch keys
     "get", "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "hdel", "del",  # heartbeat hash (removed at exit), the model hash (and its template)
@@ -116,12 +122,12 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
         # The handoff streams: submit(max_queue=...) counts them (their XADD stays open
         # on 6.2, where one key list serves every command).
         return [k.requests_pattern, k.handoff_pattern, k.output_pattern, k.cancelled_pattern,
-                *_fleet(k), k.requested]
+                k.watch_pattern, *_fleet(k), k.requested]
     if role == "worker":
         # The fleet KV tier's keys are the workers' alone: KV reveals prompts, and a
         # planted block would poison every output computed from it.
         return [k.requests_pattern, k.output_pattern, k.cancelled_pattern, *_fleet(k), k.dead,
-                k.isolated_pattern, k.kv_pattern, k.handoff_pattern]
+                k.isolated_pattern, k.kv_pattern, k.handoff_pattern, k.watch_pattern]
     return [k.requests_pattern, k.handoff_pattern, *_fleet(k), k.requested]
 
 

@@ -116,6 +116,11 @@ class Keys:
         """Marker key of a cancelled request, for workers that missed the announcement."""
         return f"{self.ns}:cancelled:{validate_request_id(request_id)}"
 
+    def watch(self, watch_id: str) -> str:
+        """A producer's watch key, kept alive while the producer lives; requests marked with
+        it are cancelled once it lapses (producer/client/watch.py)."""
+        return f"{self.ns}:watch:{validate_request_id(watch_id)}"
+
     # ----- the fleet KV tier (kvstore/tier/redis_tier.py) -----
 
     def kv_header(self, name: str) -> str:
@@ -152,6 +157,11 @@ class Keys:
     def cancelled_pattern(self) -> str:
         """Every cancellation marker."""
         return f"{self.ns}:cancelled:*"
+
+    @property
+    def watch_pattern(self) -> str:
+        """Every producer's watch key."""
+        return f"{self.ns}:watch:*"
 
     @property
     def model_pattern(self) -> str:

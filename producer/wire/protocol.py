@@ -33,7 +33,7 @@ PRIORITY_RANGE = (-1000, 1000)
 MAX_UNIX_MS = 253_402_300_799_999
 # Fields a request map may hold; any other is an error (a typo must not pass silently).
 REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
-                            "params", "priority", "lane", "created_ms", "deadline_ms"})
+                            "params", "priority", "lane", "created_ms", "deadline_ms", "watch"})
 
 
 class ProtocolError(ValueError):
@@ -66,9 +66,18 @@ class GenerationRequest:
     created_ms: int = field(default_factory=now_ms)
     # Absolute deadline in unix milliseconds; None means none.
     deadline_ms: int | None = None
+    # The producer's watch (``{ns}:watch:{watch}``): a worker cancels the request once that
+    # key lapses, its producer gone. None: the request lives on its own.
+    watch: str | None = None
 
     def __post_init__(self) -> None:
         validate_request_id(self.request_id)
+        if self.watch is not None:
+            try:
+                validate_request_id(self.watch)
+            except ValueError:
+                raise ValueError(f"watch must be an id like a request id, got "
+                                 f"{brief(self.watch)}") from None
         validate_name("model", self.model)
         validate_lane(self.lane)
         given = [v is not None for v in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -116,6 +125,8 @@ class GenerationRequest:
         if self.messages is not None:
             # Only when given: a worker from before chat refuses the field, never a prompt.
             m["messages"] = self.messages
+        if self.watch is not None:  # the same: only requests that carry one
+            m["watch"] = self.watch
         try:
             data = _pack(m)
         except (OverflowError, ValueError, TypeError) as exc:  # a number msgpack cannot hold
@@ -153,6 +164,7 @@ class GenerationRequest:
                 lane=m.get("lane", "interactive"),
                 created_ms=m.get("created_ms", 0),
                 deadline_ms=m.get("deadline_ms"),
+                watch=m.get("watch"),
             )
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc), rid) from None

@@ -14,6 +14,7 @@ DEFAULT_PORT = 8000
 # that the two agree).
 KEEPALIVE_S = 10.0
 ORPHAN_TIMEOUT_S = 60.0
+WATCH_TTL_S = 20
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,6 +44,9 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--orphan-timeout", type=float, default=ORPHAN_TIMEOUT_S, metavar="S",
                    help="cancel a request whose model has had no live worker for S seconds "
                    "and answer it with no_live_worker (0: wait for a worker however long)")
+    p.add_argument("--watch-ttl", type=int, default=WATCH_TTL_S, metavar="S",
+                   help="this gateway's requests are cancelled S seconds after it dies (its "
+                   "watch key lapses)")
     p.set_defaults(handler=gateway_cmd)
     return p
 
@@ -64,7 +68,8 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         keys = read_key_file(args.api_key_file)
     settings = GatewaySettings(redis_url=args.redis, namespace=args.namespace, api_keys=keys,
                                max_queue=args.max_queue, keepalive_s=args.keepalive,
-                               orphan_timeout_s=args.orphan_timeout or None)
+                               orphan_timeout_s=args.orphan_timeout or None,
+                               watch_ttl_s=args.watch_ttl)
     if not keys:
         print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
               f"{args.host}:{args.port} may use the fleet", file=sys.stderr)

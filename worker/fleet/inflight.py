@@ -24,6 +24,8 @@ class InflightRequest:
     last_token: float | None = None
     # The request as the producer sent it, kept by prefill workers to hand it on.
     message: bytes | None = None
+    # Its producer's watch id (producer/client/watch.py): cancelled once the watch lapses.
+    watch: str | None = None
 
 
 class InflightTable:

@@ -124,7 +124,8 @@ class Worker:
             hand_ons_waiting=(lambda: self.tier_writer.waiting) if hand_on is not None else None,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
-                                  config.lease_ms, self.loop.drop, **sup)
+                                  config.lease_ms, self.loop.drop, keys=self.keys,
+                                  on_orphaned=self.loop.cancel, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
                              config.lease_ms, config.max_deliveries,
                              # Often enough that a handed-back request moves at once.
@@ -194,6 +195,8 @@ class Worker:
             "metrics_port": self.metrics_port or "",
             # Request streams no producer can add to (an entry at the largest id).
             "blocked_lanes": ",".join(self.reaper.blocked_lanes),
+            # Requests cancelled because their producer's watch lapsed (its producer died).
+            "watch_cancelled": self.leases.orphaned,
             # conveyor's Redis functions: ours, missing, modified, unsupported (Redis 6.2).
             "functions": self.heartbeat.functions,
             # Disaggregation: this worker's role, prompt tokens it computed or imported, and

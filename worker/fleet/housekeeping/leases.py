@@ -2,6 +2,9 @@
 
 A pending entry's idle time is its lease: a live worker resets it well inside
 ``lease_ms``; an entry idle for longer belongs to a dead worker and any reaper claims it.
+With each renewal the keeper also looks at the watch keys of the requests whose producers
+tied them to their life (producer/client/watch.py): a request whose watch lapsed is
+cancelled, since nobody is left to read it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import GROUP
+from producer.wire.keys import GROUP, Keys
 from producer.wire.replies import as_text
 from worker.fleet.inflight import InflightTable
 from worker.fleet.publishing.ownership import OwnedEntries
@@ -25,7 +28,10 @@ class LeaseKeeper(SupervisedThread):
     """Renews every in-flight entry's lease; reports entries another worker took over."""
 
     def __init__(self, client: redis.Redis, worker_id: str, inflight: InflightTable,
-                 lease_ms: int, on_lost: Callable[[str], None], **supervision: Any) -> None:
+                 lease_ms: int, on_lost: Callable[[str], None],
+                 keys: Keys | None = None,
+                 on_orphaned: Callable[[str], None] | None = None,
+                 **supervision: Any) -> None:
         # Three renewals per lease: one late renewal never lets an entry lapse.
         super().__init__("lease-keeper", worker_id=worker_id, interval_s=lease_ms / 3000,
                          **supervision)
@@ -37,9 +43,41 @@ class LeaseKeeper(SupervisedThread):
         # that claimed them meanwhile.
         self.owned = OwnedEntries(client, worker_id)
         self.renewals = 0
+        # Watch keys are looked at where ``keys`` and ``on_orphaned`` are given.
+        self.keys = keys
+        self.on_orphaned = on_orphaned
+        # Requests cancelled because their producer's watch lapsed (ids: cancelled once).
+        self.orphaned = 0
+        self._orphaned_ids: set[str] = set()
 
     def tick(self) -> None:
         self.renew_all()
+        self.check_watches()
+
+    def check_watches(self) -> None:
+        """Cancel every in-flight request whose producer's watch key is gone."""
+        if self.keys is None or self.on_orphaned is None:
+            return
+        watched: dict[str, list[str]] = defaultdict(list)
+        for rid in self.inflight.ids():
+            if (e := self.inflight.get(rid)) is not None and e.watch is not None:
+                watched[e.watch].append(rid)
+        self._orphaned_ids &= set(self.inflight.ids())
+        if not watched:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for watch in watched:
+            pipe.exists(self.keys.watch(watch))
+        for (watch, rids), alive in zip(watched.items(), pipe.execute(), strict=True):
+            if alive:
+                continue
+            for rid in rids:
+                if rid in self.inflight and rid not in self._orphaned_ids:
+                    self._orphaned_ids.add(rid)
+                    log.info("request cancelled: its producer's watch lapsed",
+                             request_id=rid, watch=watch)
+                    self.orphaned += 1
+                    self.on_orphaned(rid)
 
     def renew_all(self) -> None:
         held = {(e.stream, e.entry_id): rid for rid in self.inflight.ids()

@@ -263,7 +263,8 @@ class Intake(SupervisedThread):
             published = read_published(self.client, self.keys, req.request_id)
         item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
                                len(published.token_ids) if published else 0,
-                               message=raw if self.role == "prefill" else None)
+                               message=raw if self.role == "prefill" else None,
+                               watch=req.watch)
         if not self.inflight.add(item, alone):
             # A suspect is served alone here now (or this one needs an empty worker): give
             # the entry back as if never delivered here.

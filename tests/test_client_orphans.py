@@ -55,16 +55,19 @@ def test_the_watch_raises_after_the_timeout_without_a_live_worker_and_at_once_wh
 
 def test_a_look_finds_the_request_in_its_output_its_lane_or_a_pending_list():
     denied = ValueError("NOPERM")
+    nogroup = ValueError("NOGROUP No such key or consumer group")
     group = {"name": b"workers", "last-delivered-id": b"5-0"}
+    # Replies in the look's order: XINFO GROUPS, XPENDING (with the entry id), EXISTS.
     assert held_from([1], None, "workers") is True  # its output stream
     assert held_from([0], None, "workers") is None  # the entry id was never known
-    assert held_from([0, [{"message_id": b"3-0"}], [group]], "3-0", "workers") is True  # held
-    assert held_from([0, [], [group]], "7-0", "workers") is True  # not delivered yet
-    assert held_from([0, [], []], "3-0", "workers") is True  # no worker ever read the lane
-    assert held_from([0, [], [group]], "3-0", "workers") is False  # delivered, held nowhere
-    assert held_from([0, [], ValueError("ERR no such key")], "3-0", "workers") is False
-    assert held_from([0, [], denied], "3-0", "workers") is None
-    assert held_from([denied], "3-0", "workers") is None
+    assert held_from([[group], [{"message_id": b"3-0"}], 0], "3-0", "workers") is True  # held
+    assert held_from([[group], [], 0], "7-0", "workers") is True  # not delivered yet
+    assert held_from([[], nogroup, 0], "3-0", "workers") is True  # no worker read the lane
+    assert held_from([[group], [], 0], "3-0", "workers") is False  # delivered, held nowhere
+    assert held_from([ValueError("ERR no such key"), nogroup, 0], "3-0", "workers") is False
+    assert held_from([denied, [], 0], "3-0", "workers") is None
+    assert held_from([[group], denied, 0], "3-0", "workers") is None  # cannot tell
+    assert held_from([[group], [], denied], "3-0", "workers") is None
 
 
 def test_result_raises_no_live_worker_once_the_model_had_none_for_the_timeout(redis_url):

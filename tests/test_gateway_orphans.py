@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 from fleet_fixtures import MODEL
@@ -77,12 +80,22 @@ def test_the_cli_defaults_are_the_settings_defaults():
     assert SETTINGS_KEEPALIVE <= 15  # a waiting stream speaks at least every 15 s
 
 
-def test_a_stream_whose_only_worker_dies_keeps_speaking_then_ends_no_live_worker(
-        redis_url, tiny_llama, tmp_path):
+@contextmanager
+def only_worker(redis_url, tiny_llama, tmp_path) -> Iterator[tuple[subprocess.Popen, Client]]:
+    """The model's one worker, serving, and a client; both stopped after."""
     worker = spawn_worker(tiny_llama, redis_url, "only", *WORKER_FLAGS, log_dir=tmp_path)
     client = Client(redis_url)
     try:
         wait_ready(client, "only", worker)
+        yield worker, client
+    finally:
+        stop_all([worker])
+        client.close()
+
+
+def test_a_stream_whose_only_worker_dies_keeps_speaking_then_ends_no_live_worker(
+        redis_url, tiny_llama, tmp_path):
+    with only_worker(redis_url, tiny_llama, tmp_path) as (worker, client):
         with serve_gateway(redis_url, keepalive_s=KEEPALIVE, orphan_timeout_s=3) as gw:
             stream = Stream(gw.api, max_tokens=20_000)
             eventually(lambda: len(stream.text()) > 0, "the stream's first tokens")
@@ -101,9 +114,6 @@ def test_a_stream_whose_only_worker_dies_keeps_speaking_then_ends_no_live_worker
         assert max(gaps) < 15
         # And the request was cancelled: a worker that takes it later drops it.
         assert client.redis.exists(KEYS.cancelled(stream.request_id))
-    finally:
-        stop_all([worker])
-        client.close()
 
 
 def test_a_worker_that_comes_back_before_the_orphan_timeout_finishes_the_stream_exactly(
@@ -138,10 +148,7 @@ def test_a_worker_that_comes_back_before_the_orphan_timeout_finishes_the_stream_
 
 def test_an_answer_not_streamed_is_503_no_live_worker_and_cancelled(
         redis_url, tiny_llama, tmp_path):
-    worker = spawn_worker(tiny_llama, redis_url, "only", *WORKER_FLAGS, log_dir=tmp_path)
-    client = Client(redis_url)
-    try:
-        wait_ready(client, "only", worker)
+    with only_worker(redis_url, tiny_llama, tmp_path) as (worker, client):
         with serve_gateway(redis_url, orphan_timeout_s=2) as gw:
             answer: dict = {}
 
@@ -166,6 +173,3 @@ def test_an_answer_not_streamed_is_503_no_live_worker_and_cancelled(
         assert error["code"] == "no_live_worker" and "cancelled" in error["message"]
         rid = response.headers["x-request-id"]
         assert client.redis.exists(KEYS.cancelled(rid))
-    finally:
-        stop_all([worker])
-        client.close()

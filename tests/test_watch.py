@@ -26,6 +26,7 @@ from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FIELD, GenerationRequest
+from worker.fleet.housekeeping.leases import WATCH_GRACE_S
 
 KEYS = Keys()
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +66,12 @@ def test_a_worker_cancels_a_running_request_whose_watch_lapsed(redis_client, sta
     redis_client.xadd(KEYS.requests(MODEL, "interactive"), {FIELD: request.encode()})
     client = Client(connection=redis_client)
     eventually(lambda: client.last_event("r-watched") is not None, "the request running")
+    worker.loop.pause()  # it would reach its length limit before the grace is over
     assert worker.leases.orphaned == 0  # the precondition: its watch is alive
     redis_client.delete(KEYS.watch(watch))  # the producer died: its watch lapsed
+    eventually(lambda: worker.leases.watches_missing == 1, "the watch seen missing")
+    eventually(lambda: worker.leases.orphaned == 1, "the grace over", patience_s=30)
+    worker.loop.resume()
     done = client.result("r-watched", timeout=60)
     assert done.finish_reason == FinishReason.CANCELLED
     assert len(done.token_ids) < 2000 and worker.status()["watch_cancelled"] == 1
@@ -81,7 +86,8 @@ def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
         redis_url, tiny_llama, tmp_path):
     # A lease of 3 s: the worker looks at watches every second. The gateway's watch lives
     # 3 s after it (20 by default: the bound below holds for that too).
-    worker = spawn_worker(tiny_llama, redis_url, "w", "--lease-ms", "3000", log_dir=tmp_path)
+    worker = spawn_worker(tiny_llama, redis_url, "w", "--lease-ms", "3000",
+                          "--heartbeat-interval", "0.2", log_dir=tmp_path)
     port = _free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "gateway", "--redis", redis_url, "--port",
@@ -113,10 +119,16 @@ def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
         gateway.wait(10)
         killed = time.monotonic()
         # The tiny model would reach its length limit before any watch lapses: the worker
-        # is held (SIGSTOP) until the gateway's watch is gone, then goes on.
+        # is held (SIGSTOP) until the gateway's watch is gone, runs until it has seen that,
+        # and is held again for the grace a missing watch gets (real time passes for it).
         worker.send_signal(signal.SIGSTOP)
         eventually(lambda: not client.redis.keys(KEYS.watch_pattern), "the watch lapsing")
         assert isinstance(client.last_event(got["id"]), ChunkEvent)  # still running
+        worker.send_signal(signal.SIGCONT)
+        eventually(lambda: _heartbeat(client, "w").get("watches_missing") == "1",
+                   "the worker seeing the watch missing")
+        worker.send_signal(signal.SIGSTOP)
+        time.sleep(WATCH_GRACE_S)
         worker.send_signal(signal.SIGCONT)
         done = client.result(got["id"], timeout=120)
         assert done.finish_reason == FinishReason.CANCELLED, done.finish_reason
@@ -127,6 +139,10 @@ def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
         gateway.wait(10)
         stop_all([worker])
         client.close()
+
+
+def _heartbeat(client: Client, worker_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.redis.hgetall(KEYS.worker(worker_id)).items()}
 
 
 def _answers(api: str) -> bool:

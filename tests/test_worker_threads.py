@@ -83,7 +83,9 @@ def test_a_thread_that_loses_redis_retries_says_so_and_recovers(name, redis_url,
     if name == "publisher":
         worker.loop.resume()  # output to write
     else:
-        clock.advance(thread.interval_s)  # interval threads tick; blocked readers already failed
+        # Interval threads tick (the lease keeper renews every third of a lease); blocked
+        # readers already failed.
+        clock.advance(getattr(thread, "renew_every_s", thread.interval_s))
     eventually(lambda: thread.retrying is not None, f"{name} met the lost connection")
 
     # The truth, while it lasts (the clock holds the backoff): degraded, naming the thread.

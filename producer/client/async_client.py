@@ -66,8 +66,8 @@ class AsyncClient(ClientBase):
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch)
-        self.watch_ttl_s = watch_ttl_s
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
+                         watch_ttl_s)
         self.redis = connection if connection is not None else connect_async(url)
         self._watch_keeper: AsyncWatchKeeper | None = None
         self._watch_lock = asyncio.Lock()
@@ -121,7 +121,7 @@ class AsyncClient(ClientBase):
                 keeper = AsyncWatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
                 await keeper.start()
                 self._watch_keeper = keeper
-        return self._watch_keeper.id
+            return self._watch_keeper.id
 
     async def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)
@@ -247,8 +247,10 @@ class AsyncClient(ClientBase):
     async def close(self) -> None:
         """Stop renewing the watch, if any, and close the connection, unless it was passed
         in by the caller."""
-        if self._watch_keeper is not None:
-            await self._watch_keeper.stop()
+        async with self._watch_lock:
+            if self._watch_keeper is not None:
+                await self._watch_keeper.stop()
+                self._watch_keeper = None  # a later submit starts another watch
         if self._owns_connection:
             await self.redis.aclose()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -49,7 +50,7 @@ from producer.client.stream_follow import (  # noqa: F401 (block_ms, deadline_af
     deadline_after,
     timed_out,
 )
-from producer.client.watch import WATCH_TTL_S, WatchKeeper
+from producer.client.watch import WATCH_TTL_S, WatchKeeper, check_watch_ttl
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion
 from producer.wire.errors import LaneBlocked, ModelNotFound
@@ -203,10 +204,13 @@ class ClientBase:
     def __init__(
         self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None,
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S, watch: bool = False,
+        watch_ttl_s: int = WATCH_TTL_S,
     ) -> None:
         # Requests tied to this client's life (producer/client/watch.py): the keeper starts
         # with the first submit.
         self.watches = watch
+        self.watch_ttl_s = watch_ttl_s
+        check_watch_ttl(watch_ttl_s)
         if orphan_timeout is not None and not orphan_timeout >= 0:
             raise ValueError(f"orphan_timeout must be >= 0 seconds or None, got "
                              f"{orphan_timeout!r}")
@@ -255,10 +259,10 @@ class ClientBase:
     def _queue_look(self, pipe: Any, watch: OrphanWatch) -> None:
         """Queue a look's reads on ``pipe`` (orphans.held_from reads their replies)."""
         sub = watch.submitted
-        pipe.exists(self.keys.output(watch.request_id))
         if sub.entry_id is not None:
-            pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
             pipe.xinfo_groups(sub.key)
+            pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
+        pipe.exists(self.keys.output(watch.request_id))
 
     def _remember(self, state: ModelState) -> ModelState:
         self._model_checks[state.name] = (self.clock.monotonic(), state)
@@ -322,10 +326,11 @@ class Client(ClientBase):
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
     ) -> None:
-        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch)
-        self.watch_ttl_s = watch_ttl_s
+        super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
+                         watch_ttl_s)
         self.redis = connection if connection is not None else connect(url)
         self._watch_keeper: WatchKeeper | None = None
+        self._watch_lock = threading.Lock()  # threads' first submits start one keeper
 
     def submit(
         self, prompt: str | list[int] | None = None, *, model: str,
@@ -385,11 +390,12 @@ class Client(ClientBase):
         """This client's watch id (its keeper started on first use), or None without one."""
         if not self.watches:
             return None
-        if self._watch_keeper is None:
-            keeper = WatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
-            keeper.start()
-            self._watch_keeper = keeper
-        return self._watch_keeper.id
+        with self._watch_lock:
+            if self._watch_keeper is None:
+                keeper = WatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
+                keeper.start()
+                self._watch_keeper = keeper
+            return self._watch_keeper.id
 
     def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)
@@ -544,8 +550,10 @@ class Client(ClientBase):
     def close(self) -> None:
         """Stop renewing the watch, if any (what it marked is cancelled once it lapses), and
         close the connection, unless it was passed in by the caller."""
-        if self._watch_keeper is not None:
-            self._watch_keeper.stop()
+        with self._watch_lock:
+            if self._watch_keeper is not None:
+                self._watch_keeper.stop()
+                self._watch_keeper = None  # a later submit starts another watch
         if self._owns_connection:
             self.redis.close()
 

@@ -37,21 +37,25 @@ class Submitted:
 
 
 def held_from(replies: list[object], entry_id: str | None, group: str) -> bool | None:
-    """Whether anything holds the request, from a look's replies (None where a reply was
-    an error or the entry id is unknown): EXISTS of its output stream, then (with its
-    lane ``entry_id``) XPENDING of that entry and XINFO GROUPS of the lane.
+    """Whether anything holds the request, from a look's replies (None where a reply was an
+    error or the entry id is unknown): with its lane ``entry_id``, XINFO GROUPS of the lane
+    and XPENDING of the entry, then EXISTS of its output stream.
 
-    No reply reads an entry's content (a producer may not read others' prompts): an entry
-    past ``group``'s last delivered id still waits in the lane; one at or before it,
-    pending nowhere, with no output stream, was lost (or its output expired)."""
-    out = replies[0]
+    A request only moves forward through those (waiting, delivered and pending, output
+    written): read in that order, a look never misses it between two of them. No reply
+    reads an entry's content (a producer may not read others' prompts): an entry past
+    ``group``'s last delivered id still waits in the lane; one at or before it, pending
+    nowhere, with no output stream, was lost (or its output expired)."""
+    out = replies[-1]
     if isinstance(out, Exception):
         return None
     if out:
         return True
     if entry_id is None:
         return None
-    pending, groups = replies[1], replies[2]
+    groups, pending = replies[0], replies[1]
+    if isinstance(pending, Exception) and "nogroup" not in str(pending).lower():
+        return None  # refused (an ACL from before XPENDING was granted): cannot tell
     if isinstance(pending, list) and pending:
         return True
     if isinstance(groups, Exception):

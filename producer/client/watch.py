@@ -31,11 +31,17 @@ RENEWALS_PER_TTL = 4
 WATCH_RENEW_S = WATCH_TTL_S / RENEWALS_PER_TTL
 
 
+def check_watch_ttl(ttl_s: object) -> int:
+    """A watch TTL: a whole number of seconds >= 1, else ValueError."""
+    if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s < 1:
+        raise ValueError(f"a watch's TTL is a whole number of seconds >= 1, got {ttl_s!r}")
+    return ttl_s
+
+
 class _WatchBase:
     def __init__(self, keys: Keys, ttl_s: int = WATCH_TTL_S,
                  renew_s: float | None = None) -> None:
-        if not isinstance(ttl_s, int) or ttl_s < 1:
-            raise ValueError(f"a watch's TTL is a whole number of seconds >= 1, got {ttl_s!r}")
+        check_watch_ttl(ttl_s)
         renew_s = ttl_s / RENEWALS_PER_TTL if renew_s is None else renew_s
         if not 0 < renew_s < ttl_s:
             raise ValueError(f"a watch is renewed (every {renew_s!r} s) well within its TTL "
@@ -73,7 +79,7 @@ class WatchKeeper(_WatchBase):
         while not self._stop.wait(self.renew_s):
             try:
                 self.client.set(self.key, b"1", ex=self.ttl_s)
-            except redis.RedisError as exc:
+            except Exception as exc:  # noqa: BLE001 (a stopped renewal cancels requests)
                 self._failed(exc)
 
     def stop(self) -> None:
@@ -101,7 +107,7 @@ class AsyncWatchKeeper(_WatchBase):
             await asyncio.sleep(self.renew_s)
             try:
                 await self.client.set(self.key, b"1", ex=self.ttl_s)
-            except redis.RedisError as exc:
+            except Exception as exc:  # noqa: BLE001 (a stopped renewal cancels requests)
                 self._failed(exc)
 
     async def stop(self) -> None:

@@ -41,7 +41,7 @@ from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.wire.completion import Usage
-from producer.wire.errors import LaneBlocked, ModelNotFound
+from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
 
 log = structlog.get_logger(__name__)
@@ -52,6 +52,8 @@ DISCONNECT_POLL_S = 0.25
 # for model_state_ttl_s, so this costs no Redis round trip per request).
 LIVENESS_POLL_S = 1.0
 KEEPALIVE = ": keep-alive\n\n"
+# How long an ended stream waits for its cancelled read to unwind.
+CANCEL_WAIT_S = 1.0
 
 
 class Orphaned(Exception):
@@ -100,8 +102,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.client is None:
-            # The gateway watches for orphans itself (OrphanWatch below: it cancels them),
-            # and ties its requests to its life (a watch: producer/client/watch.py).
+            # The gateway watches for orphans itself (OrphanWatch below: it cancels them);
+            # the client still finds lost requests (request_lost). Its requests are tied to
+            # its life (a watch: producer/client/watch.py).
             self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
                                       orphan_timeout=None, watch=True,
                                       watch_ttl_s=self.settings.watch_ttl_s)
@@ -305,6 +308,10 @@ class Gateway:
                     await self._cancel(request_id, "the client disconnected")
                     return None
                 await orphan.check()
+        except RequestLost as exc:
+            task.cancel()
+            raise ApiError(str(exc), status=500, kind="server_error", code="request_lost",
+                           request_id=request_id) from None
         except Orphaned as exc:
             task.cancel()
             await self._cancel(request_id, str(exc), gone=False)
@@ -345,6 +352,11 @@ class Gateway:
                     yield _sse(writer.last(event.finish_reason, event.text))
                     if api.include_usage:
                         yield _sse(writer.usage(_usage(event.usage, event.num_tokens)))
+            yield "data: [DONE]\n\n"
+        except RequestLost as exc:
+            finished = True  # nothing to cancel: nothing holds it
+            yield _sse(ApiError(str(exc), status=500, kind="server_error", code="request_lost",
+                                request_id=request_id).body())
             yield "data: [DONE]\n\n"
         except Orphaned as exc:
             finished = True  # cancelled here, and said so
@@ -397,9 +409,10 @@ class Gateway:
                     spoke = time.monotonic()
                 await orphan.check()
         finally:
+            # Cancelled, the read may take its time to unwind (redis-py closes the
+            # connection): the answer does not wait for it.
             pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+            await asyncio.wait({pending}, timeout=CANCEL_WAIT_S)
 
     async def _live(self, model: str) -> bool:
         """Whether a live worker serves ``model`` (True while Redis cannot say: an outage

@@ -46,6 +46,9 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)
+        if not isinstance(self.watch_ttl_s, int) or self.watch_ttl_s < 1:
+            raise ValueError(f"watch_ttl_s must be a whole number of seconds >= 1, got "
+                             f"{self.watch_ttl_s!r}")
         if not self.keepalive_s > 0:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
         if self.orphan_timeout_s is not None and not self.orphan_timeout_s > 0:

@@ -29,7 +29,7 @@ from producer.client.stream_events import (
     validate_entry_id,
 )
 from producer.wire.completion import Completion
-from producer.wire.errors import ModelNotFound
+from producer.wire.errors import ModelNotFound, RequestLost
 from producer.wire.keys import LANES
 from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_request_id
@@ -235,9 +235,11 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         return 0
     print(f"request {request_id}", file=sys.stderr, flush=True)
     try:
+        # --wait is the patience asked for: no other limit on waiting for a worker.
         if args.stream:
-            return _print_stream(client.stream(request_id, timeout=wait), "submit")
-        completion = client.result(request_id, timeout=wait)
+            return _print_stream(client.stream(request_id, timeout=wait, orphan_timeout=None),
+                                 "submit")
+        completion = client.result(request_id, timeout=wait, orphan_timeout=None)
     except KeyboardInterrupt:
         # Nobody will read the output any more: free the worker's slot.
         client.cancel(request_id)
@@ -248,7 +250,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         print(f"\nconveyor submit: error: request {request_id} did not finish within "
               f"{args.wait:g} s (--wait); it was cancelled", file=sys.stderr)
         return EXIT_WAITED_OUT
-    except StreamGapError as exc:
+    except (StreamGapError, RequestLost) as exc:
         print(f"conveyor submit: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if args.json:

@@ -197,6 +197,8 @@ class Worker:
             "blocked_lanes": ",".join(self.reaper.blocked_lanes),
             # Requests cancelled because their producer's watch lapsed (its producer died).
             "watch_cancelled": self.leases.orphaned,
+            # Producers' watches found missing, their requests cancelled if they stay so.
+            "watches_missing": self.leases.watches_missing,
             # conveyor's Redis functions: ours, missing, modified, unsupported (Redis 6.2).
             "functions": self.heartbeat.functions,
             # Disaggregation: this worker's role, prompt tokens it computed or imported, and

@@ -2,9 +2,11 @@
 
 A pending entry's idle time is its lease: a live worker resets it well inside
 ``lease_ms``; an entry idle for longer belongs to a dead worker and any reaper claims it.
-With each renewal the keeper also looks at the watch keys of the requests whose producers
-tied them to their life (producer/client/watch.py): a request whose watch lapsed is
-cancelled, since nobody is left to read it.
+The keeper also looks at the watch keys of the requests whose producers tied them to their
+life (producer/client/watch.py), every WATCH_CHECK_S: a request whose watch is missing at
+two looks WATCH_GRACE_S apart is cancelled, since nobody is left to read it (one look is not
+enough: a Redis that restarted or failed over may have dropped every watch key at once,
+and live producers set theirs again within a renewal).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
 
+# How often the keeper looks at watch keys (leases are renewed at their own pace), and how
+# long a watch must stay missing before its requests are cancelled.
+WATCH_CHECK_S = 2.5
+WATCH_GRACE_S = 5.0
+
 class LeaseKeeper(SupervisedThread):
     """Renews every in-flight entry's lease; reports entries another worker took over."""
 
@@ -32,9 +39,12 @@ class LeaseKeeper(SupervisedThread):
                  keys: Keys | None = None,
                  on_orphaned: Callable[[str], None] | None = None,
                  **supervision: Any) -> None:
-        # Three renewals per lease: one late renewal never lets an entry lapse.
-        super().__init__("lease-keeper", worker_id=worker_id, interval_s=lease_ms / 3000,
-                         **supervision)
+        # Three renewals per lease: one late renewal never lets an entry lapse. The loop
+        # turns at least every WATCH_CHECK_S for the watches.
+        super().__init__("lease-keeper", worker_id=worker_id,
+                         interval_s=min(lease_ms / 3000, WATCH_CHECK_S), **supervision)
+        self.renew_every_s = lease_ms / 3000
+        self._next_renewal = -float("inf")
         self.client = client
         self.inflight = inflight
         self.lease_ms = lease_ms
@@ -49,13 +59,24 @@ class LeaseKeeper(SupervisedThread):
         # Requests cancelled because their producer's watch lapsed (ids: cancelled once).
         self.orphaned = 0
         self._orphaned_ids: set[str] = set()
+        # Watch id -> when it was first found missing (on the keeper's clock).
+        self._missing_since: dict[str, float] = {}
 
     def tick(self) -> None:
-        self.renew_all()
+        now = self.clock.monotonic()
+        if now >= self._next_renewal:
+            self.renew_all()  # a failure leaves it due: the retry renews at once
+            self._next_renewal = now + self.renew_every_s
         self.check_watches()
 
+    @property
+    def watches_missing(self) -> int:
+        """Watches found missing, not yet for WATCH_GRACE_S (their requests go next)."""
+        return len(self._missing_since)
+
     def check_watches(self) -> None:
-        """Cancel every in-flight request whose producer's watch key is gone."""
+        """Cancel every in-flight request whose producer's watch key has been gone for
+        WATCH_GRACE_S (seen missing at two looks at least that far apart)."""
         if self.keys is None or self.on_orphaned is None:
             return
         watched: dict[str, list[str]] = defaultdict(list)
@@ -68,8 +89,22 @@ class LeaseKeeper(SupervisedThread):
         pipe = self.client.pipeline(transaction=False)
         for watch in watched:
             pipe.exists(self.keys.watch(watch))
-        for (watch, rids), alive in zip(watched.items(), pipe.execute(), strict=True):
+        try:
+            found = pipe.execute()
+        except redis.exceptions.NoPermissionError as exc:
+            # A worker ACL from before watches: serve on, without cancelling orphans.
+            log.warning("this worker's Redis user may not read watch keys ({ns}:watch:*): "
+                        "requests whose producer died are not cancelled", error=str(exc))
+            self.on_orphaned = None
+            return
+        now = self.clock.monotonic()
+        self._missing_since = {w: t for w, t in self._missing_since.items() if w in watched}
+        for (watch, rids), alive in zip(watched.items(), found, strict=True):
             if alive:
+                self._missing_since.pop(watch, None)
+                continue
+            since = self._missing_since.setdefault(watch, now)
+            if now - since < WATCH_GRACE_S:
                 continue
             for rid in rids:
                 if rid in self.inflight and rid not in self._orphaned_ids:

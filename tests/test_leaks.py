@@ -63,7 +63,7 @@ def test_500_requests_with_expiries_lease_losses_and_reused_ids_leave_nothing(
         eventually(lambda ids=ids: all(rid in worker.inflight for rid in ids), "all read")
         entries = [worker.inflight.get(rid).entry_id for rid in ids]
         redis_client.xclaim(STREAM, GROUP, "thief", 0, entries, justid=True)
-        clock.advance(worker.leases.interval_s)
+        clock.advance(worker.leases.renew_every_s)  # the next renewal is due
         eventually(lambda: len(worker.inflight) == 0, "every lost lease noticed and dropped")
         worker.loop.resume()
         redis_client.xack(STREAM, GROUP, *entries)  # the thief's business, not this test's

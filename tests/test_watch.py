@@ -82,7 +82,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
+def test_a_request_whose_gateway_dies_mid_stream_is_cancelled_for_its_lapsed_watch(
         redis_url, tiny_llama, tmp_path):
     # A lease of 3 s: the worker looks at watches every second. The gateway's watch lives
     # 3 s after it (20 by default: the bound below holds for that too).
@@ -117,7 +117,6 @@ def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
         eventually(lambda: got["lines"] >= 2, "the answer streaming")
         gateway.send_signal(signal.SIGKILL)
         gateway.wait(10)
-        killed = time.monotonic()
         # The tiny model would reach its length limit before any watch lapses: the worker
         # is held (SIGSTOP) until the gateway's watch is gone, runs until it has seen that,
         # and is held again for the grace a missing watch gets (real time passes for it).
@@ -133,7 +132,12 @@ def test_a_request_whose_gateway_dies_mid_stream_ends_cancelled_within_30_s(
         done = client.result(got["id"], timeout=120)
         assert done.finish_reason == FinishReason.CANCELLED, done.finish_reason
         assert len(done.token_ids) < 2000  # not at its length limit
-        assert time.monotonic() - killed <= 30
+        # Cancelled for its lapsed watch, by the worker (no one else cancelled it). How soon
+        # follows from the settings, not from this machine's speed: the watch's TTL, the
+        # worker's 5 s grace and its looks every 2.5 s (20 + 5 + 2.5 s by default).
+        eventually(lambda: _heartbeat(client, "w").get("watch_cancelled") == "1",
+                   "the worker's heartbeat counting the cancel")
+        assert not client.redis.exists(KEYS.cancelled(got["id"]))
     finally:
         gateway.kill()
         gateway.wait(10)

@@ -81,29 +81,22 @@ class _Bounded:
         return len(self._items)
 
 
-class TierWriter(SupervisedThread):
-    """Hand-ons and shared prefixes, written off the publisher's thread, in order.
+class _TierThread(SupervisedThread):
+    """A thread that works through a bounded queue, one item a tick, in order."""
 
-    A hand-on's tier errors are its own (it goes on without KV); a lost connection to the
-    queues' Redis during its hand-on script fails the tick, and the supervisor retries it
-    (the put is an overwrite, the script checks the entry is still this worker's)."""
-
-    def __init__(self, hand_on: HandOnWriter | None, prefixes: PrefixSharer | None,
-                 worker_id: str, max_waiting: int = DEFAULT_QUEUE,
+    def __init__(self, name: str, worker_id: str, max_waiting: int,
                  **supervision: Any) -> None:
-        super().__init__("kv-tier-writer", worker_id=worker_id, **supervision)
-        self.hand_on = hand_on
-        self.prefixes = prefixes
+        super().__init__(name, worker_id=worker_id, **supervision)
         self._queue = _Bounded(max_waiting)
-        # Hand-ons that went on without KV and prefixes left unshared: the queue was full.
+        # Items the caller sent on without this thread: the queue was full.
         self.overflowed = 0
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
-    def offer(self, item: HandOn | SharePrefix) -> bool:
-        """Queue ``item`` for the tier; False (counted) where the queue is full."""
+    def offer(self, item: Any) -> bool:
+        """Queue ``item``; False (counted) where the queue is full."""
         if self._queue.offer(item):
             return True
         self.overflowed += 1
@@ -113,8 +106,37 @@ class TierWriter(SupervisedThread):
         item = self._queue.head(IDLE_WAIT_S)
         if item is None:
             return
-        self._write(item, with_kv=True)
+        self._work(item)  # raising, it stays at the head: the retried tick redoes it
         self._queue.done()
+
+    def _work(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def _drain(self, drain_s: float) -> list[Any]:
+        """Let what is queued be worked through as usual for up to ``drain_s`` seconds, stop,
+        and take out what is left (but an item the thread, if still running, works on)."""
+        self._queue.wait_empty(drain_s)
+        self.stop(timeout=drain_s)
+        return self._queue.take_all(keep_head=self.is_alive())
+
+
+class TierWriter(_TierThread):
+    """Hand-ons and shared prefixes, written off the publisher's thread, in order.
+
+    A hand-on's tier errors are its own (it goes on without KV); a lost connection to the
+    queues' Redis during its hand-on script fails the tick, and the supervisor retries it
+    (the put is an overwrite, the script checks the entry is still this worker's). Where
+    ``offer`` refuses, a hand-on goes on without KV and prefix blocks are not shared."""
+
+    def __init__(self, hand_on: HandOnWriter | None, prefixes: PrefixSharer | None,
+                 worker_id: str, max_waiting: int = DEFAULT_QUEUE,
+                 **supervision: Any) -> None:
+        super().__init__("kv-tier-writer", worker_id, max_waiting, **supervision)
+        self.hand_on = hand_on
+        self.prefixes = prefixes
+
+    def _work(self, item: HandOn | SharePrefix) -> None:
+        self._write(item, with_kv=True)
 
     def close(self, drain_s: float, reachable: bool) -> None:
         """Let what is queued go out as usual for up to ``drain_s`` seconds (a drain loses
@@ -123,9 +145,7 @@ class TierWriter(SupervisedThread):
         lane entries lapse and another worker claims them, rather than this one waiting a
         timeout per hand-on on a Redis that does not answer. Prefix blocks left are not
         shared."""
-        self._queue.wait_empty(drain_s)
-        self.stop(timeout=drain_s)
-        left = self._queue.take_all(keep_head=self.is_alive())  # none of them handed on
+        left = self._drain(drain_s)  # none of them handed on
         if not reachable:
             return
         for item in left:
@@ -145,47 +165,27 @@ class TierWriter(SupervisedThread):
             self.prefixes.write(item)
 
 
-class TierReader(SupervisedThread):
-    """Admissions whose KV may be in the tier: fetched here, then passed to the engine
-    loop's inbox, with their KV or without it."""
+class TierReader(_TierThread):
+    """Admissions whose KV may be in the tier (``adm.kv_fetch``): fetched here, then passed
+    to the engine loop's inbox, with their KV or without it. Where ``offer`` refuses, the
+    caller passes the admission on without KV."""
 
     def __init__(self, inbox: queue.Queue[list[Admission]], worker_id: str,
                  max_waiting: int = DEFAULT_QUEUE, handoffs: HandoffReader | None = None,
                  **supervision: Any) -> None:
-        super().__init__("kv-tier-reader", worker_id=worker_id, **supervision)
+        super().__init__("kv-tier-reader", worker_id, max_waiting, **supervision)
         self.inbox = inbox
         # Counts the handed-on requests sent on without their KV at a stop.
         self.handoffs = handoffs
-        self._queue = _Bounded(max_waiting)
-        # Admissions sent on without a fetch: the queue was full.
-        self.overflowed = 0
 
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def offer(self, adm: Admission) -> bool:
-        """Queue ``adm`` for its fetch (``adm.kv_fetch``); False (counted) where the queue
-        is full, and the caller passes it on without KV."""
-        if self._queue.offer(adm):
-            return True
-        self.overflowed += 1
-        return False
-
-    def tick(self) -> None:
-        adm = self._queue.head(IDLE_WAIT_S)
-        if adm is None:
-            return
+    def _work(self, adm: Admission) -> None:
         resolve(adm)
-        self._queue.done()
         self.inbox.put([adm])
 
     def close(self, drain_s: float) -> None:
         """Let what is queued be fetched as usual for up to ``drain_s`` seconds, then stop
         and pass what is left to the engine loop without KV (it recomputes)."""
-        self._queue.wait_empty(drain_s)
-        self.stop(timeout=drain_s)
-        left = self._queue.take_all(keep_head=self.is_alive())
+        left = self._drain(drain_s)
         for adm in left:
             if adm.kv_fetch_source == "handoff" and self.handoffs is not None:
                 self.handoffs.fallback(adm.request.request_id, "busy",

@@ -1,6 +1,11 @@
 """The RQ job that analyses a long document: split it by tokens, ask the fleet about every
 chunk on the ``batch`` lane (map), then combine the answers (reduce), recursively when they
-do not fit one context. Enqueue it by path: ``producer.bulk.analyze_document``."""
+do not fit one context. Enqueue it by path: ``producer.bulk.analyze_document``.
+
+Under RQ the job keeps a journal (producer/bulk/journal.py) and a watch derived from its id,
+so that RQ's retry of a job whose worker died resumes it: finished chunks are kept, requests
+in flight are followed again, nothing is generated twice. A failure that another run cannot
+mend (a request the fleet refuses, bad options, a model nobody serves) is not retried."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,11 +23,13 @@ from tokenizers import Tokenizer
 
 from producer.bulk import defaults
 from producer.bulk.chunking import Span, check_chunking, split
+from producer.bulk.journal import JobJournal, Resumed, plan_of, watch_id_for
 from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
 from producer.client.client import Client
 from producer.client.models import ModelState
+from producer.client.watch import check_watch_ttl
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.errors import ModelNotFound
 from producer.wire.params import SamplingParams
@@ -80,6 +87,16 @@ class Progress:
     def retried(self, *_: object) -> None:
         self.update(retries=self.meta["retries"] + 1)
 
+    def reused(self, results: list[dict[str, Any]], **changes: Any) -> None:
+        """Count results an earlier run of the job left in its journal."""
+        total = dict(self.meta["usage"])
+        for result in results:
+            for name in _USAGE_FIELDS:
+                total[name] += result["usage"][name]
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        total["requests"] += len(results)
+        self.update(usage=total, **changes)
+
 
 def empty_usage() -> dict[str, int]:
     return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
@@ -118,6 +135,9 @@ class AnalyzeOptions:
     redis_url: str | None = None
     # Seconds to wait for the model to be registered and served before failing.
     model_wait_timeout: float = defaults.MODEL_WAIT_S
+    # Seconds the job's requests outlive the job's last sign of life (its watch's TTL):
+    # longer than RQ takes to find a dead worker's job and retry it (docs/reliability.md).
+    watch_ttl: int = defaults.WATCH_TTL_S
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> AnalyzeOptions:
@@ -190,13 +210,21 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
     policy = RetryPolicy(o.request_timeout, o.max_attempts, backoff_base,
                          max(backoff_base, defaults.BACKOFF_CAP_S))
     check_wait(model_wait_timeout)
+    check_watch_ttl(o.watch_ttl)
     job = get_current_job()
     progress = Progress(job)
+    # Every run of one RQ job keeps the same watch: a retry keeps its first run's
+    # requests alive by renewing it.
+    watch_id = watch_id_for(job.id) if job is not None else None
     with (fleet_connection(o.redis_url, job) as connection,
-          Client(namespace=o.namespace, connection=connection) as client):
+          Client(namespace=o.namespace, connection=connection, watch=True,
+                 watch_ttl_s=o.watch_ttl, watch_id=watch_id) as client):
+        journal = JobJournal(job.connection, job.id) if job is not None else None
         runner = RequestRunner(client, lane="batch", priority=o.priority, policy=policy,
-                               concurrency=o.concurrency, on_retry=progress.retried)
+                               concurrency=o.concurrency, on_retry=progress.retried,
+                               journal=journal)
         try:
+            client.start_watch()  # at once: a retry may find requests whose watch lapses
             wait_for_model(client, model, model_wait_timeout, progress, clock=clock)
             marks["model_ready"] = time.monotonic()
             tokenizer, info = _model_tokenizer(client, model)
@@ -206,20 +234,33 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             spans = split(len(doc_ids), chunk_tokens, overlap_tokens)
             marks["tokenized"] = time.monotonic()
             templates = Templates(tokenizer, instruction, spec.reduce_instruction)
-            progress.update(stage="map", chunks_total=len(spans), num_tokens=len(doc_ids))
-            chunks = _map(runner, templates, spec, doc_ids, spans, progress)
+            resumed = (journal.begin(plan_of(text=text, instruction=instruction,
+                                             options=asdict(o)))
+                       if journal is not None else Resumed(1, {}, {}))
+            progress.update(stage="map", chunks_total=len(spans), num_tokens=len(doc_ids),
+                            runs=resumed.runs)
+            chunks = _map(runner, templates, spec, doc_ids, spans, progress, resumed)
             marks["mapped"] = time.monotonic()
             eos = set(info.get("eos_token_ids") or [])
             answers = [([t for t in c.pop("token_ids") if t not in eos], c["text"])
                        for c in chunks]
             context = int(info["max_model_len"]) - reduce_max
-            answer, reduces = _reduce(runner, templates, spec, answers, context, progress)
+            answer, reduces = _reduce(runner, templates, spec, answers, context, progress,
+                                      resumed)
         except RequestFailed as exc:
             progress.update(stage="failed", error=_failure_message(exc.outcome))
+            _final(job)
             raise AnalysisFailed(progress.meta["error"]) from None
-        except Exception as exc:
+        except (AnalysisFailed, ModelNotFound, ValueError) as exc:
+            progress.update(stage="failed", error=str(exc))
+            _final(job)
+            raise
+        except Exception as exc:  # Redis unreachable, a job timeout: a retry resumes
             progress.update(stage="failed", error=str(exc))
             raise
+        sent = journal.submitted() if journal is not None else runner.submitted
+        if journal is not None:
+            journal.finish()
     marks["ended"] = time.monotonic()
     progress.update(stage="done")
     return {
@@ -228,8 +269,18 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
         "overlap_tokens": overlap_tokens, "num_chunks": len(spans), "chunks": chunks,
         "reduce": {"levels": max((r["level"] for r in reduces), default=0), "requests": reduces},
         "usage": progress.meta["usage"], "retries": runner.retries,
+        "runs": {"count": resumed.runs, "results_reused": len(resumed.done),
+                 "requests_reattached": runner.reattached, "requests_lost": runner.lost,
+                 "requests_sent": sent},
         "timings": _timings(marks, started_at),
     }
+
+
+def _final(job: Job | None) -> None:
+    """This failure is the job's answer: another run would fail the same way, so RQ must
+    not retry it (RQ reads ``retries_left`` of this very object when the job raises)."""
+    if job is not None:
+        job.retries_left = 0
 
 
 def check_wait(seconds: object) -> float:
@@ -280,38 +331,70 @@ def _model_tokenizer(client: Client, model: str) -> tuple[Tokenizer, dict[str, A
 
 
 def _map(runner: RequestRunner, templates: Templates, spec: Analysis, doc_ids: list[int],
-         spans: list[Span], progress: Progress) -> list[dict[str, Any]]:
-    """One request per chunk; the results in chunk order, token ids included."""
-    works = [Work(s.index, templates.chunk_prompt(doc_ids[s.start:s.end], s.index, len(spans)),
-                  spec.model, spec.map_sampling) for s in spans]
-    results: dict[int, dict[str, Any]] = {}
-    for outcome in runner.run(works, fail_fast=True):
-        span = spans[outcome.key]
+         spans: list[Span], progress: Progress, resumed: Resumed) -> list[dict[str, Any]]:
+    """One request per chunk (none for a chunk an earlier run finished); the results in
+    chunk order, token ids included."""
+    results = {s.index: resumed.done[_chunk_key(s.index)] for s in spans
+               if _chunk_key(s.index) in resumed.done}
+    if results:
+        progress.reused(list(results.values()), chunks_done=len(results))
+    works = [Work(_chunk_key(s.index),
+                  templates.chunk_prompt(doc_ids[s.start:s.end], s.index, len(spans)),
+                  spec.model, spec.map_sampling) for s in spans if s.index not in results]
+    for outcome in runner.run(works, fail_fast=True, attach=resumed.sent):
+        span = spans[int(outcome.key[1:])]
         result = {"index": span.index, "start": span.start, "end": span.end,
                   **_request_result(outcome)}
+        _keep(runner, outcome.key, result)
         results[span.index] = result
         progress.request_done(result["usage"], chunks_done=len(results))
     return [results[i] for i in range(len(spans))]
 
 
+def _chunk_key(index: int) -> str:
+    return f"c{index}"
+
+
+def _reduce_key(level: int, group: int) -> str:
+    return f"r{level}.{group}"
+
+
+def _keep(runner: RequestRunner, key: str, result: dict[str, Any]) -> None:
+    """Journal a finished request's result, so that a retry of the job reuses it."""
+    if runner.journal is not None:
+        runner.journal.done(key, result)
+
+
 def _reduce(runner: RequestRunner, templates: Templates, spec: Analysis,
-            answers: list[tuple[list[int], str]], context: int,
-            progress: Progress) -> tuple[str, list[dict[str, Any]]]:
-    """Combine answers level by level until one is left; returns it and every reduce result."""
+            answers: list[tuple[list[int], str]], context: int, progress: Progress,
+            resumed: Resumed) -> tuple[str, list[dict[str, Any]]]:
+    """Combine answers level by level until one is left; returns it and every reduce result.
+    The plan follows from the answers alone, so a retry's groups are its first run's: a
+    group an earlier run reduced is taken from the journal."""
     results: list[dict[str, Any]] = []
     level = 0
     while len(answers) > 1:
         level += 1
         items, groups = plan_reduce(templates, [ids for ids, _ in answers], context)
-        works = [Work((level, g), templates.reduce_prompt(items[i] for i in group), spec.model,
-                      spec.reduce_sampling) for g, group in enumerate(groups) if len(group) > 1]
-        progress.update(stage="reduce", reduce_level=level, reduce_total=len(works),
-                        reduce_done=0)
         # A group of one goes on to the next level unchanged.
         combined = {g: answers[group[0]] for g, group in enumerate(groups) if len(group) == 1}
-        for outcome in runner.run(works, fail_fast=True):
-            g = outcome.key[1]
+        reduced = [g for g, group in enumerate(groups) if len(group) > 1]
+        kept = [dict(resumed.done[_reduce_key(level, g)]) for g in reduced
+                if _reduce_key(level, g) in resumed.done]
+        for result in kept:
+            combined[result["group"]] = (result.pop("token_ids"), result["text"])
+            results.append(result)
+        works = [Work(_reduce_key(level, g),
+                      templates.reduce_prompt(items[i] for i in groups[g]), spec.model,
+                      spec.reduce_sampling) for g in reduced if g not in combined]
+        progress.update(stage="reduce", reduce_level=level, reduce_total=len(reduced),
+                        reduce_done=len(kept))
+        if kept:
+            progress.reused(kept)
+        for outcome in runner.run(works, fail_fast=True, attach=resumed.sent):
+            g = int(outcome.key.partition(".")[2])
             result = {"level": level, "group": g, "inputs": groups[g], **_request_result(outcome)}
+            _keep(runner, outcome.key, result)
             combined[g] = (result.pop("token_ids"), result["text"])
             results.append(result)
             progress.request_done(result["usage"], reduce_done=progress.meta["reduce_done"] + 1)
@@ -345,6 +428,10 @@ def _timings(marks: dict[str, float], started_at: str) -> dict[str, Any]:
 
 
 def _failure_message(outcome: Outcome) -> str:
-    key = outcome.key  # a chunk index, or (level, group) of a reduce request
-    what = f"chunk {key}" if isinstance(key, int) else f"reduce level {key[0]} group {key[1]}"
+    key = outcome.key  # c{chunk index}, or r{level}.{group} of a reduce request
+    if key.startswith("c"):
+        what = f"chunk {key[1:]}"
+    else:
+        level, _, group = key[1:].partition(".")
+        what = f"reduce level {level} group {group}"
     return f"{what} failed ({outcome.failure}): {outcome.error}"

@@ -15,6 +15,27 @@ JOB_TIMEOUT_PER_1K_CHARS_S = 6.0
 # Finished jobs keep their result (and failed ones their traceback) this long (seconds).
 RESULT_TTL_S = 7 * 24 * 3600
 FAILURE_TTL_S = 7 * 24 * 3600
+# Times RQ runs an analysis job again after its worker died (or Redis failed it); each
+# run resumes from the job's journal. Failures another run cannot mend are never retried.
+JOB_RETRIES = 3
+
+# --- Surviving the RQ worker (producer/bulk/journal.py, producer/bulk/workers.py) --------------
+
+# A `conveyor bulk worker` heartbeats its running job this often (seconds; RQ's default 30) ...
+JOB_MONITORING_S = 5
+# ... a job whose heartbeats stopped (worker and work horse dead) is abandoned this long
+# after the last one (RQ's own: 60 s) ...
+ABANDONED_AFTER_S = 15
+# ... and workers look for abandoned jobs this often, idle or busy (RQ's default: every
+# 10 minutes, and an idle worker looks only when its ~7-minute dequeue wait ends).
+MAINTENANCE_S = 10
+# So a dead worker's job is retried within about 5 + 15 + 10 = 30 s. Its requests must
+# outlive that: the job's watch lapses this long after its last renewal (seconds).
+WATCH_TTL_S = 90
+# A job's journal lives this long after its last write (a failed job can be requeued by
+# hand and still resume), and this long once the job returned its result (seconds).
+JOURNAL_TTL_S = FAILURE_TTL_S
+JOURNAL_KEEP_DONE_S = 3600
 
 # --- Document analysis -------------------------------------------------------------------------
 

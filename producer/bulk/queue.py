@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import quote
 
 import redis
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -37,7 +37,8 @@ def job_timeout_for(text: str, model_wait_s: float = defaults.MODEL_WAIT_S) -> i
 def enqueue_analyze(queue: Queue, text: str, instruction: str, *, model: str,
                     job_id: str | None = None, **options: Any) -> Job:
     """Enqueue :func:`producer.bulk.analyze_document` by its path, with a job timeout sized
-    for the document; ``options`` are the job's other keyword arguments (JSON values)."""
+    for the document and RQ retries (a run that dies is resumed by the next); ``options``
+    are the job's other keyword arguments (JSON values)."""
     return queue.enqueue(
         ANALYZE_FUNC,
         kwargs={"text": text, "instruction": instruction, "model": model, **options},
@@ -45,6 +46,8 @@ def enqueue_analyze(queue: Queue, text: str, instruction: str, *, model: str,
             text, options.get("model_wait_timeout", defaults.MODEL_WAIT_S)),
         result_ttl=defaults.RESULT_TTL_S,
         failure_ttl=defaults.FAILURE_TTL_S,
+        # A worker that died mid-job: run it again, at once; it resumes (its journal).
+        retry=Retry(max=defaults.JOB_RETRIES),
         job_id=job_id,
         description=f"analyze {len(text)} characters with {model}: {instruction[:60]}",
         meta={"stage": "queued", "chunks_done": 0, "chunks_total": None},

@@ -6,6 +6,12 @@ that expired, that got no final entry within the request timeout (its worker die
 worker will finish it), or whose output stream lost tokens (a gap: StreamGapError), is
 *transient*: it is cancelled and submitted again under a new id after a backoff, up to a
 number of tries. A model nobody registered is invalid (``code`` ``model_not_found``).
+
+With a journal (producer/bulk/journal.py) every submit is recorded before its XADD is
+sent, and a run can re-attach to requests an earlier run left in flight: it follows their
+output streams from the start instead of sending them again. A re-attached request found
+held by nothing (lost meanwhile), or cancelled (its watch lapsed before the retry renewed
+it), is transient: sent again under a new id.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from typing import Any
 import redis
 
 from producer.bulk import defaults
+from producer.bulk.journal import JobJournal, Sent
 from producer.client.client import READ_COUNT, Client
+from producer.client.orphans import held_from
 from producer.client.stream_events import (
     OutputTracker,
     StreamEvent,
@@ -32,6 +40,7 @@ from producer.client.stream_events import (
 from producer.defaults import MAX_BLOCK_MS
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.errors import ModelNotFound
+from producer.wire.keys import GROUP
 
 # Redis errors that outlived the connection's own retries: worth another try a bit later.
 _REDIS_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
@@ -129,6 +138,12 @@ class _Task:
     tracker: OutputTracker | None = None
     events: list[StreamEvent] = field(default_factory=list)
     deadline: float = 0.0
+    # Where the submit pipeline's reply holds the XADD's entry id.
+    xadd_at: int = -1
+    # The try in flight was sent by an earlier run of the job and re-attached to, as
+    # that run's journal recorded it.
+    reattached: bool = False
+    placed: Sent | None = None
 
 
 class RequestRunner:
@@ -138,7 +153,8 @@ class RequestRunner:
     def __init__(self, client: Client, *, lane: str = "batch", priority: int = 0,
                  policy: RetryPolicy | None = None,
                  concurrency: int = defaults.CONCURRENCY,
-                 on_retry: Callable[[Work, str], None] | None = None) -> None:
+                 on_retry: Callable[[Work, str], None] | None = None,
+                 journal: JobJournal | None = None) -> None:
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
         self.client = client
@@ -148,18 +164,29 @@ class RequestRunner:
         self.concurrency = concurrency
         self.on_retry = on_retry
         self.retries = 0  # tries beyond the first, over all work
+        # Where submits are recorded (work keys are then strings), and what was found
+        # there: requests of an earlier run followed, and those found lost.
+        self.journal = journal
+        self.reattached = 0
+        self.lost = 0
+        self.submitted = 0  # requests sent by this runner
+        self._attach: dict[str, Sent] = {}
         self._active: dict[str, _Task] = {}  # by output stream key
         self._backlog: list[tuple[float, int, _Task]] = []  # (ready at, seq, task) heap
         self._seq = itertools.count()
         self._exhausted = False
 
-    def run(self, works: Iterable[Work], *, fail_fast: bool = False) -> Iterator[Outcome]:
+    def run(self, works: Iterable[Work], *, fail_fast: bool = False,
+            attach: dict[str, Sent] | None = None) -> Iterator[Outcome]:
         """Yield each work's Outcome as it ends (in finishing order).
 
         With ``fail_fast`` the first failed Outcome raises RequestFailed instead; requests
-        still in flight are cancelled whenever the iteration stops early.
+        still in flight are cancelled whenever the iteration stops early. ``attach`` maps
+        work keys to requests an earlier run sent (its journal's): those works are
+        followed, not sent again.
         """
         source = iter(works)
+        self._attach = dict(attach or {})
         self._exhausted = False  # a runner serves one run after another (map, reduce levels)
         try:
             while True:
@@ -181,10 +208,12 @@ class RequestRunner:
         ended: list[Outcome] = []
         pipe = self.client.redis.pipeline(transaction=False)
         submitted: list[_Task] = []
+        attached: list[_Task] = []
         now = time.monotonic()
         # Refused work counts against the window too, so a file of bad lines is not all
         # read before the first outcome is handed back.
-        while len(self._active) + len(submitted) + len(ended) < self.concurrency:
+        while (len(self._active) + len(submitted) + len(attached) + len(ended)
+               < self.concurrency):
             if self._backlog and self._backlog[0][0] <= now:
                 task = heapq.heappop(self._backlog)[2]
             elif not self._exhausted:
@@ -193,6 +222,10 @@ class RequestRunner:
                     self._exhausted = True
                     continue
                 task = _Task(work)
+                sent = self._attach.pop(work.key, None) if self.journal else None
+                if sent is not None:
+                    attached.append(self._attached(task, sent))
+                    continue
             else:
                 break
             try:
@@ -208,14 +241,20 @@ class RequestRunner:
             submitted.append(task)
         if submitted:
             try:
-                pipe.execute()
+                if self.journal is not None:
+                    # Before the XADDs: the fleet never holds a request the journal
+                    # does not know.
+                    self.journal.sending({t.work.key: self._sent(t) for t in submitted})
+                replies = pipe.execute()
             except _REDIS_TRANSIENT as exc:
                 for task in submitted:
                     ended += self._retry_or_fail(task, f"could not submit: {exc}")
-                return ended
-            for task in submitted:
-                self._active[self.client.keys.output(task.request_id)] = task
-        return ended
+                submitted = []
+            else:
+                self._placed(submitted, replies)
+        for task in submitted:
+            self._active[self.client.keys.output(task.request_id)] = task
+        return ended + self._follow_attached(attached)
 
     def _submit(self, task: _Task, pipe: redis.client.Pipeline) -> None:
         work = task.work
@@ -223,12 +262,81 @@ class RequestRunner:
                                  lane=self.lane,
                                  priority=self.priority, timeout=self.policy.request_timeout,
                                  pipeline=pipe, **work.sampling)
-        now = time.monotonic()
-        task.attempts += 1
+        task.xadd_at = len(pipe) - 1  # where the XADD's reply (the entry id) will be
+        self.submitted += 1
+        self._following(task, rid, task.attempts + 1)
         task.request_ids.append(rid)
+        task.reattached = False
+
+    def _following(self, task: _Task, request_id: str, attempts: int) -> None:
+        now = time.monotonic()
+        task.attempts = attempts
         task.first_submit = task.first_submit or now
-        task.request_id, task.tracker, task.events = rid, OutputTracker(request_id=rid), []
+        task.request_id, task.events = request_id, []
+        task.tracker = OutputTracker(request_id=request_id)  # from the stream's start
         task.deadline = now + self.policy.request_timeout
+
+    def _sent(self, task: _Task, entry_id: str | None = None) -> Sent:
+        lane = self.client.keys.requests(task.work.model, self.lane)
+        return Sent(task.request_id, lane, entry_id, list(task.request_ids), task.attempts)
+
+    def _placed(self, submitted: list[_Task], replies: list[Any]) -> None:
+        """Add the entry ids the XADDs answered to the journal (for a later lost look)."""
+        if self.journal is None:
+            return
+        placed = {}
+        for task in submitted:
+            entry = replies[task.xadd_at]
+            if isinstance(entry, bytes | str):
+                placed[task.work.key] = self._sent(task, _text(entry))
+        try:
+            self.journal.placed(placed)
+        except _REDIS_TRANSIENT:
+            pass  # a later run then only waits the request timeout for a lost one
+
+    # --- re-attaching ----------------------------------------------------------------------
+
+    def _attached(self, task: _Task, sent: Sent) -> _Task:
+        """Follow a request an earlier run sent, from its output stream's start."""
+        task.request_ids = list(sent.request_ids) or [sent.request_id]
+        self._following(task, sent.request_id, sent.attempts)
+        task.reattached = True
+        task.placed = sent
+        self.reattached += 1
+        return task
+
+    def _follow_attached(self, tasks: list[_Task]) -> list[Outcome]:
+        """Look once whether anything still holds each re-attached request (its lane
+        entry, a worker's pending list, its output stream): one held by nothing was lost
+        while no run followed it, and is sent again; the others are followed."""
+        if not tasks:
+            return []
+        pipe = self.client.redis.pipeline(transaction=False)
+        for task in tasks:
+            sent = task.placed
+            if sent.entry_id is not None:
+                pipe.xinfo_groups(sent.lane)
+                pipe.xpending_range(sent.lane, GROUP, sent.entry_id, sent.entry_id, 1)
+            pipe.exists(self.client.keys.output(task.request_id))
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except _REDIS_TRANSIENT:
+            replies = None
+        ended: list[Outcome] = []
+        at = 0
+        for task in tasks:
+            n = 3 if task.placed.entry_id is not None else 1
+            held = None if replies is None else held_from(
+                replies[at:at + n], task.placed.entry_id, GROUP)
+            at += n
+            if held is False:
+                self.lost += 1
+                ended += self._retry_or_fail(
+                    task, f"request {task.request_id} was lost while no run of the job "
+                    f"followed it")
+            else:
+                self._active[self.client.keys.output(task.request_id)] = task
+        return ended
 
     # --- waiting ---------------------------------------------------------------------------
 
@@ -281,6 +389,9 @@ class RequestRunner:
         if kind is None:
             return [self._outcome(task, completion)]
         error = completion.error or f"request {completion.finish_reason}"
+        if task.reattached and completion.finish_reason == FinishReason.CANCELLED:
+            # Not this job's cancel: its watch lapsed while no run of the job renewed it.
+            return self._retry_or_fail(task, f"{error} while no run of the job followed it")
         if kind == FailureKind.INVALID:
             return [self._outcome(task, completion, error, kind)]
         return self._retry_or_fail(task, error, completion)
@@ -332,3 +443,7 @@ class RequestRunner:
             pipe.execute()
         except _REDIS_TRANSIENT:
             pass  # best effort: an uncancelled request only costs a worker some time
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

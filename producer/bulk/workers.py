@@ -1,17 +1,33 @@
-"""The RQ workers that run bulk jobs (`conveyor bulk worker`), stopping promptly.
+"""The RQ workers that run bulk jobs (`conveyor bulk worker`): they stop promptly, and they
+find a dead worker's job soon enough for its retry to resume it.
 
-RQ's worker listens for commands (shutdown, stop a job) on a pub/sub thread that waits up
-to 60 s at a time, and stops it by unsubscribing, then stopping the thread: the unsubscribe's
-reply wakes the thread, which then sees the stop. Since redis-py 8.2, ``stop()`` waits for
-the thread to end, and where the thread reads the reply before the stop flag is set it goes
-back to waiting for a subscription, for 60 s: the worker's exit (SIGTERM, the end of a
-burst) then hangs for a minute. These workers set the flag first, so the reply ends the
-thread, and never wait for it longer than a second (it is a daemon thread).
+**Stopping.** RQ's worker listens for commands (shutdown, stop a job) on a pub/sub thread
+that waits up to 60 s at a time, and stops it by unsubscribing, then stopping the thread:
+the unsubscribe's reply wakes the thread, which then sees the stop. Since redis-py 8.2,
+``stop()`` waits for the thread to end, and where the thread reads the reply before the stop
+flag is set it goes back to waiting for a subscription, for 60 s: the worker's exit
+(SIGTERM, the end of a burst) then hangs for a minute. These workers set the flag first, so
+the reply ends the thread, and never wait for it longer than a second (it is a daemon
+thread).
+
+**Abandoned jobs.** A job whose worker and work horse died stays ``started`` until some
+worker's maintenance finds that its heartbeats stopped; only then does RQ retry it. With
+RQ's defaults that takes 90 s of silence, found by a maintenance that runs every 10 minutes
+(an idle worker only when its ~7-minute dequeue wait ends): up to ~20 minutes, longer than
+any watch should keep the job's requests alive. These workers heartbeat a job every
+``JOB_MONITORING_S``, call it abandoned ``ABANDONED_AFTER_S`` after the last heartbeat, and
+look every ``MAINTENANCE_S``, idle or not (producer/bulk/defaults.py): a dead worker's job
+is retried, by any other worker of the queue, within about 30 s.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from rq import SimpleWorker, Worker
+from rq.job import Job
+
+from producer.bulk import defaults
 
 # How long a stopping worker waits for its pub/sub thread to end.
 PUBSUB_JOIN_S = 1.0
@@ -34,9 +50,36 @@ class _PromptUnsubscribe:
         pubsub.close()
 
 
-class BulkWorker(_PromptUnsubscribe, Worker):
-    """RQ's forking worker (each job in a work horse), stopping promptly."""
+class _FrequentMaintenance:
+    """Look for abandoned jobs every ``maintenance_interval`` seconds, also while idle."""
+
+    def __init__(self, *args: Any, maintenance_interval: int = defaults.MAINTENANCE_S,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, maintenance_interval=maintenance_interval, **kwargs)
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # An idle worker runs its maintenance when its blocking dequeue times out.
+        return max(1, min(super().dequeue_timeout, int(self.maintenance_interval)))
 
 
-class BulkSimpleWorker(_PromptUnsubscribe, SimpleWorker):
-    """RQ's worker that runs jobs in its own process (tests, embedding), stopping promptly."""
+class BulkWorker(_PromptUnsubscribe, _FrequentMaintenance, Worker):
+    """RQ's forking worker (each job in a work horse), stopping promptly, and keeping its
+    job's heartbeat short so that another worker retries it soon after both die."""
+
+    def __init__(self, *args: Any, job_monitoring_interval: int = defaults.JOB_MONITORING_S,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, job_monitoring_interval=job_monitoring_interval, **kwargs)
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """How long the job counts as alive after a heartbeat: until the next heartbeat is
+        due, plus ABANDONED_AFTER_S (RQ adds 60 s)."""
+        interval = float(self.job_monitoring_interval)
+        if job.timeout and job.timeout > 0:
+            interval = max(0.0, min(job.timeout - working_time, interval))
+        return int(interval) + defaults.ABANDONED_AFTER_S
+
+
+class BulkSimpleWorker(_PromptUnsubscribe, _FrequentMaintenance, SimpleWorker):
+    """RQ's worker that runs jobs in its own process (tests, embedding), stopping promptly.
+    It cannot heartbeat a job while it runs it, so its jobs keep RQ's heartbeat TTL."""

@@ -51,7 +51,7 @@ class AsyncClient(ClientBase):
     ``url`` None means the embedded redis-server; pass ``connection`` to share an
     existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
     default for :meth:`submit`'s (None: no limit); ``clock`` (default: the system's)
-    decides every timeout and deadline; ``orphan_timeout`` as Client's.
+    decides every timeout and deadline; ``orphan_timeout`` and the watch as Client's.
     """
 
     def __init__(
@@ -65,9 +65,10 @@ class AsyncClient(ClientBase):
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
+        watch_id: str | None = None,
     ) -> None:
         super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
-                         watch_ttl_s)
+                         watch_ttl_s, watch_id)
         self.redis = connection if connection is not None else connect_async(url)
         self._watch_keeper: AsyncWatchKeeper | None = None
         self._watch_lock = asyncio.Lock()
@@ -118,7 +119,8 @@ class AsyncClient(ClientBase):
             return None
         async with self._watch_lock:  # many submits at once start one keeper
             if self._watch_keeper is None:
-                keeper = AsyncWatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
+                keeper = AsyncWatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s,
+                                          watch_id=self.watch_id)
                 await keeper.start()
                 self._watch_keeper = keeper
             return self._watch_keeper.id

@@ -204,13 +204,18 @@ class ClientBase:
     def __init__(
         self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None,
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S, watch: bool = False,
-        watch_ttl_s: int = WATCH_TTL_S,
+        watch_ttl_s: int = WATCH_TTL_S, watch_id: str | None = None,
     ) -> None:
         # Requests tied to this client's life (producer/client/watch.py): the keeper starts
         # with the first submit.
         self.watches = watch
         self.watch_ttl_s = watch_ttl_s
         check_watch_ttl(watch_ttl_s)
+        if watch_id is not None:
+            if not watch:
+                raise ValueError("watch_id names the watch to keep: it needs watch=True")
+            Keys(namespace).watch(watch_id)  # a ValueError now, not at the first submit
+        self.watch_id = watch_id
         if orphan_timeout is not None and not orphan_timeout >= 0:
             raise ValueError(f"orphan_timeout must be >= 0 seconds or None, got "
                              f"{orphan_timeout!r}")
@@ -311,7 +316,8 @@ class Client(ClientBase):
     for a request this client submitted goes on while its model has no live worker (see
     :meth:`stream`; None: forever). ``watch``: tie this client's requests to its life: a
     worker cancels them once the client stopped renewing its watch key for ``watch_ttl_s``
-    seconds (it died, or closed: producer/client/watch.py).
+    seconds (it died, or closed: producer/client/watch.py); ``watch_id`` keeps a given
+    watch instead of a fresh one (a retried bulk job keeps the requests of its first run).
     """
 
     def __init__(
@@ -325,9 +331,10 @@ class Client(ClientBase):
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S,
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
+        watch_id: str | None = None,
     ) -> None:
         super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
-                         watch_ttl_s)
+                         watch_ttl_s, watch_id)
         self.redis = connection if connection is not None else connect(url)
         self._watch_keeper: WatchKeeper | None = None
         self._watch_lock = threading.Lock()  # threads' first submits start one keeper
@@ -386,13 +393,19 @@ class Client(ClientBase):
         self._put_at(sub.request_id, sub.model, sub.key, entry_id)
         return sub.request_id
 
+    def start_watch(self) -> str | None:
+        """Start keeping this client's watch now rather than at its first submit (a retried
+        bulk job renews its first run's watch at once); its id, None without ``watch``."""
+        return self._watch_id()
+
     def _watch_id(self) -> str | None:
         """This client's watch id (its keeper started on first use), or None without one."""
         if not self.watches:
             return None
         with self._watch_lock:
             if self._watch_keeper is None:
-                keeper = WatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s)
+                keeper = WatchKeeper(self.redis, self.keys, ttl_s=self.watch_ttl_s,
+                                     watch_id=self.watch_id)
                 keeper.start()
                 self._watch_keeper = keeper
             return self._watch_keeper.id

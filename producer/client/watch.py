@@ -40,14 +40,16 @@ def check_watch_ttl(ttl_s: object) -> int:
 
 class _WatchBase:
     def __init__(self, keys: Keys, ttl_s: int = WATCH_TTL_S,
-                 renew_s: float | None = None) -> None:
+                 renew_s: float | None = None, watch_id: str | None = None) -> None:
         check_watch_ttl(ttl_s)
         renew_s = ttl_s / RENEWALS_PER_TTL if renew_s is None else renew_s
         if not 0 < renew_s < ttl_s:
             raise ValueError(f"a watch is renewed (every {renew_s!r} s) well within its TTL "
                              f"({ttl_s!r} s)")
-        self.id = uuid.uuid4().hex
-        self.key = keys.watch(self.id)
+        # A fresh id, or one given: a producer that takes over another's work (a retried
+        # bulk job) keeps the requests it finds alive by renewing their watch.
+        self.id = uuid.uuid4().hex if watch_id is None else watch_id
+        self.key = keys.watch(self.id)  # validates a given id
         self.ttl_s = ttl_s
         self.renew_s = renew_s
         # Renewals that failed (Redis unreachable): the next one tries again.

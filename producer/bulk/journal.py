@@ -1,0 +1,147 @@
+"""An analysis job's journal: what a retry of the job needs to resume where it died.
+
+RQ retries a job whose worker died (``Retry`` on the job, producer/bulk/queue.py); the retry
+runs the job function again from the top. The journal makes that a resumption: one hash per
+job beside the job itself, on RQ's Redis (``rq:conveyor:journal:{job_id}``: RQ's user owns
+``rq:*``, and a producer's ACL grants no writes to hashes), holds
+
+- ``plan``: a fingerprint of the job's arguments, so a new job under a reused id starts
+  afresh instead of reading another document's results;
+- ``runs``: how many times the job started, ``submitted``: requests sent over all runs;
+- ``done:{work}``: the result of each finished chunk or reduce request (JSON);
+- ``sent:{work}``: the request in flight for a piece of work: its id, lane entry, earlier
+  ids and tries (JSON).
+
+A request is written to ``sent:`` before its XADD is sent (and its entry id after), so every
+request the fleet holds is in the journal; a result moves from ``sent:`` to ``done:`` in one
+MULTI. A retry takes the results as they are and re-attaches to the requests in flight
+(reads their output streams from the start): no chunk is generated twice. A record whose
+XADD never happened is followed until the request timeout, then sent again.
+
+The requests stay alive between two runs because the job's watch id is derived from its id
+(:func:`watch_id_for`): the retry renews the watch its first run left, before the watch's
+TTL runs out; RQ's detection of the abandoned job must come sooner (docs/reliability.md,
+"Bulk jobs that survive their RQ worker").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from producer.bulk import defaults
+
+_PLAN, _RUNS, _SUBMITTED = "plan", "runs", "submitted"
+_DONE, _SENT = "done:", "sent:"
+
+
+def journal_key(job_id: str) -> str:
+    """Where the journal of RQ job ``job_id`` lives, on RQ's Redis."""
+    return f"rq:conveyor:journal:{job_id}"
+
+
+def watch_id_for(job_id: str) -> str:
+    """The watch every run of job ``job_id`` keeps: the same for a retry as for its first
+    run, so the retry keeps alive the requests the first run left in flight."""
+    return "bulk-" + hashlib.sha256(job_id.encode()).hexdigest()[:32]
+
+
+def plan_of(**arguments: Any) -> str:
+    """A fingerprint of a job's arguments (JSON values)."""
+    blob = json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class Sent:
+    """A request in flight for one piece of work, as the journal keeps it."""
+
+    request_id: str
+    # The lane stream and entry id it was added as (None until the XADD's reply came).
+    lane: str
+    entry_id: str | None = None
+    # Every id the work was sent under, this one last, and the tries so far.
+    request_ids: list[str] = field(default_factory=list)
+    attempts: int = 1
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Sent:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class Resumed:
+    """What a run found in its journal when it started."""
+
+    runs: int  # this run's number: 1 for the first
+    done: dict[str, dict[str, Any]]  # work key -> result
+    sent: dict[str, Sent]  # work key -> the request in flight
+
+
+class JobJournal:
+    """Reads and writes one job's journal; see the module docstring."""
+
+    def __init__(self, client: redis.Redis, job_id: str,
+                 ttl_s: int = defaults.JOURNAL_TTL_S) -> None:
+        self.client = client  # RQ's connection (the job's)
+        self.key = journal_key(job_id)
+        self.ttl_s = ttl_s
+
+    def begin(self, plan: str) -> Resumed:
+        """Count a run and return what earlier runs of the same plan left; a journal of
+        another plan (the job id reused for other arguments) is dropped."""
+        found = {_text(k): v for k, v in (self.client.hgetall(self.key) or {}).items()}
+        if found and _text(found.get(_PLAN, b"")) != plan:
+            self.client.delete(self.key)
+            found = {}
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, _PLAN, plan)
+        pipe.hincrby(self.key, _RUNS, 1)
+        pipe.expire(self.key, self.ttl_s)
+        runs = int(pipe.execute()[1])
+        done = {k[len(_DONE):]: json.loads(v) for k, v in found.items() if k.startswith(_DONE)}
+        sent = {k[len(_SENT):]: Sent.decode(v) for k, v in found.items()
+                if k.startswith(_SENT) and k[len(_SENT):] not in done}
+        return Resumed(runs, done, sent)
+
+    def sending(self, sent: Mapping[str, Sent]) -> None:
+        """Record requests about to be sent (before their XADDs), and count them."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()})
+        pipe.hincrby(self.key, _SUBMITTED, len(sent))
+        pipe.expire(self.key, self.ttl_s)
+        pipe.execute()
+
+    def placed(self, sent: Mapping[str, Sent]) -> None:
+        """Add the lane entry ids the XADDs answered to records already written."""
+        if sent:
+            self.client.hset(self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()})
+
+    def done(self, work_key: str, result: Mapping[str, Any]) -> None:
+        """Keep a finished request's result, in place of its in-flight record."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, _DONE + work_key, json.dumps(result, ensure_ascii=False))
+        pipe.hdel(self.key, _SENT + work_key)
+        pipe.expire(self.key, self.ttl_s)
+        pipe.execute()
+
+    def submitted(self) -> int:
+        """Requests sent over every run of the job."""
+        return int(self.client.hget(self.key, _SUBMITTED) or 0)
+
+    def finish(self) -> None:
+        """The job returned its result: keep the journal only a short while (RQ stores the
+        result after the function returns; a death in between reruns from the journal)."""
+        self.client.expire(self.key, defaults.JOURNAL_KEEP_DONE_S)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -45,4 +45,4 @@ def tiny_llama(model_factory):
 from fleet_fixtures import start_worker  # noqa: E402, F401
 from gateway_fixtures import gateway  # noqa: E402, F401
 from kernel_fixtures import kernels_built  # noqa: E402, F401
-from redis_fixtures import redis_client, redis_server, redis_url  # noqa: E402, F401
+from redis_fixtures import each_redis, redis_client, redis_server, redis_url  # noqa: E402, F401

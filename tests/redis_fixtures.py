@@ -70,6 +70,17 @@ def tls_redis_binary() -> str:
     missing(f"no redis-server built with TLS (tls-port): {INSTALL_HINT}")
 
 
+@pytest.fixture(scope="module", params=REDIS_VERSIONS)
+def each_redis(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[EphemeralRedis]:
+    """A redis-server of each version (the test runs once on each), for the module; tests
+    flush it themselves."""
+    binary = redis_binary(request.param)
+    with start_ephemeral(tmp_path_factory.mktemp(f"redis-{request.param}"),
+                         binary=binary) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EphemeralRedis]:
     """A redis-server for the whole session (append-only file on, so ``restart()`` keeps data)."""

@@ -28,6 +28,7 @@ from producer.bulk import analyze_document, bulk_queue, enqueue_analyze, job_tim
 from producer.bulk.analyze import AnalyzeOptions
 from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
 from producer.bulk.defaults import REDUCE_INSTRUCTION
+from producer.bulk.journal import journal_key
 from producer.bulk.prompts import Templates
 from producer.bulk.queue import fleet_url_for
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
@@ -281,6 +282,9 @@ def test_a_chunk_the_fleet_refuses_fails_the_job_at_once_with_the_reason(
     assert "timed out" not in meta["error"] and "no final" not in meta["error"]
     assert meta["retries"] == 0 and meta["error"] in job.latest_result().exc_string
     assert len(batch_requests(redis_client)) == 2  # the two chunks, each tried once
+    # RQ would retry a job that died; this one failed for good, and ran once.
+    assert job.retries_left == 0 and meta["runs"] == 1
+    assert redis_client.hget(journal_key(job.id), "runs") == b"1"
 
 
 def test_nothing_rq_stores_for_a_job_is_pickled(redis_url, redis_client, tiny_llama,

@@ -17,12 +17,16 @@ from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 from rq import Worker
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from test_bulk_analyze import FAST, document, tokenizer_of
+from test_bulk_analyze import FAST, bulk, document, tokenizer_of
 from waiting import eventually
 
 from producer.bulk import analyze_document, bulk_queue, enqueue_analyze
 from producer.bulk.chunking import count_chunks
-from producer.bulk.journal import journal_key, watch_id_for
+from producer.bulk.defaults import JOURNAL_KEEP_DONE_S
+from producer.bulk.journal import JobJournal, Resumed, Sent, journal_key, watch_id_for
+from producer.bulk.requests import RequestRunner, RetryPolicy, Work
+from producer.client.client import Client
+from producer.client.connection import connect
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, decode_output
 
@@ -57,7 +61,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
-        redis_url, redis_client, tiny_llama, start_worker):
+        redis_url, redis_client, tiny_llama, start_worker, capsys):
     start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
     tok = tokenizer_of(tiny_llama)
     text = document(tok, 200 * 24, seed=11)
@@ -148,3 +152,95 @@ def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
                                redis_client.xrange(KEYS.output(r.request_id)))
                    if isinstance(e, FinalEntry)]
         assert final.finish_reason in ("stop", "length")
+    # `conveyor bulk status` tells the job resumed, and how far it got.
+    assert bulk("status", job.id, "--redis", redis_url) == 0
+    out = capsys.readouterr().out
+    assert f"chunks {n}/{n}" in out and "run 2 (resumed)" in out and "finished" in out
+
+
+def test_a_run_follows_the_requests_its_journal_holds_and_resends_the_lost_ones(
+        redis_url, redis_client, start_worker):
+    start_worker(**FAST)
+    journal = JobJournal(redis_client, "job-1")
+    assert journal.begin("plan-a").runs == 1
+    lane = KEYS.requests(MODEL, "batch")
+    sampling = {"max_tokens": 4, "temperature": 0.0}
+    with Client(redis_url) as client:
+        # What a first run left: a request that finished while no run followed it, one that
+        # was cancelled meanwhile (its watch lapsed), one a failover lost (delivered and
+        # acknowledged, no output) and one whose XADD never happened (no entry id).
+        finished = client.submit([5, 6, 7], model=MODEL, lane="batch", **sampling)
+        # (Long enough that the cancel comes first.)
+        cancelled = client.submit([5, 6, 8], model=MODEL, lane="batch", max_tokens=1500,
+                                  ignore_eos=True)
+        client.cancel(cancelled)
+        for rid in (finished, cancelled):
+            eventually(lambda rid=rid: final_of(redis_client, rid), "the request to end")
+        assert final_of(redis_client, cancelled).finish_reason == "cancelled"
+        [finished_entry, cancelled_entry] = [e for e, _ in redis_client.xrange(lane)]
+        records = {
+            "c0": Sent(finished, lane, finished_entry.decode(), [finished]),
+            "c1": Sent(cancelled, lane, cancelled_entry.decode(), [cancelled]),
+            "c2": Sent("lost-1", lane, finished_entry.decode(), ["lost-1"]),
+            "c3": Sent("never-sent-1", lane, None, ["never-sent-1"]),
+        }
+        journal.sending(records)
+        resumed = journal.begin("plan-a")
+        assert resumed.runs == 2 and resumed.sent == records and not resumed.done
+        prompts = {"c0": [5, 6, 7], "c1": [5, 6, 8], "c2": [5, 6, 9], "c3": [5, 6, 10]}
+        runner = RequestRunner(client, lane="batch", journal=journal,
+                               policy=RetryPolicy(request_timeout=3, backoff_base=0))
+        outcomes = {o.key: o for o in runner.run(
+            [Work(k, p, MODEL, sampling) for k, p in prompts.items()], attach=resumed.sent)}
+
+    assert all(o.ok for o in outcomes.values()), outcomes
+    assert runner.reattached == 4 and runner.lost == 1
+    # The finished one is read from its stream, not sent again.
+    assert outcomes["c0"].request_ids == [finished] and outcomes["c0"].attempts == 1
+    assert outcomes["c0"].completion.token_ids == client_tokens(redis_client, finished)
+    # The others are sent again under new ids: the cancelled one (not this job's cancel),
+    # the lost one at once (its look found it held by nothing), the never-sent one once
+    # its request timeout passed.
+    for key, first in (("c1", cancelled), ("c2", "lost-1"), ("c3", "never-sent-1")):
+        ids = outcomes[key].request_ids
+        assert ids[0] == first and len(ids) >= 2 and outcomes[key].attempts == len(ids)
+    # Every new request is in the journal, counted, before and after its XADD.
+    assert journal.submitted() == len(records) + runner.submitted and runner.submitted >= 3
+    after = JobJournal(redis_client, "job-1").begin("plan-a")
+    for key in ("c1", "c2", "c3"):
+        assert after.sent[key].request_id == outcomes[key].request_ids[-1]
+        assert after.sent[key].entry_id is not None
+    # Another plan under the same job id starts afresh.
+    assert JobJournal(redis_client, "job-1").begin("plan-b") == Resumed(1, {}, {})
+
+
+def final_of(r, request_id: str) -> FinalEntry | None:
+    entries = [decode_output(f[FIELD]) for _, f in r.xrange(KEYS.output(request_id))]
+    return next((e for e in entries if isinstance(e, FinalEntry)), None)
+
+
+def client_tokens(r, request_id: str) -> list[int]:
+    entries = [decode_output(f[FIELD]) for _, f in r.xrange(KEYS.output(request_id))]
+    return [t for e in entries if not isinstance(e, FinalEntry) for t in e.token_ids]
+
+
+def test_the_journal_keeps_results_and_requests_in_flight_on_each_redis(each_redis):
+    r = connect(each_redis.url)
+    r.flushall()
+    journal = JobJournal(r, "job-2", ttl_s=600)
+    assert journal.begin("plan") == Resumed(1, {}, {})
+    sent = {"c0": Sent("a", "lane", None, ["a"]), "c1": Sent("b", "lane", None, ["b"])}
+    journal.sending(sent)
+    journal.placed({"c0": Sent("a", "lane", "1-0", ["a"])})
+    journal.done("c1", {"text": "x", "token_ids": [1, 2]})
+    resumed = journal.begin("plan")
+    assert resumed.runs == 2 and journal.submitted() == 2
+    assert resumed.sent == {"c0": Sent("a", "lane", "1-0", ["a"])}
+    assert resumed.done == {"c1": {"text": "x", "token_ids": [1, 2]}}
+    assert 0 < r.ttl(journal_key("job-2")) <= 600
+    journal.finish()  # the job returned: kept a short while only
+    assert 0 < r.ttl(journal_key("job-2")) <= JOURNAL_KEEP_DONE_S
+    # Each run of one job keeps one watch; other jobs keep others.
+    assert watch_id_for("job-2") == watch_id_for("job-2") != watch_id_for("job-3")
+    assert KEYS.watch(watch_id_for("x" * 128))  # a valid watch id for the longest job id
+    r.close()

@@ -12,7 +12,8 @@ from fleet_fixtures import MODEL
 
 from producer.client.async_client import AsyncClient
 from producer.client.client import Client
-from producer.client.orphans import LOOK_S, OrphanWatch, Submitted, held_from
+from producer.client.connection import connect
+from producer.client.orphans import LOOK_S, OrphanWatch, Submitted, held_from, queue_look
 from producer.clock import ManualClock
 from producer.wire.errors import NoLiveWorker, RequestLost
 from producer.wire.keys import GROUP, Keys
@@ -68,6 +69,34 @@ def test_a_look_finds_the_request_in_its_output_its_lane_or_a_pending_list():
     assert held_from([denied, [], 0], "3-0", "workers") is None
     assert held_from([[group], denied, 0], "3-0", "workers") is None  # cannot tell
     assert held_from([[group], [], denied], "3-0", "workers") is None
+
+
+def test_a_look_reads_where_a_request_is_alike_on_each_redis(each_redis):
+    """XINFO GROUPS and XPENDING answer differently across versions (6.2 has no
+    entries-read or lag): the look must read them alike."""
+    r = connect(each_redis.url)
+    r.flushall()
+    lane, output = KEYS.requests(MODEL, "batch"), KEYS.output
+
+    def held(entry_id: str | None, request_id: str) -> bool | None:
+        pipe = r.pipeline(transaction=False)
+        queue_look(pipe, lane, entry_id, output(request_id))
+        return held_from(pipe.execute(raise_on_error=False), entry_id, GROUP)
+
+    first = r.xadd(lane, {"m": b"1"}).decode()
+    assert held(first, "a") is True  # in its lane, which no worker read yet (no group)
+    r.xgroup_create(lane, GROUP, id="0")
+    assert held(first, "a") is True  # in its lane, not delivered
+    r.xreadgroup(GROUP, "w", {lane: ">"}, count=1)
+    assert held(first, "a") is True  # delivered, in the worker's pending list
+    r.xack(lane, GROUP, first)
+    assert held(first, "a") is False  # delivered and acknowledged, with no output: lost
+    r.xadd(output("a"), {"m": b"1"})
+    assert held(first, "a") is True  # its output stream
+    assert held(None, "b") is None  # no entry id, no output: cannot tell
+    r.delete(lane)
+    assert held(first, "c") is False  # the lane itself is gone
+    r.close()
 
 
 def test_result_raises_no_live_worker_once_the_model_had_none_for_the_timeout(redis_url):

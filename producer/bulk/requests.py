@@ -30,7 +30,7 @@ import redis
 from producer.bulk import defaults
 from producer.bulk.journal import JobJournal, Sent
 from producer.client.client import READ_COUNT, Client
-from producer.client.orphans import held_from
+from producer.client.orphans import held_from, queue_look
 from producer.client.stream_events import (
     OutputTracker,
     StreamEvent,
@@ -312,20 +312,15 @@ class RequestRunner:
         if not tasks:
             return []
         pipe = self.client.redis.pipeline(transaction=False)
-        for task in tasks:
-            sent = task.placed
-            if sent.entry_id is not None:
-                pipe.xinfo_groups(sent.lane)
-                pipe.xpending_range(sent.lane, GROUP, sent.entry_id, sent.entry_id, 1)
-            pipe.exists(self.client.keys.output(task.request_id))
+        sizes = [queue_look(pipe, t.placed.lane, t.placed.entry_id,
+                            self.client.keys.output(t.request_id)) for t in tasks]
         try:
             replies = pipe.execute(raise_on_error=False)
         except _REDIS_TRANSIENT:
             replies = None
         ended: list[Outcome] = []
         at = 0
-        for task in tasks:
-            n = 3 if task.placed.entry_id is not None else 1
+        for task, n in zip(tasks, sizes, strict=True):
             held = None if replies is None else held_from(
                 replies[at:at + n], task.placed.entry_id, GROUP)
             at += n

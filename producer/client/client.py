@@ -35,6 +35,7 @@ from producer.client.orphans import (
     OrphanWatch,
     Submitted,
     held_from,
+    queue_look,
 )
 from producer.client.stream_events import (  # noqa: F401 (StreamGapError: re-export)
     StreamEvent,
@@ -264,10 +265,7 @@ class ClientBase:
     def _queue_look(self, pipe: Any, watch: OrphanWatch) -> None:
         """Queue a look's reads on ``pipe`` (orphans.held_from reads their replies)."""
         sub = watch.submitted
-        if sub.entry_id is not None:
-            pipe.xinfo_groups(sub.key)
-            pipe.xpending_range(sub.key, GROUP, sub.entry_id, sub.entry_id, 1)
-        pipe.exists(self.keys.output(watch.request_id))
+        queue_look(pipe, sub.key, sub.entry_id, self.keys.output(watch.request_id))
 
     def _remember(self, state: ModelState) -> ModelState:
         self._model_checks[state.name] = (self.clock.monotonic(), state)

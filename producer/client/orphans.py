@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from producer.clock import Clock
 from producer.wire.errors import NoLiveWorker, RequestLost
+from producer.wire.keys import GROUP
 
 # A waiting reader looks this often (seconds of its clock) when no entry came ...
 LOOK_S = 2.0
@@ -34,6 +36,19 @@ class Submitted:
     model: str
     key: str
     entry_id: str | None
+
+
+def queue_look(pipe: Any, lane: str, entry_id: str | None, output: str) -> int:
+    """Queue the reads of a look at one request on ``pipe`` (sync or asyncio): XINFO GROUPS
+    of its ``lane`` and XPENDING of its entry (when its ``entry_id`` is known), then EXISTS
+    of its ``output`` stream; :func:`held_from` reads their replies. Returns how many."""
+    if entry_id is None:
+        pipe.exists(output)
+        return 1
+    pipe.xinfo_groups(lane)
+    pipe.xpending_range(lane, GROUP, entry_id, entry_id, 1)
+    pipe.exists(output)
+    return 3
 
 
 def held_from(replies: list[object], entry_id: str | None, group: str) -> bool | None:

@@ -253,6 +253,8 @@ def describe_progress(info: dict[str, Any]) -> str:
                      f"{meta.get('reduce_done', 0)}/{meta.get('reduce_total', 0)}")
     if meta.get("retries"):
         parts.append(f"{meta['retries']} retries")
+    if (meta.get("runs") or 1) > 1:  # RQ ran it again after its worker died: it resumed
+        parts.append(f"run {meta['runs']} (resumed)")
     usage = meta.get("usage") or {}
     if usage.get("total_tokens"):
         parts.append(f"{usage['total_tokens']} tokens")
@@ -265,7 +267,7 @@ def describe_progress(info: dict[str, Any]) -> str:
 _ANALYZE_META = frozenset({"stage", "chunks_total", "chunks_done", "reduce_level", "reduce_total",
                            "reduce_done", "retries", "usage", "error", "updated_at",
                            "num_tokens", "model_state", "model_waited_s",
-                           "model_wait_limit_s"})
+                           "model_wait_limit_s", "runs"})
 
 
 def _result_of(job: Any) -> Any:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 from fleet_fixtures import MODEL
+from redis_fixtures import REDIS_VERSIONS, redis_binary
 
 from kvstore.tier import BlockLayout, TierUnavailable
 from kvstore.tier.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
@@ -60,16 +61,26 @@ def test_the_breaker_opens_on_a_failure_probes_once_and_closes_on_an_answer():
         Breaker(open_s=0)
 
 
-@pytest.fixture
-def tier_redis(tmp_path):
+def _tier_server(tmp_path, binary: str | None = None):
     """A redis-server of its own for the tier; SIGCONT'd and stopped after the test."""
-    server = start_ephemeral(tmp_path / "tier")
+    server = start_ephemeral(tmp_path / "tier", binary=binary)
     try:
         yield server
     finally:
         if server.pid is not None:
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
+
+
+@pytest.fixture
+def tier_redis(tmp_path):
+    yield from _tier_server(tmp_path)
+
+
+@pytest.fixture(params=REDIS_VERSIONS)
+def each_tier_redis(request, tmp_path):
+    """The same, once on each Redis version."""
+    yield from _tier_server(tmp_path, redis_binary(request.param))
 
 
 @contextmanager
@@ -85,15 +96,15 @@ def frozen(server):
         os.kill(server.pid, signal.SIGCONT)
 
 
-def test_a_frozen_tier_costs_one_timeout_then_is_skipped_until_it_answers(tier_redis):
+def test_a_frozen_tier_costs_one_timeout_then_is_skipped_until_it_answers(each_tier_redis):
     now = Now()
     breaker = Breaker(open_s=30, now=now)
-    client = connect(tier_redis.url, socket_timeout=0.3, connect_timeout=0.3,
+    client = connect(each_tier_redis.url, socket_timeout=0.3, connect_timeout=0.3,
                      retry_attempts=0)
     tier = RedisKVTier(client, chunk_bytes=1024, breaker=breaker)
     payload = random.Random(1).randbytes(2 * LAYOUT.bytes_per_block)
     tier.put("before", LAYOUT, payload, 2, 20)
-    with frozen(tier_redis):
+    with frozen(each_tier_redis):
         with pytest.raises(TierUnavailable, match="did not answer"):
             tier.put("r1", LAYOUT, payload, 2, 20)
         assert breaker.state == OPEN and breaker.opened == 1
@@ -109,8 +120,8 @@ def test_a_frozen_tier_costs_one_timeout_then_is_skipped_until_it_answers(tier_r
     assert breaker.state == CLOSED
 
 
-def test_each_round_trip_moves_at_most_one_chunk(tier_redis):
-    client = connect(tier_redis.url)
+def test_each_round_trip_moves_at_most_one_chunk(each_tier_redis):
+    client = connect(each_tier_redis.url)
     tier = RedisKVTier(client, chunk_bytes=LAYOUT.bytes_per_block)
     payload = random.Random(0).randbytes(3 * LAYOUT.bytes_per_block)
     client.config_resetstat()

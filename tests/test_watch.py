@@ -20,6 +20,7 @@ from waiting import eventually
 from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client.client import Client
+from producer.client.connection import connect
 from producer.client.stream_events import ChunkEvent
 from producer.client.watch import WATCH_RENEW_S, WATCH_TTL_S, WatchKeeper
 from producer.wire.completion import FinishReason
@@ -55,9 +56,11 @@ def test_a_client_that_watches_marks_its_requests(redis_url, redis_client):
         assert 0 < redis_client.ttl(KEYS.watch(watch)) <= WATCH_TTL_S
 
 
-def test_a_worker_cancels_a_running_request_whose_watch_lapsed(redis_client, start_worker):
+def test_a_worker_cancels_a_running_request_whose_watch_lapsed(each_redis, start_worker):
+    redis_client = connect(each_redis.url)
+    redis_client.flushall()
     # Checked with each lease renewal: a third of the lease (0.2 s here).
-    worker = start_worker(config={"lease_ms": 600})
+    worker = start_worker(url=each_redis.url, config={"lease_ms": 600})
     watch = "f" * 32
     redis_client.set(KEYS.watch(watch), b"1", ex=60)
     request = GenerationRequest("r-watched", MODEL, SamplingParams(
@@ -75,6 +78,7 @@ def test_a_worker_cancels_a_running_request_whose_watch_lapsed(redis_client, sta
     done = client.result("r-watched", timeout=60)
     assert done.finish_reason == FinishReason.CANCELLED
     assert len(done.token_ids) < 2000 and worker.status()["watch_cancelled"] == 1
+    redis_client.close()
 
 
 def _free_port() -> int:

@@ -72,14 +72,14 @@ def document(tokenizer: Tokenizer, min_tokens: int, seed: int = 0) -> str:
         estimate = 0 if not sentences else estimate - 20
 
 
-def run_burst(redis_url: str, name: str = "conveyor-bulk") -> None:
+def run_burst(redis_url: str, name: str = "conveyor-bulk", **worker_options) -> None:
     """An RQ worker in this process, JSON serializer, until the queue is empty."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     connection = connect(redis_url)
     try:
         queue = Queue(name, connection=connection, serializer=JSONSerializer)
-        BulkSimpleWorker([queue], connection=connection,
-                         serializer=JSONSerializer).work(burst=True)
+        BulkSimpleWorker([queue], connection=connection, serializer=JSONSerializer,
+                         **worker_options).work(burst=True)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -160,6 +160,21 @@ def test_invalid_options_fail_the_job_before_anything_is_sent(redis_url, redis_c
         analyze_document("text", "Summarise.", model=MODEL, redis_url=redis_url,
                          model_wait_timeout=0)
     assert redis_client.xlen(KEYS.requests(MODEL, "batch")) == 0
+
+
+def test_a_job_with_invalid_options_fails_once_and_is_not_retried(redis_url):
+    queue = bulk_queue(redis_url)
+    jobs = [enqueue_analyze(queue, "text", "Summarise.", model=MODEL, **bad)
+            for bad in ({"chunk_tokens": 0}, {"watch_ttl": 0}, {"bogus": 1})]
+    assert all(job.retries_left == 3 for job in jobs)  # what a worker's death would use
+
+    failures: list[str] = []
+    run_burst(redis_url, exception_handlers=[lambda job, *exc: failures.append(job.id)])
+
+    assert sorted(failures) == sorted(job.id for job in jobs)  # one run each: no retry
+    for job in jobs:
+        job.refresh()
+        assert job.get_status() == "failed" and job.retries_left == 0
 
 
 def test_the_options_are_one_dataclass_built_from_the_jobs_json_kwargs(redis_url):

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 from rq import Worker
 from rq.job import Job
@@ -23,7 +24,14 @@ from waiting import eventually
 from producer.bulk import analyze_document, bulk_queue, enqueue_analyze
 from producer.bulk.chunking import count_chunks
 from producer.bulk.defaults import JOURNAL_KEEP_DONE_S
-from producer.bulk.journal import JobJournal, Resumed, Sent, journal_key, watch_id_for
+from producer.bulk.journal import (
+    JobJournal,
+    Resumed,
+    Sent,
+    Superseded,
+    journal_key,
+    watch_id_for,
+)
 from producer.bulk.requests import RequestRunner, RetryPolicy, Work
 from producer.client.client import Client
 from producer.client.connection import connect
@@ -52,12 +60,13 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-def alive(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
@@ -97,11 +106,12 @@ def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
         done, in_flight = count(frozen, "done:"), count(frozen, "sent:")
         assert job.get_status() == "started" and job.get_meta()["stage"] == "map"
         assert n // 10 <= done < n and in_flight > 0, (done, in_flight)
-        for pid in (rq_pid, horse):
-            os.kill(pid, signal.SIGKILL)
+        # SIGKILL the RQ worker; the kernel SIGKILLs its work horse with it (RQ leaves a
+        # horse running when its worker dies; a BulkWorker's asks to die with it).
+        os.kill(rq_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert rq_workers[[p.pid for p in rq_workers].index(rq_pid)].wait(10) == -9
-        eventually(lambda: not alive(horse), "the work horse to die")
+        eventually(lambda: not running(horse), "the work horse to die with its worker")
 
         eventually(lambda: journal_fields(redis_client, job.id).get("runs") == b"2",
                    f"the job to run again within {RESUMED_WITHIN_S} s",
@@ -189,21 +199,22 @@ def test_a_run_follows_the_requests_its_journal_holds_and_resends_the_lost_ones(
         assert resumed.runs == 2 and resumed.sent == records and not resumed.done
         prompts = {"c0": [5, 6, 7], "c1": [5, 6, 8], "c2": [5, 6, 9], "c3": [5, 6, 10]}
         runner = RequestRunner(client, lane="batch", journal=journal,
-                               policy=RetryPolicy(request_timeout=3, backoff_base=0))
+                               policy=RetryPolicy(request_timeout=60, backoff_base=0))
         outcomes = {o.key: o for o in runner.run(
             [Work(k, p, MODEL, sampling) for k, p in prompts.items()], attach=resumed.sent)}
 
     assert all(o.ok for o in outcomes.values()), outcomes
-    assert runner.reattached == 4 and runner.lost == 1
+    assert runner.reattached == 4 and runner.lost == 2
     # The finished one is read from its stream, not sent again.
     assert outcomes["c0"].request_ids == [finished] and outcomes["c0"].attempts == 1
     assert outcomes["c0"].completion.token_ids == client_tokens(redis_client, finished)
-    # The others are sent again under new ids: the cancelled one (not this job's cancel),
-    # the lost one at once (its look found it held by nothing), the never-sent one once
-    # its request timeout passed.
+    # The others are sent again under new ids, once: the cancelled one (not this job's
+    # cancel), the lost one (its look found it held by nothing) and the one the fleet never
+    # saw (no entry id, no output), which is also cancelled in case its XADD did land.
     for key, first in (("c1", cancelled), ("c2", "lost-1"), ("c3", "never-sent-1")):
         ids = outcomes[key].request_ids
-        assert ids[0] == first and len(ids) >= 2 and outcomes[key].attempts == len(ids)
+        assert ids[0] == first and len(ids) == 2 == outcomes[key].attempts
+    assert redis_client.exists(KEYS.cancelled("never-sent-1"))
     # Every new request is in the journal, counted, before and after its XADD.
     assert journal.submitted() == len(records) + runner.submitted and runner.submitted >= 3
     after = JobJournal(redis_client, "job-1").begin("plan-a")
@@ -243,4 +254,14 @@ def test_the_journal_keeps_results_and_requests_in_flight_on_each_redis(each_red
     # Each run of one job keeps one watch; other jobs keep others.
     assert watch_id_for("job-2") == watch_id_for("job-2") != watch_id_for("job-3")
     assert KEYS.watch(watch_id_for("x" * 128))  # a valid watch id for the longest job id
+    # Only the newest run writes: an older one still going stops at its next write.
+    old, new = JobJournal(r, "job-4"), JobJournal(r, "job-4")
+    old.begin("plan")
+    assert new.begin("plan").runs == 2
+    with pytest.raises(Superseded, match="run 1 of the job was superseded by run 2"):
+        old.done("c0", {"text": "late"})
+    with pytest.raises(Superseded):
+        old.sending({"c1": Sent("z", "lane")})
+    new.done("c0", {"text": "x"})
+    assert JobJournal(r, "job-4").begin("plan").done == {"c0": {"text": "x"}}
     r.close()

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from producer.bulk import defaults
 from producer.bulk.chunking import Span, check_chunking, split
-from producer.bulk.journal import JobJournal, Resumed, plan_of, watch_id_for
+from producer.bulk.journal import JobJournal, Resumed, Superseded, plan_of, watch_id_for
 from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
@@ -187,11 +187,20 @@ def analyze_document(
     Reach the fleet through ``redis_url``, else ``$CONVEYOR_REDIS_URL``, else the Redis the
     job came from.
     """
-    if not isinstance(options, AnalyzeOptions):
-        options = AnalyzeOptions.from_dict({**(options or {}), **option_fields})
-    elif option_fields:
-        options = replace(options, **option_fields)
-    return _analyze(text, instruction, options, clock or SYSTEM_CLOCK)
+    try:
+        if not isinstance(options, AnalyzeOptions):
+            options = AnalyzeOptions.from_dict({**(options or {}), **option_fields})
+        elif option_fields:
+            options = replace(options, **option_fields)
+        return _analyze(text, instruction, options, clock or SYSTEM_CLOCK)
+    except (AnalysisFailed, ModelNotFound, ValueError, TypeError, Superseded):
+        # The job's answer: another run would fail the same way (or, superseded, a newer
+        # run carries on), so RQ must not retry it. RQ reads ``retries_left`` of this very
+        # object when the job raises.
+        job = get_current_job()
+        if job is not None:
+            job.retries_left = 0
+        raise
 
 
 def _analyze(text: str, instruction: str, options: AnalyzeOptions,
@@ -234,8 +243,11 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             spans = split(len(doc_ids), chunk_tokens, overlap_tokens)
             marks["tokenized"] = time.monotonic()
             templates = Templates(tokenizer, instruction, spec.reduce_instruction)
-            resumed = (journal.begin(plan_of(text=text, instruction=instruction,
-                                             options=asdict(o)))
+            # The plan: everything the chunks and the reduce groups follow from.
+            plan = plan_of(text=text, instruction=instruction, options=asdict(o),
+                           tokenizer=info["tokenizer_json"],
+                           max_model_len=info["max_model_len"])
+            resumed = (journal.begin(plan)
                        if journal is not None else Resumed(1, {}, {}))
             progress.update(stage="map", chunks_total=len(spans), num_tokens=len(doc_ids),
                             runs=resumed.runs)
@@ -249,12 +261,9 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
                                       resumed)
         except RequestFailed as exc:
             progress.update(stage="failed", error=_failure_message(exc.outcome))
-            _final(job)
             raise AnalysisFailed(progress.meta["error"]) from None
-        except (AnalysisFailed, ModelNotFound, ValueError) as exc:
-            progress.update(stage="failed", error=str(exc))
-            _final(job)
-            raise
+        except Superseded:
+            raise  # the job's meta is the newer run's now
         except Exception as exc:  # Redis unreachable, a job timeout: a retry resumes
             progress.update(stage="failed", error=str(exc))
             raise
@@ -274,13 +283,6 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
                  "requests_sent": sent},
         "timings": _timings(marks, started_at),
     }
-
-
-def _final(job: Job | None) -> None:
-    """This failure is the job's answer: another run would fail the same way, so RQ must
-    not retry it (RQ reads ``retries_left`` of this very object when the job raises)."""
-    if job is not None:
-        job.retries_left = 0
 
 
 def check_wait(seconds: object) -> float:
@@ -380,7 +382,7 @@ def _reduce(runner: RequestRunner, templates: Templates, spec: Analysis,
         combined = {g: answers[group[0]] for g, group in enumerate(groups) if len(group) == 1}
         reduced = [g for g, group in enumerate(groups) if len(group) > 1]
         kept = [dict(resumed.done[_reduce_key(level, g)]) for g in reduced
-                if _reduce_key(level, g) in resumed.done]
+                if resumed.done.get(_reduce_key(level, g), {}).get("inputs") == groups[g]]
         for result in kept:
             combined[result["group"]] = (result.pop("token_ids"), result["text"])
             results.append(result)

@@ -15,8 +15,14 @@ job beside the job itself, on RQ's Redis (``rq:conveyor:journal:{job_id}``: RQ's
 A request is written to ``sent:`` before its XADD is sent (and its entry id after), so every
 request the fleet holds is in the journal; a result moves from ``sent:`` to ``done:`` in one
 MULTI. A retry takes the results as they are and re-attaches to the requests in flight
-(reads their output streams from the start): no chunk is generated twice. A record whose
-XADD never happened is followed until the request timeout, then sent again.
+(reads their output streams from the start): no chunk is generated twice. A record without
+an entry id whose request has no output yet (its run died around the XADD) is cancelled
+and sent again.
+
+Only the newest run writes: every write checks, under WATCH, that ``runs`` is still the
+number its run got from :meth:`JobJournal.begin`. An older run still going (its RQ worker
+stalled long enough for the job to be called abandoned and retried) gets
+:class:`Superseded` at its next write and stops, leaving its requests to the new run.
 
 The requests stay alive between two runs because the job's watch id is derived from its id
 (:func:`watch_id_for`): the retry renews the watch its first run left, before the watch's
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,6 +92,11 @@ class Resumed:
     sent: dict[str, Sent]  # work key -> the request in flight
 
 
+class Superseded(RuntimeError):
+    """A newer run of the job took over its journal: this run must stop, and leave the
+    requests in flight alone (the newer run follows them)."""
+
+
 class JobJournal:
     """Reads and writes one job's journal; see the module docstring."""
 
@@ -94,6 +105,7 @@ class JobJournal:
         self.client = client  # RQ's connection (the job's)
         self.key = journal_key(job_id)
         self.ttl_s = ttl_s
+        self.run = 0  # this run's number, from begin()
 
     def begin(self, plan: str) -> Resumed:
         """Count a run and return what earlier runs of the same plan left; a journal of
@@ -106,7 +118,7 @@ class JobJournal:
         pipe.hset(self.key, _PLAN, plan)
         pipe.hincrby(self.key, _RUNS, 1)
         pipe.expire(self.key, self.ttl_s)
-        runs = int(pipe.execute()[1])
+        runs = self.run = int(pipe.execute()[1])
         done = {k[len(_DONE):]: json.loads(v) for k, v in found.items() if k.startswith(_DONE)}
         sent = {k[len(_SENT):]: Sent.decode(v) for k, v in found.items()
                 if k.startswith(_SENT) and k[len(_SENT):] not in done}
@@ -114,24 +126,42 @@ class JobJournal:
 
     def sending(self, sent: Mapping[str, Sent]) -> None:
         """Record requests about to be sent (before their XADDs), and count them."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()})
-        pipe.hincrby(self.key, _SUBMITTED, len(sent))
-        pipe.expire(self.key, self.ttl_s)
-        pipe.execute()
+        def write(pipe: redis.client.Pipeline) -> None:
+            pipe.hset(self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()})
+            pipe.hincrby(self.key, _SUBMITTED, len(sent))
+        self._write(write)
 
     def placed(self, sent: Mapping[str, Sent]) -> None:
         """Add the lane entry ids the XADDs answered to records already written."""
         if sent:
-            self.client.hset(self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()})
+            self._write(lambda pipe: pipe.hset(
+                self.key, mapping={_SENT + k: s.encode() for k, s in sent.items()}))
 
     def done(self, work_key: str, result: Mapping[str, Any]) -> None:
         """Keep a finished request's result, in place of its in-flight record."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.key, _DONE + work_key, json.dumps(result, ensure_ascii=False))
-        pipe.hdel(self.key, _SENT + work_key)
-        pipe.expire(self.key, self.ttl_s)
-        pipe.execute()
+        def write(pipe: redis.client.Pipeline) -> None:
+            pipe.hset(self.key, _DONE + work_key, json.dumps(result, ensure_ascii=False))
+            pipe.hdel(self.key, _SENT + work_key)
+        self._write(write)
+
+    def _write(self, commands: Callable[[redis.client.Pipeline], Any]) -> None:
+        """Run ``commands`` in a MULTI, only while this run is the newest (Superseded
+        otherwise); the journal's TTL starts again."""
+        with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.key)
+                    runs = pipe.hget(self.key, _RUNS)
+                    if runs is None or int(runs) != self.run:
+                        raise Superseded(f"run {self.run} of the job was superseded by run "
+                                         f"{_text(runs) if runs is not None else '(none)'}")
+                    pipe.multi()
+                    commands(pipe)
+                    pipe.expire(self.key, self.ttl_s)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue  # the other run wrote meanwhile: look again
 
     def submitted(self) -> int:
         """Requests sent over every run of the job."""

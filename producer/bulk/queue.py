@@ -46,8 +46,9 @@ def enqueue_analyze(queue: Queue, text: str, instruction: str, *, model: str,
             text, options.get("model_wait_timeout", defaults.MODEL_WAIT_S)),
         result_ttl=defaults.RESULT_TTL_S,
         failure_ttl=defaults.FAILURE_TTL_S,
-        # A worker that died mid-job: run it again, at once; it resumes (its journal).
-        retry=Retry(max=defaults.JOB_RETRIES),
+        # A worker that died mid-job: run it again, at once and before queued jobs (its
+        # requests live on only for its watch's TTL); it resumes from its journal.
+        retry=Retry(max=defaults.JOB_RETRIES, enqueue_at_front=True),
         job_id=job_id,
         description=f"analyze {len(text)} characters with {model}: {instruction[:60]}",
         meta={"stage": "queued", "chunks_done": 0, "chunks_total": None},

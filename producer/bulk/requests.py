@@ -11,7 +11,10 @@ With a journal (producer/bulk/journal.py) every submit is recorded before its XA
 sent, and a run can re-attach to requests an earlier run left in flight: it follows their
 output streams from the start instead of sending them again. A re-attached request found
 held by nothing (lost meanwhile), or cancelled (its watch lapsed before the retry renewed
-it), is transient: sent again under a new id.
+it), is transient: sent again under a new id; so is one whose entry id the journal never
+got and that has no output yet (its run died around the XADD): cancelled, in case it was
+added, and sent again. A journaled run that stops for any reason but a failed request
+leaves its requests in flight to the next run (their watch ends them if none comes).
 """
 
 from __future__ import annotations
@@ -198,8 +201,13 @@ class RequestRunner:
                     if fail_fast and not outcome.ok:
                         raise RequestFailed(outcome)
                     yield outcome
+        except RequestFailed:
+            self._cancel_active()  # the job fails for good: nobody will want them
+            raise
         finally:
-            self._cancel_active()
+            if self.journal is None:
+                self._cancel_active()
+            self._active.clear()
             self._backlog.clear()
 
     # --- submitting ------------------------------------------------------------------------
@@ -247,6 +255,8 @@ class RequestRunner:
                     self.journal.sending({t.work.key: self._sent(t) for t in submitted})
                 replies = pipe.execute()
             except _REDIS_TRANSIENT as exc:
+                # Some XADDs may have landed before the failure: those must not also run.
+                self._cancel([t.request_id for t in submitted])
                 for task in submitted:
                     ended += self._retry_or_fail(task, f"could not submit: {exc}")
                 submitted = []
@@ -321,14 +331,22 @@ class RequestRunner:
         ended: list[Outcome] = []
         at = 0
         for task, n in zip(tasks, sizes, strict=True):
-            held = None if replies is None else held_from(
-                replies[at:at + n], task.placed.entry_id, GROUP)
+            look = None if replies is None else replies[at:at + n]
+            held = None if look is None else held_from(look, task.placed.entry_id, GROUP)
             at += n
             if held is False:
                 self.lost += 1
                 ended += self._retry_or_fail(
                     task, f"request {task.request_id} was lost while no run of the job "
                     f"followed it")
+            elif task.placed.entry_id is None and look == [0]:
+                # No entry id, no output: its run died around the XADD. Cancel it in case
+                # it was added (a worker then drops it) and send it again now, rather than
+                # waiting a whole request timeout for a request that may not exist.
+                self.lost += 1
+                self._cancel([task.request_id])
+                ended += self._retry_or_fail(
+                    task, f"request {task.request_id} was never seen by the fleet")
             else:
                 self._active[self.client.keys.output(task.request_id)] = task
         return ended

@@ -16,21 +16,48 @@ RQ's defaults that takes 90 s of silence, found by a maintenance that runs every
 (an idle worker only when its ~7-minute dequeue wait ends): up to ~20 minutes, longer than
 any watch should keep the job's requests alive. These workers heartbeat a job every
 ``JOB_MONITORING_S``, call it abandoned ``ABANDONED_AFTER_S`` after the last heartbeat, and
-look every ``MAINTENANCE_S``, idle or not (producer/bulk/defaults.py): a dead worker's job
-is retried, by any other worker of the queue, within about 30 s.
+look every ``MAINTENANCE_S``, idle or busy (RQ looks only between jobs): a dead worker's
+job is retried, by any other worker of the queue, within about 30 s
+(producer/bulk/defaults.py). The retry goes to the front of the queue.
+
+**Orphaned work horses.** RQ puts a work horse in its own process group, and nothing ends
+it when its worker dies: it would run on beside the retry. A BulkWorker's horse asks the
+kernel to kill it when its worker dies (Linux's parent-death signal), and a horse that
+runs on all the same (another OS, or a worker alive but cut off from Redis) stops at its
+journal's next write, which a newer run has fenced off (producer/bulk/journal.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 from typing import Any
 
-from rq import SimpleWorker, Worker
+from rq import Queue, SimpleWorker, Worker
 from rq.job import Job
+from rq.utils import now
 
 from producer.bulk import defaults
 
 # How long a stopping worker waits for its pub/sub thread to end.
 PUBSUB_JOIN_S = 1.0
+# prctl(2): the signal the calling process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (Linux); exit at once if
+    the parent ``parent_pid`` is already gone. False where the platform cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # not Linux
+        return False
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        os._exit(1)
+    return True
 
 
 class _PromptUnsubscribe:
@@ -70,6 +97,25 @@ class BulkWorker(_PromptUnsubscribe, _FrequentMaintenance, Worker):
     def __init__(self, *args: Any, job_monitoring_interval: int = defaults.JOB_MONITORING_S,
                  **kwargs: Any) -> None:
         super().__init__(*args, job_monitoring_interval=job_monitoring_interval, **kwargs)
+
+    def fork_work_horse(self, job: Job, queue: Queue) -> None:
+        self._parent_pid = os.getpid()  # read by the horse, after the fork
+        super().fork_work_horse(job, queue)
+
+    def main_work_horse(self, job: Job, queue: Queue) -> None:
+        die_with_parent(self._parent_pid)
+        super().main_work_horse(job, queue)
+
+    def maintain_heartbeats(self, job: Job, execution: Any) -> None:
+        super().maintain_heartbeats(job, execution)
+        # RQ looks for abandoned jobs only between jobs: a busy worker looks here too. A
+        # failed look must not end the watch over this worker's own horse.
+        if self.should_run_maintenance_tasks:
+            try:
+                self.run_maintenance_tasks()
+            except Exception:  # noqa: BLE001 - logged; the next look tries again
+                self.log.exception("Worker %s: maintenance failed", self.name)
+                self.last_cleaned_at = now()
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """How long the job counts as alive after a heartbeat: until the next heartbeat is

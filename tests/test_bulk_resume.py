@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
 from rq import Worker
-from rq.job import Job
+from rq.job import Job, _current_job
 from rq.serializers import JSONSerializer
 from test_bulk_analyze import FAST, bulk, document, tokenizer_of
 from waiting import eventually
@@ -265,3 +265,39 @@ def test_the_journal_keeps_results_and_requests_in_flight_on_each_redis(each_red
     new.done("c0", {"text": "x"})
     assert JobJournal(r, "job-4").begin("plan").done == {"c0": {"text": "x"}}
     r.close()
+
+
+def test_a_rerun_reuses_every_journaled_result_and_makes_only_what_is_missing(
+        redis_url, redis_client, tiny_llama, start_worker):
+    """The reduce resumes as the map does: a run of a job whose first run finished sends
+    nothing; with one reduce result gone from the journal, it sends that one alone."""
+    start_worker(config=KEEP_SERVED_REQUESTS, **FAST)
+    text = document(tokenizer_of(tiny_llama), 12 * 24, seed=5)
+    job = enqueue_analyze(bulk_queue(redis_url), text, INSTRUCTION, model=MODEL, **OPTIONS)
+
+    def run() -> dict:
+        # The job's function in this process, with the job current as RQ's work horse sets
+        # it (rq.job._current_job, what get_current_job reads).
+        token = _current_job.set(Job.fetch(job.id, connection=redis_client,
+                                           serializer=JSONSerializer))
+        try:
+            return analyze_document(**job.kwargs)
+        finally:
+            _current_job.reset(token)
+
+    first = run()
+    reduces = first["reduce"]["requests"]
+    assert first["runs"]["count"] == 1 and len(reduces) >= 1
+    assert first["runs"]["requests_sent"] == len(first["chunks"]) + len(reduces)
+    again = run()
+    # (requests_sent counts over every run: this one sent none.)
+    assert again["runs"]["count"] == 2
+    assert again["runs"]["requests_sent"] == first["runs"]["requests_sent"]
+    last = reduces[-1]
+    assert redis_client.hdel(journal_key(job.id), f"done:r{last['level']}.{last['group']}")
+    third = run()
+    assert third["runs"]["requests_sent"] == first["runs"]["requests_sent"] + 1
+    assert third["runs"]["results_reused"] == len(first["chunks"]) + len(reduces) - 1
+    for result in (again, third):
+        assert result["answer"] == first["answer"] and result["chunks"] == first["chunks"]
+        assert [r["text"] for r in result["reduce"]["requests"]] == [r["text"] for r in reduces]

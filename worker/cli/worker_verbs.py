@@ -100,6 +100,17 @@ def _add_serve_parser(subparsers: Any) -> None:
                    metavar="N", help="publish a decoding request's tokens N at a time (its "
                    "first token and its end at once): fewer writes to Redis and reads by its "
                    "clients, each token up to N - 1 steps later (default: %(default)s)")
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                     help="a SIMULATED engine, to test the fleet at a GPU's speed: no forward "
+                     "and no weights, each step MS ms, tokens a documented function of each "
+                     "request's seed (worker/engine/simulated.py). Never for real traffic: "
+                     "it registers its model as simulated, and real workers refuse to serve "
+                     "that name beside it")
+    sim.add_argument("--simulate-cost", default=None, metavar="FILE|PRESET",
+                     help="the same, steps costed a + b*prefill tokens + c*decode rows + "
+                     "d*context tokens: a JSON file of base_ms, prefill_token_ms, "
+                     "decode_row_ms, context_token_ms, or a preset (h200-8b)")
     p.add_argument("--heartbeat-interval", type=float, default=worker("heartbeat_interval_s"),
                    metavar="S", help="seconds between heartbeats (status and load in Redis; "
                    "default: %(default)s)")
@@ -215,6 +226,10 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         engine["max_prefill_chunk"] = args.max_prefill_chunk
     if args.async_scheduling != "auto":
         engine["async_scheduling"] = args.async_scheduling == "on"
+    if args.simulate_step_ms is not None:
+        engine["simulate_step_ms"] = args.simulate_step_ms
+    if args.simulate_cost is not None:
+        engine["simulate_cost"] = args.simulate_cost
     config = WorkerConfig(model_dir=ensure_model(args.model),
                           served_model_name=args.served_model_name,
                           redis_url=args.redis, namespace=args.namespace,

@@ -60,6 +60,15 @@ class EngineConfig:
     # for the host between steps; off on a CPU, where the host work and the forward share
     # the same cores (docs/benchmarks.md measures both).
     async_scheduling: bool | None = None
+    # A simulated engine (worker/engine/simulated.py): no forward, steps that take this many
+    # ms (its cost's fixed part alone) or follow this cost (a preset's name or a JSON file).
+    # Never a default: an instrument for testing the fleet at a GPU's speed.
+    simulate_step_ms: float | None = None
+    simulate_cost: str | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulate_step_ms is not None or self.simulate_cost is not None
 
     @classmethod
     def from_kwargs(cls, values: dict[str, Any]) -> EngineConfig:
@@ -89,6 +98,8 @@ class EngineConfig:
         if self.swap_blocks is not None and self.swap_blocks < 0:
             raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
         check_preemption_mode(self.preemption_mode)
+        if self.simulate_step_ms is not None and self.simulate_cost is not None:
+            raise ValueError("give simulate_step_ms or simulate_cost, not both")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got "
                              f"{self.dtype!r}")

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvstore import PrefixHit
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
@@ -23,9 +25,11 @@ from worker.engine.config import EngineConfig
 from worker.engine.memory import kv_memory, prepare_device
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import RequestOutputState, StepOutput, merged_outputs
+from worker.engine.simulated import SimulatedRunner, step_cost
 from worker.engine.step_pipeline import OverlappedSteps
 from worker.engine.tokenizer import Tokenizer
 from worker.models import native_decode
+from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.sampling import fresh_seed
 
@@ -48,27 +52,44 @@ class Engine:
                  **settings: Any) -> None:
         self.config = cfg = EngineConfig.from_kwargs(settings)
         self.clock = clock or SYSTEM_CLOCK
-        self.device, self.dtype = prepare_device(cfg)
         self.model_dir = Path(model_dir)
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
-        if self.device.type == "cpu":
-            native_decode.prepare(self.model)  # the packed weights, now, not mid-step
-        self.model_config = mc = self.model.config
+        # A simulated engine (worker/engine/simulated.py) reads config.json and the
+        # tokenizer only: no weights, no KV tensors, no forward.
+        self.simulated_cost = step_cost(cfg.simulate_step_ms, cfg.simulate_cost)
+        self.simulated = self.simulated_cost is not None
+        if self.simulated:
+            self.device, self.dtype = torch.device("cpu"), torch.float32  # nominal
+            self.model = None
+            mc = ModelConfig.from_dir(model_dir)
+        else:
+            self.device, self.dtype = prepare_device(cfg)
+            self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
+            if self.device.type == "cpu":
+                native_decode.prepare(self.model)  # the packed weights, now, not mid-step
+            mc = self.model.config
+        self.model_config = mc
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
 
-        self.memory = memory = kv_memory(cfg, mc, self.device, self.dtype, self.max_model_len)
+        self.memory = memory = kv_memory(cfg, mc, self.device, self.dtype, self.max_model_len,
+                                         tensors_too=not self.simulated)
         self.kv_cache, self.block_pool, self.kv = memory.cache, memory.pool, memory.manager
         self.host_cache, self.host_pool = memory.host_cache, memory.host_pool
         self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len), self.kv)
         self.checks = AdmissionChecks(self.tokenizer, mc.vocab_size, self.max_model_len,
                                       cfg.block_size, self.block_pool.num_blocks)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
-        # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA only.
+        self.runner: ModelRunner | SimulatedRunner
+        if self.simulated_cost is not None:
+            self.runner = SimulatedRunner(self.simulated_cost, mc.vocab_size,
+                                          self.eos_token_ids, self.clock)
+        else:
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
+        # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA only,
+        # and for a simulated engine, whose steps stand for a GPU's.
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.device.type == "cuda" or self.simulated)
         self._pipeline = (OverlappedSteps(self.runner, self.device, self.scheduler,
                                           self._step_outputs)
                           if self.async_scheduling else None)
@@ -106,6 +127,9 @@ class Engine:
         added; when this raises, they are still the caller's to release.
         """
         params = sampling_params(params)
+        if self.simulated and params.logprobs is not None:
+            raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
+                             "cannot give log-probabilities")
         request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -267,7 +291,9 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             # A decode step's tasks taken over from a late thread (process-wide; CPU only).
             "step_team_takeovers": native_decode.team_takeovers()
-            if self.device.type == "cpu" else 0,
+            if self.device.type == "cpu" and not self.simulated else 0,
+            # 1 for a simulated engine (worker/engine/simulated.py): tokens not the model's.
+            "simulated": int(self.simulated),
             **{name: self.scheduler.counters[name] for name in REPORTED_COUNTERS},
             **self.memory.stats(),
         }

@@ -42,7 +42,7 @@ def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 class KVMemory:
     """An engine's KV: the device pool, and the host tier preempted requests swap to."""
 
-    cache: PagedKVCache
+    cache: PagedKVCache | None  # None: a simulated engine's (accounting without tensors)
     pool: BlockPool
     # None: no swapping (recompute preemption, or no host memory given to it).
     host_cache: PagedKVCache | None
@@ -64,8 +64,9 @@ class KVMemory:
 
 
 def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
-              dtype: torch.dtype, max_model_len: int) -> KVMemory:
-    """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks)."""
+              dtype: torch.dtype, max_model_len: int, tensors_too: bool = True) -> KVMemory:
+    """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks);
+    without ``tensors_too`` only their accounting (a simulated engine's)."""
     def tensors(num_blocks: int, on: torch.device, pin: bool = False,
                 untouched: bool = False) -> PagedKVCache:
         return PagedKVCache(model.num_hidden_layers, num_blocks, config.block_size,
@@ -89,6 +90,8 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
                              watermark_blocks=max(1, num_blocks // 100))
     # A block is swapped in only after it was swapped out: the swap tier's memory can come
     # as it is first written (pinned memory for a GPU is touched when it is made anyway).
+    if not tensors_too:
+        return KVMemory(None, pool, None, host_pool, manager)
     host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda",
                           untouched=True) if swap_blocks else None)
     return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager)

@@ -202,7 +202,8 @@ class EngineLoop(SupervisedThread):
             if out.finished or not out.new_token_ids or entry is None or entry.message is None:
                 keep.append(out)
                 continue
-            kv = export_kv(self.engine, out.request_id)
+            # A simulated engine has no KV: the decode side computes the prompt again.
+            kv = None if self.engine.simulated else export_kv(self.engine, out.request_id)
             tokens[out.request_id] = self.engine.token_ids(out.request_id)
             self.engine.abort(out.request_id)  # its final is not ours to publish
             handed.append((out, entry, kv))
@@ -214,7 +215,8 @@ class EngineLoop(SupervisedThread):
             items.append(self._chunk_publication(out, entry))
             self.inflight.remove(out.request_id)
             items.append(HandOn(out.request_id, entry.stream, entry.entry_id, entry.message,
-                                FIELD, kv, tokens_hash(tokens[out.request_id][:kv.num_tokens])))
+                                FIELD, kv, tokens_hash(tokens[out.request_id][
+                                    :kv.num_tokens if kv is not None else None])))
             items.append(Forget(out.request_id))
         self._send(items)
         self.handed_on += len(handed)

@@ -104,8 +104,9 @@ class HandOn:
     message: bytes
     # The stream field the message goes in.
     field: str
-    # The KV of the request's computed tokens, for the tier.
-    kv: KVHandoff
+    # The KV of the request's computed tokens, for the tier (None: a simulated engine's,
+    # which has none; handed on without KV).
+    kv: KVHandoff | None
     # Of the token ids the KV covers: a reader checks its own tokens against it.
     tokens_hash: str = ""
     # Progress across retries: handed on (or found no longer this worker's).

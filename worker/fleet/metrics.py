@@ -50,6 +50,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 # Engine.stats() key -> (metric, help); exported when the engine reports the key.
 ENGINE_GAUGES = {
+    "simulated": ("conveyor_engine_simulated", "1 for a simulated engine (no forward: its "
+                  "tokens are not the model's; worker/engine/simulated.py), else 0."),
     "running": ("conveyor_requests_running", "Requests in the running batch."),
     "waiting": ("conveyor_requests_waiting", "Requests admitted to the engine, not yet running."),
     "swapped": ("conveyor_requests_swapped", "Preempted requests whose KV is in host memory."),

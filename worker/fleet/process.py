@@ -34,6 +34,7 @@ from worker.fleet.housekeeping.leases import LeaseKeeper, hand_back
 from worker.fleet.housekeeping.reaper import Reaper
 from worker.fleet.housekeeping.registration import (
     check_eviction_policy,
+    check_same_kind,
     load_chat_template,
     register_model,
 )
@@ -79,6 +80,8 @@ class Worker:
             settings["async_scheduling"] = False
         self._owns_engine = engine is None
         self.engine = engine or Engine(config.model_dir, clock=self.clock, **settings)
+        if self.engine.simulated and config.kv_share_prefixes:
+            raise ValueError("a simulated worker has no KV to share: drop --kv-share-prefixes")
         self.chat_template = load_chat_template(config.model_dir, self.clock)
         self.redis_url = resolve_url(config.redis_url)
         self.client: redis.Redis = connect(self.redis_url)
@@ -180,6 +183,8 @@ class Worker:
             # Threads retrying a lost Redis connection, or dead (the worker then goes down).
             "unhealthy_threads": ",".join(unhealthy),
             "model": self.model,
+            # "1": a simulated engine (no forward; tokens a function of each seed).
+            "simulated": "1" if self.engine.simulated else "",
             "running": stats["running"],
             "waiting": stats["waiting"],
             "swapped": stats.get("swapped", 0),
@@ -275,6 +280,8 @@ class Worker:
 
     def start(self) -> None:
         check_eviction_policy(self.client, self.config.allow_eviction)
+        check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
+                        self.config.worker_id)
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id, self.chat_template)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
@@ -306,6 +313,10 @@ class Worker:
         log.info("worker serving", worker_id=self.config.worker_id, model=self.model,
                  redis=describe(self.config.redis_url) if self.config.redis_url else "embedded",
                  metrics_port=self.metrics_port)
+        if self.engine.simulated:
+            log.warning("SIMULATED engine: no forward, its tokens are a function of each "
+                        "request's seed, not the model's (worker/engine/simulated.py)",
+                        model=self.model, step_cost=self.engine.simulated_cost.to_dict())
 
     @property
     def failed(self) -> SupervisedThread | None:

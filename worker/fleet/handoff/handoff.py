@@ -117,7 +117,7 @@ class HandOnWriter(UsesLayout):
         """Put the KV in the tier (unless ``with_kv`` is False: the decode worker then
         recomputes), then hand the request on. Tier errors never stop the hand-on; a
         lost connection to the queues' Redis raises (the caller retries)."""
-        stored = with_kv and self._put(item)
+        stored = with_kv and item.kv is not None and self._put(item)
         handoff = self.keys.handoff(self.model, self.keys.lane_of(item.stream))
         moved = self._script(keys=[item.stream, handoff],
                              args=[GROUP, self.worker_id, item.entry_id, item.field,

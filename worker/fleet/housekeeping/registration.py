@@ -9,6 +9,7 @@ from pathlib import Path
 import redis
 import structlog
 
+from producer.client.models import decode_hash, heartbeat_keys, is_live
 from producer.clock import Clock
 from producer.wire.keys import Keys
 from producer.wire.protocol import now_ms
@@ -18,11 +19,35 @@ from worker.fleet.intake.chat_template import CHAT_FIELDS, ChatTemplate
 log = structlog.get_logger(__name__)
 
 
+class MixedFleet(ValueError):
+    """A simulated worker and a real one would serve one model name."""
+
+
+def check_same_kind(client: redis.Redis, keys: Keys, name: str, simulated: bool,
+                    worker_id: str) -> None:
+    """Refuse to serve ``name`` beside live workers of the other kind: a simulated worker's
+    tokens are not the model's (worker/engine/simulated.py), and nobody reading a stream
+    could tell which kind wrote it."""
+    members = client.smembers(keys.workers)
+    pipe = client.pipeline(transaction=False)
+    for key in heartbeat_keys(keys, members):
+        pipe.hgetall(key)
+    others = [decode_hash(hb) for hb in pipe.execute()]
+    other = next((hb for hb in others if is_live(hb) and hb.get("model") == name
+                  and hb.get("worker_id") != worker_id
+                  and (hb.get("simulated") or "") != ("1" if simulated else "")), None)
+    if other is not None:
+        mine, theirs = ("simulated", "real") if simulated else ("real", "simulated")
+        raise MixedFleet(f"model {name!r} is served by {theirs} worker "
+                         f"{other.get('worker_id')!r}: a {mine} worker cannot serve it beside "
+                         f"it; use another --served-model-name")
+
+
 def register_model(client: redis.Redis, keys: Keys, name: str, engine: Engine,
                    model_dir: Path, worker_id: str,
                    chat_template: ChatTemplate | None = None) -> None:
-    """Write the model hash: name, max length, eos ids, vocab size, tokenizer.json and the
-    chat template."""
+    """Write the model hash: name, max length, eos ids, vocab size, tokenizer.json, the chat
+    template, and whether its workers are simulated."""
     tokenizer_file = Path(model_dir) / "tokenizer.json"
     mapping = {
         "name": name,
@@ -31,6 +56,8 @@ def register_model(client: redis.Redis, keys: Keys, name: str, engine: Engine,
         "vocab_size": engine.model_config.vocab_size,
         "served_by": worker_id,
         "updated_ms": now_ms(),
+        # "1": served by simulated workers, whose tokens are not the model's.
+        "simulated": "1" if engine.simulated else "",
     }
     if tokenizer_file.is_file():
         mapping["tokenizer_json"] = tokenizer_file.read_text(encoding="utf-8")

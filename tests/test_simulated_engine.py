@@ -1,0 +1,139 @@
+"""The simulated engine (worker/engine/simulated.py): everything real but the forward, its
+tokens a documented function of each request's seed, never mistaken for a real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from fleet_fixtures import MODEL
+from waiting import eventually
+from worker_processes import spawn_worker, stop_all, wait_ready
+
+from producer.client.client import Client
+from producer.wire.completion import FinishReason
+from producer.wire.keys import Keys
+from worker import Engine, SamplingParams
+from worker.engine.simulated import PRESETS, SimulatedRunner, StepCost, simulated_token
+from worker.fleet.housekeeping.registration import MixedFleet
+
+KEYS = Keys()
+
+
+def expected(engine: Engine, seed: int, n: int) -> list[int]:
+    return [simulated_token(seed, i, engine.model_config.vocab_size, engine.eos_token_ids)
+            for i in range(n)]
+
+
+def test_the_token_function_is_uniform_over_the_vocabulary_less_what_it_excludes():
+    drawn = [simulated_token(3, i, 10, excluded=[0, 4]) for i in range(4000)]
+    assert set(drawn) == {1, 2, 3, 5, 6, 7, 8, 9}
+    assert min(drawn.count(t) for t in set(drawn)) > 4000 / 8 * 0.8  # no id starved
+    assert simulated_token(3, 7, 10, [0, 4]) == drawn[7]  # a pure function
+    assert simulated_token(4, 7, 10, [0, 4]) != drawn[7] or drawn[7] != drawn[8]
+    with pytest.raises(ValueError):
+        simulated_token(1, 0, 2, excluded=[0, 1])
+
+
+def test_a_simulated_engine_loads_no_weights_and_makes_the_documented_tokens(tiny_llama):
+    engine = Engine(tiny_llama, simulate_step_ms=0, num_kv_blocks=64)
+    assert engine.simulated and engine.model is None and engine.kv_cache is None
+    assert isinstance(engine.runner, SimulatedRunner) and engine.async_scheduling
+    prompts = [[5, 6, 7], [8, 9, 10, 11] * 9, "hello"]
+    params = [SamplingParams(max_tokens=n, seed=s, temperature=t)
+              for n, s, t in ((40, 1, 0.0), (25, 2, 0.7), (30, 3, 1.0))]
+    done = engine.generate(prompts, params)
+    for completion, p in zip(done, params, strict=True):
+        # Sampling settings do not change it; end-of-sequence ids are never drawn.
+        assert completion.token_ids == expected(engine, p.seed, p.max_tokens)
+        assert completion.finish_reason == FinishReason.LENGTH
+        assert completion.text == engine.tokenizer.decode(completion.token_ids)
+    # Stop token ids end a simulated request as they end a real one.
+    stop_at = expected(engine, 1, 40)[10]
+    [stopped] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=40, seed=1,
+                                                            stop_token_ids=[stop_at]))
+    first = expected(engine, 1, 40).index(stop_at)
+    assert stopped.token_ids == expected(engine, 1, first + 1)
+    assert stopped.finish_reason == FinishReason.STOP
+    # Log-probabilities need logits, which it has none of.
+    with pytest.raises(ValueError, match="simulated"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2, logprobs=1))
+    assert engine.stats()["simulated"] == 1
+    engine.close()
+
+
+def test_the_step_cost_is_its_formula_and_settings_are_checked(tmp_path):
+    cost = StepCost(base_ms=1, prefill_token_ms=0.5, decode_row_ms=0.25, context_token_ms=0.01)
+    assert cost.step_ms(prefill_tokens=10, decode_rows=4, context_tokens=100) == 1 + 5 + 1 + 1
+    assert StepCost.load("h200-8b") is PRESETS["h200-8b"]
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"base_ms": 2, "decode_row_ms": 0.1}))
+    assert StepCost.load(str(path)) == StepCost(base_ms=2, decode_row_ms=0.1)
+    path.write_text(json.dumps({"base_ms": 2, "bogus": 1}))
+    with pytest.raises(ValueError, match="bogus|some of"):
+        StepCost.load(str(path))
+    with pytest.raises(ValueError, match="preset"):
+        StepCost.load("no-such-preset")
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCost(base_ms=-1)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(tmp_path, simulate_step_ms=1, simulate_cost="h200-8b")
+
+
+def test_a_simulated_worker_serves_the_fleet_and_says_it_is_simulated(
+        redis_url, redis_client, start_worker):
+    worker = start_worker(simulate_step_ms=2, metrics_port=0)
+    with Client(redis_url) as client:
+        rids = [client.submit([5, 6, 7, i], model=MODEL, max_tokens=30, seed=i)
+                for i in range(8)]
+        results = [client.result(rid, timeout=60) for rid in rids]
+    for i, result in enumerate(results):
+        assert result.token_ids == expected(worker.engine, i, 30)
+    assert redis_client.hget(KEYS.model(MODEL), "simulated") == b"1"
+    assert redis_client.hget(KEYS.worker(worker.config.worker_id), "simulated") == b"1"
+    assert worker.status()["simulated"] == "1"
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics") as r:
+        assert 'conveyor_engine_simulated{model="tiny"} 1.0' in r.read().decode()
+
+
+def test_a_simulated_and_a_real_worker_refuse_to_serve_one_model_together(
+        redis_url, tiny_llama, start_worker, tmp_path):
+    # A real worker serves "tiny": a simulated process for the same name refuses to start.
+    real = start_worker(worker_id="real")
+    simulated = spawn_worker(tiny_llama, redis_url, "sim", "--simulate-step-ms", "1",
+                             log_dir=tmp_path)
+    assert simulated.wait(120) == 2
+    log = (tmp_path / "sim.log").read_text()
+    assert "served by real worker 'real'" in log and "--served-model-name" in log
+    real.stop(drain_timeout_s=5)
+    eventually(lambda: real.state == "stopped", "the real worker to stop")
+
+    # A simulated one serves it now: a real process refuses, and says why.
+    with Client(redis_url) as client:
+        procs = [spawn_worker(tiny_llama, redis_url, "sim2", "--simulate-step-ms", "1")]
+        try:
+            wait_ready(client, "sim2", procs[0])
+            eventually(lambda: client.redis.hget(KEYS.worker("sim2"), "status") == b"serving",
+                       "the simulated worker to serve")
+            late = subprocess.run(
+                [sys.executable, "-m", "worker.cli", "worker", "--model", str(tiny_llama),
+                 "--served-model-name", MODEL, "--redis", redis_url, "--name", "late",
+                 "--dtype", "float64", "--threads", "1"],
+                capture_output=True, text=True, timeout=120)
+        finally:
+            stop_all(procs)
+    assert late.returncode == 2
+    assert "served by simulated worker 'sim2'" in late.stderr
+
+
+def test_mixing_is_refused_before_anything_is_registered(redis_url, redis_client,
+                                                          start_worker):
+    start_worker(worker_id="real")
+    sim = start_worker(worker_id="sim", autostart=False, simulate_step_ms=1)
+    with pytest.raises(MixedFleet):
+        sim.start()
+    assert redis_client.hget(KEYS.model(MODEL), "simulated") == b""  # still the real one's

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 from fleet_fixtures import MODEL
 from waiting import eventually
@@ -16,6 +17,7 @@ from producer.client.client import Client
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from worker import Engine, SamplingParams
+from worker.cli.top import render, take_snapshot
 from worker.engine.simulated import PRESETS, SimulatedRunner, StepCost, simulated_token
 from worker.fleet.housekeeping.registration import MixedFleet
 
@@ -83,7 +85,7 @@ def test_the_step_cost_is_its_formula_and_settings_are_checked(tmp_path):
 
 
 def test_a_simulated_worker_serves_the_fleet_and_says_it_is_simulated(
-        redis_url, redis_client, start_worker):
+        redis_url, redis_client, start_worker, gateway):
     worker = start_worker(simulate_step_ms=2, metrics_port=0)
     with Client(redis_url) as client:
         rids = [client.submit([5, 6, 7, i], model=MODEL, max_tokens=30, seed=i)
@@ -98,6 +100,13 @@ def test_a_simulated_worker_serves_the_fleet_and_says_it_is_simulated(
 
     with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics") as r:
         assert 'conveyor_engine_simulated{model="tiny"} 1.0' in r.read().decode()
+    # `conveyor top` and the gateway's model list say so too.
+    with Client(redis_url) as client:
+        assert "both SIMULATED" in render(take_snapshot(client))
+    [entry] = httpx.get(f"{gateway.api}/models").json()["data"]
+    assert entry["id"] == MODEL and entry["simulated"] is True
+    assert entry["owned_by"] == "conveyor (simulated)"
+    assert httpx.get(f"{gateway.api}/models/{MODEL}").json()["simulated"] is True
 
 
 def test_a_simulated_and_a_real_worker_refuse_to_serve_one_model_together(
@@ -137,3 +146,23 @@ def test_mixing_is_refused_before_anything_is_registered(redis_url, redis_client
     with pytest.raises(MixedFleet):
         sim.start()
     assert redis_client.hget(KEYS.model(MODEL), "simulated") == b""  # still the real one's
+
+
+def test_simulated_prefill_and_decode_workers_hand_requests_on_without_kv(
+        redis_url, start_worker):
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"},
+                           simulate_step_ms=1)
+    decode = start_worker(worker_id="decode-0", config={"role": "decode"},
+                          simulate_step_ms=1)
+    with Client(redis_url) as client:
+        rids = [client.submit([5, 6, 7, i] * 5, model=MODEL, max_tokens=12, seed=100 + i)
+                for i in range(4)]
+        results = [client.result(rid, timeout=60) for rid in rids]
+    for i, result in enumerate(results):
+        # The first token from the prefill worker, the rest from the decode worker: one
+        # function of the seed, as if one worker had made them all.
+        assert result.token_ids == expected(decode.engine, 100 + i, 12)
+    assert prefill.status()["handed_on"] == 4
+    # No KV went with them: the decode side computed each prompt itself.
+    assert decode.status()["kv_imported"] == 0
+    assert decode.status()["prompt_tokens_computed"] >= sum(4 * 5 for _ in rids)

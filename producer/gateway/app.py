@@ -131,8 +131,12 @@ class Gateway:
             states = await self._model_states(fresh=True)
         except UNREACHABLE as exc:
             return _unreachable(exc)
-        data = [_model_entry(s.name) for s in sorted(states.values(), key=lambda s: s.name)
-                if s.live]
+        names = sorted(s.name for s in states.values() if s.live)
+        try:
+            simulated = await self._simulated(names)
+        except UNREACHABLE as exc:
+            return _unreachable(exc)
+        data = [_model_entry(name, sim) for name, sim in zip(names, simulated, strict=True)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -147,7 +151,11 @@ class Gateway:
             return _error(ApiError(f"The model {name!r} does not exist or no live worker "
                                    "serves it", status=404, param="model",
                                    code="model_not_found"))
-        return JSONResponse(_model_entry(name))
+        try:
+            [simulated] = await self._simulated([name])
+        except UNREACHABLE as exc:
+            return _unreachable(exc)
+        return JSONResponse(_model_entry(name, simulated))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -242,6 +250,15 @@ class Gateway:
             return None
         return _error(ApiError("Incorrect API key provided: pass it as 'Authorization: "
                                "Bearer KEY'", status=401, code="invalid_api_key"))
+
+    async def _simulated(self, names: list[str]) -> list[bool]:
+        """Whether each model is served by simulated workers (its registration says so)."""
+        if not names:
+            return []
+        pipe = self.client.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.client.keys.model(name), "simulated")
+        return [flag == b"1" for flag in await pipe.execute()]
 
     async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:
         now = time.monotonic()
@@ -463,8 +480,11 @@ class OrphanWatch:
                            f"{self.timeout:g} s: the request was cancelled")
 
 
-def _model_entry(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
+def _model_entry(name: str, simulated: bool = False) -> dict[str, Any]:
+    entry = {"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
+    if simulated:  # its tokens are not the model's (worker/engine/simulated.py)
+        entry.update(owned_by="conveyor (simulated)", simulated=True)
+    return entry
 
 
 def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:

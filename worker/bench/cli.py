@@ -67,6 +67,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a single worker pins its threads where its engine's fill the CPUs, and "
                    "the client and the bench's own Redis run on its I/O CPUs "
                    "(worker/host/cpu_placement.py; default: on)")
+    sim = s.add_mutually_exclusive_group()
+    sim.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                     help="SIMULATED workers (and offline engine): no forward, each step MS "
+                     "ms, tokens a function of each seed: the fleet at a GPU's speed "
+                     "(worker/engine/simulated.py); results say so")
+    sim.add_argument("--simulate-cost", default=None, metavar="FILE|PRESET",
+                     help="the same, steps costed by a JSON file or a preset (h200-8b)")
     s.add_argument("--max-num-seqs", type=int, default=field_default(EngineConfig, "max_num_seqs"),
                    help="requests a worker runs at once")
     s.add_argument("--max-num-batched-tokens", type=int,
@@ -163,7 +170,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
         summaries[name] = metrics.summarize_run(run, slo)
         summaries[name]["repeats"] = [_repeat_row(r) for r in runs[name]]
     rows = report.comparisons(summaries, args.workload, aims=not args.quick)
-    if not (args.rate or args.concurrency or any(i.arrival_s for i in items)):
+    simulated = simulated_ideal(args, items)
+    if simulated is not None:
+        # The machine's limits mean nothing to simulated steps: their own ideal does.
+        rows += report.simulated_rows(summaries, simulated["ideal_output_tokens_per_s"])
+    elif not (args.rate or args.concurrency or any(i.arrival_s for i in items)):
         # The limit assumes everything at t=0.
         rows += report.limit_rows(summaries, limits_found["limit_output_tokens_per_s"],
                                   args.workload, aims=not args.quick)
@@ -182,6 +193,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         "host": {"cpus": os.cpu_count(), "load_before": list(load_before),
                  "load_after": list(load_after)},
         "limits": limits_found,
+        "simulated": simulated,
         "runs": summaries,
         "comparisons": rows,
         "requests": {run.name: metrics.request_rows(run.records) for run in chosen.values()},
@@ -190,6 +202,22 @@ def bench_cmd(args: argparse.Namespace) -> int:
     report.write_json(results, out_dir / "results.json")
     _print(summaries, rows, load_before, load_after, out_dir, plots, args.repeat)
     return 0
+
+
+def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | None:
+    """For a simulated engine: its step cost and the output tokens/s its steps allow at
+    full batch (every step decodes --max-num-seqs rows, each reading the workload's mean
+    context); None for a real one."""
+    if args.simulate_step_ms is None and args.simulate_cost is None:
+        return None
+    from worker.engine.simulated import step_cost
+
+    cost = step_cost(args.simulate_step_ms, args.simulate_cost)
+    rows = args.max_num_seqs
+    context = sum(len(i.prompt_token_ids) + i.max_tokens / 2 for i in items) / max(1, len(items))
+    step_ms = cost.step_ms(prefill_tokens=0, decode_rows=rows, context_tokens=rows * context)
+    return {"step_cost": cost.to_dict(), "full_batch_step_ms": round(step_ms, 4),
+            "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1)}
 
 
 def _median_run(repeats: list[RunResult]) -> RunResult:

@@ -139,7 +139,8 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
     lanes = _table(["model", "lane", "queued", "pending", "consumers", "length"],
                    [[s.model, s.lane, s.depth, s.pending, s.consumers, s.length]
                     for s in snap.lanes]) if snap.lanes else ["(no models registered)"]
-    rows = [[w.get("worker_id", "?"), w.get("model", "?"), w.get("role") or "both",
+    rows = [[w.get("worker_id", "?"), w.get("model", "?"),
+             (w.get("role") or "both") + (" SIMULATED" if w.get("simulated") == "1" else ""),
              w.get("status", "?"),
              w.get("running", "0"), w.get("waiting", "0"), w.get("swapped", "0"),
              w.get("inflight", "0"), _kv(w), f"{_float(w, 'tokens_per_s'):.1f}",

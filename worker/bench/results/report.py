@@ -60,6 +60,15 @@ def limit_rows(summaries: dict[str, dict[str, Any]], limit_tokens_per_s: float,
     return rows
 
 
+def simulated_rows(summaries: dict[str, dict[str, Any]],
+                   ideal_tokens_per_s: float) -> list[dict[str, Any]]:
+    """Each run's output tokens/s as a fraction of what simulated steps allow at full batch
+    (worker/engine/simulated.py): the fleet's own overhead at a GPU's speed."""
+    return [_row(f"output tokens/s, {name} / simulated ideal (full batches)",
+                 _get(summary, "throughput", "output_tokens_per_s"), ideal_tokens_per_s,
+                 None, higher_is_better=True) for name, summary in summaries.items()]
+
+
 def disaggregation_rows(split: dict[str, Any], mixed: dict[str, Any]) -> list[dict[str, Any]]:
     """One prefill + one decode worker against two mixed workers (W5): the interactive
     requests' TTFT and ITL, the documents' TTFT, goodput; each disaggregated / mixed."""

@@ -49,6 +49,10 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
     if args.baseline == "hf-static":
         from worker.bench.run.baseline_hf import run_hf_static
 
+        if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
+            raise ValueError("--baseline runs the real model: it cannot stand beside a "
+                             "simulated engine")
+
         systems.append(System("hf-static", lambda _: run_hf_static(
             model_dir, items, args.hf_batch_size, args.threads),
             f"transformers generate in static batches of {args.hf_batch_size}"))
@@ -84,6 +88,8 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
             + ", this process the client"
     if interval != 1:
         describe += f", tokens published {interval} at a time"
+    if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
+        describe += ", SIMULATED engine (no forward: worker/engine/simulated.py)"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
                 if not roles else len(roles), "roles": list(roles) or ["both"],
                 "stream_interval": interval}
@@ -100,6 +106,9 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings["num_kv_blocks"] = args.num_kv_blocks
     if args.max_prefill_chunk:
         settings["max_prefill_chunk"] = args.max_prefill_chunk
+    for name in ("simulate_step_ms", "simulate_cost"):  # a simulated engine: said in results
+        if getattr(args, name, None) is not None:
+            settings[name] = getattr(args, name)
     return settings
 
 
@@ -125,4 +134,8 @@ def worker_flags(settings: dict[str, Any], threads: int) -> list[str]:
         flags += ["--max-prefill-chunk", str(settings["max_prefill_chunk"])]
     if not settings["enable_chunked_prefill"]:
         flags.append("--no-chunked-prefill")
+    if settings.get("simulate_step_ms") is not None:
+        flags += ["--simulate-step-ms", str(settings["simulate_step_ms"])]
+    if settings.get("simulate_cost") is not None:
+        flags += ["--simulate-cost", str(settings["simulate_cost"])]
     return flags

@@ -11,8 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvstore import PrefixHit
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
@@ -22,15 +20,13 @@ from scheduler import Request, RequestUpdate, Scheduler
 from scheduler.deadlines import Deadlines
 from worker.engine.admission import AdmissionChecks, Prompt, sampling_params
 from worker.engine.config import EngineConfig
-from worker.engine.memory import kv_memory, prepare_device
+from worker.engine.memory import kv_memory, load_forward
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import RequestOutputState, StepOutput, merged_outputs
 from worker.engine.simulated import SimulatedRunner, step_cost
 from worker.engine.step_pipeline import OverlappedSteps
 from worker.engine.tokenizer import Tokenizer
 from worker.models import native_decode
-from worker.models.config import ModelConfig
-from worker.models.loader import load_model
 from worker.sampling import fresh_seed
 
 # Scheduler counters (since start) that stats() reports: preemptions by kind, blocks swapped,
@@ -57,16 +53,7 @@ class Engine:
         # tokenizer only: no weights, no KV tensors, no forward.
         self.simulated_cost = step_cost(cfg.simulate_step_ms, cfg.simulate_cost)
         self.simulated = self.simulated_cost is not None
-        if self.simulated:
-            self.device, self.dtype = torch.device("cpu"), torch.float32  # nominal
-            self.model = None
-            mc = ModelConfig.from_dir(model_dir)
-        else:
-            self.device, self.dtype = prepare_device(cfg)
-            self.model = load_model(model_dir, self.dtype, self.device, cfg.attention_backend)
-            if self.device.type == "cpu":
-                native_decode.prepare(self.model)  # the packed weights, now, not mid-step
-            mc = self.model.config
+        self.device, self.dtype, self.model, mc = load_forward(cfg, model_dir, self.simulated)
         self.model_config = mc
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
@@ -80,12 +67,9 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len), self.kv)
         self.checks = AdmissionChecks(self.tokenizer, mc.vocab_size, self.max_model_len,
                                       cfg.block_size, self.block_pool.num_blocks)
-        self.runner: ModelRunner | SimulatedRunner
-        if self.simulated_cost is not None:
-            self.runner = SimulatedRunner(self.simulated_cost, mc.vocab_size,
-                                          self.eos_token_ids, self.clock)
-        else:
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.host_cache)
+        self.runner = (SimulatedRunner(self.simulated_cost, mc.vocab_size, self.eos_token_ids,
+                                       self.clock) if self.simulated_cost is not None else
+                       ModelRunner(self.model, self.kv_cache, self.device, self.host_cache))
         # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA only,
         # and for a simulated engine, whose steps stand for a GPU's.
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None

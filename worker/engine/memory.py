@@ -1,9 +1,10 @@
 """An engine's place: the device and precision it runs in, set up for it (process-wide
-settings made before its model loads), and the KV memory it lays out there."""
+settings made before its model loads), its model, and the KV memory it lays out there."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,9 +15,12 @@ from worker.attention.torch_backend import keep_cudnn_attention_off
 from worker.engine.config import EngineConfig
 from worker.host.allocator import keep_large_allocations_in_heap
 from worker.host.device import engine_device, engine_dtype
+from worker.models import native_decode
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
 
 if TYPE_CHECKING:
-    from worker.models.config import ModelConfig
+    from worker.models.llama import CausalLM
 
 
 def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -36,6 +40,19 @@ def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
         engine_kernels()
     return device, engine_dtype(config.dtype, device)
+
+
+def load_forward(config: EngineConfig, model_dir: str | Path, simulated: bool,
+                 ) -> tuple[torch.device, torch.dtype, CausalLM | None, ModelConfig]:
+    """The engine's device, dtype, model (its weights loaded and prepared) and the model's
+    config; a simulated engine's is config.json alone (no model, a nominal CPU float32)."""
+    if simulated:
+        return torch.device("cpu"), torch.float32, None, ModelConfig.from_dir(model_dir)
+    device, dtype = prepare_device(config)
+    model = load_model(model_dir, dtype, device, config.attention_backend)
+    if device.type == "cpu":
+        native_decode.prepare(model)  # the packed weights, now, not mid-step
+    return device, dtype, model, model.config
 
 
 @dataclass

@@ -318,3 +318,88 @@ def test_a_worker_with_an_interval_gives_the_offline_engines_results(redis_url, 
         assert len(chunks[0].token_ids) == 1
         assert len(chunks) < 11
     assert settled_pending(client.redis) == 0
+
+
+# --- by time: --stream-interval-ms (the default) -------------------------------------------
+
+
+def test_a_requests_tokens_go_out_at_most_once_an_interval():
+    clock = ManualClock()
+    holder = ChunkHolder(interval_s=0.05, clock=clock)
+    out = holder.release([step("a", 0)])  # the first token: at once
+    for i in (1, 2, 3):
+        clock.advance(0.015)
+        out += holder.release([step("a", i)])
+    assert spans(out) == [("a", 0, 1, False)] and holder.held_requests == 1
+    assert holder.next_due() == pytest.approx(0.005)
+    clock.advance(0.005)  # 50 ms after the first chunk went out
+    out += holder.release([step("a", 4)])
+    assert spans(out)[1:] == [("a", 1, 4, False)]
+    clock.advance(0.01)
+    out += holder.release([final("a", 5)])  # the final: at once, with what was held
+    assert spans(out)[2:] == [("a", 5, 1, True)]
+    assert [t for p in out for t in p.chunk.token_ids] == [100 + i for i in range(6)]
+    assert holder.held_requests == 0 and holder.next_due() is None
+
+
+def test_tokens_slower_than_the_interval_go_out_one_by_one_at_once():
+    clock = ManualClock()
+    holder = ChunkHolder(interval_s=0.05, clock=clock)
+    out = []
+    for i in range(5):
+        out += holder.release([step("a", i)])
+        clock.advance(0.06)
+    assert spans(out) == [("a", i, 1, False) for i in range(5)]
+
+
+def test_held_tokens_go_out_when_due_even_without_another_step():
+    clock = ManualClock()
+    holder = ChunkHolder(interval_s=0.05, clock=clock)
+    holder.release([step("a", 0), step("b", 0)])
+    clock.advance(0.02)
+    assert holder.release([step("a", 1), step("b", 1)]) == []
+    assert holder.release([]) == []  # not due yet
+    clock.advance(0.03)
+    # The engine stalled (no step): their interval is over, so they go.
+    assert sorted(spans(holder.release([]))) == [("a", 1, 1, False), ("b", 1, 1, False)]
+
+
+def test_the_worker_default_is_fifty_milliseconds_and_zero_passes_everything():
+    assert WorkerConfig(model_dir="m").stream_interval_ms == 50
+    holder = ChunkHolder(interval_s=0)
+    items = [step("a", 0), step("a", 1)]
+    assert holder.release(items) is items
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        WorkerConfig(model_dir="m", stream_interval_ms=-1)
+
+
+def test_a_worker_at_the_default_interval_streams_exactly_and_resumes_from_any_entry(
+        redis_url, tiny_llama, start_worker):
+    start_worker()  # the default: --stream-interval-ms 50
+    client = Client(redis_url)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 1000) for _ in range(n)] for n in (5, 30, 12)]
+    sampling = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    ids = [client.submit(p, model=MODEL, **sampling) for p in prompts]
+    want = Engine(tiny_llama, dtype="float64", num_kv_blocks=512).generate(
+        prompts, SamplingParams(**sampling))
+    for rid, expected in zip(ids, want, strict=True):
+        events = list(client.stream(rid, timeout=60))
+        assert [t for e in events[:-1] for t in e.token_ids] == expected.token_ids
+        entries = client.redis.xrange(KEYS.output(rid))
+        assert len(entries) - 1 < len(expected.token_ids)  # coalesced: fewer chunks than tokens
+        # Resumed after any entry, a reader gets exactly the tokens after it, each once.
+        seen = 0
+        for entry_id, _ in entries[:-1]:
+            seen += len(OutputChunkOf(entries, entry_id))
+            rest = [t for e in client.stream(rid, entry_id.decode(), timeout=60)
+                    for t in getattr(e, "token_ids", [])]
+            assert rest == expected.token_ids[seen:]
+    assert settled_pending(client.redis) == 0
+
+
+def OutputChunkOf(entries, entry_id) -> list[int]:  # noqa: N802 - reads like the type
+    """The token ids of the chunk at ``entry_id``."""
+    [fields] = [f for e, f in entries if e == entry_id]
+    return msgpack.unpackb(fields[FIELD.encode() if isinstance(FIELD, str) else FIELD])[
+        "token_ids"]

@@ -83,10 +83,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="device KV pool in blocks (default: the engine's sizing)")
     s.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
-    s.add_argument("--stream-interval", type=int,
-                   default=field_default(WorkerConfig, "stream_interval"), metavar="N",
-                   help="the workers publish a decoding request's tokens N at a time "
-                   "(default: %(default)s)")
+    s.add_argument("--stream-interval-ms", type=float,
+                   default=field_default(WorkerConfig, "stream_interval_ms"), metavar="MS",
+                   help="the workers publish a decoding request's tokens at most once every "
+                   "MS ms; 0: every step (default: %(default)s)")
 
     a = p.add_argument_group("alternatives, measured after the fleet run")
     a.add_argument("--baseline", choices=["hf-static"], default=None,

@@ -10,10 +10,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from producer.paths import default_model_dir
 from worker.cli.redis_verbs import add_redis_url_option
 from worker.engine.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
+
+log = structlog.get_logger(__name__)
 
 
 def add_worker_parsers(subparsers: Any) -> None:
@@ -96,10 +100,15 @@ def _add_serve_parser(subparsers: Any) -> None:
                    help="schedule each step while the one before runs: auto is on for CUDA "
                    "and off on a CPU, where it was measured slower; a prefill worker never "
                    "does (default: %(default)s)")
-    p.add_argument("--stream-interval", type=int, default=worker("stream_interval"),
-                   metavar="N", help="publish a decoding request's tokens N at a time (its "
-                   "first token and its end at once): fewer writes to Redis and reads by its "
-                   "clients, each token up to N - 1 steps later (default: %(default)s)")
+    p.add_argument("--stream-interval-ms", type=float, default=worker("stream_interval_ms"),
+                   metavar="MS", help="publish a decoding request's tokens at most once every "
+                   "MS ms (its first token and its end at once, every token where they come "
+                   "slower): a bounded number of writes to Redis and reads by its clients "
+                   "whatever the step rate, each token up to MS later; 0: every step "
+                   "(default: %(default)s)")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="deprecated (a count of steps means nothing to a reader): also publish "
+                   "a request's held tokens once they number N")
     sim = p.add_mutually_exclusive_group()
     sim.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
                      help="a SIMULATED engine, to test the fleet at a GPU's speed: no forward "
@@ -243,9 +252,18 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
                           kv_timeout_s=args.kv_timeout,
                           handoff_max_waiting=args.handoff_max_waiting,
-                          stream_interval=args.stream_interval,
+                          stream_interval=_deprecated_interval(args.stream_interval),
+                          stream_interval_ms=args.stream_interval_ms,
                           **({"worker_id": args.worker_id} if args.worker_id else {}))
     return config
+
+
+def _deprecated_interval(tokens: int | None) -> int | None:
+    if tokens is not None:
+        log.warning("--stream-interval N is deprecated: --stream-interval-ms MS bounds each "
+                    "stream's writes in time, whatever the step rate (default 50)",
+                    stream_interval=tokens)
+    return tokens
 
 
 def demo_cmd(args: argparse.Namespace) -> int:

@@ -42,10 +42,14 @@ class WorkerConfig:
     read_block_ms: int = 1000
     # Output streams live this long after their last write (renewed on every write).
     output_ttl_s: int = 3600
-    # A decoding request's tokens go out in chunks of this many (its first token and its
-    # final at once): fewer writes for Redis and the clients to handle, each token up to
-    # stream_interval - 1 steps later (worker/fleet/publishing/chunk_holder.py). 1: every step.
-    stream_interval: int = 1
+    # A decoding request's tokens go out at most once this many ms (its first token and its
+    # final at once; every token where they come slower): a bounded number of writes for
+    # Redis and the clients whatever the step rate, each token up to this much later
+    # (worker/fleet/publishing/chunk_holder.py). 0: every step.
+    stream_interval_ms: float = 50.0
+    # Deprecated (a count of steps means nothing to a reader at an unknown step rate): also
+    # send a request's held tokens once they number this many. None: by time alone.
+    stream_interval: int | None = None
     heartbeat_interval_s: float = 2.0
     # How often the reaper does its housekeeping: trims served entries (those below the
     # oldest pending one) off the request streams (until then they can be read back with
@@ -137,7 +141,9 @@ class WorkerConfig:
         if self.handoff_max_waiting is not None:
             _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)
         _at_least("output_ttl_s", self.output_ttl_s, 1)
-        _at_least("stream_interval", self.stream_interval, 1)
+        if self.stream_interval is not None:
+            _at_least("stream_interval", self.stream_interval, 1)
+        _at_least("stream_interval_ms", self.stream_interval_ms, 0)
         _at_least("lease_ms", self.lease_ms, 1)
         _at_least("max_deliveries", self.max_deliveries, 1)
         _at_least("drain_timeout_s", self.drain_timeout_s, 0)

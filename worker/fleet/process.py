@@ -115,6 +115,7 @@ class Worker:
                             if self.handoffs is not None or share else None)
         self.publisher = Publisher(publisher_client, self.keys, wid, config.output_ttl_s, text,
                                    hand_on=hand_on, stream_interval=config.stream_interval,
+                                   stream_interval_ms=config.stream_interval_ms,
                                    prefixes=prefixes, tier_writer=self.tier_writer, **sup)
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,

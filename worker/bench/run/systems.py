@@ -11,6 +11,8 @@ from typing import Any
 from worker.bench.results.records import RunResult
 from worker.bench.run.runner_fleet import FleetTarget, run_fleet
 from worker.bench.run.workloads import WorkItem
+from worker.engine.config import field_default
+from worker.fleet.config import WorkerConfig
 from worker.host.cpu_placement import plan
 
 
@@ -59,15 +61,19 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
     return systems
 
 
+# The workers' own default: a bench that does not name an interval passes none.
+DEFAULT_INTERVAL_MS = field_default(WorkerConfig, "stream_interval_ms")
+
+
 def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_dir: Path,
            items: list[WorkItem], redis_url: str, out_dir: Path,
            more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = ()) -> System:
     """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role."""
     flags = worker_flags(engine, args.threads)
-    interval = getattr(args, "stream_interval", 1)
-    if interval != 1:
-        flags += ["--stream-interval", str(interval)]
-        more = tuple((*f, "--stream-interval", str(interval)) for f in more)
+    interval = getattr(args, "stream_interval_ms", DEFAULT_INTERVAL_MS)
+    if interval != DEFAULT_INTERVAL_MS:
+        flags += ["--stream-interval-ms", f"{interval:g}"]
+        more = tuple((*f, "--stream-interval-ms", f"{interval:g}") for f in more)
     # One worker places its threads (worker/host/cpu_placement.py), and the bench puts its
     # client and its own Redis on the worker's I/O CPUs meanwhile, as a deployment on a
     # shared machine would; several workers on these CPUs are left to the OS.
@@ -86,13 +92,12 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
                              placement, args.redis is None)
         describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
             + ", this process the client"
-    if interval != 1:
-        describe += f", tokens published {interval} at a time"
+    describe += f", each stream written at most every {interval:g} ms"
     if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
         describe += ", SIMULATED engine (no forward: worker/engine/simulated.py)"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
                 if not roles else len(roles), "roles": list(roles) or ["both"],
-                "stream_interval": interval}
+                "stream_interval_ms": interval}
     return System(name, lambda repeat: run_fleet(name, target, items, args.concurrency,
                                                  settings, args.timeout, repeat), describe)
 

@@ -1,12 +1,13 @@
-"""Fewer, larger output chunks: a decoding request's tokens go out every ``interval`` tokens.
+"""Fewer, larger output chunks: a decoding request's tokens go out at most once an interval.
 
 Each chunk written costs a fixed price whatever it carries: the publisher's command, a
-Redis write, and a wake-up and parse in every client that follows the stream. At 64
-decoding requests that is 64 writes a step, and on a machine whose cores the engine shares
-with Redis and the clients, their CPU is the engine's loss (docs/benchmarks.md, "Fleet vs
-`--offline` throughput"). Holding a request's chunks until they carry ``interval`` tokens
-divides that price by ``interval``; each token then waits up to ``interval - 1`` steps
-longer to be seen. vLLM's ``stream_interval`` makes the same trade.
+Redis write, and a wake-up and parse in every client that follows the stream. At 256
+decoding requests and a step every 5 ms (a GPU) that is 51,200 writes a second for one
+worker (docs/redis.md). Holding a request's chunks until ``interval_s`` has passed since
+its last chunk went out bounds its writes to one an interval, whatever the step rate; a
+reader sees each token at most ``interval_s`` later, and every token at once where they
+come slower than that. (``tokens``, the older way, holds them until they number that
+many: a count of steps means nothing to a reader who does not know the step rate.)
 
 What is never held: a request's first chunk (time to first token stays as it is), a final
 (with whatever was held before it, in one chunk), anything of a request that a step leaves
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.protocol import OutputChunk
 from worker.fleet.messages import Publication
 
@@ -49,20 +51,46 @@ def follows(pieces: list[OutputChunk], then: OutputChunk) -> bool:
 
 
 class ChunkHolder:
-    """Holds prepared publications (publisher.py's ``Publication``) by request
-    until their chunks carry ``interval`` tokens; ``release`` gives back what to write."""
+    """Holds prepared publications (publisher.py's ``Publication``) by request until
+    ``interval_s`` seconds of ``clock`` passed since the request's last chunk went out, or
+    until they carry ``tokens`` tokens (each where given); ``release`` gives back what to
+    write. Neither given, an interval of 0 or 1 token: everything goes at once."""
 
-    def __init__(self, interval: int) -> None:
-        if interval < 1:
-            raise ValueError(f"stream interval must be >= 1, got {interval}")
-        self.interval = interval
-        # Requests whose first chunk went out, and each one's held chunks (if any).
-        self._started: set[str] = set()
+    def __init__(self, tokens: int | None = None, interval_s: float | None = None,
+                 clock: Clock | None = None) -> None:
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"stream interval must be >= 1 token, got {tokens}")
+        if interval_s is not None and not interval_s >= 0:
+            raise ValueError(f"stream interval must be >= 0 ms, got {interval_s * 1000}")
+        self.tokens = tokens
+        self.interval_s = interval_s
+        self.clock = clock or SYSTEM_CLOCK
+        self.passes_through = tokens == 1 or interval_s == 0 or (
+            tokens is None and interval_s is None)
+        # Requests whose first chunk went out, with when their last chunk did, and each
+        # one's held chunks (if any).
+        self._sent_at: dict[str, float] = {}
         self._held: dict[str, list[OutputChunk]] = {}
 
     @property
     def held_requests(self) -> int:
         return len(self._held)
+
+    def next_due(self) -> float | None:
+        """Seconds until a held request's interval is over (0: now); None when nothing
+        waits for time (nothing held, or no interval)."""
+        if not self._held or self.interval_s is None:
+            return None
+        now = self.clock.monotonic()
+        first = min(self._sent_at.get(rid, now) for rid in self._held)
+        return max(0.0, first + self.interval_s - now)
+
+    def _due(self, rid: str, pieces: list[OutputChunk], now: float) -> bool:
+        if self.tokens is not None and sum(len(p.token_ids) for p in pieces) >= self.tokens:
+            return True
+        # (A nanosecond's slack: an interval measured as a sum of float seconds.)
+        return self.interval_s is not None and now - self._sent_at.get(rid, now) >= \
+            self.interval_s - 1e-9
 
     def release(self, items: list, ended: frozenset[str] | set[str] = frozenset(),
                 flush_all: bool = False) -> list:
@@ -77,8 +105,9 @@ class ChunkHolder:
         write after a refused script in the same transaction could land over missing
         tokens. Whatever must go before something else goes as its steps' chunks, one by
         one."""
-        if self.interval == 1:
+        if self.passes_through:
             return items
+        now = self.clock.monotonic()
         out: list = []
         # This call's pieces by request (held ones first), in the order requests came.
         taken: dict[str, list[OutputChunk]] = {}
@@ -88,9 +117,9 @@ class ChunkHolder:
                 out.extend(self._singly(rid, self._take(rid, taken)))  # before it
                 out.append(item)
                 continue
-            if rid not in self._started and rid not in self._held and rid not in taken:
+            if rid not in self._sent_at and rid not in self._held and rid not in taken:
                 if item.final is None:  # its first chunk: at once
-                    self._started.add(rid)
+                    self._sent_at[rid] = now
                 out.append(item)
                 continue
             pieces = self._take(rid, taken)
@@ -103,27 +132,28 @@ class ChunkHolder:
                 if pieces:  # (a publication with neither a chunk nor a final adds nothing)
                     taken[rid] = pieces
                 continue
-            self._started.discard(rid)  # its end: with what came before it
+            self._sent_at.pop(rid, None)  # its end: with what came before it
             if len(pieces) > 1:
                 out.append(replace(item, chunk=joined(pieces), pieces=pieces))
             elif pieces:
                 out.append(replace(item, chunk=pieces[0]))
             else:
                 out.append(item)
-        for rid in ended:
-            self._started.discard(rid)
         stepped = set(taken)
         for rid, pieces in taken.items():
-            if flush_all or rid in ended or (
-                    sum(len(p.token_ids) for p in pieces) >= self.interval):
+            if flush_all or rid in ended or self._due(rid, pieces, now):
                 out.append(self._publication(rid, pieces))
+                self._sent_at[rid] = now
             else:
                 self._held[rid] = pieces
         # Items with no step in them (the engine loop's other messages) say nothing of who
-        # was stepped.
-        for rid in [r for r in self._held if r not in stepped and (
-                flush_all or r in ended or stepped)]:
+        # was stepped; a request whose interval is over goes whatever they say.
+        for rid in [r for r, pieces in self._held.items() if r not in stepped and (
+                flush_all or r in ended or stepped or self._due(r, pieces, now))]:
             out.append(self._publication(rid, self._held.pop(rid)))
+            self._sent_at[rid] = now
+        for rid in ended:
+            self._sent_at.pop(rid, None)
         return out
 
     def _take(self, rid: str | None, taken: dict[str, list[OutputChunk]]) -> list[OutputChunk]:

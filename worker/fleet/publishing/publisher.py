@@ -58,6 +58,8 @@ DEAD_LETTER_RAW_BYTES = 4096
 # Engine steps whose output may wait for the publisher; past it the engine loop stops
 # stepping (Redis refusing writes must not make output pile up without limit).
 MAX_BACKLOG_STEPS = 256
+# Seconds the publisher waits for output before it looks at what it holds (no step came).
+IDLE_S = 0.5
 # How often (in batches) the publisher forgets the TTLs of streams it no longer writes.
 PRUNE_EVERY_BATCHES = 1000
 # Output stream names kept, by request id, before the publisher forgets them all.
@@ -148,8 +150,9 @@ class Publisher(SupervisedThread):
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, output_ttl_s: int,
                  text: TextStage, hand_on: HandOnWriter | None = None,
-                 prefixes: PrefixSharer | None = None, stream_interval: int = 1,
-                 tier_writer: TierWriter | None = None, **supervision: Any) -> None:
+                 prefixes: PrefixSharer | None = None, stream_interval: int | None = None,
+                 tier_writer: TierWriter | None = None,
+                 stream_interval_ms: float | None = None, **supervision: Any) -> None:
         super().__init__("publisher", worker_id=worker_id, **supervision)
         # Prefill workers: stores a handed-on request's KV and hands it on (fleet/handoff.py).
         self.hand_on = hand_on
@@ -158,8 +161,10 @@ class Publisher(SupervisedThread):
         # Writes both off this thread (tier_io.py); None: this thread writes them itself.
         self.tier_writer = tier_writer
         self.text = text
-        # Holds a decoding request's chunks until they carry stream_interval tokens.
-        self.holder = ChunkHolder(stream_interval)
+        # Holds a decoding request's chunks until stream_interval_ms passed since its last
+        # one went out (or, the older way, until they carry stream_interval tokens).
+        self.holder = ChunkHolder(stream_interval, None if stream_interval_ms is None
+                                  else stream_interval_ms / 1000, clock=self.clock)
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
@@ -202,12 +207,15 @@ class Publisher(SupervisedThread):
 
     def tick(self) -> None:
         if self._owed is None:
-            batch = self._take()
+            due = self.holder.next_due()
+            batch = self._take(IDLE_S if due is None else min(IDLE_S, due))
             ready = self._prepare(batch) if batch else []
-            # Held chunks leave with their request's next output, or at the latest with the
-            # batch that no longer steps it; all of them when closing or idle (no batch).
+            # Held chunks leave once their interval is over, with their request's next
+            # output, or at the latest with the batch that no longer steps it; all of them
+            # when closing, or idle (no batch) where they wait for a count of tokens.
+            idle = batch is None and self.holder.interval_s is None
             self._owed = self.holder.release(ready, set(self._forgotten),
-                                             flush_all=batch is None or self._closing) or None
+                                             flush_all=idle or self._closing) or None
         if self._owed:
             self._write(self._owed)
         self._owed = None
@@ -234,10 +242,11 @@ class Publisher(SupervisedThread):
         covers the time until the batch reaches Redis (a busy core, a busy Redis)."""
         return lives_until - now < self.output_ttl_s + self.ttl_renew_slack_s / 2
 
-    def _take(self) -> list[PublisherItem] | None:
-        """The next queued items, coalesced: one round trip for several steps when behind."""
+    def _take(self, timeout: float) -> list[PublisherItem] | None:
+        """The next queued items, coalesced: one round trip for several steps when behind;
+        None after ``timeout`` seconds without any."""
         try:
-            first = self._queue.get(timeout=0.5)
+            first = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
         if first is None:

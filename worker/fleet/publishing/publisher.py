@@ -1,14 +1,14 @@
 """The publisher thread: writes each step's output entries, then acknowledges finished requests.
 
 A request entry is acknowledged only after every entry it needs is in Redis: the writes go
-in one round trip, the commands of each key as one MULTI/EXEC where there are several
-(each transaction touches one key, as Redis Cluster requires), then the acknowledgements,
-owner-checked, in a second round trip. A write Redis refuses (out of memory, read-only
-after a failover) aborts its key's whole transaction, so no output stream ever gets a later
-entry without an earlier one; nothing of a batch with a refusal is acknowledged, and the
-supervisor retries what was not written after a backoff. Entry ids derived from token
-indexes make a repeated XADD fail harmlessly; a final that was already there is checked to
-be a final before its request is acknowledged.
+in one round trip, the writes of each key as one MULTI/EXEC where there are several (each
+transaction touches one key, as Redis Cluster requires; an EXPIRE needs none), then the
+acknowledgements, owner-checked, in a second round trip. A write Redis refuses (out of
+memory, read-only after a failover) aborts its key's whole transaction, so no output stream
+ever gets a later entry without an earlier one; nothing of a batch with a refusal is
+acknowledged, and the supervisor retries what was not written after a backoff. Entry ids
+derived from token indexes make a repeated XADD fail harmlessly; a final that was already
+there is checked to be a final before its request is acknowledged.
 
 A decoding request's step usually costs one command, its XADD: the stream's TTL is renewed
 (to the TTL plus a slack of an eighth) only once less than the TTL plus half the slack is
@@ -20,6 +20,7 @@ the publisher shares the cores with the engine: every command it saves is engine
 
 from __future__ import annotations
 
+import hashlib
 import queue
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ local function add(id, message)
   local r = redis.pcall('XADD', KEYS[1], id, ARGV[3], message)
   if type(r) == 'table' and r.err then
     if string.find(r.err, 'equal or smaller', 1, true) then return false end
-    error(r)
+    error(r.err)
   end
   added = added + 1
   return true
@@ -104,6 +105,12 @@ if ARGV[5] ~= '' then
 end
 return {added, final}
 """
+
+
+# Sent by its SHA (EVALSHA): the script's text is not sent and hashed again for every
+# joined chunk. A Redis that lost it (a restart) answers NOSCRIPT; the publisher loads it
+# again and the batch is retried.
+APPEND_JOINED_SHA = hashlib.sha1(APPEND_JOINED.encode()).hexdigest()
 
 
 def already_written(result: object) -> bool:
@@ -181,6 +188,7 @@ class Publisher(SupervisedThread):
         # Requests forgotten in the batch being written; batches written (for pruning).
         self._forgotten: list[str] = []
         self._batches = 0
+        self._script_loaded = False  # APPEND_JOINED, as far as this publisher knows
         self.published_entries = 0
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
@@ -307,9 +315,14 @@ class Publisher(SupervisedThread):
                 else:
                     self._add_publication(commands, item, now)
             outcomes: dict[int, list[tuple[Command, object]]] = {id(item): [] for item in todo}
+            if not self._script_loaded and any(c.kind == "joined" for c in commands):
+                self.client.script_load(APPEND_JOINED)
+                self._script_loaded = True
             for command, result in zip(commands, self._transact(commands), strict=True):
                 outcomes[id(command.item)].append((command, result))
             refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
+            if any(isinstance(r, redis.exceptions.NoScriptError) for r in refused):
+                self._script_loaded = False  # Redis lost it: loaded again for the retry
             if refused:
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
@@ -338,10 +351,11 @@ class Publisher(SupervisedThread):
             self.prefixes.write(item)
 
     def _transact(self, commands: list[Command]) -> list[object]:
-        """Run ``commands`` as one MULTI/EXEC per key (a key's lone command as it is: atomic
-        already), all in one round trip; each command's result (an exception where Redis
-        refused it, or refused its whole transaction). The round trip is
-        ``run_commands``: at a step's 64 XADDs, redis-py's Pipeline cost twice its CPU.
+        """Run ``commands`` as one MULTI/EXEC per key that gets several writes (a key's
+        lone write as it is, atomic already, with its EXPIRE beside it), all in one round
+        trip; each command's result (an exception where Redis refused it, or refused its
+        whole transaction). The round trip is ``run_commands``: at a step's 64 XADDs,
+        redis-py's Pipeline cost twice its CPU.
 
         One key per transaction: a stream never gets a later entry without an earlier one
         (a refusal aborts everything written to that key in this batch), and every atomic
@@ -351,9 +365,12 @@ class Publisher(SupervisedThread):
         for i, command in enumerate(commands):
             by_key.setdefault(command.key, []).append(i)
         wire: list[tuple[Any, ...]] = []
-        for indexes in by_key.values():
-            if len(indexes) == 1:
-                wire.append(commands[indexes[0]].args)
+        for key, indexes in list(by_key.items()):
+            # An EXPIRE needs no transaction: beside a refused write it only renews a TTL.
+            writes = [i for i in indexes if commands[i].kind != "expire"]
+            if len(writes) <= 1:
+                wire.extend(commands[i].args for i in indexes)
+                by_key[key] = [-1, *indexes]  # each on its own
                 continue
             wire.append(("MULTI",))
             wire.extend(commands[i].args for i in indexes)
@@ -361,8 +378,9 @@ class Publisher(SupervisedThread):
         replies = iter(run_commands(self.client, wire))
         results: list[object] = [None] * len(commands)
         for indexes in by_key.values():
-            if len(indexes) == 1:
-                results[indexes[0]] = next(replies)
+            if indexes[0] == -1:
+                for i in indexes[1:]:
+                    results[i] = next(replies)
                 continue
             queued = [next(replies) for _ in range(len(indexes) + 1)]  # MULTI, then each
             done = next(replies)
@@ -388,7 +406,8 @@ class Publisher(SupervisedThread):
                 elif kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
                     self.dead_letters += 1
-                elif kind == "expire" and command.lives_until is not None and item.request_id:
+                elif (kind == "expire" and command.lives_until is not None and item.request_id
+                      and r == 1):  # 0: no stream yet (its XADD refused): renew next time
                     self._lives_until[item.request_id] = command.lives_until
             elif kind in ("chunk", "final") and already_written(r):
                 if kind == "final" and isinstance(item, Publication):
@@ -442,7 +461,7 @@ class Publisher(SupervisedThread):
             chunk, final = item.chunk, item.final
             assert chunk is not None, "pieces without their joined chunk"
             commands.append(Command(item, "joined", key, (
-                "EVAL", APPEND_JOINED, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
+                "EVALSHA", APPEND_JOINED_SHA, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
                 chunk.encode(), final.entry_id if final else "", final.encode() if final else "",
                 *(part for piece in item.pieces for part in (piece.entry_id, piece.encode())))))
         else:

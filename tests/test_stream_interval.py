@@ -419,3 +419,22 @@ def test_a_redis_that_lost_the_joining_script_gets_it_again_on_the_retry(redis_c
         publisher.tick()
     publisher.tick()  # the supervisor's retry
     assert [e[0] for e in redis_client.xrange(KEYS.output("r-ns"))] == [b"1-0", b"3-0", b"5-0"]
+
+
+def test_the_publisher_counts_chunks_tokens_and_its_lag(redis_client):
+    """What /metrics shows of the wire: chunks per token, and tokens made but not in Redis
+    yet (queued, or held by the interval)."""
+    clock = ManualClock()
+    publisher = Publisher(redis_client, KEYS, "w-counts", 600, TextStage(None, lambda r: None),
+                          stream_interval_ms=50, clock=clock)
+    trips: list[float] = []
+    publisher.on_round_trip = trips.append
+    for i in range(4):
+        publisher.publish([step("r-c", i)])
+    assert publisher.lag_tokens == 4  # queued
+    publisher.tick()  # token 0 at once; 1-3 held (no time passed)
+    assert (publisher.tokens_written, publisher.chunks_written, publisher.lag_tokens) == (1, 1, 3)
+    clock.advance(0.05)
+    publisher.tick()  # due: one joined chunk
+    assert (publisher.tokens_written, publisher.chunks_written, publisher.lag_tokens) == (4, 2, 0)
+    assert len(trips) == 2 and all(t >= 0 for t in trips)

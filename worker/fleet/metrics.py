@@ -46,6 +46,10 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 # Tokens computed in one forward pass (decodes plus prefill chunks), up to the step budget.
 TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))
 
+# One publisher write round trip to Redis: a batch of XADDs, scripts and EXPIREs.
+REDIS_WRITE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                       0.25, 0.5, 1.0)
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 # Engine.stats() key -> (metric, help); exported when the engine reports the key.
@@ -119,6 +123,9 @@ class WorkerMetrics:
                                    registry=r).labels(model)
         self.step_tokens = Histogram("conveyor_step_tokens", "Tokens computed in one step.", m,
                                      buckets=TOKENS_PER_STEP_BUCKETS, registry=r).labels(model)
+        self.redis_write = Histogram("conveyor_redis_write_seconds",
+                                     "Round trip of one publisher write batch to Redis.", m,
+                                     buckets=REDIS_WRITE_BUCKETS, registry=r).labels(model)
         depth = Gauge("conveyor_queue_depth", "Requests in a lane not yet read by any worker.",
                       ["model", "lane"], registry=r)
         pending = Gauge("conveyor_queue_pending",
@@ -135,6 +142,8 @@ class WorkerMetrics:
         r.register(self._faults)
         self._handoffs = _HandoffsCollector(model)
         r.register(self._handoffs)
+        self._publisher = _PublisherCollector(model)
+        r.register(self._publisher)
         self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
 
@@ -168,6 +177,10 @@ class WorkerMetrics:
     def watch_faults(self, faults: Callable[[], FaultCounts]) -> None:
         """Read the worker's fault counters (``faults()``) at each scrape."""
         self._faults.read = faults
+
+    def watch_publisher(self, publisher: Callable[[], PublisherCounts]) -> None:
+        """Read the publisher's tokens, chunks and lag at each scrape."""
+        self._publisher.read = publisher
 
     def watch_handoffs(self, handoffs: Callable[[], HandoffCounts]) -> None:
         """Read the worker's prefill/decode handoff counters at each scrape."""
@@ -207,6 +220,39 @@ class FaultCounts:
     isolated: int = 0  # suspect requests (their workers kept dying) served alone
     dead_letters: int = 0  # entries written to the dead-letter stream
     consumers_removed: int = 0  # dead workers' consumers removed from the group
+
+
+@dataclass
+class PublisherCounts:
+    """What a worker's publisher wrote since it started, and what it owes (read at scrape)."""
+
+    tokens: int = 0  # output tokens written to Redis
+    chunks: int = 0  # output chunks written (chunks / tokens: the stream interval at work)
+    lag_tokens: int = 0  # tokens the engine made that are not in Redis yet
+
+
+class _PublisherCollector(Collector):
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.read: Callable[[], PublisherCounts] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        if self.read is None:
+            return
+        p = self.read()
+        for name, doc, value in (
+                ("conveyor_output_tokens_published", "Output tokens written to Redis.",
+                 p.tokens),
+                ("conveyor_output_chunks", "Output chunks written to Redis (per token: how "
+                 "far --stream-interval-ms coalesces).", p.chunks)):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric([self.model], float(value))
+            yield c
+        g = GaugeMetricFamily("conveyor_publisher_lag_tokens", "Tokens the engine made that "
+                              "are not in Redis yet (queued, held by the stream interval, or "
+                              "owed to a retry).", labels=["model"])
+        g.add_metric([self.model], float(p.lag_tokens))
+        yield g
 
 
 @dataclass

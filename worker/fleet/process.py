@@ -42,7 +42,13 @@ from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.cancellation import CancelListener
 from worker.fleet.intake.intake import Intake, IntakeParts
 from worker.fleet.messages import Admission
-from worker.fleet.metrics import FaultCounts, HandoffCounts, QueuePoller, WorkerMetrics
+from worker.fleet.metrics import (
+    FaultCounts,
+    HandoffCounts,
+    PublisherCounts,
+    QueuePoller,
+    WorkerMetrics,
+)
 from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.publishing.text_stage import TextStage
 from worker.fleet.supervised import SupervisedThread
@@ -143,6 +149,10 @@ class Worker:
                                    config.heartbeat_interval_s, self.status, **sup)
         self.metrics.watch_faults(self.fault_counts)
         self.metrics.watch_handoffs(self.handoff_counts)
+        self.metrics.watch_publisher(lambda: PublisherCounts(
+            self.publisher.tokens_written, self.publisher.chunks_written,
+            self.publisher.lag_tokens))
+        self.publisher.on_round_trip = self.metrics.redis_write.observe
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None
         self.state = "starting"

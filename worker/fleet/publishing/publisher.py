@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,12 +192,31 @@ class Publisher(SupervisedThread):
         self._batches = 0
         self._script_loaded = False  # APPEND_JOINED, as far as this publisher knows
         self.published_entries = 0
+        # Output tokens handed to this publisher, written, and dropped (of a request ended
+        # here, past a stop string); output chunks written (chunks per token:
+        # how far the stream interval coalesces); each write round trip's seconds go to
+        # ``on_round_trip`` (the worker's histogram), when set.
+        self.tokens_made = 0
+        self.tokens_written = 0
+        self.tokens_dropped = 0
+        self.chunks_written = 0
+        self.on_round_trip: Callable[[float], object] | None = None
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
 
     def publish(self, items: list[PublisherItem]) -> None:
         if items:
+            # Tokens made, for the lag (made but not yet in Redis): counted on the engine
+            # loop's thread, read anywhere (an int under the GIL).
+            self.tokens_made += sum(len(item.chunk.token_ids) for item in items
+                                    if type(item) is Publication and item.chunk is not None)
             self._queue.put(items)
+
+    @property
+    def lag_tokens(self) -> int:
+        """Tokens the engine made that are not in Redis yet (nor dropped): queued, held by
+        the stream interval, or owed to a retry."""
+        return max(0, self.tokens_made - self.tokens_written - self.tokens_dropped)
 
     @property
     def backlogged(self) -> bool:
@@ -279,8 +300,14 @@ class Publisher(SupervisedThread):
         ready: list[Publication | Rejection | HandOn | SharePrefix] = []
         for item in batch:
             if type(item) is Publication:  # nearly every item: one a request and step
+                made = len(item.chunk.token_ids) if item.chunk is not None else 0
                 if self.text.apply(item):
                     ready.append(item)
+                    # A stop string may end the chunk early: the rest is never written.
+                    kept = len(item.chunk.token_ids) if item.chunk is not None else 0
+                    self.tokens_dropped += made - kept
+                else:
+                    self.tokens_dropped += made  # of a request ended here: never written
             elif isinstance(item, Track):
                 self.text.track(item)
             elif isinstance(item, Forget):
@@ -375,7 +402,10 @@ class Publisher(SupervisedThread):
             wire.append(("MULTI",))
             wire.extend(commands[i].args for i in indexes)
             wire.append(("EXEC",))
+        started = time.perf_counter()
         replies = iter(run_commands(self.client, wire))
+        if self.on_round_trip is not None:
+            self.on_round_trip(time.perf_counter() - started)
         results: list[object] = [None] * len(commands)
         for indexes in by_key.values():
             if indexes[0] == -1:
@@ -415,8 +445,12 @@ class Publisher(SupervisedThread):
             elif refusal is None:
                 refusal = r
         item.written = refusal is None
-        if item.written and isinstance(item, Publication) and item.final is not None:
-            self._lives_until.pop(item.request_id, None)
+        if item.written and isinstance(item, Publication):
+            if item.chunk is not None:
+                self.tokens_written += len(item.chunk.token_ids)
+                self.chunks_written += 1
+            if item.final is not None:
+                self._lives_until.pop(item.request_id, None)
         if refusal is not None:
             log.warning("redis refused a write; the batch will be retried", error=str(refusal))
         return refusal

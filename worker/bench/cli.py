@@ -36,9 +36,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "off and --offline measure alternatives on the same model and workload in the same run.",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=["w1", "w2", "w3", "w5"], default="w1",
+    w.add_argument("--workload", choices=["w1", "w2", "w3", "w5", "w7"], default="w1",
                    help="w1 heavy-tailed mix, w2 long-document burst, w3 shared document, "
-                   "w5 documents arriving beside interactive requests (default: w1)")
+                   "w5 documents arriving beside interactive requests, w7 steady decode at a "
+                   "GPU's rate (4,000 requests of 150-300 output tokens; for "
+                   "--simulate-step-ms) (default: w1)")
     w.add_argument("--doc-rate", type=float, default=0.5, metavar="R",
                    help="w5: long documents arriving per second (default: %(default)s)")
     w.add_argument("--requests", type=int, default=None, metavar="N",

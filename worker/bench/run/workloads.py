@@ -102,6 +102,16 @@ def w3_shared_document(num_questions: int = 16, doc_tokens: int = 2000, vocab: i
             for _ in range(num_questions)]
 
 
+def w7_steady_decode(num_requests: int = 4000, vocab: int = 8192, seed: int = 0,
+                     prompt: tuple[int, int] = (32, 256),
+                     output: tuple[int, int] = (150, 300)) -> list[WorkItem]:
+    """W7, decode at a GPU's rate: prompts uniform in [32, 256] tokens, outputs in [150, 300],
+    all at t=0: enough work to keep a large batch full (the simulated engine's workload)."""
+    rng = random.Random(seed)
+    return [WorkItem(_tokens(rng, rng.randint(*prompt), vocab), rng.randint(*output))
+            for _ in range(num_requests)]
+
+
 def kv_blocks_needed(items: list[WorkItem], block_size: int = 16) -> int:
     """Blocks all requests need at their longest, at once (W4 sizes the pool from this)."""
     return sum(math.ceil((len(i.prompt_token_ids) + i.max_tokens) / block_size) for i in items)
@@ -113,7 +123,7 @@ QUICK_REQUESTS = 8
 
 def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 0,
                    quick: bool = False, doc_rate: float = 0.5) -> list[WorkItem]:
-    """The named reference workload (w1, w2, w3, w5); ``quick`` shrinks it."""
+    """The named reference workload (w1, w2, w3, w5, w7); ``quick`` shrinks it."""
     n = num_requests or (QUICK_REQUESTS if quick else None)
     if name == "w1":
         if quick:
@@ -133,7 +143,11 @@ def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 
             return w5_documents_beside_chat(n, vocab, seed, doc_rate, num_docs=2,
                                             interactive_output=24, doc_tokens=300)
         return w5_documents_beside_chat(n or 16, vocab, seed, doc_rate)
-    raise ValueError(f"unknown workload {name!r}: w1, w2, w3 or w5")
+    if name == "w7":
+        if quick:
+            return w7_steady_decode(n, vocab, seed, prompt=(8, 32), output=(16, 32))
+        return w7_steady_decode(n or 4000, vocab, seed)
+    raise ValueError(f"unknown workload {name!r}: w1, w2, w3, w5 or w7")
 
 
 def describe(items: list[WorkItem]) -> dict[str, int | float]:

@@ -166,3 +166,22 @@ def test_simulated_prefill_and_decode_workers_hand_requests_on_without_kv(
     # No KV went with them: the decode side computed each prompt itself.
     assert decode.status()["kv_imported"] == 0
     assert decode.status()["prompt_tokens_computed"] >= sum(4 * 5 for _ in rids)
+
+
+def test_a_simulated_worker_recomputes_a_handoff_a_real_prefill_worker_left_with_kv(
+        redis_url, start_worker):
+    # A real prefill worker hands a request on, with its KV, and stops before any decode
+    # worker came; the model's workers are simulated from then on.
+    prefill = start_worker(worker_id="prefill-0", config={"role": "prefill"})
+    with Client(redis_url) as client:
+        rid = client.submit([5, 6, 7] * 8, model=MODEL, max_tokens=6, seed=9)
+        eventually(lambda: prefill.status()["handed_on"] == 1, "the hand-on")
+        prefill.stop(drain_timeout_s=5)
+        decode = start_worker(worker_id="decode-0", config={"role": "decode"},
+                              simulate_step_ms=1)
+        result = client.result(rid, timeout=60)
+    # It has no KV to take: it computes the prompt again (a fallback), and goes on serving.
+    assert len(result.token_ids) == 6
+    assert result.token_ids[1:] == expected(decode.engine, 9, 6)[1:]
+    assert "mismatch=1" in decode.status()["kv_fallbacks"]
+    assert decode.state == "serving"

@@ -45,9 +45,11 @@ def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 def load_forward(config: EngineConfig, model_dir: str | Path, simulated: bool,
                  ) -> tuple[torch.device, torch.dtype, CausalLM | None, ModelConfig]:
     """The engine's device, dtype, model (its weights loaded and prepared) and the model's
-    config; a simulated engine's is config.json alone (no model, a nominal CPU float32)."""
+    config; a simulated engine's is config.json alone: no model, the CPU, and the dtype a
+    GPU would have ("auto": bfloat16), which sizes its block pool as it would there."""
     if simulated:
-        return torch.device("cpu"), torch.float32, None, ModelConfig.from_dir(model_dir)
+        dtype = engine_dtype(config.dtype, torch.device("cuda"))
+        return torch.device("cpu"), dtype, None, ModelConfig.from_dir(model_dir)
     device, dtype = prepare_device(config)
     model = load_model(model_dir, dtype, device, config.attention_backend)
     if device.type == "cpu":

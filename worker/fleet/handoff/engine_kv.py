@@ -14,7 +14,7 @@ from kvstore import OutOfBlocksError, PrefixHit, blocks_for
 from kvstore.handoff import KVHandoff
 from kvstore.kv_tensors import block_layout, export_blocks, import_blocks
 from kvstore.prefix_hash import extend_chain
-from kvstore.tier.header import BlockLayout
+from kvstore.tier.header import BlockLayout, TierMismatch
 from producer.wire.params import SamplingParams
 from worker.engine.engine import Engine
 from worker.models.fingerprint import model_fingerprint
@@ -47,7 +47,10 @@ def engine_fingerprint(engine: Engine) -> str:
 
 def kv_layout(engine: Engine, fingerprint: str | None = None) -> BlockLayout:
     """What the engine's KV blocks are, for the fleet tier's checks (``fingerprint``: the
-    engine's own unless given)."""
+    engine's own unless given). A simulated engine has none: TierMismatch, so whatever
+    KV a handoff offers it (one a real prefill worker left) is recomputed instead."""
+    if engine.kv_cache is None:
+        raise TierMismatch("a simulated engine has no KV to import or export")
     return block_layout(engine.kv_cache, fingerprint or engine_fingerprint(engine))
 
 

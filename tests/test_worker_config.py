@@ -43,22 +43,26 @@ def test_worker_flags_default_to_the_config_dataclasses():
                        ("drain_timeout", "drain_timeout_s"), ("namespace", "namespace"),
                        ("heartbeat_interval", "heartbeat_interval_s"),
                        ("housekeeping_interval", "housekeeping_interval_s"),
-                       ("metrics_host", "metrics_host"), ("stream_interval", "stream_interval")]:
+                       ("metrics_host", "metrics_host"), ("stream_interval", "stream_interval"),
+                       ("stream_interval_ms", "stream_interval_ms")]:
         assert getattr(args, flag) == field_default(WorkerConfig, name), flag
     bench = build_parser().parse_args(["bench"])
     assert bench.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
-    assert bench.stream_interval == field_default(WorkerConfig, "stream_interval")
+    assert bench.stream_interval_ms == field_default(WorkerConfig, "stream_interval_ms")
+    assert bench.stream_interval is None  # deprecated: not passed on unless given
 
 
 def test_stream_interval_flag_reaches_the_worker_and_the_benchs_workers(tiny_llama):
     from worker.bench.run.systems import choose_systems
 
     args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
-                                      "--stream-interval", "4"])
-    assert worker_config(args).stream_interval == 4
-    bench = build_parser().parse_args(["bench", "--stream-interval", "3", "--no-place-threads"])
+                                      "--stream-interval-ms", "20", "--stream-interval", "4"])
+    config = worker_config(args)
+    assert (config.stream_interval_ms, config.stream_interval) == (20, 4)
+    bench = build_parser().parse_args(["bench", "--stream-interval-ms", "20",
+                                       "--stream-interval", "3", "--no-place-threads"])
     (fleet,) = choose_systems(bench, tiny_llama, {}, [], "redis://x", tiny_llama)
-    assert fleet.describe.endswith("tokens published 3 at a time")
+    assert fleet.describe.endswith("each stream written at most every 20 ms or 3 tokens")
 
 
 def test_housekeeping_interval_flag_reaches_the_worker(tiny_llama):

@@ -89,6 +89,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    default=field_default(WorkerConfig, "stream_interval_ms"), metavar="MS",
                    help="the workers publish a decoding request's tokens at most once every "
                    "MS ms; 0: every step (default: %(default)s)")
+    s.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="deprecated: the workers also publish a request's held tokens once "
+                   "they number N")
 
     a = p.add_argument_group("alternatives, measured after the fleet run")
     a.add_argument("--baseline", choices=["hf-static"], default=None,

@@ -74,6 +74,10 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
     if interval != DEFAULT_INTERVAL_MS:
         flags += ["--stream-interval-ms", f"{interval:g}"]
         more = tuple((*f, "--stream-interval-ms", f"{interval:g}") for f in more)
+    tokens = getattr(args, "stream_interval", None)  # deprecated: a count of steps
+    if tokens is not None:
+        flags += ["--stream-interval", str(tokens)]
+        more = tuple((*f, "--stream-interval", str(tokens)) for f in more)
     # One worker places its threads (worker/host/cpu_placement.py), and the bench puts its
     # client and its own Redis on the worker's I/O CPUs meanwhile, as a deployment on a
     # shared machine would; several workers on these CPUs are left to the OS.
@@ -93,11 +97,13 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
         describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
             + ", this process the client"
     describe += f", each stream written at most every {interval:g} ms"
+    if tokens is not None:
+        describe += f" or {tokens} tokens"
     if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
         describe += ", SIMULATED engine (no forward: worker/engine/simulated.py)"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
                 if not roles else len(roles), "roles": list(roles) or ["both"],
-                "stream_interval_ms": interval}
+                "stream_interval_ms": interval, "stream_interval": tokens}
     return System(name, lambda repeat: run_fleet(name, target, items, args.concurrency,
                                                  settings, args.timeout, repeat), describe)
 

@@ -83,27 +83,39 @@ class WriteRefused(redis.ResponseError):
 # the script, not a command after it: Redis 6.2 may refuse a script only as its transaction
 # runs, and a final that then landed alone would close the stream over missing tokens.
 # Returns {entries added, 1 if the final was added / 0 if one was there / -1 if none}; a
-# refusal other than "equal or smaller" (out of memory, read-only) is the reply.
+# refusal other than "equal or smaller" (out of memory, read-only) is the reply, as it is
+# (an OOM stays an OOM on Redis 6.2 and 7 alike).
 APPEND_JOINED = """
 local added = 0
 local function add(id, message)
   local r = redis.pcall('XADD', KEYS[1], id, ARGV[3], message)
   if type(r) == 'table' and r.err then
     if string.find(r.err, 'equal or smaller', 1, true) then return false end
-    error(r.err)
+    return r
   end
   added = added + 1
   return true
 end
+local function refusal(r)
+  -- Redis 6.2 puts where in the script a call failed before its error: take it off
+  return redis.error_reply((string.gsub(r.err, '^@user_script:%s*%d+:%s*%-', '')))
+end
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local r
 if #top > 0 and top[1][1] == ARGV[1] then
-  add(ARGV[2], ARGV[4])
+  r = add(ARGV[2], ARGV[4])
+  if type(r) == 'table' then return refusal(r) end
 else
-  for i = 7, #ARGV, 2 do add(ARGV[i], ARGV[i + 1]) end
+  for i = 7, #ARGV, 2 do
+    r = add(ARGV[i], ARGV[i + 1])
+    if type(r) == 'table' then return refusal(r) end
+  end
 end
 local final = -1
 if ARGV[5] ~= '' then
-  if add(ARGV[5], ARGV[6]) then final = 1 else final = 0 end
+  r = add(ARGV[5], ARGV[6])
+  if type(r) == 'table' then return refusal(r) end
+  if r then final = 1 else final = 0 end
 end
 return {added, final}
 """

@@ -32,15 +32,7 @@ from pathlib import Path
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import TokenLogprob
 from scheduler.output import SchedulerOutput
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+from worker.sampling.randomness import MASK64, splitmix64
 
 
 def simulated_token(seed: int, index: int, vocab_size: int,
@@ -53,7 +45,7 @@ def simulated_token(seed: int, index: int, vocab_size: int,
     allowed = vocab_size - len(skip)
     if allowed < 1:
         raise ValueError("the vocabulary has no token that is not excluded")
-    token = _splitmix64(((seed << 32) + index) & _MASK64) % allowed
+    token = splitmix64(((seed << 32) + index) & MASK64) % allowed
     for e in skip:
         if token >= e:
             token += 1

@@ -14,7 +14,7 @@ import numpy as np
 MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     # A fixed, well-mixed 64-bit permutation: consecutive inputs give unrelated outputs.
     x = (x + 0x9E3779B97F4A7C15) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
@@ -24,7 +24,7 @@ def _splitmix64(x: int) -> int:
 
 def uniform(seed: int, index: int) -> float:
     """A uniform draw in [0, 1) determined by ``seed`` and ``index`` alone."""
-    x = _splitmix64(_splitmix64(seed & MASK64) ^ (index & MASK64))
+    x = splitmix64(splitmix64(seed & MASK64) ^ (index & MASK64))
     return (x >> 11) * (1.0 / (1 << 53))
 
 

@@ -160,3 +160,43 @@ def test_output_stream_names_are_kept_a_while_then_forgotten(redis_client, publi
     assert publisher._output_keys == {"k3": KEYS.output("k3")}
     publish(publisher, chunk("k1", 1), chunk("k3", 1))
     assert [redis_client.xlen(KEYS.output(r)) for r in ("k1", "k2", "k3")] == [2, 1, 2]
+
+
+# Commands a request costs the publisher besides its chunks (docs/redis.md): an EXPIRE with
+# its first write and one with its final, and its acknowledgement (XPENDING and XACK in the
+# owner-checking script, one EVALSHA for every stream and batch of finals).
+COMMANDS_BESIDES_CHUNKS = 5
+
+
+def test_a_request_costs_its_chunks_and_at_most_k_commands_more(redis_client):
+    """Counted with Redis's own counters (calls inside scripts included): 8 requests of 40
+    tokens at a step every 10 ms, written at most every 50 ms."""
+    clock = ManualClock()
+    pub = Publisher(redis_client, KEYS, "w-budget", TTL_S, TextStage(None, lambda r: None),
+                    stream_interval_ms=50, clock=clock)
+    lane = KEYS.requests("m", "batch")
+    rids = [f"b{i}" for i in range(8)]
+    entries = {rid: redis_client.xadd(lane, {"m": rid}).decode() for rid in rids}
+    redis_client.xgroup_create(lane, "workers", id="0")
+    redis_client.xreadgroup("workers", "w-budget", {lane: ">"})  # this worker owns them
+    redis_client.config_resetstat()
+    for i in range(39):
+        publish(pub, *(chunk(rid, i) for rid in rids))
+        clock.advance(0.01)
+    publish(pub, *(Publication(rid, OutputChunk(39, [139]), FinalEntry("length", 40, {}),
+                               ack=(lane, entries[rid])) for rid in rids))
+    stats = {k.removeprefix("cmdstat_"): int(v["calls"])
+             for k, v in redis_client.info("commandstats").items()}
+    chunks = sum(redis_client.xlen(KEYS.output(rid)) - 1 for rid in rids)
+    assert chunks < 8 * 40 / 4  # coalesced: a chunk carries several tokens
+    # A chunk is one XADD (the first) or one EVALSHA whose script reads the stream's top
+    # and adds it (XREVRANGE, XADD); the final rides with the last chunk.
+    joined = stats.get("xrevrange", 0)
+    chunk_commands = stats["xadd"] + 2 * joined  # every XADD; each joined one's two more
+    assert stats["xadd"] == chunks + len(rids)  # every chunk, and every final, once
+    besides = sum(stats.values()) - chunk_commands - stats.get("config", 0)
+    assert stats.get("multi", 0) == 0  # no transaction: each key gets one write a batch
+    assert stats["expire"] == 2 * len(rids)
+    assert stats["xack"] == stats["xpending"] == len(rids)
+    assert besides <= COMMANDS_BESIDES_CHUNKS * len(rids), stats
+    assert redis_client.xpending(lane, "workers")["pending"] == 0

@@ -67,6 +67,12 @@ def itls(r: RequestRecord) -> list[float]:
     return gaps
 
 
+def chunk_gaps(r: RequestRecord) -> list[float]:
+    """Gaps between consecutive chunks as a reader sees them (what --stream-interval-ms
+    bounds: at most the interval plus a step where tokens keep coming)."""
+    return [t1 - t0 for (t0, _), (t1, _) in zip(r.chunks, r.chunks[1:], strict=False)]
+
+
 def tpot(r: RequestRecord) -> float | None:
     n = r.output_tokens
     if n < 2:
@@ -95,6 +101,7 @@ def latency(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | int
     return {
         "ttft": summarize_ms([v for r in ok if (v := ttft(r)) is not None]),
         "itl": summarize_ms([g for r in ok for g in itls(r)]),
+        "chunk_gap": summarize_ms([g for r in ok for g in chunk_gaps(r)]),
         "tpot": summarize_ms([v for r in ok if (v := tpot(r)) is not None]),
         "e2e": summarize_ms([v for r in ok if (v := e2e(r)) is not None]),
     }

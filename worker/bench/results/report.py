@@ -151,6 +151,10 @@ def format_runs(summaries: dict[str, dict[str, Any]]) -> str:
                      f"{tput['requests_per_s']:>7.2f} {_pcts(lat['ttft']):>22} "
                      f"{_pcts(lat['itl']):>20} {_pcts(lat['e2e']):>22} "
                      f"{s['goodput']['requests_per_s']:>10.2f}")
+    for name, s in summaries.items():
+        if "chunk_gap" in s["latency_ms"]:  # what --stream-interval-ms bounds
+            lines.append(f"{name:<18} gaps between a request's chunks p50/p90/p99 ms: "
+                         f"{_pcts(s['latency_ms']['chunk_gap'])}")
     return "\n".join(lines)
 
 

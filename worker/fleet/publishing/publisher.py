@@ -204,10 +204,10 @@ class Publisher(SupervisedThread):
         self._batches = 0
         self._script_loaded = False  # APPEND_JOINED, as far as this publisher knows
         self.published_entries = 0
-        # Output tokens handed to this publisher, written, and dropped (of a request ended
-        # here, past a stop string); output chunks written (chunks per token:
-        # how far the stream interval coalesces); each write round trip's seconds go to
-        # ``on_round_trip`` (the worker's histogram), when set.
+        # Output tokens handed to this publisher, written, and dropped (output of a request
+        # that already ended here, by a stop string or a cancel); output chunks written
+        # (chunks per token: how far the stream interval coalesces); each write round
+        # trip's seconds go to ``on_round_trip`` (the worker's histogram), when set.
         self.tokens_made = 0
         self.tokens_written = 0
         self.tokens_dropped = 0
@@ -312,14 +312,10 @@ class Publisher(SupervisedThread):
         ready: list[Publication | Rejection | HandOn | SharePrefix] = []
         for item in batch:
             if type(item) is Publication:  # nearly every item: one a request and step
-                made = len(item.chunk.token_ids) if item.chunk is not None else 0
                 if self.text.apply(item):
                     ready.append(item)
-                    # A stop string may end the chunk early: the rest is never written.
-                    kept = len(item.chunk.token_ids) if item.chunk is not None else 0
-                    self.tokens_dropped += made - kept
-                else:
-                    self.tokens_dropped += made  # of a request ended here: never written
+                elif item.chunk is not None:  # of a request ended here: never written
+                    self.tokens_dropped += len(item.chunk.token_ids)
             elif isinstance(item, Track):
                 self.text.track(item)
             elif isinstance(item, Forget):
@@ -404,24 +400,24 @@ class Publisher(SupervisedThread):
         for i, command in enumerate(commands):
             by_key.setdefault(command.key, []).append(i)
         wire: list[tuple[Any, ...]] = []
-        for key, indexes in list(by_key.items()):
-            # An EXPIRE needs no transaction: beside a refused write it only renews a TTL.
-            writes = [i for i in indexes if commands[i].kind != "expire"]
-            if len(writes) <= 1:
-                wire.extend(commands[i].args for i in indexes)
-                by_key[key] = [-1, *indexes]  # each on its own
-                continue
-            wire.append(("MULTI",))
+        # Each key's commands, and whether they go as one transaction: an EXPIRE needs
+        # none (beside a refused write it only renews a TTL), so only several writes do.
+        groups = [(indexes, sum(commands[i].kind != "expire" for i in indexes) > 1)
+                  for indexes in by_key.values()]
+        for indexes, transaction in groups:
+            if transaction:
+                wire.append(("MULTI",))
             wire.extend(commands[i].args for i in indexes)
-            wire.append(("EXEC",))
+            if transaction:
+                wire.append(("EXEC",))
         started = time.perf_counter()
         replies = iter(run_commands(self.client, wire))
         if self.on_round_trip is not None:
             self.on_round_trip(time.perf_counter() - started)
         results: list[object] = [None] * len(commands)
-        for indexes in by_key.values():
-            if indexes[0] == -1:
-                for i in indexes[1:]:
+        for indexes, transaction in groups:
+            if not transaction:
+                for i in indexes:
                     results[i] = next(replies)
                 continue
             queued = [next(replies) for _ in range(len(indexes) + 1)]  # MULTI, then each

@@ -143,10 +143,13 @@ class _Task:
     deadline: float = 0.0
     # Where the submit pipeline's reply holds the XADD's entry id.
     xadd_at: int = -1
-    # The try in flight was sent by an earlier run of the job and re-attached to, as
-    # that run's journal recorded it.
-    reattached: bool = False
+    # The try in flight as an earlier run of the job sent it and its journal recorded it
+    # (re-attached to); None for a try this run sent.
     placed: Sent | None = None
+
+    @property
+    def reattached(self) -> bool:
+        return self.placed is not None
 
 
 class RequestRunner:
@@ -276,7 +279,7 @@ class RequestRunner:
         self.submitted += 1
         self._following(task, rid, task.attempts + 1)
         task.request_ids.append(rid)
-        task.reattached = False
+        task.placed = None  # this run's try now
 
     def _following(self, task: _Task, request_id: str, attempts: int) -> None:
         now = time.monotonic()
@@ -302,7 +305,7 @@ class RequestRunner:
         try:
             self.journal.placed(placed)
         except _REDIS_TRANSIENT:
-            pass  # a later run then only waits the request timeout for a lost one
+            pass  # a later run finds no entry id: it resends such a request if it has no output
 
     # --- re-attaching ----------------------------------------------------------------------
 
@@ -310,7 +313,6 @@ class RequestRunner:
         """Follow a request an earlier run sent, from its output stream's start."""
         task.request_ids = list(sent.request_ids) or [sent.request_id]
         self._following(task, sent.request_id, sent.attempts)
-        task.reattached = True
         task.placed = sent
         self.reattached += 1
         return task

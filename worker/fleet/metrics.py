@@ -9,7 +9,7 @@ Every metric carries a ``model`` label. The table is in docs/observability.md.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -222,6 +222,32 @@ class FaultCounts:
     consumers_removed: int = 0  # dead workers' consumers removed from the group
 
 
+def _by_model(family: type, model: str,
+              rows: Iterable[tuple[str, str, float]]) -> Iterator[Metric]:
+    """One ``family`` (CounterMetricFamily or GaugeMetricFamily) a (name, doc, value) row,
+    labelled with the model."""
+    for name, doc, value in rows:
+        metric = family(name, doc, labels=["model"])
+        metric.add_metric([model], float(value))
+        yield metric
+
+
+class _ReadAtScrape(Collector):
+    """Counts a part of the worker keeps, read through ``read`` at each scrape; nothing
+    until the worker sets it."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.read: Callable[[], Any] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        if self.read is not None:
+            yield from self.families(self.read())
+
+    def families(self, counts: Any) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
 @dataclass
 class PublisherCounts:
     """What a worker's publisher wrote since it started, and what it owes (read at scrape)."""
@@ -231,28 +257,16 @@ class PublisherCounts:
     lag_tokens: int = 0  # tokens the engine made that are not in Redis yet
 
 
-class _PublisherCollector(Collector):
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.read: Callable[[], PublisherCounts] | None = None
-
-    def collect(self) -> Iterable[Metric]:
-        if self.read is None:
-            return
-        p = self.read()
-        for name, doc, value in (
-                ("conveyor_output_tokens_published", "Output tokens written to Redis.",
-                 p.tokens),
-                ("conveyor_output_chunks", "Output chunks written to Redis (per token: how "
-                 "far --stream-interval-ms coalesces).", p.chunks)):
-            c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric([self.model], float(value))
-            yield c
-        g = GaugeMetricFamily("conveyor_publisher_lag_tokens", "Tokens the engine made that "
-                              "are not in Redis yet (queued, held by the stream interval, or "
-                              "owed to a retry).", labels=["model"])
-        g.add_metric([self.model], float(p.lag_tokens))
-        yield g
+class _PublisherCollector(_ReadAtScrape):
+    def families(self, p: PublisherCounts) -> Iterable[Metric]:
+        yield from _by_model(CounterMetricFamily, self.model, (
+            ("conveyor_output_tokens_published", "Output tokens written to Redis.", p.tokens),
+            ("conveyor_output_chunks", "Output chunks written to Redis (per token: how far "
+             "--stream-interval-ms coalesces).", p.chunks)))
+        yield from _by_model(GaugeMetricFamily, self.model, (
+            ("conveyor_publisher_lag_tokens", "Tokens the engine made that are not in Redis "
+             "yet (queued, held by the stream interval, or owed to a retry).",
+             p.lag_tokens),))
 
 
 @dataclass
@@ -275,16 +289,9 @@ class HandoffCounts:
     queue_overflows: int = 0
 
 
-class _HandoffsCollector(Collector):
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.read: Callable[[], HandoffCounts] | None = None
-
-    def collect(self) -> Iterable[Metric]:
-        if self.read is None:
-            return
-        h = self.read()
-        for name, doc, value in (
+class _HandoffsCollector(_ReadAtScrape):
+    def families(self, h: HandoffCounts) -> Iterable[Metric]:
+        yield from _by_model(CounterMetricFamily, self.model, (
             ("conveyor_kv_handoffs_sent", "Requests handed on to decode workers.", h.handed_on),
             ("conveyor_kv_tier_refused", "Handoffs sent without KV: the tier refused it.",
              h.kv_put_refused),
@@ -298,10 +305,7 @@ class _HandoffsCollector(Collector):
             ("conveyor_kv_tier_queue_overflows",
              "KV transfers sent on without the tier: its thread's queue was full.",
              h.queue_overflows),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric([self.model], float(value))
-            yield c
+        ))
         for name, doc, index in (
             ("conveyor_kv_transfer_bytes", "KV bytes moved through the tier, by direction.", 0),
             ("conveyor_kv_transfer_seconds", "Seconds spent moving KV through the tier.", 1),
@@ -317,24 +321,15 @@ class _HandoffsCollector(Collector):
         for cause in ("missing", "corrupt", "mismatch", "no_room", "unreachable", "busy"):
             c.add_metric([self.model, cause], float(h.fallbacks.get(cause, 0)))
         yield c
-        g = GaugeMetricFamily("conveyor_kv_tier_breaker_open",
-                              "1 while the KV tier's breaker is not closed (calls are "
-                              "skipped, or one probes the tier), else 0.", labels=["model"])
-        g.add_metric([self.model], float(h.breaker_open))
-        yield g
+        yield from _by_model(GaugeMetricFamily, self.model, (
+            ("conveyor_kv_tier_breaker_open", "1 while the KV tier's breaker is not closed "
+             "(calls are skipped, or one probes the tier), else 0.", h.breaker_open),))
 
 
-class _FaultsCollector(Collector):
+class _FaultsCollector(_ReadAtScrape):
     """Redis faults met and recovered from; nothing until the worker starts watching."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.read: Callable[[], FaultCounts] | None = None
-
-    def collect(self) -> Iterable[Metric]:
-        if self.read is None:
-            return
-        f = self.read()
+    def families(self, f: FaultCounts) -> Iterable[Metric]:
         retries = CounterMetricFamily("conveyor_redis_retries",
                                       "Redis errors a worker thread met and retried.",
                                       labels=["model", "thread"])
@@ -346,7 +341,7 @@ class _FaultsCollector(Collector):
             healthy.add_metric([self.model, thread], float(f.healthy.get(thread, True)))
         yield retries
         yield healthy
-        for name, doc, value in (
+        yield from _by_model(CounterMetricFamily, self.model, (
             ("conveyor_redis_refused_writes", "Output batches Redis refused; each is retried.",
              f.refused_writes),
             ("conveyor_reclaimed_requests", "Lapsed entries of dead workers claimed here.",
@@ -357,10 +352,7 @@ class _FaultsCollector(Collector):
              f.dead_letters),
             ("conveyor_consumers_removed", "Dead workers' consumers removed from the group.",
              f.consumers_removed),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric([self.model], float(value))
-            yield c
+        ))
 
 
 class _EngineStatsCollector(Collector):

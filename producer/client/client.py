@@ -196,6 +196,15 @@ class Submission:
     counted: tuple[str, ...] = ()
 
 
+def read_heartbeats(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+    """The heartbeat hash of every worker in ``{ns}:workers`` that has not expired, decoded,
+    read in one round trip (the worker's own check at start and Client alike)."""
+    pipe = r.pipeline(transaction=False)
+    for key in heartbeat_keys(keys, r.smembers(keys.workers)):
+        pipe.hgetall(key)
+    return [decode_hash(raw) for raw in pipe.execute() if raw]
+
+
 class ClientBase:
     """What Client and AsyncClient share, all of it without I/O: they add only the Redis calls.
 
@@ -542,10 +551,7 @@ class Client(ClientBase):
     def _heartbeats(self) -> list[dict[str, str]] | None:
         """Every worker's heartbeat hash, decoded; None when the ACL does not allow it."""
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for key in heartbeat_keys(self.keys, self.redis.smembers(self.keys.workers)):
-                pipe.hgetall(key)
-            return [decode_hash(raw) for raw in pipe.execute() if raw]
+            return read_heartbeats(self.redis, self.keys)
         except redis.exceptions.NoPermissionError:
             return None
 

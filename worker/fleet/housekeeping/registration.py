@@ -9,7 +9,8 @@ from pathlib import Path
 import redis
 import structlog
 
-from producer.client.models import decode_hash, heartbeat_keys, is_live
+from producer.client.client import read_heartbeats
+from producer.client.models import is_live
 from producer.clock import Clock
 from producer.wire.keys import Keys
 from producer.wire.protocol import now_ms
@@ -28,12 +29,8 @@ def check_same_kind(client: redis.Redis, keys: Keys, name: str, simulated: bool,
     """Refuse to serve ``name`` beside live workers of the other kind: a simulated worker's
     tokens are not the model's (worker/engine/simulated.py), and nobody reading a stream
     could tell which kind wrote it."""
-    members = client.smembers(keys.workers)
-    pipe = client.pipeline(transaction=False)
-    for key in heartbeat_keys(keys, members):
-        pipe.hgetall(key)
-    others = [decode_hash(hb) for hb in pipe.execute()]
-    other = next((hb for hb in others if is_live(hb) and hb.get("model") == name
+    other = next((hb for hb in read_heartbeats(client, keys)
+                  if is_live(hb) and hb.get("model") == name
                   and hb.get("worker_id") != worker_id
                   and (hb.get("simulated") or "") != ("1" if simulated else "")), None)
     if other is not None:

@@ -77,26 +77,23 @@ class Progress:
 
     def request_done(self, usage: dict[str, int], **changes: Any) -> None:
         """Count one finished request's usage into the totals, with other changes."""
-        total = dict(self.meta["usage"])
-        for name in _USAGE_FIELDS:
-            total[name] += usage[name]
-        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-        total["requests"] += 1
-        self.update(usage=total, **changes)
+        self._count([usage], **changes)
 
     def retried(self, *_: object) -> None:
         self.update(retries=self.meta["retries"] + 1)
 
     def reused(self, results: list[dict[str, Any]], **changes: Any) -> None:
         """Count results an earlier run of the job left in its journal."""
-        total = dict(self.meta["usage"])
-        for result in results:
-            for name in _USAGE_FIELDS:
-                total[name] += result["usage"][name]
-        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-        total["requests"] += len(results)
-        self.update(usage=total, **changes)
+        self._count([r["usage"] for r in results], **changes)
 
+    def _count(self, usages: list[dict[str, int]], **changes: Any) -> None:
+        total = dict(self.meta["usage"])
+        for usage in usages:
+            for name in _USAGE_FIELDS:
+                total[name] += usage[name]
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        total["requests"] += len(usages)
+        self.update(usage=total, **changes)
 
 def empty_usage() -> dict[str, int]:
     return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,

@@ -213,11 +213,11 @@ def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | N
     """For a simulated engine: its step cost and the output tokens/s its steps allow at
     full batch (every step decodes --max-num-seqs rows, each reading the workload's mean
     context); None for a real one."""
-    if args.simulate_step_ms is None and args.simulate_cost is None:
-        return None
     from worker.engine.simulated import step_cost
 
     cost = step_cost(args.simulate_step_ms, args.simulate_cost)
+    if cost is None:
+        return None
     rows = args.max_num_seqs
     context = sum(len(i.prompt_token_ids) + i.max_tokens / 2 for i in items) / max(1, len(items))
     step_ms = cost.step_ms(prefill_tokens=0, decode_rows=rows, context_tokens=rows * context)

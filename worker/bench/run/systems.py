@@ -51,7 +51,7 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
     if args.baseline == "hf-static":
         from worker.bench.run.baseline_hf import run_hf_static
 
-        if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
+        if _simulated(engine):
             raise ValueError("--baseline runs the real model: it cannot stand beside a "
                              "simulated engine")
 
@@ -59,6 +59,14 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
             model_dir, items, args.hf_batch_size, args.threads),
             f"transformers generate in static batches of {args.hf_batch_size}"))
     return systems
+
+
+# Engine settings that make a simulated engine (worker/engine/simulated.py).
+SIMULATE_SETTINGS = ("simulate_step_ms", "simulate_cost")
+
+
+def _simulated(engine: dict[str, Any]) -> bool:
+    return any(engine.get(name) is not None for name in SIMULATE_SETTINGS)
 
 
 # The workers' own default: a bench that does not name an interval passes none.
@@ -99,7 +107,7 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
     describe += f", each stream written at most every {interval:g} ms"
     if tokens is not None:
         describe += f" or {tokens} tokens"
-    if engine.get("simulate_step_ms") is not None or engine.get("simulate_cost") is not None:
+    if _simulated(engine):
         describe += ", SIMULATED engine (no forward: worker/engine/simulated.py)"
     settings = {"engine": engine, "threads": args.threads, "workers": 1 + len(more)
                 if not roles else len(roles), "roles": list(roles) or ["both"],
@@ -117,7 +125,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings["num_kv_blocks"] = args.num_kv_blocks
     if args.max_prefill_chunk:
         settings["max_prefill_chunk"] = args.max_prefill_chunk
-    for name in ("simulate_step_ms", "simulate_cost"):  # a simulated engine: said in results
+    for name in SIMULATE_SETTINGS:  # a simulated engine: said in results
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
     return settings

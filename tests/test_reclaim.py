@@ -13,7 +13,7 @@ from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import GROUP, Keys
 from producer.wire.params import SamplingParams
-from producer.wire.protocol import FIELD, GenerationRequest, OutputChunk
+from producer.wire.protocol import FIELD, ID_GENERATION, GenerationRequest, OutputChunk
 
 KEYS = Keys()
 STREAM = KEYS.requests(MODEL, "interactive")
@@ -105,7 +105,8 @@ def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
     assert done.finish_reason is FinishReason.ERROR and "KV pool" in done.error
     assert done.token_ids == [11, 12, 13]
     final_id = redis_client.xrevrange(KEYS.output(rid), count=1)[0][0]
-    assert final_id == b"3-1"
+    # After the three tokens, in the ids of the stream's first take-over.
+    assert final_id == f"{ID_GENERATION + 3}-1".encode()
     eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
 
 

@@ -17,9 +17,10 @@ from producer.client.client import Client
 from producer.clock import ManualClock, SystemClock
 from producer.redis.server import start_ephemeral
 from producer.wire.keys import Keys
-from producer.wire.protocol import FIELD, FinalEntry, OutputChunk
+from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
 from worker.fleet.config import WorkerConfig
+from worker.fleet.intake.resume import Published, take_over
 from worker.fleet.publishing.chunk_holder import ChunkHolder
 from worker.fleet.publishing.publisher import Publication, Publisher, WriteRefused
 from worker.fleet.publishing.text_stage import TextStage
@@ -27,10 +28,11 @@ from worker.fleet.publishing.text_stage import TextStage
 KEYS = Keys()
 
 
-def step(rid: str, index: int, logprobs: bool = False) -> Publication:
-    """One decode step's output of ``rid``: token ``index``."""
+def step(rid: str, index: int, logprobs: bool = False, id_base: int = 0) -> Publication:
+    """One decode step's output of ``rid``: token ``index`` (in the ids from ``id_base``)."""
     lp = [[-0.5, [[100 + index, -0.5]]]] if logprobs else None
-    return Publication(rid, OutputChunk(index, [100 + index], f"t{index} ", lp))
+    return Publication(rid, OutputChunk(index, [100 + index], f"t{index} ", lp,
+                                        id_base=id_base))
 
 
 def final(rid: str, index: int, ack: tuple[str, str] | None = ("stream", "1-0")) -> Publication:
@@ -144,36 +146,38 @@ def written_tokens(r, rid: str) -> list[tuple[int, list[int], str]]:
     return out
 
 
-def writer(redis_client, name: str, interval: int, rid: str, start: int, end: int):
+def writer(redis_client, name: str, interval: int, rid: str, start: int, end: int,
+           id_base: int = 0):
     """A worker's publisher and what it writes of ``rid``'s tokens ``start`` to ``end``
     (its first chunk alone, then joined in runs of ``interval``), one write at a time."""
     # The holder joins the chunks here, so that the writes can be interleaved one by one.
     publisher = Publisher(redis_client, KEYS, name, 600, TextStage(None, lambda r: None),
                           clock=ManualClock())
     holder = ChunkHolder(interval)
-    batches = [holder.release([step(rid, i)]) for i in range(start, end)]
+    batches = [holder.release([step(rid, i, id_base=id_base)]) for i in range(start, end)]
     batches.append(holder.release([], flush_all=True))
     return publisher, [b for b in batches if b]
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_two_writers_joining_different_runs_write_every_index_once(redis_client, seed):
-    """A worker that lost its lease and the one that claimed the request both write it,
-    their joined chunks ending at different places, in any interleaving: each token index
-    is on the stream once, in order, and the text is whole."""
+    """A worker that lost its lease and the one that claimed the request (and took its
+    stream over) both write it, their joined chunks ending at different places, in any
+    interleaving: each token index is on the stream once, in order, and the text is whole."""
     rng = random.Random(seed)
     rid = f"r-fence-{seed}"
     total = 20
     resumed_at = rng.randrange(1, 12)
     old, old_writes = writer(redis_client, "w-old", rng.choice([2, 3, 4]), rid, 0, total)
-    new, new_writes = writer(redis_client, "w-new", rng.choice([2, 3, 5]), rid, resumed_at,
-                             total)
-    # The new owner starts once the stream holds what it resumes from: the old worker's
-    # writes up to the one that covers index resumed_at - 1.
-    while not written_tokens(redis_client, rid) or sum(
-            len(t) for _, t, _ in written_tokens(redis_client, rid)) < resumed_at:
+    # The old worker writes until the stream holds resumed_at tokens or more; then the new
+    # owner takes the stream over and resumes after what it holds, in the next ids.
+    while sum(len(t) for _, t, _ in written_tokens(redis_client, rid)) < resumed_at:
         old.publish(old_writes.pop(0))
         old.tick()
+    published = take_over(redis_client, KEYS, rid, 600)
+    assert published.id_base == ID_GENERATION
+    new, new_writes = writer(redis_client, "w-new", rng.choice([2, 3, 5]), rid,
+                             len(published.token_ids), total, published.id_base)
     queues = [(old, old_writes), (new, new_writes)]
     while any(w for _, w in queues):
         pub, writes = rng.choice([q for q in queues if q[1]])
@@ -186,45 +190,64 @@ def test_two_writers_joining_different_runs_write_every_index_once(redis_client,
     assert "".join(c[2] for c in chunks) == "".join(f"t{i} " for i in range(total))
 
 
-def test_a_joined_chunk_past_an_entry_that_ends_inside_it_goes_piece_by_piece(redis_client):
-    rid = "r-pieces"
-    key = KEYS.output(rid)
-    publisher = Publisher(redis_client, KEYS, "w-pieces", 600, TextStage(None, lambda r: None),
-                          clock=ManualClock())
+def test_a_stale_writers_joined_chunk_after_a_take_over_lands_nowhere(redis_client):
+    """Precondition: without a take-over, a joined chunk ending past the stream's top lands
+    over tokens the stream has (its id says only where it ends). After one, every id the
+    stale writer sends is refused, its final too, and it acknowledges nothing."""
+    key = KEYS.output("r-stale")
     redis_client.xadd(key, {FIELD: OutputChunk(0, [100, 101], "t0 t1 ").encode()}, id="2-0")
-    holder = ChunkHolder(4)
-    holder.release([step(rid, 0)])  # its first chunk; this writer's own was written above
-    assert all(holder.release([step(rid, i)]) == [] for i in (1, 2, 3))  # held
-    (run,) = holder.release([step(rid, 4)])
-    assert run.chunk.index == 1 and len(run.pieces) == 4
-    publisher.publish([run])
-    publisher.tick()
-    # Token 1 was there (in the entry ending at 2): tokens 2, 3 and 4 went one by one.
-    assert [(i, t) for i, t, _ in written_tokens(redis_client, rid)] == [
-        (0, [100, 101]), (2, [102]), (3, [103]), (4, [104])]
+    stale = Publisher(redis_client, KEYS, "w-stale", 600, TextStage(None, lambda r: None),
+                      clock=ManualClock())
+    overlapping = Publication("r-stale", OutputChunk(1, [101, 102, 103], "t1 t2 t3 "))
+    probe = "r-stale-probe"
+    redis_client.xadd(KEYS.output(probe), {FIELD: b"x"}, id="2-0")
+    stale.publish([replace(overlapping, request_id=probe)])
+    stale.tick()
+    assert [e[0] for e in redis_client.xrange(KEYS.output(probe))] == [b"2-0", b"4-0"]
+
+    published = take_over(redis_client, KEYS, "r-stale", 600)
+    assert published.token_ids == [100, 101] and published.id_base == ID_GENERATION
+    stale.publish([overlapping, Publication("r-stale", OutputChunk(4, [104]),
+                                            FinalEntry("length", 5), ack=("lane", "1-0"))])
+    stale.tick()  # refused as written (below the top): nothing lands, nothing is acked
+    assert [e[0] for e in redis_client.xrange(key)] == [b"2-0"]
+    new = Publisher(redis_client, KEYS, "w-new", 600, TextStage(None, lambda r: None),
+                    clock=ManualClock())
+    new.publish([Publication("r-stale", OutputChunk(2, [102, 103], id_base=ID_GENERATION),
+                             FinalEntry("length", 4, id_base=ID_GENERATION))])
+    new.tick()
+    assert [(i, t) for i, t, _ in written_tokens(redis_client, "r-stale")] == [
+        (0, [100, 101]), (2, [102, 103])]
+    assert redis_client.xrevrange(key, count=1)[0][0] == f"{ID_GENERATION + 4}-1".encode()
 
 
 @pytest.mark.parametrize("version", REDIS_VERSIONS)
-def test_the_joined_append_behaves_alike_on_each_redis(tmp_path, version):
-    """APPEND_JOINED on Redis 6.2 and 7: whole where the stream ends right before it, piece
-    by piece past another writer's entry, nothing where every piece is written."""
+def test_a_take_over_behaves_alike_on_each_redis(tmp_path, version):
+    """TAKE_OVER on Redis 6.2 and 7: a stream not made yet is made empty in the next
+    generation, with the TTL, and refuses a first chunk still on its way; a take-over of one
+    that ends in a final, and a second take-over with nothing written since, each move it
+    one generation further; the tokens an id counts stay."""
     with start_ephemeral(tmp_path, binary=redis_binary(version), appendonly="no") as server:
         r = redis.Redis.from_url(server.url)
-        publisher = Publisher(r, KEYS, "w-versions", 600, TextStage(None, lambda x: None),
-                              clock=ManualClock())
-        holder = ChunkHolder(3)
-        runs = [holder.release([step("v", i)]) for i in range(7)]
-        first, run_a, run_b = (b for b in runs if b)  # [0], [1..3], [4..6]
-        for batch in (first, run_a):
-            publisher.publish(batch)
-            publisher.tick()
-        r.xadd(KEYS.output("v"), {FIELD: step("v", 4).chunk.encode()}, id="5-0")  # another writer
-        publisher.publish(run_b)
-        publisher.tick()
-        publisher.publish([replace(p, written=False) for p in run_b])  # again: all there
-        publisher.tick()
-        assert [(i, len(t)) for i, t, _ in written_tokens(r, "v")] == [
-            (0, 1), (1, 3), (4, 1), (5, 1), (6, 1)]
+        key = KEYS.output("v")
+        assert take_over(r, KEYS, "v", 600) == Published(id_base=ID_GENERATION)
+        assert r.xlen(key) == 0 and 0 < r.ttl(key) <= 600
+        assert r.xinfo_stream(key)["last-generated-id"] == f"{ID_GENERATION}-0".encode()
+        with pytest.raises(redis.ResponseError, match="equal or smaller"):
+            r.xadd(key, {FIELD: step("v", 0).chunk.encode()}, id="1-0")
+        chunk = OutputChunk(0, [100, 101], "t0 t1 ", id_base=ID_GENERATION)
+        r.xadd(key, {FIELD: chunk.encode()}, id=chunk.entry_id)
+        end = FinalEntry("length", 2, id_base=ID_GENERATION)
+        r.xadd(key, {FIELD: end.encode()}, id=end.entry_id)
+        second = take_over(r, KEYS, "v", 600)
+        assert second == Published([100, 101], "t0 t1 ", finished=True,
+                                   id_base=2 * ID_GENERATION)
+        assert take_over(r, KEYS, "v", 600).id_base == 3 * ID_GENERATION
+        last = r.xinfo_stream(key)["last-generated-id"]
+        assert last == f"{3 * ID_GENERATION + 2}-0".encode()
+        r.persist(key)
+        take_over(r, KEYS, "v", 600)
+        assert r.ttl(key) == -1  # a stream that was there: its TTL is its writers' to set
 
 
 def test_a_refused_joined_chunk_and_its_final_land_together_on_the_retry(redis_client):
@@ -273,14 +296,15 @@ def test_several_steps_in_one_batch_give_one_joined_chunk_after_the_rest():
     holder = ChunkHolder(2)
     holder.release([step("a", 0)])
     out = holder.release([step("a", 1), step("a", 2), step("a", 3), step("a", 4)])
-    assert spans(out) == [("a", 1, 4, False)] and len(out[0].pieces) == 4
+    assert spans(out) == [("a", 1, 4, False)]
     holder.release([step("a", 5)])  # held
     rejection = Rejection("s", "1-0", "duplicate id", request_id="a", write_final=False)
     out = holder.release([step("a", 6), rejection, step("a", 7), final("a", 8)])
     # Tokens 5 and 6 one by one before the rejection, then 7 joined to the final's 8.
     assert [(p.request_id, p.chunk.index if getattr(p, "chunk", None) else None)
             for p in out] == [("a", 5), ("a", 6), ("a", None), ("a", 7)]
-    assert out[2] is rejection and out[3].final is not None and len(out[3].pieces) == 2
+    assert out[2] is rejection and out[3].final is not None
+    assert out[3].chunk.token_ids == [107, 108]
 
 
 def test_close_writes_what_is_held(redis_client):
@@ -404,24 +428,6 @@ def OutputChunkOf(entries, entry_id) -> list[int]:  # noqa: N802 - reads like th
     [fields] = [f for e, f in entries if e == entry_id]
     return msgpack.unpackb(fields[FIELD.encode() if isinstance(FIELD, str) else FIELD])[
         "token_ids"]
-
-
-def test_a_redis_that_lost_the_joining_script_gets_it_again_on_the_retry(redis_client):
-    """Joined chunks go by EVALSHA; a Redis that forgot the script (restarted, flushed)
-    refuses the batch once, and the retry loads it and writes every index once."""
-    publisher = Publisher(redis_client, KEYS, "w-noscript", 600,
-                          TextStage(None, lambda r: None), stream_interval=2,
-                          clock=ManualClock())
-    for i in range(3):  # token 0 alone, then 1-2 joined
-        publisher.publish([step("r-ns", i)])
-        publisher.tick()
-    redis_client.script_flush()
-    for i in (3, 4):
-        publisher.publish([step("r-ns", i)])
-    with pytest.raises(WriteRefused, match="script"):
-        publisher.tick()
-    publisher.tick()  # the supervisor's retry
-    assert [e[0] for e in redis_client.xrange(KEYS.output("r-ns"))] == [b"1-0", b"3-0", b"5-0"]
 
 
 def test_the_publisher_counts_chunks_tokens_and_its_lag(redis_client):

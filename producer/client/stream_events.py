@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
-from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, decode_output
+from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, OutputChunk, decode_output
 
 # Stream ids a reader may resume from: "0", "0-0", "{ms}-{seq}".
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
@@ -121,9 +121,10 @@ def next_index_after(entry_id: str) -> int:
     """First token index a reader resuming after ``entry_id`` has not seen.
 
     Chunk ``{i + 1}-0`` ends with token ``i`` and final ``{n}-1`` follows ``n`` tokens,
-    so the id's first part counts the tokens up to and including that entry.
+    so the id's first part counts the tokens up to and including that entry, modulo
+    ID_GENERATION (a worker that took the request over writes ids above that).
     """
-    return int(validate_entry_id(entry_id).split("-")[0])
+    return int(validate_entry_id(entry_id).split("-")[0]) % ID_GENERATION
 
 
 class OutputTracker:

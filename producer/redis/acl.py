@@ -85,12 +85,13 @@ WORKER_COMMANDS = (
     "xreadgroup", "xack",  # intake; acknowledged after the final entry
     "xpending", "xclaim", "xautoclaim",  # leases, reaping dead workers' entries, delivery counts
     "xadd", "expire", "xrange", "xrevrange",  # output streams, dead letters, resumption
+    "xsetid", "xdel",  # taking a claimed request's output stream over (intake/resume.py)
     "exists",  # cancellation markers; dead workers' heartbeats; producers' watch keys
     "get", "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "hdel", "del",  # heartbeat hash (removed at exit), the model hash (and its template)
     "sadd", "srem", "smembers",  # the models and workers sets (dead workers pruned)
-    "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), joined chunks
+    "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), take-overs
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
     "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
 )

@@ -3,7 +3,11 @@
 Output stream entry ids are derived from token indexes, so Redis itself refuses a
 write that would repeat a token index (a stale writer's XADD fails):
 a chunk whose last token has index ``i`` gets id ``{i + 1}-0``, and the final entry
-of a request with ``n`` tokens gets ``{n}-1``.
+of a request with ``n`` tokens gets ``{n}-1``. A worker that takes a request over from
+another (it claimed a lapsed lease) writes in the next generation of ids, ``g * 2**32``
+above them (``ID_GENERATION``): it first moves the stream's last id there
+(worker/fleet/intake/resume.py), so that nothing the worker it took the request from
+still sends can land, whatever tokens a chunk of that worker's holds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 SCHEMA_VERSION = 1
 # Each stream entry holds one field with one msgpack map.
 FIELD = b"m"
+# The span of one writer generation's output entry ids: the g-th worker to take a request
+# over writes ids from g * ID_GENERATION on; the tokens an id counts are its first part
+# modulo this.
+ID_GENERATION = 2**32
 
 # Limits on one request entry; a producer is refused (ValueError) before writing past them
 # and a worker dead-letters an entry that does.
@@ -182,10 +190,13 @@ class OutputChunk:
     # Of a request that asked for logprobs: per token, [its logprob, [[id, logprob], ...]
     # of the most likely alternatives].
     logprobs: list[list[Any]] | None = None
+    # Where its writer's generation of entry ids starts (0, or k * ID_GENERATION for a
+    # request taken over); not part of the message.
+    id_base: int = field(default=0, repr=False, compare=False)
 
     @property
     def entry_id(self) -> str:
-        return f"{self.index + len(self.token_ids)}-0"
+        return f"{self.id_base + self.index + len(self.token_ids)}-0"
 
     def encode(self) -> bytes:
         m = {
@@ -210,10 +221,12 @@ class FinalEntry:
     error: str | None = None
     # Text released only at the end (held back for a possible stop string, say), if any.
     text: str = ""
+    # As OutputChunk.id_base: not part of the message.
+    id_base: int = field(default=0, repr=False, compare=False)
 
     @property
     def entry_id(self) -> str:
-        return f"{self.num_tokens}-1"
+        return f"{self.id_base + self.num_tokens}-1"
 
     def encode(self) -> bytes:
         return _pack(
@@ -254,9 +267,9 @@ def decode_output(data: bytes) -> OutputChunk | FinalEntry:
         raise ProtocolError(f"malformed output entry: {exc}") from None
 
 
-def error_final(reason: str, num_tokens: int = 0) -> FinalEntry:
+def error_final(reason: str, num_tokens: int = 0, id_base: int = 0) -> FinalEntry:
     """The final entry of a request that failed."""
-    return FinalEntry("error", num_tokens, {}, reason[:2000])
+    return FinalEntry("error", num_tokens, {}, reason[:2000], id_base=id_base)
 
 
 def _valid_id(rid: str) -> bool:

@@ -224,7 +224,7 @@ class EngineLoop(SupervisedThread):
 
     def _chunk_publication(self, out: StepOutput, entry: InflightRequest) -> Publication:
         chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
-                            logprobs=wire_logprobs(out))
+                            logprobs=wire_logprobs(out), id_base=entry.id_base)
         entry.next_index += len(out.new_token_ids)
         self._time_tokens(entry, time.monotonic(), len(out.new_token_ids))
         self.tokens_generated += len(out.new_token_ids)
@@ -273,7 +273,8 @@ class EngineLoop(SupervisedThread):
             self.inflight.remove(req.request_id)
             # After the tokens already published: Redis refuses a final at a lower index.
             self._send([Rejection(adm.stream, adm.entry_id, str(exc),
-                                  req.request_id, num_tokens=len(generated))])
+                                  req.request_id, num_tokens=len(generated),
+                                  id_base=adm.published.id_base if adm.published else 0)])
             return
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                           (adm.stream, adm.entry_id), generated,
@@ -311,6 +312,8 @@ class EngineLoop(SupervisedThread):
                            eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos)
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
+        if adm.published is not None:  # a request taken over: in its generation of ids
+            final.id_base = adm.published.id_base
         self.inflight.remove(adm.request.request_id)
         self._send([Publication(adm.request.request_id, final=final,
                                 ack=(adm.stream, adm.entry_id))])
@@ -352,7 +355,7 @@ class EngineLoop(SupervisedThread):
             if out.new_token_ids:
                 # Text is filled in on the publisher thread (TextStage).
                 chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
-                                    logprobs=wire_logprobs(out))
+                                    logprobs=wire_logprobs(out), id_base=entry.id_base)
                 entry.next_index += len(out.new_token_ids)
                 self._time_tokens(entry, now, len(out.new_token_ids))
                 generated += len(out.new_token_ids)
@@ -365,6 +368,7 @@ class EngineLoop(SupervisedThread):
                      "completion_tokens": usage.completion_tokens if usage else entry.next_index,
                      "cached_tokens": usage.cached_tokens if usage else 0,
                      "kv_transferred_tokens": usage.kv_transferred_tokens if usage else 0},
+                    id_base=entry.id_base,
                 )
                 ack = (entry.stream, entry.entry_id)
                 self.inflight.remove(out.request_id)

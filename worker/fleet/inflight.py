@@ -17,6 +17,9 @@ class InflightRequest:
     num_prompt_tokens: int
     # Token index of the next token to publish.
     next_index: int = 0
+    # Where this worker's output entry ids start: 0, or the generation of ids of a request
+    # it took over (worker/fleet/intake/resume.py).
+    id_base: int = 0
     received: float = field(default_factory=time.monotonic)
     # When the producer created it (its created_ms on this clock); set at admission.
     created: float | None = None

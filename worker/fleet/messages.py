@@ -62,10 +62,6 @@ class Publication:
     written: bool = False
     # Progress across retries: the final was there before our XADD.
     final_existed: bool = False
-    # A chunk joined from several steps' chunks (worker/fleet/publishing/chunk_holder.py):
-    # those, in order, written one by one where the stream does not end right before the
-    # joined one.
-    pieces: list[OutputChunk] | None = None
 
 
 @dataclass
@@ -83,8 +79,10 @@ class Rejection:
     raw: bytes | None = None
     # False when another request with this id is live: its stream must not get our error.
     write_final: bool = True
-    # Tokens already on the request's output stream (the error final goes after them).
+    # Tokens already on the request's output stream (the error final goes after them),
+    # and where this worker's entry ids start (a request it took over: resume.py).
     num_tokens: int = 0
+    id_base: int = 0
     # Progress across retries: the error final is written.
     written: bool = False
     # Progress across retries (a dead letter has no fixed id: it must not be added twice).

@@ -20,7 +20,7 @@ from worker.fleet.housekeeping.leases import release
 from worker.fleet.housekeeping.old_lanes import OldLanes
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.intake import Intake
-from worker.fleet.intake.resume import read_published
+from worker.fleet.intake.resume import take_over
 from worker.fleet.messages import Rejection
 from worker.fleet.supervised import SupervisedThread
 
@@ -180,7 +180,9 @@ class Reaper(SupervisedThread):
     def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int,
                 alone: bool) -> None:
         request_id = _request_id(fields)
-        published = read_published(self.client, self.keys, request_id) if request_id else None
+        # Its stream taken over first: nothing its earlier worker still sends can land.
+        published = take_over(self.client, self.keys, request_id,
+                              self.intake.publisher.output_ttl_s) if request_id else None
         if published is not None and published.finished:
             self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
             return
@@ -196,8 +198,9 @@ class Reaper(SupervisedThread):
                           "it is what kills the workers that take it")
                 log.error("poison request dead-lettered", request_id=request_id,
                           entry_id=entry_id, deliveries=deliveries, runs_alone=runs_alone)
-                self.intake.publisher.publish([Rejection(stream, entry_id, reason, request_id,
-                                                         fields.get(FIELD), num_tokens=num)])
+                self.intake.publisher.publish([Rejection(
+                    stream, entry_id, reason, request_id, fields.get(FIELD), num_tokens=num,
+                    id_base=published.id_base if published else 0)])
                 return
         log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
                  published_tokens=num, deliveries=deliveries, alone=alone)

@@ -246,7 +246,8 @@ class Intake(SupervisedThread):
             prompt_ids = self._tokenize(req)
         except ProtocolError as exc:
             self._reject(stream, entry_id, exc.reason, exc.request_id, raw,
-                         num_tokens=len(published.token_ids) if published else 0)
+                         num_tokens=len(published.token_ids) if published else 0,
+                         id_base=published.id_base if published else 0)
             return None
         live = self.inflight.get(req.request_id)
         if live is not None and (live.stream, live.entry_id) == (stream, entry_id):
@@ -263,6 +264,7 @@ class Intake(SupervisedThread):
             published = read_published(self.client, self.keys, req.request_id)
         item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
                                len(published.token_ids) if published else 0,
+                               id_base=published.id_base if published else 0,
                                message=raw if self.role == "prefill" else None,
                                watch=req.watch)
         if not self.inflight.add(item, alone):
@@ -313,8 +315,8 @@ class Intake(SupervisedThread):
         return ids
 
     def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True,
-                num_tokens: int = 0) -> None:
+                num_tokens: int = 0, id_base: int = 0) -> None:
         log.warning("request rejected", request_id=request_id, entry_id=entry_id, reason=reason)
         self.publisher.publish([Rejection(stream, entry_id, reason, request_id,
                                           raw if isinstance(raw, bytes) else None, write_final,
-                                          num_tokens)])
+                                          num_tokens, id_base)])

@@ -16,11 +16,11 @@ here (cancelled, its lease lost), and everything when the publisher closes or th
 idles. Held chunks are the publisher's prepared output: stop strings were applied and text
 decoded before holding, so a stop is seen at once.
 
-A joined chunk keeps the steps' chunks it was made of (``Publication.pieces``): its entry id
-says only where it ends, so two writers of one request (a worker that lost its lease and
-the one that claimed it) that joined different runs of tokens could otherwise write some
-indexes twice. The publisher appends a joined chunk only where the stream ends right before
-it, and otherwise its pieces one by one (worker/fleet/publishing/publisher.py, ``APPEND_JOINED``).
+A joined chunk is one XADD. Its entry id says only where it ends, so two writers of one
+request (a worker that lost its lease and the one that claimed it) that joined different
+runs of tokens could write some indexes twice, were they writing ids of one generation:
+the claiming worker takes the stream over first (worker/fleet/intake/resume.py), after
+which Redis refuses every id the other still sends.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def joined(pieces: list[OutputChunk]) -> OutputChunk:
         return first
     logprobs = None if first.logprobs is None else [lp for p in pieces for lp in p.logprobs]
     return OutputChunk(first.index, [t for p in pieces for t in p.token_ids],
-                       "".join(p.text for p in pieces), logprobs)
+                       "".join(p.text for p in pieces), logprobs, id_base=first.id_base)
 
 
 def follows(pieces: list[OutputChunk], then: OutputChunk) -> bool:
@@ -101,10 +101,8 @@ class ChunkHolder:
         ``flush_all`` (closing, or no step for a while).
 
         A request's joined chunk (with its final, if any) is the last of its output in what
-        this returns, and there is at most one: the publisher writes it by a script, and a
-        write after a refused script in the same transaction could land over missing
-        tokens. Whatever must go before something else goes as its steps' chunks, one by
-        one."""
+        this returns, and there is at most one; whatever must go before something else
+        goes as its steps' chunks, one by one."""
         if self.passes_through:
             return items
         now = self.clock.monotonic()
@@ -133,12 +131,7 @@ class ChunkHolder:
                     taken[rid] = pieces
                 continue
             self._sent_at.pop(rid, None)  # its end: with what came before it
-            if len(pieces) > 1:
-                out.append(replace(item, chunk=joined(pieces), pieces=pieces))
-            elif pieces:
-                out.append(replace(item, chunk=pieces[0]))
-            else:
-                out.append(item)
+            out.append(replace(item, chunk=joined(pieces)) if pieces else item)
         stepped = set(taken)
         for rid, pieces in taken.items():
             if flush_all or rid in ended or self._due(rid, pieces, now):
@@ -168,4 +161,4 @@ class ChunkHolder:
 
     @staticmethod
     def _publication(rid: str, pieces: list[OutputChunk]):
-        return Publication(rid, joined(pieces), pieces=pieces if len(pieces) > 1 else None)
+        return Publication(rid, joined(pieces))

@@ -20,7 +20,6 @@ the publisher shares the cores with the engine: every command it saves is engine
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import time
 from collections.abc import Callable
@@ -71,60 +70,6 @@ MAX_CACHED_KEYS = 4096
 
 class WriteRefused(redis.ResponseError):
     """Redis refused a write a batch needs: nothing of the batch was acknowledged."""
-
-
-# Appends a joined chunk, and the final after it when there is one. ARGV: the id the stream
-# must end at, the chunk's id, the field, its message, the final's id and message ("" when
-# none), then each piece's id and message. The joined entry goes where the stream ends right
-# before it; anywhere else (another writer got there first, or the stream is gone) each piece
-# whose id is past the stream's end goes as an entry of its own. A joined chunk's id tells
-# only where it ends, so appending it past an entry that ends inside it would write those
-# indexes twice; a piece's id is as exact a fence as a single step's chunk. The final is in
-# the script, not a command after it: Redis 6.2 may refuse a script only as its transaction
-# runs, and a final that then landed alone would close the stream over missing tokens.
-# Returns {entries added, 1 if the final was added / 0 if one was there / -1 if none}; a
-# refusal other than "equal or smaller" (out of memory, read-only) is the reply, as it is
-# (an OOM stays an OOM on Redis 6.2 and 7 alike).
-APPEND_JOINED = """
-local added = 0
-local function add(id, message)
-  local r = redis.pcall('XADD', KEYS[1], id, ARGV[3], message)
-  if type(r) == 'table' and r.err then
-    if string.find(r.err, 'equal or smaller', 1, true) then return false end
-    return r
-  end
-  added = added + 1
-  return true
-end
-local function refusal(r)
-  -- Redis 6.2 puts where in the script a call failed before its error: take it off
-  return redis.error_reply((string.gsub(r.err, '^@user_script:%s*%d+:%s*%-', '')))
-end
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local r
-if #top > 0 and top[1][1] == ARGV[1] then
-  r = add(ARGV[2], ARGV[4])
-  if type(r) == 'table' then return refusal(r) end
-else
-  for i = 7, #ARGV, 2 do
-    r = add(ARGV[i], ARGV[i + 1])
-    if type(r) == 'table' then return refusal(r) end
-  end
-end
-local final = -1
-if ARGV[5] ~= '' then
-  r = add(ARGV[5], ARGV[6])
-  if type(r) == 'table' then return refusal(r) end
-  if r then final = 1 else final = 0 end
-end
-return {added, final}
-"""
-
-
-# Sent by its SHA (EVALSHA): the script's text is not sent and hashed again for every
-# joined chunk. A Redis that lost it (a restart) answers NOSCRIPT; the publisher loads it
-# again and the batch is retried.
-APPEND_JOINED_SHA = hashlib.sha1(APPEND_JOINED.encode()).hexdigest()
 
 
 def already_written(result: object) -> bool:
@@ -202,7 +147,6 @@ class Publisher(SupervisedThread):
         # Requests forgotten in the batch being written; batches written (for pruning).
         self._forgotten: list[str] = []
         self._batches = 0
-        self._script_loaded = False  # APPEND_JOINED, as far as this publisher knows
         self.published_entries = 0
         # Output tokens handed to this publisher, written, and dropped (output of a request
         # that already ended here, by a stop string or a cancel); output chunks written
@@ -350,14 +294,9 @@ class Publisher(SupervisedThread):
                 else:
                     self._add_publication(commands, item, now)
             outcomes: dict[int, list[tuple[Command, object]]] = {id(item): [] for item in todo}
-            if not self._script_loaded and any(c.kind == "joined" for c in commands):
-                self.client.script_load(APPEND_JOINED)
-                self._script_loaded = True
             for command, result in zip(commands, self._transact(commands), strict=True):
                 outcomes[id(command.item)].append((command, result))
             refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
-            if any(isinstance(r, redis.exceptions.NoScriptError) for r in refused):
-                self._script_loaded = False  # Redis lost it: loaded again for the retry
             if refused:
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
@@ -439,9 +378,7 @@ class Publisher(SupervisedThread):
         for command, r in results:
             kind = command.kind
             if not isinstance(r, Exception):
-                if kind == "joined" and isinstance(item, Publication) and r[1] == 0:
-                    item.final_existed = True  # as an XADD final met an equal or higher id
-                elif kind == "dead" and isinstance(item, Rejection):
+                if kind == "dead" and isinstance(item, Rejection):
                     item.dead_lettered = True
                     self.dead_letters += 1
                 elif (kind == "expire" and command.lives_until is not None and item.request_id
@@ -499,18 +436,10 @@ class Publisher(SupervisedThread):
 
     def _add_publication(self, commands: list[Command], item: Publication, now: float) -> None:
         key = self._output_key(item.request_id)
-        if item.pieces:
-            chunk, final = item.chunk, item.final
-            assert chunk is not None, "pieces without their joined chunk"
-            commands.append(Command(item, "joined", key, (
-                "EVALSHA", APPEND_JOINED_SHA, 1, key, f"{chunk.index}-0", chunk.entry_id, FIELD,
-                chunk.encode(), final.entry_id if final else "", final.encode() if final else "",
-                *(part for piece in item.pieces for part in (piece.entry_id, piece.encode())))))
-        else:
-            for kind, entry in (("chunk", item.chunk), ("final", item.final)):
-                if entry is not None:
-                    commands.append(Command(item, kind, key, (
-                        "XADD", key, entry.entry_id, FIELD, entry.encode())))
+        for kind, entry in (("chunk", item.chunk), ("final", item.final)):
+            if entry is not None:
+                commands.append(Command(item, kind, key, (
+                    "XADD", key, entry.entry_id, FIELD, entry.encode())))
         if item.final is not None:  # an ended stream lives exactly the TTL past its end
             commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))
         elif self._renewal_due(self._lives_until.get(item.request_id, now), now):
@@ -526,7 +455,7 @@ class Publisher(SupervisedThread):
                 *(part for pair in fields.items() for part in pair))))
         if item.request_id and item.write_final:
             key = self.keys.output(item.request_id)
-            final = error_final(item.reason, item.num_tokens)
+            final = error_final(item.reason, item.num_tokens, item.id_base)
             commands.append(Command(item, "final", key, (
                 "XADD", key, final.entry_id, FIELD, final.encode())))
             commands.append(Command(item, "expire", key, ("EXPIRE", key, self.output_ttl_s)))

@@ -85,7 +85,8 @@ class TextStage:
             pub.final = FinalEntry(str(FinishReason.STOP), num,
                                    {"prompt_tokens": track.num_prompt_tokens,
                                     "completion_tokens": len(state.token_ids),
-                                    "cached_tokens": pub.cached_tokens})
+                                    "cached_tokens": pub.cached_tokens},
+                                   id_base=pub.chunk.id_base)
             pub.ack = track.ack
             self._stopped.add(pub.request_id)
             self.on_stop(pub.request_id)

@@ -9,9 +9,10 @@ import pytest
 import redis
 
 from producer.client.stream_events import ChunkEvent, FinalEvent, OutputTracker, StreamGapError
+from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, ProtocolError
-from worker.bench.run.follower import StreamFollower
+from worker.bench.run.follower import SWEEP_S, WAITING_PER_POLL, StreamFollower
 
 KEYS = Keys()
 
@@ -82,3 +83,43 @@ def test_the_follower_stops_at_a_gap_and_refuses_an_entry_without_a_message(
     odd.add("odd")
     with pytest.raises(ProtocolError, match="no message field"):
         odd.poll(1)
+
+
+def test_streams_with_nothing_yet_are_read_oldest_first_and_all_at_each_sweep(
+        reader, redis_client):
+    """The paced follower names the oldest WAITING_PER_POLL streams that have nothing yet at
+    every poll and all of them once every SWEEP_S of its clock; a stream that has begun is
+    named at every poll."""
+    clock = ManualClock()
+    follower = StreamFollower(reader, KEYS, period_s=0, clock=clock)
+    rids = [f"q{i}" for i in range(WAITING_PER_POLL + 1)]
+    for rid in rids:
+        follower.add(rid)
+    assert follower.poll(1) == []  # the first poll sweeps: nothing anywhere yet
+    late = rids[-1]  # past the oldest WAITING_PER_POLL
+    write(redis_client, late, OutputChunk(0, [1], "a"))
+    assert follower.poll(1) == []  # not named between sweeps
+    clock.advance(SWEEP_S)
+    assert [(r, e.index) for r, e in follower.poll(1)] == [(late, 0)]
+    write(redis_client, late, OutputChunk(1, [2], "b"))
+    assert [(r, e.index) for r, e in follower.poll(1)] == [(late, 1)]  # begun: every poll
+    write(redis_client, rids[0], OutputChunk(0, [3], "c"))
+    assert [(r, e.index) for r, e in follower.poll(1)] == [(rids[0], 0)]  # among the oldest
+
+
+def test_a_stream_that_just_gave_a_chunk_is_left_alone_for_the_quiet_time(
+        reader, redis_client):
+    """With ``quiet_s``, a stream is not named for that long after a chunk: what it gets
+    meanwhile (here its final) is read once the time is over, nothing lost."""
+    clock = ManualClock()
+    follower = StreamFollower(reader, KEYS, period_s=0, clock=clock, quiet_s=0.04)
+    follower.add("s")
+    write(redis_client, "s", OutputChunk(0, [1], "a"))
+    assert [e.index for _, e in follower.poll(1)] == [0]
+    write(redis_client, "s", OutputChunk(1, [2], "b"), FinalEntry("stop", 2))
+    clock.advance(0.03)
+    assert follower.poll(1) == []  # within the quiet time: not named
+    clock.advance(0.01)
+    got = follower.poll(1)
+    assert [type(e).__name__ for _, e in got] == ["ChunkEvent", "FinalEvent"]
+    assert len(follower) == 0

@@ -205,12 +205,17 @@ def test_a_stale_writers_joined_chunk_after_a_take_over_lands_nowhere(redis_clie
     stale.tick()
     assert [e[0] for e in redis_client.xrange(KEYS.output(probe))] == [b"2-0", b"4-0"]
 
+    lane = KEYS.requests("m", "interactive")
+    entry = redis_client.xadd(lane, {"m": b"r-stale"}).decode()
+    redis_client.xgroup_create(lane, "workers", id="0")
+    redis_client.xreadgroup("workers", "w-new", {lane: ">"})  # claimed by the new worker
     published = take_over(redis_client, KEYS, "r-stale", 600)
     assert published.token_ids == [100, 101] and published.id_base == ID_GENERATION
     stale.publish([overlapping, Publication("r-stale", OutputChunk(4, [104]),
-                                            FinalEntry("length", 5), ack=("lane", "1-0"))])
+                                            FinalEntry("length", 5), ack=(lane, entry))])
     stale.tick()  # refused as written (below the top): nothing lands, nothing is acked
     assert [e[0] for e in redis_client.xrange(key)] == [b"2-0"]
+    assert redis_client.xpending(lane, "workers")["pending"] == 1  # still the new worker's
     new = Publisher(redis_client, KEYS, "w-new", 600, TextStage(None, lambda r: None),
                     clock=ManualClock())
     new.publish([Publication("r-stale", OutputChunk(2, [102, 103], id_base=ID_GENERATION),

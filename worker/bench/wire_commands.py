@@ -5,8 +5,8 @@
 
 One worker (simulated steps by default, so the rate is a GPU's) serves REQUESTS requests of
 TOKENS output tokens from a private redis-server, read by one client; Redis's own counters
-(INFO commandstats, calls inside scripts included, and INFO cpu, readers included) are
-read before and after. docs/redis.md keeps the figures.
+(INFO commandstats, calls inside scripts included, INFO cpu, readers included, and the
+bytes in and out of INFO stats) are read before and after. docs/redis.md keeps the figures.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def measure(model_dir: Path, interval_ms: float, step_ms: float | None, requests
             admin = connect(server.url)
             client = Client(server.url)
             admin.config_resetstat()
-            cpu_before = admin.info("cpu")
+            cpu_before, net_before = admin.info("cpu"), admin.info("stats")
             started = time.monotonic()
             ids = [client.submit([5, 6, 7, 2 + i % 50], model="m", max_tokens=tokens,
                                  ignore_eos=True, seed=i) for i in range(requests)]
@@ -49,7 +49,7 @@ def measure(model_dir: Path, interval_ms: float, step_ms: float | None, requests
                 client.result(rid, timeout=600)
             elapsed = time.monotonic() - started
             stats = admin.info("commandstats")
-            cpu_after = admin.info("cpu")
+            cpu_after, net_after = admin.info("cpu"), admin.info("stats")
         finally:
             worker.stop(drain_timeout_s=5)
             server.stop()
@@ -63,6 +63,11 @@ def measure(model_dir: Path, interval_ms: float, step_ms: float | None, requests
         "commands_per_token": round(sum(calls.values()) / made, 4),
         "commands_per_request": round(sum(calls.values()) / requests, 2),
         "redis_cpu_us_per_token": round(cpu_s * 1e6 / made, 3),
+        # Bytes Redis read (commands: mostly the chunks written) and wrote (replies: mostly
+        # the chunks read), per token.
+        **{f"bytes_{way}_per_token": round((net_after[f"total_net_{way}put_bytes"]
+                                            - net_before[f"total_net_{way}put_bytes"]) / made, 1)
+           for way in ("in", "out")},
         "per_request": {name: round(n / requests, 2)
                         for name, n in sorted(calls.items(), key=lambda kv: -kv[1])},
     }

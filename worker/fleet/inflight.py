@@ -34,8 +34,12 @@ class InflightRequest:
 class InflightTable:
     """Thread-safe table of in-flight requests with a capacity the intake waits on."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, read_batch: int = 1) -> None:
         self.capacity = capacity
+        # While fewer than this many places are free, there is no room: requests waiting in
+        # the table beyond the engine's seats keep it busy, and reading one entry as each
+        # request ends would cost a read (and a wake-up of the intake) per request.
+        self.read_batch = max(1, min(read_batch, capacity))
         self._items: dict[str, InflightRequest] = {}
         self._cond = threading.Condition()
         # A suspect request served by itself (nothing else is taken meanwhile), and whether
@@ -58,7 +62,8 @@ class InflightTable:
     def _room(self) -> int:
         if self._alone is not None or self._held:
             return 0
-        return max(0, self.capacity - len(self._items))
+        free = self.capacity - len(self._items)
+        return free if free >= self.read_batch else 0
 
     def add(self, item: InflightRequest, alone: bool = False) -> bool:
         """Take a request in; ``alone`` only into an empty table, and then nothing else

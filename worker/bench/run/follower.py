@@ -3,41 +3,81 @@
 ``Client.follow_many`` follows a fixed list; a benchmark adds requests while it reads, so
 this keeps the same trackers (``OutputTracker``) in a set that grows and shrinks.
 
-The bench's client shares the machine's cores with the worker it measures, so its CPU is
-the worker's loss: its XREAD goes through ``run_commands`` (hiredis packs it, and the reply
-is read raw, with no dict per entry) and each entry's message goes to its tracker as it
-is. A 64-stream poll costs ~0.6 ms of CPU this way, against ~0.95 ms through redis-py's
-``xread``.
+The bench's client shares the machine's cores with the worker it measures, and Redis's
+CPU counts in the wire's cost per token (docs/redis.md), so the reads are paced: an XREAD
+checks every stream it names, whether or not it has anything, and a poll per entry at a
+GPU's rate (thousands of chunks a second) would cost Redis and this process more than the
+worker's writes. A poll starts at least ``period_s`` after the last one and gets what every
+stream got meanwhile; it names the streams that have begun (their chunks come each stream
+interval) and only the oldest WAITING_PER_POLL of those with nothing yet, all of them
+once every SWEEP_S (4,000 queued requests are not checked 100 times a second). A reader
+sees each chunk at most ``period_s`` late, and a first token at most SWEEP_S late where
+requests start out of the order they were sent in.
+
+With ``quiet_s`` (the stream interval less a margin: the workers write a stream's chunks
+at most once an interval), a stream that just gave a chunk is not named again until
+``quiet_s`` later: at a GPU's rate, an XREAD naming every decoding stream at every poll
+spends most of its time on streams that cannot have anything yet (measured: ~0.25 µs of
+Redis CPU a stream named, against ~2 µs an entry read). A request's final can come sooner
+than that after its last chunk (its last tokens go at once): it is seen up to ``quiet_s``
+late, which lengthens that request's end-to-end time by as much, and no chunk gap.
+
+Its XREAD goes through ``run_commands`` (hiredis packs it, and the reply is read raw, with
+no dict per entry) and each entry's message goes to its tracker as it is.
 """
 
 from __future__ import annotations
+
+import threading
+from itertools import islice
 
 import redis
 
 from producer.client.client import FOLLOW_MANY_KEYS, READ_COUNT
 from producer.client.stream_events import OutputTracker, StreamEvent
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, ProtocolError
 from worker.fleet.publishing.raw_pipeline import run_commands
+
+# Seconds from one poll's start to the next's (see the module docstring).
+POLL_PERIOD_S = 0.01
+# Streams with nothing read yet that each poll names, oldest first; every SWEEP_S, all.
+WAITING_PER_POLL = 16
+SWEEP_S = 0.25
 
 
 class StreamFollower:
     """Yields (request id, event) for every request added, until each has its final entry."""
 
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, period_s: float = POLL_PERIOD_S,
+                 clock: Clock | None = None, quiet_s: float = 0.0) -> None:
         self.client = client
         self.keys = keys
+        self.period_s = period_s
+        self.quiet_s = quiet_s
+        # Streams not named before then (their last chunk came less than quiet_s ago).
+        self._quiet_until: dict[str, float] = {}
+        self.clock = clock or SYSTEM_CLOCK
         self._trackers: dict[str, OutputTracker] = {}
         # Each request's stream key, made once: a poll of 64 streams would otherwise spend
         # most of its own time building and checking the same 64 key names again.
         self._key_of: dict[str, str] = {}
         self._by_key: dict[str, str] = {}
+        # Requests with nothing read yet, in the order they were added (dicts keep it), and
+        # those with something.
+        self._waiting: dict[str, None] = {}
+        self._started: dict[str, None] = {}
+        self._last_poll: float | None = None
+        self._next_sweep = 0.0
+        self._pause = threading.Event()  # never set: waited on for the period
 
     def add(self, request_id: str) -> None:
         key = self.keys.output(request_id)
         self._trackers[request_id] = OutputTracker()
         self._key_of[request_id] = key
         self._by_key[key] = request_id
+        self._waiting[request_id] = None
 
     def __len__(self) -> int:
         return len(self._trackers)
@@ -47,7 +87,21 @@ class StreamFollower:
 
         More than FOLLOW_MANY_KEYS streams are read in several XREADs, only the first blocking.
         """
-        ids = list(self._trackers)
+        if self._last_poll is not None:
+            pause = self._last_poll + self.period_s - self.clock.monotonic()
+            if pause > 0:
+                self.clock.wait(self._pause, pause)
+        now = self._last_poll = self.clock.monotonic()
+        if now >= self._next_sweep:
+            waiting = list(self._waiting)
+            self._next_sweep = now + SWEEP_S
+        else:
+            waiting = list(islice(self._waiting, WAITING_PER_POLL))
+        if self._quiet_until:
+            self._quiet_until = {r: t for r, t in self._quiet_until.items() if t > now}
+            ids = [rid for rid in self._started if rid not in self._quiet_until] + waiting
+        else:
+            ids = list(self._started) + waiting
         events: list[tuple[str, StreamEvent]] = []
         for start in range(0, len(ids), FOLLOW_MANY_KEYS):
             group = ids[start:start + FOLLOW_MANY_KEYS]
@@ -65,6 +119,8 @@ class StreamFollower:
 
     def _feed(self, stream: bytes, entries: list, events: list) -> None:
         rid = self._by_key[stream.decode()]
+        if self._waiting.pop(rid, 0) is None:
+            self._started[rid] = None
         tracker = self._trackers.get(rid)
         for entry_id, fields in entries:
             if tracker is None:
@@ -72,8 +128,12 @@ class StreamFollower:
             event = tracker.feed_message(entry_id, _message(fields))
             if event is not None:
                 events.append((rid, event))
+                if self.quiet_s:
+                    self._quiet_until[rid] = self._last_poll + self.quiet_s
             if tracker.done:
                 del self._trackers[rid]
+                self._started.pop(rid, None)
+                self._quiet_until.pop(rid, None)
                 del self._by_key[self._key_of.pop(rid)]
                 tracker = None
 

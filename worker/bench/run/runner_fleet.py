@@ -24,6 +24,8 @@ from worker.host.cpu_placement import Placement
 KV_SAMPLE_INTERVAL_S = 0.1
 # Longest one XREAD waits, so arrivals, KV samples and a dead worker are noticed in time.
 MAX_BLOCK_MS = 50
+# A stream is looked at again this long before its next chunk can come (follower.py).
+QUIET_MARGIN_S = 0.01
 
 
 @dataclass
@@ -69,7 +71,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
             preempted_before = _over_workers(cpu.process_preemptions, workers)
             threads_before = [_threads(w) for w in workers]
             stolen_before, idle_before = cpu.stolen_cpu_s(), cpu.idle_cpu_s()
-            records, kv, duration = _drive(client, model, items, plan, group, timeout_s)
+            records, kv, duration = _drive(client, model, items, plan, group, timeout_s,
+                                           quiet_s(settings))
             stolen = cpu.delta(stolen_before, cpu.stolen_cpu_s())
             idle = cpu.idle_delta(idle_before, cpu.idle_cpu_s())
             after = _cpu_now(client, workers)
@@ -185,10 +188,18 @@ def _warm_up(client: Client, model: str, worker: _Group) -> None:
         client.result(rid, timeout=300)
 
 
+def quiet_s(settings: dict[str, Any]) -> float:
+    """How long after a chunk the follower leaves its stream alone: a stream's chunks come
+    at most once a stream interval (none where a count of tokens may send them sooner)."""
+    if settings.get("stream_interval"):
+        return 0.0
+    return max(0.0, (settings.get("stream_interval_ms") or 0) / 1000 - QUIET_MARGIN_S)
+
+
 def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
-           worker: _Group, timeout_s: float
+           worker: _Group, timeout_s: float, quiet_s: float
            ) -> tuple[list[RequestRecord], list[KVSample], float]:
-    follower = StreamFollower(client.redis, client.keys)
+    follower = StreamFollower(client.redis, client.keys, quiet_s=quiet_s)
     records: dict[str, RequestRecord] = {}
     kv = _HeartbeatSampler(client, worker.key)
     start = time.perf_counter()

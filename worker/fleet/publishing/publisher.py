@@ -3,14 +3,14 @@
 A request entry is acknowledged only after every entry it needs is in Redis: the writes go
 in one round trip, the writes of each key as one MULTI/EXEC where there are several (each
 transaction touches one key, as Redis Cluster requires; an EXPIRE needs none), then the
-acknowledgements, owner-checked, in a second round trip. A write Redis refuses (out of
+acknowledgements in a second round trip (one XACK a request stream). A write Redis refuses (out of
 memory, read-only after a failover) aborts its key's whole transaction, so no output stream
 ever gets a later entry without an earlier one; nothing of a batch with a refusal is
 acknowledged, and the supervisor retries what was not written after a backoff. Entry ids
 derived from token indexes make a repeated XADD fail harmlessly; a final that was already
-there is checked to be a final before its request is acknowledged.
+there is checked to be ours before its request is acknowledged.
 
-A decoding request's step usually costs one command, its XADD: the stream's TTL is renewed
+A decoding request's chunk costs one command, its XADD: the stream's TTL is renewed
 (to the TTL plus a slack of an eighth) only once less than the TTL plus half the slack is
 left, so it outlives its last write by the TTL, and the final sets it to exactly the TTL.
 A stream that Redis lost (a restart without persistence) and an XADD made again gets its
@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import Keys
+from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, error_final, now_ms
 from worker.fleet.handoff.handoff import HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixSharer
@@ -401,17 +401,32 @@ class Publisher(SupervisedThread):
         return refusal
 
     def _acknowledge(self, batch: list[Publication | Rejection]) -> None:
-        """XACK each finished request entry this worker still owns, its final verified."""
-        wanted: list[tuple[str, str]] = []
+        """XACK each finished request entry: one XACK a request stream for the requests
+        whose final is ours, owner-checked for rejected entries.
+
+        A final of ours in the stream means the request is complete, whoever holds its
+        entry now: a worker that claimed it before our final was written took the stream
+        over first (worker/fleet/intake/resume.py), and our final was refused; one that
+        claims it after finds the final and acknowledges it itself. So that XACK cannot
+        drop an entry another worker is serving. A rejection has no such proof (it may have
+        no final): it is acknowledged only where this worker still owns the entry."""
+        finished: dict[str, list[str]] = {}
+        rejected: list[tuple[str, str]] = []
         for item in batch:
             if isinstance(item, Rejection):
-                wanted.append((item.stream, item.entry_id))
+                rejected.append((item.stream, item.entry_id))
             elif item.ack is not None and (not item.final_existed or self._final_is_there(item)):
-                wanted.append(item.ack)
-        if not wanted:
+                finished.setdefault(item.ack[0], []).append(item.ack[1])
+        if finished:
+            replies = run_commands(self.client, [("XACK", stream, GROUP, *ids)
+                                                 for stream, ids in finished.items()])
+            refusal = next((r for r in replies if isinstance(r, Exception)), None)
+            if refusal is not None:
+                raise refusal  # the batch stays owed: XACK again is harmless
+        if not rejected:
             return
-        acked = self.owned.ack(wanted)
-        for entry in set(wanted) - acked:
+        acked = self.owned.ack(rejected)
+        for entry in set(rejected) - acked:
             log.warning("not acknowledged: the entry is no longer this worker's",
                         stream=entry[0], entry_id=entry[1])
 

@@ -147,7 +147,8 @@ def test_enums_and_constants_are_the_code_ones():
     assert set(OUTPUT_SCHEMA["$defs"]["usage"]["properties"]) == {f.name for f in fields(Usage)}
     for kind, cls in (("chunk", OutputChunk), ("final", FinalEntry)):
         properties = OUTPUT_SCHEMA["$defs"][kind]["properties"]
-        assert set(properties) == {"v", "kind"} | {f.name for f in fields(cls)}
+        assert set(properties) == {"v", "kind"} | {f.name for f in fields(cls)
+                                                   if f.metadata.get("on_wire", True)}
         assert properties["v"]["const"] == protocol.SCHEMA_VERSION
 
 

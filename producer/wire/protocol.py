@@ -30,6 +30,8 @@ FIELD = b"m"
 # over writes ids from g * ID_GENERATION on; the tokens an id counts are its first part
 # modulo this.
 ID_GENERATION = 2**32
+# Marks a field of an output entry's dataclass that its message does not carry.
+NOT_ON_THE_WIRE = {"on_wire": False}
 
 # Limits on one request entry; a producer is refused (ValueError) before writing past them
 # and a worker dead-letters an entry that does.
@@ -192,7 +194,7 @@ class OutputChunk:
     logprobs: list[list[Any]] | None = None
     # Where its writer's generation of entry ids starts (0, or k * ID_GENERATION for a
     # request taken over); not part of the message.
-    id_base: int = field(default=0, repr=False, compare=False)
+    id_base: int = field(default=0, repr=False, compare=False, metadata=NOT_ON_THE_WIRE)
 
     @property
     def entry_id(self) -> str:
@@ -222,7 +224,7 @@ class FinalEntry:
     # Text released only at the end (held back for a possible stop string, say), if any.
     text: str = ""
     # As OutputChunk.id_base: not part of the message.
-    id_base: int = field(default=0, repr=False, compare=False)
+    id_base: int = field(default=0, repr=False, compare=False, metadata=NOT_ON_THE_WIRE)
 
     @property
     def entry_id(self) -> str:

@@ -18,6 +18,8 @@ import worker.engine.tokenizer as tokenizer_module
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import OutputChunk
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.fleet.messages import Forget
+from worker.fleet.publishing.chunk_holder import joined
 from worker.fleet.publishing.publisher import Publication
 from worker.fleet.publishing.text_stage import TextStage, Track
 
@@ -134,4 +136,32 @@ def test_a_resumed_request_never_repeats_published_text(tokenizer):
     stage.track(Track("r", SamplingParams(), 3, ("s", "1-0"), ids[:cut], published))
     pub = Publication("r", OutputChunk(cut, ids[cut:]))
     assert stage.apply(pub)
+    stage.fill(pub)  # no stop strings: its text is made as it leaves the chunk holder
     assert published + pub.chunk.text == text
+
+
+def test_a_request_without_stop_strings_gets_its_text_as_its_chunk_leaves(tokenizer):
+    """No stop strings: ``apply`` leaves each step's text empty, and ``fill`` decodes a
+    joined chunk's tokens at once, to the text step-by-step decoding gives; a request
+    forgotten in the tick (handed on) still gets the text of what leaves in that tick."""
+    text = "ab \u65e5\u672c\u8a9e cd efg"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stage = TextStage(tokenizer, on_stop=lambda rid: None)
+    stage.track(Track("r", SamplingParams(), 3, ("s", "1-0")))
+    steps = [Publication("r", OutputChunk(i, [t])) for i, t in enumerate(ids)]
+    assert all(stage.apply(p) for p in steps) and all(p.chunk.text == "" for p in steps)
+    first, rest = Publication("r", steps[0].chunk), Publication("r", joined(
+        [p.chunk for p in steps[1:]]))
+    for pub in (first, rest):
+        stage.fill(pub)
+    assert first.chunk.text + rest.chunk.text == tokenizer.decode(ids) == text
+
+    stage.track(Track("h", SamplingParams(), 3, ("s", "2-0")))
+    handed = Publication("h", OutputChunk(0, ids))
+    assert stage.apply(handed)
+    stage.forget(Forget("h"))  # in the same tick as its chunk
+    stage.fill(handed)
+    # (A detokenizer may hold back the text of the last tokens for now.)
+    assert handed.chunk.text and text.startswith(handed.chunk.text)
+    stage.end_tick()
+    assert stage.num_followed == 1  # "r" (no final yet); "h" is gone

@@ -238,7 +238,9 @@ class Engine:
             else:
                 lp = logprobs.get(upd.request_id)
                 results.append(StepOutput(upd.request_id, upd.new_token_ids,
-                                          state.take_delta(final=False),
+                                          # (no text without a detokenizer: the fleet's)
+                                          state.take_delta(final=False)
+                                          if state.detokenizer is not None else "",
                                           logprobs=[lp] if lp else None,
                                           num_cached_tokens=state.num_cached_tokens))
         return results

@@ -347,15 +347,16 @@ class EngineLoop(SupervisedThread):
         items = []
         now = time.monotonic()
         generated = 0
-        for out in outputs:
-            entry = self.inflight.get(out.request_id)
+        for out, entry in zip(outputs, self.inflight.get_each([o.request_id for o in outputs]),
+                              strict=True):
             if entry is None:
                 continue
             chunk = None
             if out.new_token_ids:
                 # Text is filled in on the publisher thread (TextStage).
                 chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
-                                    logprobs=wire_logprobs(out), id_base=entry.id_base)
+                                    logprobs=wire_logprobs(out) if out.logprobs else None,
+                                    id_base=entry.id_base)
                 entry.next_index += len(out.new_token_ids)
                 self._time_tokens(entry, now, len(out.new_token_ids))
                 generated += len(out.new_token_ids)

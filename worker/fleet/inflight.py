@@ -92,6 +92,12 @@ class InflightTable:
         with self._cond:
             return self._items.get(request_id)
 
+    def get_each(self, request_ids: list[str]) -> list[InflightRequest | None]:
+        """``get`` of each id, under one lock (a step's outputs: hundreds of them)."""
+        items = self._items
+        with self._cond:
+            return [items.get(rid) for rid in request_ids]
+
     def remove(self, request_id: str) -> InflightRequest | None:
         with self._cond:
             item = self._items.pop(request_id, None)

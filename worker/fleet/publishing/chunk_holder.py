@@ -13,8 +13,9 @@ What is never held: a request's first chunk (time to first token stays as it is)
 (with whatever was held before it, in one chunk), anything of a request that a step leaves
 out (a preempted or waiting request's tokens do not wait for its next step) or that ended
 here (cancelled, its lease lost), and everything when the publisher closes or the engine
-idles. Held chunks are the publisher's prepared output: stop strings were applied and text
-decoded before holding, so a stop is seen at once.
+idles. Held chunks are the publisher's prepared output: stop strings were applied before
+holding, so a stop is seen at once (the text of a request without stop strings is made as
+its chunk leaves: text_stage.py, ``fill``).
 
 A joined chunk is one XADD. Its entry id says only where it ends, so two writers of one
 request (a worker that lost its lease and the one that claimed it) that joined different

@@ -201,6 +201,10 @@ class Publisher(SupervisedThread):
             idle = batch is None and self.holder.interval_s is None
             self._owed = self.holder.release(ready, set(self._forgotten),
                                              flush_all=idle or self._closing) or None
+            for item in self._owed or ():
+                if type(item) is Publication:
+                    self.text.fill(item)  # once: an owed batch is retried as it is
+            self.text.end_tick()
         if self._owed:
             self._write(self._owed)
         self._owed = None

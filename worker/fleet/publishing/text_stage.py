@@ -3,6 +3,11 @@
 The engine loop hands over token ids only. Here each request's tokens become text deltas;
 when a stop string appears, the request's final entry is written at once and the engine is
 asked to abort it, and tokens it produced meanwhile are dropped.
+
+A request with stop strings is detokenized at every step (``apply``: a stop must be seen at
+once). One without (most) is detokenized only once its tokens leave the chunk holder
+(``fill``): one decode for the ~10 tokens of a chunk at a GPU's step rate, not one a token.
+The text a reader gets is the same; only where a chunk's text ends may differ.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class TextStage:
         self._states: dict[str, tuple[RequestOutputState, Track]] = {}
         # Requests ended here by a stop string, until the engine's own final arrives.
         self._stopped: set[str] = set()
+        # Requests forgotten in this tick whose last chunks may still be filled (end_tick).
+        self._leaving: dict[str, tuple[RequestOutputState, Track]] = {}
 
     def track(self, item: Track) -> None:
         state = RequestOutputState.create(item.request_id, item.params, 0, item.num_prompt_tokens,
@@ -39,8 +46,14 @@ class TextStage:
         self._states[item.request_id] = (state, item)
 
     def forget(self, item: Forget) -> None:
-        self._states.pop(item.request_id, None)
+        entry = self._states.pop(item.request_id, None)
+        if entry is not None and not entry[0].params.stop:
+            self._leaving[item.request_id] = entry  # its held chunks go out this tick
         self._stopped.discard(item.request_id)
+
+    def end_tick(self) -> None:
+        """After a tick's output was filled: forgotten requests are gone."""
+        self._leaving.clear()
 
     def stopped(self, request_id: str) -> bool:
         """Whether a stop string ended the request here (its final is written or owed)."""
@@ -49,7 +62,7 @@ class TextStage:
     @property
     def num_followed(self) -> int:
         """Requests with text state here (0 when the worker is idle)."""
-        return len(self._states) + len(self._stopped)
+        return len(self._states) + len(self._stopped) + len(self._leaving)
 
     def apply(self, pub) -> bool:
         """Fill in the publication's text (and a stop-string final); False means drop it."""
@@ -62,6 +75,8 @@ class TextStage:
         if entry is None:
             return True  # never tracked (e.g. cancelled before it started): nothing to add
         state, track = entry
+        if not state.params.stop:
+            return True  # its text is made once it leaves the chunk holder (fill)
         if pub.chunk is not None:
             state.add_tokens(pub.chunk.token_ids, None)
         if state.hit_stop_string:
@@ -92,3 +107,24 @@ class TextStage:
             self.on_stop(pub.request_id)
         else:
             pub.final.finish_reason = str(FinishReason.STOP)
+
+    def fill(self, pub) -> None:
+        """The text of a publication of a request without stop strings, on its way to Redis
+        (in order: the chunk holder keeps each request's output in order)."""
+        rid = pub.request_id
+        entry = self._states.get(rid) or self._leaving.get(rid)
+        if entry is None or entry[0].params.stop:
+            return  # not tracked, or filled at apply
+        state = entry[0]
+        if pub.chunk is not None:
+            state.add_tokens(pub.chunk.token_ids, None)
+        end = pub.final is not None
+        if end:
+            state.finish_text()
+        delta = state.take_delta(final=end)
+        if pub.chunk is not None:
+            pub.chunk.text = delta
+        elif end:
+            pub.final.text = delta
+        if end:
+            self._states.pop(rid, None)

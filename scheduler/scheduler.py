@@ -183,9 +183,11 @@ class Scheduler:
         can be scheduled now. ``resolve`` brings the tokens. A request whose pending token
         reaches a length limit is not scheduled again; it finishes in ``resolve``."""
         out.advanced = advanced = []
+        # Compared by identity: an Enum's property (status.running) costs a call a request.
+        gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
-            if req is None or not req.status.running:
+            if req is None or (req.status is not gen and req.status is not ctx):
                 advanced.append(None)
                 continue  # finished (a stop string, a cancel) since it was scheduled
             advanced.append(req)
@@ -194,7 +196,7 @@ class Scheduler:
                 continue
             req.output_token_ids.append(PENDING_TOKEN)
             req.pending_token = True
-            req.status = RequestStatus.RUNNING_GEN
+            req.status = gen
             req.finishing = self._stop_reason(req, PENDING_TOKEN) is not None
 
     def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
@@ -203,9 +205,10 @@ class Scheduler:
         into the prefix cache, and requests stop as ``update`` would stop them."""
         updates = []
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
+        gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
         for chunk, req in zip(out.chunks, out.advanced, strict=True):
             # Ended since (its id may name a new request by now: not this step's).
-            if req is None or not req.status.running:
+            if req is None or (req.status is not gen and req.status is not ctx):
                 continue
             before = chunk.start_position
             after = before + len(chunk.token_ids)

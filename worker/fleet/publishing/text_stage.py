@@ -17,7 +17,7 @@ from collections.abc import Callable
 from producer.wire.completion import FinishReason
 from producer.wire.protocol import FinalEntry
 from worker.engine.output_processor import RequestOutputState
-from worker.engine.tokenizer import Tokenizer
+from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from worker.fleet.messages import Forget, Track
 
 
@@ -36,6 +36,9 @@ class TextStage:
     def track(self, item: Track) -> None:
         state = RequestOutputState.create(item.request_id, item.params, 0, item.num_prompt_tokens,
                                           self.tokenizer)
+        if self.tokenizer is not None and not item.params.stop:
+            # Detokenized a chunk at a time (fill): the window suits that best.
+            state.detokenizer = IncrementalDetokenizer(self.tokenizer, by_chunk=True)
         if item.published_token_ids:
             state.add_tokens(item.published_token_ids, None)
             # Text the earlier worker held back (a partial character, a possible stop string)

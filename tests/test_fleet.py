@@ -124,8 +124,9 @@ def test_a_steps_output_goes_to_the_publisher_as_the_next_forward_starts(redis_u
                                                                          start_worker):
     """On CPU the engine loop holds a step's output until the next step's forward starts, so
     that the publisher's Python runs while the native step holds no GIL; the last step's
-    output, with no forward after it, goes at once."""
-    worker = start_worker(autostart=False)
+    output, with no forward after it, goes at once. (Every step's: no stream interval, so
+    no tokens are held for one.)"""
+    worker = start_worker(autostart=False, config={"stream_interval_ms": 0})
     assert worker.loop._hold_output  # a CPU engine, one step at a time
     state = {"in_forward": False}
     sent: list[tuple[bool, list[int]]] = []

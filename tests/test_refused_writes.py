@@ -39,7 +39,9 @@ def full_redis(redis_client: redis.Redis) -> Iterator[Callable[[bool], None]]:
 def test_a_refused_final_is_retried_and_its_request_acknowledged_only_once_written(
         redis_url, redis_client, tiny_llama, start_worker, full_redis):
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    # Long enough that none finishes while the four first tokens are read on a loaded
+    # machine (60 did once), short of the publisher's backlog limit (256 steps).
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     want = [c.token_ids for c in Engine(tiny_llama, dtype="float64",
                                         num_kv_blocks=256).generate(prompts, params)]
     worker = start_worker("oom")

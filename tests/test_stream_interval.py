@@ -20,10 +20,12 @@ from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
 from worker.fleet.config import WorkerConfig
+from worker.fleet.inflight import InflightRequest
 from worker.fleet.intake.resume import Published, take_over
 from worker.fleet.publishing.chunk_holder import ChunkHolder
 from worker.fleet.publishing.publisher import Publication, Publisher, WriteRefused
 from worker.fleet.publishing.text_stage import TextStage
+from worker.fleet.publishing.token_hold import TokenHold
 
 KEYS = Keys()
 
@@ -452,3 +454,30 @@ def test_the_publisher_counts_chunks_tokens_and_its_lag(redis_client):
     publisher.tick()  # due: one joined chunk
     assert (publisher.tokens_written, publisher.chunks_written, publisher.lag_tokens) == (4, 2, 0)
     assert len(trips) == 2 and all(t >= 0 for t in trips)
+
+
+# --- held by the engine loop: requests whose text needs no look at every token -------------
+
+
+def test_the_engine_loop_holds_a_requests_tokens_for_the_interval():
+    """TokenHold: the first token and the final at once, then at most a chunk an interval,
+    the held tokens first; a request a step leaves out releases what it holds; one that does
+    not coalesce (stop strings, log-probabilities) is never held."""
+    hold = TokenHold(0.05)
+    entry = InflightRequest("a", "lane", "1-0", 3, coalesce=True)
+    plain = InflightRequest("p", "lane", "2-0", 3)
+
+    def step(at: float, *gains: tuple[InflightRequest, int]) -> list:
+        hold.new_step()
+        return [hold.take(e, [token], at, finished=False) for e, token in gains]
+
+    assert step(0.0, (entry, 10), (plain, 20)) == [[10], [20]]  # first tokens: at once
+    assert step(0.01, (entry, 11), (plain, 21)) == [None, [21]]  # held; never held
+    assert step(0.02, (entry, 12)) == [None] and hold.tokens == 2
+    assert step(0.05, (entry, 13)) == [[11, 12, 13]] and hold.tokens == 0  # interval over
+    assert step(0.06, (entry, 14)) == [None]
+    hold.new_step()  # a step without it (preempted): what it holds goes
+    assert hold.left_out(0.07) == [(entry, [14])] and hold.tokens == 0
+    assert step(0.08, (entry, 15)) == [None]
+    assert hold.take(entry, [16], 0.09, finished=True) == [15, 16]  # the final: with it all
+    assert hold.release_all(0.1) == []

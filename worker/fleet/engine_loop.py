@@ -36,6 +36,7 @@ from worker.fleet.messages import (
 )
 from worker.fleet.metrics import WorkerMetrics
 from worker.fleet.publishing.publisher import Publisher
+from worker.fleet.publishing.token_hold import TokenHold
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
@@ -57,8 +58,11 @@ class EngineLoop(SupervisedThread):
                  metrics: WorkerMetrics, worker_id: str,
                  role: str = "both", kv_events: HandoffReader | None = None,
                  share_prefixes: bool = False, on_admit: AdmissionHook | None = None,
-                 **supervision: Any) -> None:
+                 hold_interval_s: float = 0.0, **supervision: Any) -> None:
         super().__init__("engine-loop", worker_id=worker_id, **supervision)
+        # Tokens of requests that need no look at each one wait here for the stream interval
+        # (worker/fleet/publishing/token_hold.py); 0: every step's go to the publisher.
+        self.hold = TokenHold(hold_interval_s) if hold_interval_s > 0 else None
         # "prefill": hand every request on once its first token is out (fleet/handoff.py).
         self.role = role
         # Where a handed-on request's KV was adopted, or recomputed instead, is counted.
@@ -103,7 +107,23 @@ class EngineLoop(SupervisedThread):
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)
         if not self.is_alive():
+            self._release_held_tokens()
             self._send_held()  # the last step's output, with no forward after it
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens made and held here for the stream interval (part of the publisher lag)."""
+        return self.hold.tokens if self.hold is not None else 0
+
+    def _release_held_tokens(self) -> None:
+        """Every token held for the stream interval, to the publisher (pausing, idle, stop)."""
+        if self.hold is not None and self.hold.tokens:
+            self._send(self._publications(self.hold.release_all(self.clock.monotonic())))
+
+    def _publications(self, released: list[tuple[InflightRequest, list[int]]]) -> list:
+        return [Publication(e.request_id, OutputChunk(e.next_index - len(tokens), tokens,
+                                                      id_base=e.id_base), coalesced=True)
+                for e, tokens in released]
 
     def cancel(self, request_id: str) -> None:
         """Ask for a request to end as cancelled at the next step (from other threads)."""
@@ -138,6 +158,7 @@ class EngineLoop(SupervisedThread):
         # No forward comes soon to send held output: send it now, unless the publisher is
         # backed up (then it stays here, one step's worth, until the backlog clears).
         if not backlogged and (not self.engine.has_unfinished() or hold):
+            self._release_held_tokens()
             self._send_held()
         self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
@@ -150,7 +171,7 @@ class EngineLoop(SupervisedThread):
                 self._share_prefixes(outputs)
             if self.role == "prefill":
                 outputs = self._hand_on(outputs)
-            self._publish(outputs)
+            self._publish(outputs, stepped=True)
 
     def _admit(self, block: bool) -> None:
         try:
@@ -279,6 +300,10 @@ class EngineLoop(SupervisedThread):
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                           (adm.stream, adm.entry_id), generated,
                           adm.published.text if adm.published else "")])
+        # Held here for the stream interval unless its text is looked at token by token
+        # (stop strings, log-probabilities) or it is handed on after its first token.
+        entry.coalesce = (self.hold is not None and not req.params.stop
+                          and req.params.logprobs is None and self.role != "prefill")
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
@@ -338,28 +363,46 @@ class EngineLoop(SupervisedThread):
             if not self._drops:
                 return
             ids, self._drops = self._drops, set()
+        items: list = []
         for rid in ids:
-            self.inflight.remove(rid)  # first: the abort's output must find no entry
+            entry = self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
-        self._send([Forget(rid) for rid in ids])
+            if entry is not None and entry.held and self.hold is not None:
+                # Its tokens held so far go out (whoever took it over fenced them already).
+                items += self._publications([(entry, self.hold.release(entry))])
+        self._send(items + [Forget(rid) for rid in ids])
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def _publish(self, outputs: list[StepOutput], stepped: bool = False) -> None:
+        """Hand each output to the publisher (``stepped``: they are a step's, and requests
+        the step left out release the tokens they hold)."""
         items = []
         now = time.monotonic()
+        at = self.clock.monotonic()  # held tokens are timed on the loop's clock
         generated = 0
+        hold = self.hold
+        if hold is not None and stepped:
+            hold.new_step()
         for out, entry in zip(outputs, self.inflight.get_each([o.request_id for o in outputs]),
                               strict=True):
             if entry is None:
                 continue
             chunk = None
-            if out.new_token_ids:
+            new = out.new_token_ids
+            tokens = list(new)
+            if new:
+                self._time_tokens(entry, now, len(new))
+                generated += len(new)
+                entry.next_index += len(new)
+            if hold is not None and entry.coalesce and (new or out.finished):
+                tokens = hold.take(entry, tokens, at, out.finished) if new else \
+                    hold.release(entry)  # ended without a token: with what it held
+                if tokens is None:
+                    continue  # held: its chunk goes once the stream interval is over
+            if tokens:
                 # Text is filled in on the publisher thread (TextStage).
-                chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
+                chunk = OutputChunk(entry.next_index - len(tokens), tokens,
                                     logprobs=wire_logprobs(out) if out.logprobs else None,
                                     id_base=entry.id_base)
-                entry.next_index += len(out.new_token_ids)
-                self._time_tokens(entry, now, len(out.new_token_ids))
-                generated += len(out.new_token_ids)
             final = ack = None
             if out.finished:
                 usage = out.completion.usage if out.completion else None
@@ -374,7 +417,10 @@ class EngineLoop(SupervisedThread):
                 ack = (entry.stream, entry.entry_id)
                 self.inflight.remove(out.request_id)
                 self._finished(entry, final, now)
-            items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens))
+            items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens,
+                                     coalesced=entry.coalesce and hold is not None))
+        if hold is not None and stepped:
+            items += self._publications(hold.left_out(at))
         if self._hold_output:
             self._held += items
         else:

@@ -20,6 +20,13 @@ class InflightRequest:
     # Where this worker's output entry ids start: 0, or the generation of ids of a request
     # it took over (worker/fleet/intake/resume.py).
     id_base: int = 0
+    # Its tokens are held by the engine loop for the stream interval (no stop strings, no
+    # log-probabilities: worker/fleet/publishing/token_hold.py): those held now, the step
+    # that last held one, and when (the loop's clock) its last chunk went to the publisher.
+    coalesce: bool = False
+    held: list[int] | None = None
+    held_step: int = 0
+    chunk_sent_at: float | None = None
     received: float = field(default_factory=time.monotonic)
     # When the producer created it (its created_ms on this clock); set at admission.
     created: float | None = None

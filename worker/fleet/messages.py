@@ -62,6 +62,9 @@ class Publication:
     written: bool = False
     # Progress across retries: the final was there before our XADD.
     final_existed: bool = False
+    # The engine loop held its tokens for the stream interval already
+    # (worker/fleet/publishing/token_hold.py): the chunk holder passes it on as it is.
+    coalesced: bool = False
 
 
 @dataclass

@@ -128,7 +128,9 @@ class Worker:
         self.metrics = WorkerMetrics(self.model, wid, self.engine.stats)
         self.loop = EngineLoop(self.engine, self.inflight, self.inbox, self.publisher,
                                self.metrics, wid, role=config.role, kv_events=self.handoffs,
-                               share_prefixes=share, on_admit=admission_fault_hook(), **sup)
+                               share_prefixes=share, on_admit=admission_fault_hook(),
+                               hold_interval_s=0.0 if config.stream_interval is not None
+                               else config.stream_interval_ms / 1000, **sup)
         self.intake = Intake(self._client("intake"), config, IntakeParts(
             self.inflight, self.inbox, self.publisher, self.loop.cancel, self.engine.tokenizer,
             self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder,
@@ -153,7 +155,7 @@ class Worker:
         self.metrics.watch_handoffs(self.handoff_counts)
         self.metrics.watch_publisher(lambda: PublisherCounts(
             self.publisher.tokens_written, self.publisher.chunks_written,
-            self.publisher.lag_tokens))
+            self.publisher.lag_tokens + self.loop.held_tokens))
         self.publisher.on_round_trip = self.metrics.redis_write.observe
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None

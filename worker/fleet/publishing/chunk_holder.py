@@ -116,6 +116,13 @@ class ChunkHolder:
                 out.extend(self._singly(rid, self._take(rid, taken)))  # before it
                 out.append(item)
                 continue
+            if item.coalesced and rid not in self._held and rid not in taken:
+                out.append(item)  # held by the engine loop already (token_hold.py)
+                if item.final is None:
+                    self._sent_at[rid] = now
+                else:
+                    self._sent_at.pop(rid, None)
+                continue
             if rid not in self._sent_at and rid not in self._held and rid not in taken:
                 if item.final is None:  # its first chunk: at once
                     self._sent_at[rid] = now

@@ -90,6 +90,41 @@ def test_a_worker_never_claims_away_or_dead_letters_what_it_serves_itself(
     assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 8
 
 
+def test_a_lapsed_second_entry_of_a_request_served_here_leaves_its_stream_alone(
+        redis_url, redis_client, start_worker):
+    """A second entry with the id of a request this worker serves lapses and is claimed
+    here: it is refused as a duplicate without taking the stream over, so the live request's
+    output still lands and ends acknowledged."""
+    clock = ManualClock()
+    worker = start_worker("dup", clock=clock)
+    worker.loop.pause()
+    client = Client(redis_url)
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
+    eventually(lambda: rid in worker.inflight, "the request was read")
+    # The same id again, read by a worker that then died: in one transaction, so that this
+    # worker's blocked read does not get it first.
+    again = GenerationRequest(rid, MODEL, SamplingParams(max_tokens=8), prompt_token_ids=[5])
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.xadd(STREAM, {FIELD: again.encode()})
+    pipe.xreadgroup(GROUP, "gone", {STREAM: ">"}, count=1)
+    eid, _ = pipe.execute()
+    redis_client.xclaim(STREAM, GROUP, "gone", 0, [eid], idle=10 * LEASE_MS, justid=True)
+    ticks = worker.reaper.ticks
+    clock.advance(worker.reaper.interval_s)
+    eventually(lambda: redis_client.xlen(KEYS.dead) == 1, "the duplicate dead-lettered")
+    assert worker.reaper.ticks > ticks and rid in worker.inflight  # claimed while live here
+    # Not taken over by it (the live request may have a first token out: the pause takes
+    # effect after a step the loop may have begun).
+    if redis_client.exists(KEYS.output(rid)):
+        last = redis_client.xinfo_stream(KEYS.output(rid))["last-generated-id"]
+        assert int(last.split(b"-")[0]) < ID_GENERATION
+    worker.loop.resume()
+    done = client.result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 8
+    assert redis_client.xrevrange(KEYS.output(rid), count=1)[0][0] == b"8-1"
+    eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
+
+
 def test_a_claimed_request_rejected_gets_its_error_after_the_published_tokens(
         redis_url, redis_client, start_worker):
     rid = "resumed-too-big"

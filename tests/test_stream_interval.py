@@ -21,7 +21,7 @@ from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, OutputChunk
 from worker import Engine, SamplingParams
 from worker.fleet.config import WorkerConfig
 from worker.fleet.inflight import InflightRequest
-from worker.fleet.intake.resume import Published, take_over
+from worker.fleet.intake.resume import Published, read_published, take_over
 from worker.fleet.publishing.chunk_holder import ChunkHolder
 from worker.fleet.publishing.publisher import Publication, Publisher, WriteRefused
 from worker.fleet.publishing.text_stage import TextStage
@@ -481,3 +481,19 @@ def test_the_engine_loop_holds_a_requests_tokens_for_the_interval():
     assert step(0.08, (entry, 15)) == [None]
     assert hold.take(entry, [16], 0.09, finished=True) == [15, 16]  # the final: with it all
     assert hold.release_all(0.1) == []
+
+
+def test_a_handed_on_request_goes_on_in_the_generation_its_prefill_worker_wrote(redis_client):
+    """A prefill worker that took a request over wrote its first token in the next
+    generation; the decode worker reads what it published (no take-over of its own: the
+    prefill worker writes nothing after the hand-on) and writes in that generation."""
+    key = KEYS.output("r-handed")
+    assert read_published(redis_client, KEYS, "r-handed").id_base == 0  # nothing yet
+    taken = take_over(redis_client, KEYS, "r-handed", 600)
+    first = OutputChunk(0, [100], "t0 ", id_base=taken.id_base)
+    redis_client.xadd(key, {FIELD: first.encode()}, id=first.entry_id)
+    published = read_published(redis_client, KEYS, "r-handed")
+    assert published.token_ids == [100] and published.id_base == ID_GENERATION
+    after = OutputChunk(1, [101], "t1 ", id_base=published.id_base)
+    redis_client.xadd(key, {FIELD: after.encode()}, id=after.entry_id)  # lands: above it
+    assert [i for i, _, _ in written_tokens(redis_client, "r-handed")] == [0, 1]

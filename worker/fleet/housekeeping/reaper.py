@@ -180,9 +180,14 @@ class Reaper(SupervisedThread):
     def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int,
                 alone: bool) -> None:
         request_id = _request_id(fields)
-        # Its stream taken over first: nothing its earlier worker still sends can land.
-        published = take_over(self.client, self.keys, request_id,
-                              self.intake.publisher.output_ttl_s) if request_id else None
+        # Its stream taken over first: nothing its earlier worker still sends can land. Not
+        # where this worker serves a request of that id (another entry of it: the intake
+        # refuses this one as a duplicate), whose writes the take-over would refuse.
+        if request_id is None or request_id in self.inflight:
+            published = None
+        else:
+            published = take_over(self.client, self.keys, request_id,
+                                  self.intake.publisher.output_ttl_s)
         if published is not None and published.finished:
             self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
             return

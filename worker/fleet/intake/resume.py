@@ -66,14 +66,22 @@ def take_over(client: redis.Redis, keys: Keys, request_id: str, ttl_s: int) -> P
     key = keys.output(request_id)
     base = int(client.eval(TAKE_OVER, 1, key, ttl_s, ID_GENERATION))
     published = read_published(client, keys, request_id)
-    published.id_base = base
+    published.id_base = base  # above every entry there
     return published
 
 
 def read_published(client: redis.Redis, keys: Keys, request_id: str) -> Published:
-    """Read the request's output stream; the tokens run from index 0 without gaps."""
+    """Read the request's output stream; the tokens run from index 0 without gaps. Its
+    ``id_base`` is the generation of the last entry: a decode worker goes on where the
+    prefill worker that handed the request on wrote (it writes nothing after), in the
+    generation it wrote in (it may have taken the request over)."""
     out = Published()
-    for _entry_id, fields in client.xrange(keys.output(request_id)):
+    entries = client.xrange(keys.output(request_id))
+    if entries:
+        last = entries[-1][0]
+        ms = int((last.decode() if isinstance(last, bytes) else last).partition("-")[0])
+        out.id_base = ms - ms % ID_GENERATION
+    for _entry_id, fields in entries:
         try:
             entry = decode_output(fields.get(FIELD))
         except ProtocolError:

@@ -89,7 +89,7 @@ BAD_STOP_STRING = NOT_STR | st.just("") | st.text(min_size=257, max_size=300)
 
 # One invalid value per sampling parameter.
 BAD_PARAM = {
-    "max_tokens": NOT_INT | ints_outside(1, MAX_NEW_TOKENS),
+    "max_tokens": NOT_INT_OR_NONE | ints_outside(1, MAX_NEW_TOKENS),  # None: the default
     "temperature": NOT_NUMBER | NEGATIVE_FLOAT | st.integers(-(2**63), -1),
     "top_k": NOT_INT | ints_outside(0, MAX_TOP_K),
     "top_p": NOT_NUMBER | NEGATIVE_FLOAT | ABOVE_ONE | st.sampled_from([0, 0.0, -0.0, 2]),

@@ -38,6 +38,18 @@ def held_by(r: redis.Redis, consumer: str, count: int, lapsed: bool = False) -> 
     return ids
 
 
+def serving_paused(start_worker, name: str, redis_url: str):
+    """A worker on a manual clock holding one request of 8 tokens, its loop paused: (clock,
+    worker, client, request id)."""
+    clock = ManualClock()
+    worker = start_worker(name, clock=clock)
+    worker.loop.pause()
+    client = Client(redis_url)
+    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
+    eventually(lambda: rid in worker.inflight, "the request was read")
+    return clock, worker, client, rid
+
+
 def test_lapsed_entries_behind_hundreds_of_live_ones_are_claimed(redis_url, redis_client,
                                                                    start_worker):
     redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
@@ -66,12 +78,7 @@ def test_lapsed_entries_behind_hundreds_of_live_ones_are_claimed(redis_url, redi
 
 def test_a_worker_never_claims_away_or_dead_letters_what_it_serves_itself(
         redis_url, redis_client, start_worker):
-    clock = ManualClock()
-    worker = start_worker("self", clock=clock)
-    worker.loop.pause()
-    client = Client(redis_url)
-    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
-    eventually(lambda: rid in worker.inflight, "the request was read")
+    clock, worker, client, rid = serving_paused(start_worker, "self", redis_url)
     entry = worker.inflight.get(rid)
     # As after an outage longer than the lease: its own entry idle past the lease.
     redis_client.xclaim(STREAM, GROUP, "self", 0, [entry.entry_id], idle=10 * LEASE_MS,
@@ -95,12 +102,7 @@ def test_a_lapsed_second_entry_of_a_request_served_here_leaves_its_stream_alone(
     """A second entry with the id of a request this worker serves lapses and is claimed
     here: it is refused as a duplicate without taking the stream over, so the live request's
     output still lands and ends acknowledged."""
-    clock = ManualClock()
-    worker = start_worker("dup", clock=clock)
-    worker.loop.pause()
-    client = Client(redis_url)
-    rid = client.submit([5, 6, 7], model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
-    eventually(lambda: rid in worker.inflight, "the request was read")
+    clock, worker, client, rid = serving_paused(start_worker, "dup", redis_url)
     # The same id again, read by a worker that then died: in one transaction, so that this
     # worker's blocked read does not get it first.
     again = GenerationRequest(rid, MODEL, SamplingParams(max_tokens=8), prompt_token_ids=[5])

@@ -380,6 +380,12 @@ class EngineLoop(SupervisedThread):
         at = self.clock.monotonic()  # held tokens are timed on the loop's clock
         generated = 0
         hold = self.hold
+        if hold is not None and self.publisher.retrying is not None:
+            # Output is not reaching Redis: nothing is held here, so that every step's output
+            # counts in the publisher's backlog (MAX_BACKLOG_STEPS stops the steps, as it does
+            # for requests whose tokens are never held).
+            items += self._publications(hold.release_all(at))
+            hold = None
         if hold is not None and stepped:
             hold.new_step()
         for out, entry in zip(outputs, self.inflight.get_each([o.request_id for o in outputs]),

@@ -367,7 +367,7 @@ class EngineLoop(SupervisedThread):
         for rid in ids:
             entry = self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
-            if entry is not None and entry.held and self.hold is not None:
+            if entry is not None and entry.held:  # (only a TokenHold fills it)
                 # Its tokens held so far go out (whoever took it over fenced them already).
                 items += self._publications([(entry, self.hold.release(entry))])
         self._send(items + [Forget(rid) for rid in ids])

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import redis
 
+from producer.client.stream_events import entry_id_key
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, ProtocolError, decode_output
+from producer.wire.replies import as_text
 
 # KEYS[1]: the output stream; ARGV[1]: the TTL (s) of a stream made here; ARGV[2]:
 # ID_GENERATION. Moves the stream's last id (XINFO STREAM's last-generated-id: a take-over
@@ -78,8 +80,7 @@ def read_published(client: redis.Redis, keys: Keys, request_id: str) -> Publishe
     out = Published()
     entries = client.xrange(keys.output(request_id))
     if entries:
-        last = entries[-1][0]
-        ms = int((last.decode() if isinstance(last, bytes) else last).partition("-")[0])
+        ms, _ = entry_id_key(as_text(entries[-1][0]))
         out.id_base = ms - ms % ID_GENERATION
     for _entry_id, fields in entries:
         try:

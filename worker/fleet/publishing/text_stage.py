@@ -78,8 +78,14 @@ class TextStage:
         if entry is None:
             return True  # never tracked (e.g. cancelled before it started): nothing to add
         state, track = entry
-        if not state.params.stop:
-            return True  # its text is made once it leaves the chunk holder (fill)
+        if state.params.stop:
+            self._text(pub, state, track)
+        # (else its text is made once it leaves the chunk holder: fill)
+        return True
+
+    def _text(self, pub, state: RequestOutputState, track: Track) -> None:
+        """Add the publication's tokens to the request's text and put the new text in it
+        (in its final where it has no chunk); a stop string found ends the request here."""
         if pub.chunk is not None:
             state.add_tokens(pub.chunk.token_ids, None)
         if state.hit_stop_string:
@@ -90,11 +96,10 @@ class TextStage:
         delta = state.take_delta(final=end)
         if pub.chunk is not None:
             pub.chunk.text = delta
-        elif pub.final is not None:
+        elif end:
             pub.final.text = delta
         if end:
-            self._states.pop(rid, None)
-        return True
+            self._states.pop(pub.request_id, None)
 
     def _stop(self, pub, state: RequestOutputState, track: Track) -> None:
         if pub.final is None:
@@ -116,18 +121,5 @@ class TextStage:
         (in order: the chunk holder keeps each request's output in order)."""
         rid = pub.request_id
         entry = self._states.get(rid) or self._leaving.get(rid)
-        if entry is None or entry[0].params.stop:
-            return  # not tracked, or filled at apply
-        state = entry[0]
-        if pub.chunk is not None:
-            state.add_tokens(pub.chunk.token_ids, None)
-        end = pub.final is not None
-        if end:
-            state.finish_text()
-        delta = state.take_delta(final=end)
-        if pub.chunk is not None:
-            pub.chunk.text = delta
-        elif end:
-            pub.final.text = delta
-        if end:
-            self._states.pop(rid, None)
+        if entry is not None and not entry[0].params.stop:  # (else: filled at apply)
+            self._text(pub, *entry)

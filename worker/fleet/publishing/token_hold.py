@@ -39,8 +39,8 @@ class TokenHold:
 
     def take(self, entry: InflightRequest, new_tokens: list[int], now: float,
              finished: bool) -> list[int] | None:
-        """``entry``'s step gained ``new_tokens``: None when they are held, else the tokens
-        to publish now, those held before them first."""
+        """``entry``'s step gained ``new_tokens`` (a list of the caller's, kept): None when
+        they are held, else the tokens to publish now, those held before them first."""
         if (entry.coalesce and not finished and entry.chunk_sent_at is not None
                 and now - entry.chunk_sent_at < self.interval_s):
             if entry.held is None:
@@ -50,7 +50,7 @@ class TokenHold:
             entry.held_step = self._step
             self.tokens += len(new_tokens)
             return None
-        tokens = self.release(entry) + new_tokens if entry.held else list(new_tokens)
+        tokens = self.release(entry) + new_tokens if entry.held else new_tokens
         entry.chunk_sent_at = now
         return tokens
 

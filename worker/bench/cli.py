@@ -4,6 +4,7 @@ alternatives, then the report."""
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import signal
@@ -178,7 +179,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     simulated = simulated_ideal(args, items)
     if simulated is not None:
         # The machine's limits mean nothing to simulated steps: their own ideal does.
-        rows += report.simulated_rows(summaries, simulated["ideal_output_tokens_per_s"])
+        rows += report.simulated_rows(summaries, simulated)
     elif not (args.rate or args.concurrency or any(i.arrival_s for i in items)):
         # The limit assumes everything at t=0.
         rows += report.limit_rows(summaries, limits_found["limit_output_tokens_per_s"],
@@ -210,9 +211,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
 
 
 def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | None:
-    """For a simulated engine: its step cost and the output tokens/s its steps allow at
-    full batch (every step decodes --max-num-seqs rows, each reading the workload's mean
-    context); None for a real one."""
+    """For a simulated engine: its step cost, the output tokens/s its steps allow at full
+    batch (every step decodes --max-num-seqs rows, each reading the workload's mean
+    context), and the best any engine reaches on this workload; None for a real one."""
     from worker.engine.simulated import step_cost
 
     cost = step_cost(args.simulate_step_ms, args.simulate_cost)
@@ -221,8 +222,21 @@ def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | N
     rows = args.max_num_seqs
     context = sum(len(i.prompt_token_ids) + i.max_tokens / 2 for i in items) / max(1, len(items))
     step_ms = cost.step_ms(prefill_tokens=0, decode_rows=rows, context_tokens=rows * context)
+    best_steps = perfect_engine_steps([i.max_tokens for i in items], rows)
     return {"step_cost": cost.to_dict(), "full_batch_step_ms": round(step_ms, 4),
-            "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1)}
+            "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1),
+            "best_output_tokens_per_s": round(sum(i.max_tokens for i in items) * 1000
+                                              / (max(1, best_steps) * step_ms), 1)}
+
+
+def perfect_engine_steps(output_tokens: list[int], rows: int) -> int:
+    """Steps an engine with ``rows`` slots needs when each request takes one slot for its
+    output tokens' steps and a freed slot takes the next request in the same step: the
+    best any engine does; the ideal's full batches less the last requests' drain."""
+    ends = [0] * rows
+    for n in output_tokens:  # in arrival order, each to the slot that frees first
+        heapq.heappush(ends, heapq.heappop(ends) + n)
+    return max(ends)
 
 
 def _median_run(repeats: list[RunResult]) -> RunResult:

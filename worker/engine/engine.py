@@ -280,6 +280,9 @@ class Engine:
             if self.device.type == "cpu" and not self.simulated else 0,
             # 1 for a simulated engine (worker/engine/simulated.py): tokens not the model's.
             "simulated": int(self.simulated),
+            # Milliseconds its simulated steps took: over a stretch of wall time, the share
+            # a GPU would have been busy (the rest it waited for the host).
+            "simulated_busy_ms": int(getattr(self.runner, "simulated_ms", 0)),
             **{name: self.scheduler.counters[name] for name in REPORTED_COUNTERS},
             **self.memory.stats(),
         }

@@ -98,6 +98,11 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     useful = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
     num_blocks = config.num_kv_blocks or max(
         1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
+    if not tensors_too and config.num_kv_blocks is None:
+        # A simulated engine's blocks are accounting only: by default it has the memory of
+        # the GPU it stands for, where KV never limits the batch (num_kv_blocks sets a
+        # smaller pool, to study preemption).
+        num_blocks = useful
     swap_blocks = (config.swap_blocks if config.swap_blocks is not None
                    else int(config.swap_space_gib * 2**30) // per_block)
     if config.preemption_mode == "recompute":

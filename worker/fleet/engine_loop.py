@@ -449,7 +449,7 @@ class EngineLoop(SupervisedThread):
         self.metrics.request_finished(final.finish_reason, now - created,
                                       usage.get("cached_tokens", 0))
         ttft = None if entry.first_token is None else round((entry.first_token - created) * 1000, 1)
-        log.info("request finished", request_id=entry.request_id,
+        log.debug("request finished", request_id=entry.request_id,
                  finish_reason=final.finish_reason, prompt_tokens=entry.num_prompt_tokens,
                  completion_tokens=usage.get("completion_tokens"),
                  cached_tokens=usage.get("cached_tokens", 0), ttft_ms=ttft,

@@ -209,6 +209,8 @@ class Worker:
             "tokens_generated": self.loop.tokens_generated,
             "tokens_per_s": self._tokens_per_s(),
             "steps": stats["steps"],
+            # A simulated engine: milliseconds its steps took (0 for a real one).
+            "simulated_busy_ms": stats.get("simulated_busy_ms", 0),
             "preemptions": stats.get("preemptions", 0),
             # Tasks a decode step's master took over from a thread that lost its core.
             "step_team_takeovers": stats.get("step_team_takeovers", 0),

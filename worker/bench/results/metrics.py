@@ -148,6 +148,7 @@ def summarize_run(run: RunResult, slo: SLO) -> dict[str, Any]:
         "thread_cpu_s": run.thread_cpu_s,
         "stolen_s": run.stolen_s,
         "idle_s": run.idle_s,
+        "simulated_busy_s": run.simulated_busy_s,
         "notes": run.notes,
     }
     if run.transfers.get("kv_put_count"):  # handoffs happened (a disaggregated run)

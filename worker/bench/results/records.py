@@ -80,3 +80,6 @@ class RunResult:
     # Of a disaggregated run: KV moved through the tier during the run, summed over the
     # workers' heartbeats (kv_put_*/kv_get_* bytes, seconds, counts; kv_imported_tokens).
     transfers: dict[str, float] = field(default_factory=dict)
+    # Of a simulated engine: seconds its steps took during the run (a worker's mean), the
+    # time a GPU would have been busy; None for a real engine.
+    simulated_busy_s: float | None = None

@@ -84,6 +84,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         counted = {k: v - counted_before[k]
                    for k, v in _heartbeat_sums(client, workers).items()}
         taken = {"worker": int(counted.pop(TAKEOVERS))}
+        busy_ms = counted.pop(SIMULATED_BUSY)
         moved = counted if len(workers) > 1 else {}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     notes = [f"client in the bench process, {where}"]
@@ -93,7 +94,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
                      "worker's I/O CPUs")
     return RunResult(name, settings, records, duration, kv, used, preempted,
                      notes=notes, transfers=moved, taken_over=taken, stolen_s=stolen, idle_s=idle,
-                     thread_cpu_s=threads)
+                     thread_cpu_s=threads,
+                     simulated_busy_s=busy_ms / 1000 / len(workers) if busy_ms else None)
 
 
 @contextmanager
@@ -125,11 +127,13 @@ TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "
                    "kv_get_count", "kv_imported_tokens")
 # Decode-step tasks a worker's master took over from a late thread (csrc/step_team.h).
 TAKEOVERS = "step_team_takeovers"
+# A simulated engine's milliseconds of steps (worker/engine/simulated.py).
+SIMULATED_BUSY = "simulated_busy_ms"
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
     """The workers' KV transfer counters and step take-overs (their heartbeats), summed."""
-    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS), 0.0)
+    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)
         for name in total:

@@ -75,6 +75,12 @@ class Request:
     # not scheduled again (it finishes once the token is known).
     pending_token: bool = False
     finishing: bool = False
+    # Set by the scheduler when the request is added (Scheduler.add_request): the tokens
+    # that end it (stop tokens, and EOS unless ignored) and how many output tokens it may
+    # have (max_tokens, or fewer where the model's length comes first). Checked for every
+    # request every step: one set lookup and one comparison (producer.wire.stopping's rules).
+    stop_ids: frozenset[int] = frozenset()
+    output_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

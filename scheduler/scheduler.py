@@ -8,7 +8,6 @@ from collections import Counter
 
 from kvstore import KVCacheManager
 from producer.wire.completion import FinishReason
-from producer.wire.stopping import stop_reason
 from scheduler.config import SchedulerConfig
 from scheduler.output import (
     PENDING_TOKEN,
@@ -57,6 +56,12 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.arrival = next(self._arrivals)
         req.status = RequestStatus.WAITING
+        # stop_reason's rules, folded once: a token in stop_ids is "stop"; "length" once
+        # output_limit tokens are out (max_tokens, or the model's length reached).
+        req.stop_ids = (req.stop_token_ids if req.ignore_eos
+                        else req.stop_token_ids | req.eos_token_ids)
+        req.output_limit = min(req.max_tokens,
+                               self.config.max_model_len - len(req.prompt_token_ids))
         if req.preloaded is not None:
             self._num_holding += 1
         self.requests[req.request_id] = req
@@ -127,7 +132,6 @@ class Scheduler:
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
         requests, counters = self.requests, self.counters
-        max_model_len = self.config.max_model_len
         for chunk in out.chunks:
             request_id = chunk.request_id
             req = requests.get(request_id)
@@ -149,24 +153,12 @@ class Scheduler:
             outputs = req.output_token_ids
             outputs.append(token)
             req.status = gen
-            num_output = len(outputs)
-            reason = stop_reason(token, num_output, num_prompt + num_output,
-                                 max_tokens=req.max_tokens, max_model_len=max_model_len,
-                                 stop_token_ids=req.stop_token_ids,
-                                 eos_token_ids=req.eos_token_ids, ignore_eos=req.ignore_eos)
+            reason = self._stop_reason(req, token)
             updates.append(
                 RequestUpdate(request_id, [token], False, None, req.num_cached_tokens,
                               req.num_transferred_tokens)
                 if reason is None else self._stopped(req, token, reason))
         return updates
-
-    def _took_token(self, req: Request, token: int) -> RequestUpdate:
-        """A running request's newest output token is ``token``: stop it if that ends it."""
-        reason = self._stop_reason(req, token)
-        if reason is None:
-            return RequestUpdate(req.request_id, [token], False, None, req.num_cached_tokens,
-                                 req.num_transferred_tokens)
-        return self._stopped(req, token, reason)
 
     def _stopped(self, req: Request, token: int, reason: FinishReason) -> RequestUpdate:
         """``token`` ended the running request ``req`` for ``reason``: finish it."""
@@ -194,10 +186,12 @@ class Scheduler:
             req.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            req.output_token_ids.append(PENDING_TOKEN)
+            outputs = req.output_token_ids
+            outputs.append(PENDING_TOKEN)
             req.pending_token = True
             req.status = gen
-            req.finishing = self._stop_reason(req, PENDING_TOKEN) is not None
+            # Only a length can be known before the token is (_stop_reason, inline).
+            req.finishing = len(outputs) >= req.output_limit
 
     def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply the tokens of a step ``advance`` applied before (the step after it may have
@@ -206,6 +200,7 @@ class Scheduler:
         updates = []
         caching, block_size = self.kv.enable_prefix_caching, self.kv.block_size
         gen, ctx = RequestStatus.RUNNING_GEN, RequestStatus.RUNNING_CTX
+        counters = self.counters
         for chunk, req in zip(out.chunks, out.advanced, strict=True):
             # Ended since (its id may name a new request by now: not this step's).
             if req is None or (req.status is not gen and req.status is not ctx):
@@ -213,20 +208,26 @@ class Scheduler:
             before = chunk.start_position
             after = before + len(chunk.token_ids)
             if before < len(req.prompt_token_ids):
-                self.counters["prompt_tokens_computed"] += \
+                counters["prompt_tokens_computed"] += \
                     min(after, len(req.prompt_token_ids)) - before
-            if chunk.sample:
-                token = sampled[chunk.request_id]
-                req.output_token_ids[chunk.output_index] = token
-                req.pending_token = False
-            # Every token up to `after` is known now (the input this step read in place of a
-            # pending token was resolved with the step before).
-            crossed = after // block_size > before // block_size
-            if caching and (chunk.num_known_blocks == 0 or crossed):
+            # Every token up to `after` is known once this step's token is (the input it
+            # read in place of a pending token was resolved with the step before).
+            if caching and (chunk.num_known_blocks == 0
+                            or after // block_size > before // block_size):
+                if chunk.sample:
+                    req.output_token_ids[chunk.output_index] = sampled[chunk.request_id]
                 self.kv.cache_computed(req.request_id, after, req.all_token_ids,
                                        req.block_hashes)
-            if chunk.sample:
-                updates.append(self._took_token(req, token))
+            if not chunk.sample:
+                continue
+            token = req.output_token_ids[chunk.output_index] = sampled[chunk.request_id]
+            req.pending_token = False
+            # Stopped by this token? (_stop_reason, inline: every decoding request, every step)
+            if token in req.stop_ids or len(req.output_token_ids) >= req.output_limit:
+                updates.append(self._stopped(req, token, self._stop_reason(req, token)))
+            else:
+                updates.append(RequestUpdate(req.request_id, [token], False, None,
+                                             req.num_cached_tokens, req.num_transferred_tokens))
         return updates
 
     # ----- the three sources of work -----
@@ -459,14 +460,15 @@ class Scheduler:
         heapq.heappush(self._waiting, (req.priority, req.arrival, req))
         self._num_waiting += 1
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        # Lengths taken directly, not through Request's properties: this runs for every
-        # decoding request every step.
-        num_output = len(req.output_token_ids)
-        return stop_reason(token, num_output, len(req.prompt_token_ids) + num_output,
-                           max_tokens=req.max_tokens, max_model_len=self.config.max_model_len,
-                           stop_token_ids=req.stop_token_ids, eos_token_ids=req.eos_token_ids,
-                           ignore_eos=req.ignore_eos)
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> FinishReason | None:
+        """producer.wire.stopping.stop_reason for ``req``, whose newest output token is
+        ``token``, through the rules add_request folded into it."""
+        if token in req.stop_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= req.output_limit:
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.kv.free(req.request_id)

@@ -4,6 +4,7 @@ tokens a documented function of each request's seed, never mistaken for a real m
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -18,7 +19,13 @@ from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from worker import Engine, SamplingParams
 from worker.cli.top import render, take_snapshot
-from worker.engine.simulated import PRESETS, SimulatedRunner, StepCost, simulated_token
+from worker.engine.simulated import (
+    PRESETS,
+    SimulatedRunner,
+    StepCost,
+    simulated_token,
+    simulated_tokens,
+)
 from worker.fleet.housekeeping.registration import MixedFleet
 
 KEYS = Keys()
@@ -37,6 +44,15 @@ def test_the_token_function_is_uniform_over_the_vocabulary_less_what_it_excludes
     assert simulated_token(4, 7, 10, [0, 4]) != drawn[7] or drawn[7] != drawn[8]
     with pytest.raises(ValueError):
         simulated_token(1, 0, 2, excluded=[0, 1])
+
+
+def test_the_runner_draws_a_step_at_once_as_the_function_draws_each_token():
+    rng = random.Random(1)
+    seeds = [0, 1, 2**63, 2**64 - 1, *(rng.getrandbits(64) for _ in range(300))]
+    indexes = [rng.randrange(2**31) for _ in seeds]
+    for vocab, excluded in ((32000, [2]), (50, [49, 0, 7]), (1000, []), (5, [1, 2, 3, 4])):
+        assert simulated_tokens(seeds, indexes, vocab, excluded) == [
+            simulated_token(s, i, vocab, excluded) for s, i in zip(seeds, indexes, strict=True)]
 
 
 def test_a_simulated_engine_loads_no_weights_and_makes_the_documented_tokens(tiny_llama):

@@ -182,7 +182,7 @@ class GenerationRequest:
             raise ProtocolError(f"invalid request ({type(exc).__name__})", rid) from None
 
 
-@dataclass
+@dataclass(slots=True)
 class OutputChunk:
     """Tokens ``index .. index + len(token_ids) - 1`` of a request and their text."""
 
@@ -213,7 +213,7 @@ class OutputChunk:
         return _pack(m)
 
 
-@dataclass
+@dataclass(slots=True)
 class FinalEntry:
     """The last entry of a request's output stream."""
 

@@ -219,30 +219,34 @@ class Engine:
         self.num_steps += 1
         return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
 
-
     def _step_outputs(self, updates: list[RequestUpdate],
                       logprobs: dict[str, Any]) -> list[StepOutput]:
+        # Every running request, every step: attributes read once each.
         results = []
+        states = self._outputs
         for upd in updates:
-            state = self._outputs[upd.request_id]
+            request_id, new = upd.request_id, upd.new_token_ids
+            state = states[request_id]
             state.num_cached_tokens = upd.num_cached_tokens
             state.num_transferred_tokens = upd.num_transferred_tokens
-            state.add_tokens(upd.new_token_ids, logprobs.get(upd.request_id))
+            lp = logprobs.get(request_id)
+            if state.detokenizer is None and lp is None:
+                state.token_ids.extend(new)  # add_tokens with nothing else to do (the fleet's)
+            else:
+                state.add_tokens(new, lp)
             reason = FinishReason(upd.finish_reason) if upd.finished else None
             if reason is None and state.hit_stop_string:
-                self.scheduler.finish_request(upd.request_id, FinishReason.STOP)
+                self.scheduler.finish_request(request_id, FinishReason.STOP)
                 reason = FinishReason.STOP
             if reason is not None:
-                results.append(self._final_output(upd.request_id, upd.new_token_ids, reason,
-                                                  logprobs.get(upd.request_id)))
+                results.append(self._final_output(request_id, new, reason, lp))
             else:
-                lp = logprobs.get(upd.request_id)
-                results.append(StepOutput(upd.request_id, upd.new_token_ids,
+                results.append(StepOutput(request_id, new,
                                           # (no text without a detokenizer: the fleet's)
                                           state.take_delta(final=False)
                                           if state.detokenizer is not None else "",
-                                          logprobs=[lp] if lp else None,
-                                          num_cached_tokens=state.num_cached_tokens))
+                                          False, None, [lp] if lp else None, None,
+                                          state.num_cached_tokens))
         return results
 
     def generate(

@@ -48,6 +48,10 @@ class ModelRunner:
         self.num_forwards = 0
         self.num_computed_tokens = 0
 
+    def queued(self, out: SchedulerOutput) -> None:
+        """The engine hands ``out`` to the runner thread (overlapped steps): nothing to do;
+        its forward is launched when ``execute`` runs it (a SimulatedRunner times from here)."""
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, pending: dict[str, int] | None = None,

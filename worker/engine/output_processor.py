@@ -9,7 +9,7 @@ from producer.wire.params import SamplingParams
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one step produced for one request."""
 
@@ -36,7 +36,7 @@ def merged_outputs(outputs: list[StepOutput]) -> StepOutput:
                       last.num_cached_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutputState:
     """Everything the engine accumulates for a request besides its KV."""
 

@@ -25,9 +25,12 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import numpy as np
 
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import TokenLogprob
@@ -50,6 +53,26 @@ def simulated_token(seed: int, index: int, vocab_size: int,
         if token >= e:
             token += 1
     return token
+
+
+def simulated_tokens(seeds: list[int], indexes: list[int], vocab_size: int,
+                     excluded: Iterable[int] = ()) -> list[int]:
+    """:func:`simulated_token` of each (seed, index) pair, the same values, in one pass of
+    uint64 arithmetic (a step's rows at once: the runner thread holds the GIL the host's
+    other threads need for as short as it can)."""
+    skip = sorted({e for e in excluded if 0 <= e < vocab_size})
+    allowed = vocab_size - len(skip)
+    if allowed < 1:
+        raise ValueError("the vocabulary has no token that is not excluded")
+    x = ((np.array([s & MASK64 for s in seeds], dtype=np.uint64) << np.uint64(32))
+         + np.array(indexes, dtype=np.uint64))  # both wrap modulo 2**64, as MASK64 does
+    x += np.uint64(0x9E3779B97F4A7C15)  # splitmix64, in place
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    token = (x ^ (x >> np.uint64(31))) % np.uint64(allowed)
+    for e in skip:
+        token += token >= np.uint64(e)
+    return token.tolist()
 
 
 @dataclass(frozen=True)
@@ -129,6 +152,15 @@ class SimulatedRunner:
         self.num_computed_tokens = 0
         # Simulated milliseconds of every step so far (what a GPU would have been busy).
         self.simulated_ms = 0.0
+        # When each step handed to the runner thread and not yet run was handed over (in
+        # order), and when the device is done with the last step it started.
+        self._handed_over: deque[float] = deque()
+        self._device_free_at = 0.0
+
+    def queued(self, out: SchedulerOutput) -> None:
+        """The engine hands ``out`` to the runner thread now (before ``execute``): on a GPU
+        its kernels would be queued on the device's stream now."""
+        self._handed_over.append(self.clock.monotonic())
 
     def execute(self, out: SchedulerOutput, pending: dict[str, int] | None = None,
                 ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
@@ -142,16 +174,23 @@ class SimulatedRunner:
         decodes = sum(1 for c in chunks if c.is_decode)
         context = sum(c.start_position + c.num_tokens for c in chunks)
         ms = self.cost.step_ms(prefill, decodes, context)
-        launched = self.clock.monotonic()
+        # A device runs the steps handed to it back to back: this one starts when the one
+        # before it ended or when the engine handed it over (queued), whichever is later,
+        # however late this thread comes to it.
+        now = self.clock.monotonic()
+        handed_over = self._handed_over.popleft() if self._handed_over else now
+        start = max(handed_over, self._device_free_at)
+        self._device_free_at = end = start + ms / 1000
         if self.on_forward is not None:
             self.on_forward()
-        tokens = {c.request_id: simulated_token(self._seeds[c.request_id], c.output_index,
-                                                self.vocab_size, self.excluded)
-                  for c in chunks if c.sample}
+        sampled = [c for c in chunks if c.sample]
+        tokens = dict(zip([c.request_id for c in sampled], simulated_tokens(
+            [self._seeds[c.request_id] for c in sampled], [c.output_index for c in sampled],
+            self.vocab_size, self.excluded), strict=True))
         self.num_forwards += 1
         self.num_computed_tokens += prefill + decodes
         self.simulated_ms += ms
-        left = launched + ms / 1000 - self.clock.monotonic()
+        left = end - self.clock.monotonic()
         if left > 0:
             self.clock.wait(self._never, left)
         return tokens, dict.fromkeys(tokens)

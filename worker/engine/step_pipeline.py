@@ -62,6 +62,7 @@ class RunnerThread:
                     before: Future[StepResult] | None) -> Future[StepResult]:
         """Run a step once the ones before it ran; ``before``: the step whose sampled
         tokens its PENDING_TOKEN inputs stand for (None: it has none)."""
+        self.runner.queued(out)
         return self._pool.submit(self._step, out, before)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:

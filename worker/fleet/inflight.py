@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class InflightRequest:
     """Where a request came from and how much of it has been published."""
 

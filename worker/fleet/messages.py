@@ -43,7 +43,7 @@ class Admission:
     kv_fetch_source: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class Publication:
     """Output of one request in one step: a chunk, a final entry, or both (the publisher
     writes it; worker/fleet/publishing/chunk_holder.py may join several into one)."""
@@ -142,7 +142,7 @@ class Track:
     published_text: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class Forget:
     """Stop following a request without a final (another worker owns it now)."""
 

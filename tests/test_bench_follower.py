@@ -12,6 +12,7 @@ from producer.client.stream_events import ChunkEvent, FinalEvent, OutputTracker,
 from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, ProtocolError
+from worker.bench.run import follower as follower_module
 from worker.bench.run.follower import SWEEP_S, WAITING_PER_POLL, StreamFollower
 
 KEYS = Keys()
@@ -105,6 +106,24 @@ def test_streams_with_nothing_yet_are_read_oldest_first_and_all_at_each_sweep(
     assert [(r, e.index) for r, e in follower.poll(1)] == [(late, 1)]  # begun: every poll
     write(redis_client, rids[0], OutputChunk(0, [3], "c"))
     assert [(r, e.index) for r, e in follower.poll(1)] == [(rids[0], 0)]  # among the oldest
+
+
+def test_a_long_queue_is_swept_a_slice_at_a_time_in_turn(reader, redis_client, monkeypatch):
+    """Past SWEEP_NAMES waiting streams beyond the oldest, each sweep names the next
+    SWEEP_NAMES of them: every one is named within a few sweeps, none at every sweep."""
+    monkeypatch.setattr(follower_module, "SWEEP_NAMES", 2)
+    clock = ManualClock()
+    follower = StreamFollower(reader, KEYS, period_s=0, clock=clock)
+    rids = [f"s{i}" for i in range(WAITING_PER_POLL + 5)]
+    for rid in rids:
+        follower.add(rid)
+    for rid in rids[WAITING_PER_POLL:]:
+        write(redis_client, rid, OutputChunk(0, [1], "a"))
+    seen = []
+    for _ in range(3):  # sweeps: 2, 2, then the last 1
+        seen.append(sorted(r for r, _ in follower.poll(1)))
+        clock.advance(SWEEP_S)
+    assert seen == [sorted(rids[WAITING_PER_POLL:][i:i + 2]) for i in (0, 2, 4)]
 
 
 def test_a_stream_that_just_gave_a_chunk_is_left_alone_for_the_quiet_time(

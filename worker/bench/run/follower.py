@@ -9,10 +9,12 @@ checks every stream it names, whether or not it has anything, and a poll per ent
 GPU's rate (thousands of chunks a second) would cost Redis and this process more than the
 worker's writes. A poll starts at least ``period_s`` after the last one and gets what every
 stream got meanwhile; it names the streams that have begun (their chunks come each stream
-interval) and only the oldest WAITING_PER_POLL of those with nothing yet, all of them
-once every SWEEP_S (4,000 queued requests are not checked 100 times a second). A reader
-sees each chunk at most ``period_s`` late, and a first token at most SWEEP_S late where
-requests start out of the order they were sent in.
+interval) and only the oldest WAITING_PER_POLL of those with nothing yet; every SWEEP_S a
+sweep names the next SWEEP_NAMES of the others, in turn (4,000 queued requests are not
+checked 100 times a second, nor 16,000 four times a second). A reader sees each chunk at
+most ``period_s`` late, and a first token at most SWEEP_S late where requests start out of
+the order they were sent in (with more than SWEEP_NAMES others waiting, one sweep per
+SWEEP_NAMES of them: requests that start out of order wait in queues that short).
 
 With ``quiet_s`` (the stream interval less a margin: the workers write a stream's chunks
 at most once an interval), a stream that just gave a chunk is not named again until
@@ -29,6 +31,7 @@ no dict per entry) and each entry's message goes to its tracker as it is.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from itertools import islice
 
 import redis
@@ -45,6 +48,7 @@ POLL_PERIOD_S = 0.01
 # Streams with nothing read yet that each poll names, oldest first; every SWEEP_S, all.
 WAITING_PER_POLL = 16
 SWEEP_S = 0.25
+SWEEP_NAMES = 1024
 
 
 class StreamFollower:
@@ -70,6 +74,9 @@ class StreamFollower:
         self._started: dict[str, None] = {}
         self._last_poll: float | None = None
         self._next_sweep = 0.0
+        # Waiting requests in the order sweeps name them (round robin; started ones drop out
+        # as a sweep comes to them).
+        self._to_sweep: deque[str] = deque()
         self._pause = threading.Event()  # never set: waited on for the period
 
     def add(self, request_id: str) -> None:
@@ -78,6 +85,7 @@ class StreamFollower:
         self._key_of[request_id] = key
         self._by_key[key] = request_id
         self._waiting[request_id] = None
+        self._to_sweep.append(request_id)
 
     def __len__(self) -> int:
         return len(self._trackers)
@@ -92,11 +100,10 @@ class StreamFollower:
             if pause > 0:
                 self.clock.wait(self._pause, pause)
         now = self._last_poll = self.clock.monotonic()
+        waiting = list(islice(self._waiting, WAITING_PER_POLL))
         if now >= self._next_sweep:
-            waiting = list(self._waiting)
+            waiting += self._sweep(set(waiting))
             self._next_sweep = now + SWEEP_S
-        else:
-            waiting = list(islice(self._waiting, WAITING_PER_POLL))
         if self._quiet_until:
             self._quiet_until = {r: t for r, t in self._quiet_until.items() if t > now}
             ids = [rid for rid in self._started if rid not in self._quiet_until] + waiting
@@ -116,6 +123,19 @@ class StreamFollower:
             for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
                 self._feed(stream, entries, events)
         return events
+
+    def _sweep(self, named: set[str]) -> list[str]:
+        """The next SWEEP_NAMES waiting requests not in ``named`` (the oldest), in turn."""
+        names: list[str] = []
+        for _ in range(len(self._to_sweep)):
+            if len(names) == SWEEP_NAMES:
+                break
+            rid = self._to_sweep.popleft()
+            if rid in self._waiting:
+                self._to_sweep.append(rid)
+                if rid not in named:
+                    names.append(rid)
+        return names
 
     def _feed(self, stream: bytes, entries: list, events: list) -> None:
         rid = self._by_key[stream.decode()]

@@ -191,6 +191,10 @@ def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:
                          + _idle(s.get("idle_s")))
         if s.get("thread_cpu_s"):
             lines.append(f"{name:<18} CPU s by worker thread: {_by_thread(s['thread_cpu_s'])}")
+        redis_s, tokens = s.get("cpu_s", {}).get("redis"), s.get("output_tokens")
+        if redis_s is not None and tokens:  # the wire's cost (docs/redis.md), readers included
+            lines.append(f"{name:<18} Redis CPU a generated token: {redis_s * 1e6 / tokens:.2f} "
+                         "µs (the run's writers and its client reading every stream)")
     return "\n".join(lines)
 
 

@@ -221,17 +221,14 @@ class Engine:
 
     def _step_outputs(self, updates: list[RequestUpdate],
                       logprobs: dict[str, Any]) -> list[StepOutput]:
-        # Every running request, every step: attributes read once each.
-        results = []
-        states = self._outputs
+        results, states = [], self._outputs  # (every running request, every step)
         for upd in updates:
-            request_id, new = upd.request_id, upd.new_token_ids
+            request_id, new, lp = upd.request_id, upd.new_token_ids, logprobs.get(upd.request_id)
             state = states[request_id]
             state.num_cached_tokens = upd.num_cached_tokens
             state.num_transferred_tokens = upd.num_transferred_tokens
-            lp = logprobs.get(request_id)
-            if state.detokenizer is None and lp is None:
-                state.token_ids.extend(new)  # add_tokens with nothing else to do (the fleet's)
+            if state.detokenizer is None and lp is None:  # the fleet's: nothing else to do
+                state.token_ids.extend(new)
             else:
                 state.add_tokens(new, lp)
             reason = FinishReason(upd.finish_reason) if upd.finished else None
@@ -240,13 +237,10 @@ class Engine:
                 reason = FinishReason.STOP
             if reason is not None:
                 results.append(self._final_output(request_id, new, reason, lp))
-            else:
-                results.append(StepOutput(request_id, new,
-                                          # (no text without a detokenizer: the fleet's)
-                                          state.take_delta(final=False)
-                                          if state.detokenizer is not None else "",
-                                          False, None, [lp] if lp else None, None,
-                                          state.num_cached_tokens))
+            else:  # (no text without a detokenizer: the fleet's)
+                text = state.take_delta(final=False) if state.detokenizer is not None else ""
+                results.append(StepOutput(request_id, new, text, False, None,
+                                          [lp] if lp else None, None, state.num_cached_tokens))
         return results
 
     def generate(
@@ -284,8 +278,7 @@ class Engine:
             if self.device.type == "cpu" and not self.simulated else 0,
             # 1 for a simulated engine (worker/engine/simulated.py): tokens not the model's.
             "simulated": int(self.simulated),
-            # Milliseconds its simulated steps took: over a stretch of wall time, the share
-            # a GPU would have been busy (the rest it waited for the host).
+            # Milliseconds its simulated steps took (a GPU busy; the rest it waited for us).
             "simulated_busy_ms": int(getattr(self.runner, "simulated_ms", 0)),
             **{name: self.scheduler.counters[name] for name in REPORTED_COUNTERS},
             **self.memory.stats(),

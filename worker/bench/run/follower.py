@@ -19,8 +19,10 @@ SWEEP_NAMES of them: requests that start out of order wait in queues that short)
 With ``quiet_s`` (the stream interval less a margin: the workers write a stream's chunks
 at most once an interval), a stream that just gave a chunk is not named again until
 ``quiet_s`` later: at a GPU's rate, an XREAD naming every decoding stream at every poll
-spends most of its time on streams that cannot have anything yet (measured: ~0.25 µs of
-Redis CPU a stream named, against ~2 µs an entry read). A request's final can come sooner
+spends most of its time on streams that cannot have anything yet (measured: ~0.35 µs of
+Redis CPU a stream named, ~0.1 µs one not made yet, against 2-4 µs an entry read). With
+the 2 ms margin the bench gives and polls every 5 ms, a W7 run named a decoding stream
+1.16 times a chunk it read. A request's final can come sooner
 than that after its last chunk (its last tokens go at once): it is seen up to ``quiet_s``
 late, which lengthens that request's end-to-end time by as much, and no chunk gap.
 
@@ -44,11 +46,11 @@ from producer.wire.protocol import FIELD, ProtocolError
 from worker.fleet.publishing.raw_pipeline import run_commands
 
 # Seconds from one poll's start to the next's (see the module docstring).
-POLL_PERIOD_S = 0.01
+POLL_PERIOD_S = 0.005
 # Streams with nothing read yet that each poll names, oldest first; every SWEEP_S, all.
-WAITING_PER_POLL = 16
+WAITING_PER_POLL = 8
 SWEEP_S = 0.25
-SWEEP_NAMES = 1024
+SWEEP_NAMES = 256
 
 
 class StreamFollower:

@@ -25,7 +25,7 @@ KV_SAMPLE_INTERVAL_S = 0.1
 # Longest one XREAD waits, so arrivals, KV samples and a dead worker are noticed in time.
 MAX_BLOCK_MS = 50
 # A stream is looked at again this long before its next chunk can come (follower.py).
-QUIET_MARGIN_S = 0.01
+QUIET_MARGIN_S = 0.002
 
 
 @dataclass

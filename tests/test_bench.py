@@ -151,6 +151,35 @@ def test_repeats_show_the_host_steal_and_a_run_with_much_of_it_is_flagged():
     assert "host steal" not in report.format_repeats(unknown)  # not on every repeat: left out
 
 
+def test_a_perfect_engine_refills_a_freed_slot_at_once_and_the_batch_drains_at_the_end():
+    from worker.bench.cli import perfect_engine_steps
+
+    assert perfect_engine_steps([3, 3, 3, 3], rows=2) == 6  # two full rounds
+    assert perfect_engine_steps([5, 1, 1, 1, 1], rows=2) == 5  # the short ones share a slot
+    assert perfect_engine_steps([2, 8], rows=4) == 8  # the batch drains to the longest
+    assert perfect_engine_steps([], rows=4) == 0
+
+
+def test_simulated_runs_are_set_against_the_ideal_the_best_engine_and_the_step_rate():
+    summary = {"throughput": {"output_tokens_per_s": 45_000.0}, "duration_s": 20.0,
+               "simulated_busy_s": 19.0}
+    rows = report.simulated_rows({"fleet": summary}, {"ideal_output_tokens_per_s": 50_000.0,
+                                                      "best_output_tokens_per_s": 47_500.0})
+    assert [(r["what"].split(",")[0], r["ratio"]) for r in rows] == [
+        ("output tokens/s", 0.9), ("output tokens/s", 0.947), ("steps/s", 0.95)]
+    assert "perfect engine" in rows[1]["what"]
+    # A run without the busy time (a real engine's) has no step-rate row.
+    assert len(report.simulated_rows({"fleet": {**summary, "simulated_busy_s": None}},
+                                     {"ideal_output_tokens_per_s": 1.0,
+                                      "best_output_tokens_per_s": 1.0})) == 2
+
+
+def test_the_cpu_lines_give_redis_cpu_a_generated_token():
+    line = report.format_cpu({"fleet": {"cpu_s": {"worker": 10.0, "redis": 1.5},
+                                        "duration_s": 20.0, "output_tokens": 1_000_000}})
+    assert "Redis CPU a generated token: 1.50 µs" in line
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
 def test_stolen_cpu_time_is_read_from_proc_stat():
     first = cpu.stolen_cpu_s()

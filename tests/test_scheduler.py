@@ -101,6 +101,31 @@ def test_eos_stops_unless_ignored_and_stop_token_ids_stop():
     assert not updates["ignore"].finished
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["plain", "overlapped"])
+def test_a_request_ends_at_the_model_length_or_max_tokens_whichever_comes_first(overlapped):
+    """stop_reason's rules, as the scheduler folds them into each request when it is added:
+    the same on plain steps (update) and overlapped ones (advance, then resolve)."""
+    s = make_scheduler(max_model_len=16)
+    s.add_request(request("model", 12, max_tokens=100))  # 4 tokens reach the model's length
+    s.add_request(request("own", 3, max_tokens=2))
+    made: dict[str, list[int]] = {"model": [], "own": []}
+    reasons = {}
+    for _ in range(10):
+        out = s.schedule()
+        sampled = {c.request_id: 7 for c in out.chunks if c.sample}
+        if overlapped:
+            s.advance(out)
+            updates = s.resolve(out, sampled)
+        else:
+            updates = s.update(out, sampled)
+        for u in updates:
+            made[u.request_id] += u.new_token_ids
+            if u.finished:
+                reasons[u.request_id] = u.finish_reason
+    assert (len(made["model"]), len(made["own"])) == (4, 2)
+    assert reasons == {"model": "length", "own": "length"} and not s.has_unfinished()
+
+
 def test_finished_requests_free_their_blocks():
     s = make_scheduler(num_blocks=32)
     s.add_request(request("a", 10, max_tokens=3))

@@ -4,9 +4,11 @@ tokens a documented function of each request's seed, never mistaken for a real m
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -15,8 +17,10 @@ from waiting import eventually
 from worker_processes import spawn_worker, stop_all, wait_ready
 
 from producer.client.client import Client
+from producer.clock import ManualClock
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
+from scheduler.output import NewRequestData, ScheduledChunk, SchedulerOutput
 from worker import Engine, SamplingParams
 from worker.cli.top import render, take_snapshot
 from worker.engine.simulated import (
@@ -79,6 +83,53 @@ def test_a_simulated_engine_loads_no_weights_and_makes_the_documented_tokens(tin
     with pytest.raises(ValueError, match="simulated"):
         engine.add_request([1, 2], SamplingParams(max_tokens=2, logprobs=1))
     assert engine.stats()["simulated"] == 1
+    engine.close()
+
+
+def test_a_simulated_device_runs_the_steps_handed_to_it_back_to_back():
+    """A step starts when the one before it ends or when the engine handed it over, whichever
+    is later, however late the runner thread comes to it (a GPU's stream)."""
+    clock = ManualClock()
+    runner = SimulatedRunner(StepCost(base_ms=5), vocab_size=100, eos_token_ids=[0],
+                             clock=clock)
+
+    def step(n: int) -> SchedulerOutput:
+        rid = f"r{n}"
+        return SchedulerOutput(
+            chunks=[ScheduledChunk(rid, [5], 3, [0], 0, True, 0)],
+            new_requests=[NewRequestData(rid, SamplingParams(), n, [1, 2, 3], [])])
+
+    first, second = step(1), step(2)
+    runner.queued(first)
+    runner.queued(second)  # both handed over at 0
+    done = threading.Event()
+
+    def run(out: SchedulerOutput) -> None:
+        runner.execute(out)
+        done.set()
+
+    worker = threading.Thread(target=run, args=(first,))
+    worker.start()
+    clock.advance(0.005)
+    worker.join(timeout=30)
+    assert not worker.is_alive() and done.is_set()  # the first ended at 5 ms
+    done.clear()
+    clock.advance(0.002)  # the runner thread comes to the second at 7 ms
+    worker = threading.Thread(target=run, args=(second,))
+    worker.start()
+    clock.advance(0.003)  # 10 ms: it ran from 5 ms, when the device was free
+    worker.join(timeout=30)
+    assert not worker.is_alive() and done.is_set()
+    assert runner.simulated_ms == 10
+
+
+def test_a_simulated_pool_holds_max_num_seqs_full_sequences_unless_told(tiny_llama):
+    engine = Engine(tiny_llama, simulate_step_ms=1, max_num_seqs=4)
+    full = math.ceil(engine.max_model_len / engine.config.block_size)
+    assert engine.stats()["kv_blocks_total"] == 4 * full  # no CPU memory cap: a GPU's pool
+    engine.close()
+    engine = Engine(tiny_llama, simulate_step_ms=1, max_num_seqs=4, num_kv_blocks=10)
+    assert engine.stats()["kv_blocks_total"] == 10
     engine.close()
 
 

@@ -30,7 +30,7 @@ from worker.engine.simulated import (
     simulated_token,
     simulated_tokens,
 )
-from worker.fleet.housekeeping.registration import MixedFleet
+from worker.fleet.housekeeping.registration import MixedFleet, check_same_kind
 
 KEYS = Keys()
 
@@ -213,6 +213,31 @@ def test_mixing_is_refused_before_anything_is_registered(redis_url, redis_client
     with pytest.raises(MixedFleet):
         sim.start()
     assert redis_client.hget(KEYS.model(MODEL), "simulated") == b""  # still the real one's
+
+
+def test_a_worker_checks_the_kind_after_its_own_starting_heartbeat_is_out(
+        redis_url, redis_client, start_worker, monkeypatch):
+    """Two workers of both kinds starting at once: each checks after its heartbeat says
+    "starting" with its model and kind, so at least one sees the other and refuses."""
+    from worker.fleet import process
+
+    seen = {}
+
+    def spy(client, keys, name, simulated, worker_id):
+        seen.update(redis_client.hgetall(KEYS.worker(worker_id)))
+        return check_same_kind(client, keys, name, simulated, worker_id)
+
+    monkeypatch.setattr(process, "check_same_kind", spy)
+    sim = start_worker(worker_id="sim-a", autostart=False, simulate_step_ms=1)
+    # A real worker for the same name that has only begun to start (its heartbeat is out).
+    redis_client.hset(KEYS.worker("real-b"), mapping={"worker_id": "real-b", "model": MODEL,
+                                                      "status": "starting", "simulated": ""})
+    redis_client.sadd(KEYS.workers, "real-b")
+    with pytest.raises(MixedFleet, match="real-b"):
+        sim.start()
+    assert seen[b"status"] == b"starting" and seen[b"simulated"] == b"1"  # out before it
+    assert not redis_client.exists(KEYS.worker("sim-a"))  # taken back when it refused
+    assert not redis_client.sismember(KEYS.workers, "sim-a")
 
 
 def test_simulated_prefill_and_decode_workers_hand_requests_on_without_kv(

@@ -33,6 +33,7 @@ from worker.fleet.housekeeping.heartbeat import Heartbeat
 from worker.fleet.housekeeping.leases import LeaseKeeper, hand_back
 from worker.fleet.housekeeping.reaper import Reaper
 from worker.fleet.housekeeping.registration import (
+    MixedFleet,
     check_eviction_policy,
     check_same_kind,
     load_chat_template,
@@ -297,8 +298,13 @@ class Worker:
 
     def start(self) -> None:
         check_eviction_policy(self.client, self.config.allow_eviction)
-        check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
-                        self.config.worker_id)
+        self.heartbeat.beat()  # "starting", with its model and kind: check_same_kind says why
+        try:
+            check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
+                            self.config.worker_id)
+        except MixedFleet:
+            self.heartbeat.clear()
+            raise
         register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id, self.chat_template)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.

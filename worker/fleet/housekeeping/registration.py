@@ -26,11 +26,15 @@ class MixedFleet(ValueError):
 
 def check_same_kind(client: redis.Redis, keys: Keys, name: str, simulated: bool,
                     worker_id: str) -> None:
-    """Refuse to serve ``name`` beside live workers of the other kind: a simulated worker's
-    tokens are not the model's (worker/engine/simulated.py), and nobody reading a stream
-    could tell which kind wrote it."""
+    """Refuse to serve ``name`` beside live or starting workers of the other kind: a
+    simulated worker's tokens are not the model's (worker/engine/simulated.py), and nobody
+    reading a stream could tell which kind wrote it.
+
+    The caller publishes its own heartbeat (status ``starting``) first: of two workers of
+    both kinds that start at once, each checks after its own heartbeat is out, so at least
+    one of them sees the other and refuses (both may)."""
     other = next((hb for hb in read_heartbeats(client, keys)
-                  if is_live(hb) and hb.get("model") == name
+                  if (is_live(hb) or hb.get("status") == "starting") and hb.get("model") == name
                   and hb.get("worker_id") != worker_id
                   and (hb.get("simulated") or "") != ("1" if simulated else "")), None)
     if other is not None:

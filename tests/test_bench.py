@@ -172,6 +172,9 @@ def test_simulated_runs_are_set_against_the_ideal_the_best_engine_and_the_step_r
     assert len(report.simulated_rows({"fleet": {**summary, "simulated_busy_s": None}},
                                      {"ideal_output_tokens_per_s": 1.0,
                                       "best_output_tokens_per_s": 1.0})) == 2
+    # Without the bound (steps that cost more with more rows, or arrivals spread in time).
+    assert len(report.simulated_rows({"fleet": summary},
+                                     {"ideal_output_tokens_per_s": 1.0})) == 2
 
 
 def test_the_cpu_lines_give_redis_cpu_a_generated_token():

@@ -23,6 +23,7 @@ from producer.wire.keys import Keys
 from scheduler.output import NewRequestData, ScheduledChunk, SchedulerOutput
 from worker import Engine, SamplingParams
 from worker.cli.top import render, take_snapshot
+from worker.engine.memory import SIMULATED_KV_TOKENS
 from worker.engine.simulated import (
     PRESETS,
     SimulatedRunner,
@@ -121,12 +122,33 @@ def test_a_simulated_device_runs_the_steps_handed_to_it_back_to_back():
     worker.join(timeout=30)
     assert not worker.is_alive() and done.is_set()
     assert runner.simulated_ms == 10
+    # A step with nothing to compute (swaps only) takes its hand-over time with it: the
+    # next step, handed over after an idle 10 ms, starts then and not in the past.
+    swaps_only = SchedulerOutput(swap_out=[(1, 1)])
+    runner.queued(swaps_only)
+    assert runner.execute(swaps_only) == ({}, {})
+    clock.advance(0.010)
+    third = step(3)
+    runner.queued(third)
+    done.clear()
+    worker = threading.Thread(target=run, args=(third,))
+    worker.start()
+    clock.advance(0.005)
+    worker.join(timeout=30)
+    assert not worker.is_alive() and done.is_set()
+    assert runner._device_free_at == pytest.approx(0.025)  # 20 ms + its 5, not 10 + 5
 
 
 def test_a_simulated_pool_holds_max_num_seqs_full_sequences_unless_told(tiny_llama):
     engine = Engine(tiny_llama, simulate_step_ms=1, max_num_seqs=4)
     full = math.ceil(engine.max_model_len / engine.config.block_size)
     assert engine.stats()["kv_blocks_total"] == 4 * full  # no CPU memory cap: a GPU's pool
+    assert 4 * full * engine.config.block_size <= SIMULATED_KV_TOKENS  # (under the cap)
+    engine.close()
+    seqs = SIMULATED_KV_TOKENS // (full * engine.config.block_size) * 2  # twice the cap
+    engine = Engine(tiny_llama, simulate_step_ms=1, max_num_seqs=seqs,
+                    max_num_batched_tokens=seqs)
+    assert engine.stats()["kv_blocks_total"] == SIMULATED_KV_TOKENS // engine.config.block_size
     engine.close()
     engine = Engine(tiny_llama, simulate_step_ms=1, max_num_seqs=4, num_kv_blocks=10)
     assert engine.stats()["kv_blocks_total"] == 10

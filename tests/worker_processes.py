@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from producer.client.client import Client
+from producer.client.models import decode_hash, is_live
 from producer.wire.keys import Keys
 
 
@@ -27,10 +28,11 @@ def spawn_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
 
 
 def wait_ready(client: Client, name: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    """Wait for the worker's heartbeat (it is serving); fail if it exits first."""
+    """Wait until the worker's heartbeat says it serves (one that says "starting" comes
+    before it registers its model); fail if it exits first."""
     key = Keys().worker(name)
     deadline = time.monotonic() + timeout
-    while not client.redis.exists(key):
+    while not is_live(decode_hash(client.redis.hgetall(key))):
         assert proc.poll() is None, f"worker {name} exited with {proc.returncode}"
         assert time.monotonic() < deadline, f"worker {name} did not start"
         time.sleep(0.1)

@@ -214,7 +214,7 @@ def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | N
     """For a simulated engine: its step cost, the output tokens/s its steps allow at full
     batch (every step decodes --max-num-seqs rows, each reading the workload's mean
     context), and the best any engine reaches on this workload; None for a real one."""
-    from worker.engine.simulated import step_cost
+    from worker.engine.simulated import StepCost, step_cost
 
     cost = step_cost(args.simulate_step_ms, args.simulate_cost)
     if cost is None:
@@ -222,11 +222,16 @@ def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | N
     rows = args.max_num_seqs
     context = sum(len(i.prompt_token_ids) + i.max_tokens / 2 for i in items) / max(1, len(items))
     step_ms = cost.step_ms(prefill_tokens=0, decode_rows=rows, context_tokens=rows * context)
-    best_steps = perfect_engine_steps([i.max_tokens for i in items], rows)
-    return {"step_cost": cost.to_dict(), "full_batch_step_ms": round(step_ms, 4),
-            "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1),
-            "best_output_tokens_per_s": round(sum(i.max_tokens for i in items) * 1000
-                                              / (max(1, best_steps) * step_ms), 1)}
+    ideal = {"step_cost": cost.to_dict(), "full_batch_step_ms": round(step_ms, 4),
+             "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1)}
+    # The best any engine does, where it is a bound: every step costs the same (`a` alone)
+    # and every request is there at t=0.
+    if (cost.to_dict() == StepCost(base_ms=cost.base_ms).to_dict() and not args.rate
+            and not args.concurrency and not any(i.arrival_s for i in items)):
+        steps = perfect_engine_steps([i.max_tokens for i in items], rows)
+        ideal["best_output_tokens_per_s"] = round(
+            sum(i.max_tokens for i in items) * 1000 / (max(1, steps) * step_ms), 1)
+    return ideal
 
 
 def perfect_engine_steps(output_tokens: list[int], rows: int) -> int:

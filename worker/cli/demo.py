@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from producer.client.client import Client
+from producer.client.models import decode_hash, is_live
 from producer.client.stream_events import ChunkEvent, FinalEvent
 from producer.paths import data_dir
 from producer.wire.keys import Keys
@@ -37,7 +38,8 @@ def wait_for_worker(client: Client, proc: subprocess.Popen, log: Path,
                     timeout: float = 180) -> None:
     key = Keys().worker(f"demo-{os.getpid()}")
     deadline = time.monotonic() + timeout
-    while not client.redis.exists(key):
+    # Its heartbeat says "starting" before it serves (the kind check): wait for a live one.
+    while not is_live(decode_hash(client.redis.hgetall(key))):
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(f"the demo worker did not start; its log ({log}):\n{tail}")

@@ -22,6 +22,11 @@ from worker.models.loader import load_model
 if TYPE_CHECKING:
     from worker.models.llama import CausalLM
 
+# KV tokens a simulated engine holds unless told (num_kv_blocks): about what an H200 keeps for
+# an 8B model beside its weights (~120 GB at 128 KiB a token), and max_num_seqs sequences of
+# full length for the models and batches of the benchmarks (256 x 4,096).
+SIMULATED_KV_TOKENS = 2**20
+
 
 def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The engine's device and dtype, and the process-wide settings for them, made before
@@ -99,10 +104,9 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     num_blocks = config.num_kv_blocks or max(
         1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
     if not tensors_too and config.num_kv_blocks is None:
-        # A simulated engine's blocks are accounting only: by default it has the memory of
-        # the GPU it stands for, where KV never limits the batch (num_kv_blocks sets a
-        # smaller pool, to study preemption).
-        num_blocks = useful
+        # A simulated engine's blocks are accounting only: by default it has a GPU's memory
+        # (num_kv_blocks sets a smaller pool, to study preemption).
+        num_blocks = min(useful, SIMULATED_KV_TOKENS // config.block_size)
     swap_blocks = (config.swap_blocks if config.swap_blocks is not None
                    else int(config.swap_space_gib * 2**30) // per_block)
     if config.preemption_mode == "recompute":

@@ -164,6 +164,10 @@ class SimulatedRunner:
 
     def execute(self, out: SchedulerOutput, pending: dict[str, int] | None = None,
                 ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
+        # When the engine handed this step over (queued; a plain step: now). Taken first,
+        # so that a step with nothing to compute (swaps only) leaves none behind.
+        now = self.clock.monotonic()
+        handed_over = self._handed_over.popleft() if self._handed_over else now
         self.release(out)
         for new in out.new_requests:
             self._seeds[new.request_id] = new.seed
@@ -175,10 +179,8 @@ class SimulatedRunner:
         context = sum(c.start_position + c.num_tokens for c in chunks)
         ms = self.cost.step_ms(prefill, decodes, context)
         # A device runs the steps handed to it back to back: this one starts when the one
-        # before it ended or when the engine handed it over (queued), whichever is later,
-        # however late this thread comes to it.
-        now = self.clock.monotonic()
-        handed_over = self._handed_over.popleft() if self._handed_over else now
+        # before it ended or when the engine handed it over, whichever is later, however
+        # late this thread comes to it.
         start = max(handed_over, self._device_free_at)
         self._device_free_at = end = start + ms / 1000
         if self.on_forward is not None:

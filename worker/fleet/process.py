@@ -33,7 +33,6 @@ from worker.fleet.housekeeping.heartbeat import Heartbeat
 from worker.fleet.housekeeping.leases import LeaseKeeper, hand_back
 from worker.fleet.housekeeping.reaper import Reaper
 from worker.fleet.housekeeping.registration import (
-    MixedFleet,
     check_eviction_policy,
     check_same_kind,
     load_chat_template,
@@ -300,24 +299,10 @@ class Worker:
         check_eviction_policy(self.client, self.config.allow_eviction)
         self.heartbeat.beat()  # "starting", with its model and kind: check_same_kind says why
         try:
-            check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
-                            self.config.worker_id)
-        except MixedFleet:
-            self.heartbeat.clear()
+            self._prepare()
+        except BaseException:
+            self.heartbeat.clear()  # never serving: no "starting" hash left behind
             raise
-        register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
-                       self.config.worker_id, self.chat_template)
-        # Before any thread runs: the reaper must not meet a group the intake has not made yet.
-        self.intake.prepare_streams(self.client)
-        self.reaper.check_lanes()
-        self.heartbeat.keep_functions()
-        self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
-                        self.leases, self.reaper]
-        self.threads += [t for t in (self.tier_writer, self.tier_reader) if t is not None]
-        if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port,
-                                                   self.config.metrics_host)
-            self.threads.append(self.queue_poller)
         self.state = "serving"
         self.heartbeat.beat()
         # The engine was built on this thread; its steps run on the loop's, which must be
@@ -402,6 +387,24 @@ class Worker:
         # The engine is built: what the process holds now, it holds for good.
         freeze_long_lived_objects()
         return self.serve(stop)
+
+    def _prepare(self) -> None:
+        """Everything before the threads start, once this worker's heartbeat is out."""
+        check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
+                        self.config.worker_id)
+        register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
+                       self.config.worker_id, self.chat_template)
+        # Before any thread runs: the reaper must not meet a group the intake has not made yet.
+        self.intake.prepare_streams(self.client)
+        self.reaper.check_lanes()
+        self.heartbeat.keep_functions()
+        self.threads = [self.publisher, self.loop, self.cancels, self.intake, self.heartbeat,
+                        self.leases, self.reaper]
+        self.threads += [t for t in (self.tier_writer, self.tier_reader) if t is not None]
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port,
+                                                   self.config.metrics_host)
+            self.threads.append(self.queue_poller)
 
     def _placement(self) -> Placement | None:
         """Where the threads go (worker/host/cpu_placement.py), or None to leave them to the

@@ -47,7 +47,8 @@ from worker.fleet.publishing.raw_pipeline import run_commands
 
 # Seconds from one poll's start to the next's (see the module docstring).
 POLL_PERIOD_S = 0.005
-# Streams with nothing read yet that each poll names, oldest first; every SWEEP_S, all.
+# Streams with nothing read yet that each poll names, oldest first; every SWEEP_S, the next
+# SWEEP_NAMES of the others, in turn.
 WAITING_PER_POLL = 8
 SWEEP_S = 0.25
 SWEEP_NAMES = 256

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import redis
 
+from producer.client.models import decode_hash, is_live
 from producer.wire.keys import Keys
 
 # The bench reads KV use from heartbeats: beat more often than a serving worker does.
@@ -34,13 +35,14 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, client: redis.Redis) -> None:
-        """Spawn the worker and wait for its first heartbeat (it registers the model before)."""
+        """Spawn the worker and wait until its heartbeat says it serves (it registered the
+        model before; a heartbeat that says "starting" comes earlier)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not client.exists(self.key):
+        while not is_live(decode_hash(client.hgetall(self.key))):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the bench worker did not start in {START_TIMEOUT_S:.0f} s"

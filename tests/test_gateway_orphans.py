@@ -23,7 +23,14 @@ from worker_processes import spawn_worker, stop_all, wait_ready
 from producer.client.client import Client
 from producer.wire.keys import Keys
 from worker import Engine, SamplingParams
-from worker.cli.gateway_verb import KEEPALIVE_S, ORPHAN_TIMEOUT_S, WATCH_TTL_S
+from worker.cli.gateway_verb import (
+    KEEPALIVE_S,
+    MAX_CONCURRENT,
+    ORPHAN_TIMEOUT_S,
+    READ_CONNECTIONS,
+    REDIS_CONNECTIONS,
+    WATCH_TTL_S,
+)
 
 KEYS = Keys()
 PROMPT = [5, 9, 23, 4, 77, 31, 8]
@@ -77,6 +84,9 @@ def test_the_cli_defaults_are_the_settings_defaults():
 
     assert (KEEPALIVE_S, ORPHAN_TIMEOUT_S) == (SETTINGS_KEEPALIVE, SETTINGS_ORPHAN)
     assert WATCH_TTL_S == GatewaySettings().watch_ttl_s
+    assert (MAX_CONCURRENT, REDIS_CONNECTIONS, READ_CONNECTIONS) == (
+        GatewaySettings().max_concurrent, GatewaySettings().redis_connections,
+        GatewaySettings().read_connections)
     assert SETTINGS_KEEPALIVE <= 15  # a waiting stream speaks at least every 15 s
 
 

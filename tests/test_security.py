@@ -23,6 +23,7 @@ import redis
 import torch
 from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import missing, redis_binary, tls_redis_binary
+from structlog.testing import capture_logs
 from tcp_proxy import TcpProxy
 
 from producer.client.async_client import AsyncClient
@@ -639,6 +640,23 @@ def test_a_worker_whose_user_predates_the_handoff_stream_still_serves(redis7_acl
     admin7.execute_command("ACL", "SETUSER", "older-worker", "reset", "on", ">older", *rules)
     worker = start_worker(url=f"unix://older-worker:older@{redis7_acl_server.socket}")
     assert worker.intake.streams == [KEYS.requests(MODEL, lane) for lane in LANES]  # only
+    with Client(user_url(redis7_acl_server, "producer")) as client:
+        done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
+                             timeout=60)
+    assert done.finish_reason == "length"
+
+
+def test_a_worker_whose_user_cannot_read_heartbeats_starts_unchecked(redis7_acl_server, admin7,
+                                                                     start_worker):
+    """A worker user made before workers read each other's heartbeats at start (+hgetall):
+    its kind check is skipped with a warning, and it serves."""
+    rules = [r for r in acl_rules("worker", version=7) if r != "+hgetall"]
+    assert not any("hgetall" in r for r in rules)  # precondition: the older rules
+    admin7.execute_command("ACL", "SETUSER", "older-worker2", "reset", "on", ">older", *rules)
+    with capture_logs() as logs:
+        worker = start_worker(url=f"unix://older-worker2:older@{redis7_acl_server.socket}")
+    assert worker.state == "serving"
+    assert any("heartbeats" in e["event"] and e["log_level"] == "warning" for e in logs)
     with Client(user_url(redis7_acl_server, "producer")) as client:
         done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
                              timeout=60)

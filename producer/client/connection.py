@@ -37,6 +37,9 @@ TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
 PERMANENT_CAUSES = (AuthenticationError, ssl.SSLCertVerificationError)
 
 
+# Seconds a command of a bounded asyncio pool waits for a free connection before it fails.
+POOL_WAIT_S = 10.0
+
 def connect(
     url: str | None = None,
     *,
@@ -71,17 +74,23 @@ def connect_async(
     *,
     decode_responses: bool = False,
     socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+    max_connections: int | None = None,
 ) -> redis.asyncio.Redis:
     """The asyncio twin of :func:`connect`, with the same URL rules and options.
 
     With ``url=None`` it checks (and may start) the embedded server synchronously, once here.
+    ``max_connections``: at most that many connections, a command waiting up to
+    POOL_WAIT_S for one to be free (redis-py's own pool refuses the 101st at once).
     """
     url = resolve_url(url)
     retry = _AsyncTransientRetry(_backoff(), RETRY_ATTEMPTS, supported_errors=TRANSIENT_ERRORS,
                                  where=describe(url))
-    return redis.asyncio.Redis.from_url(
-        url, **_options(url, decode_responses, socket_timeout, retry)
-    )
+    options = _options(url, decode_responses, socket_timeout, retry)
+    if max_connections is None:
+        return redis.asyncio.Redis.from_url(url, **options)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
+    return redis.asyncio.Redis.from_pool(pool)  # (its client closes the pool)
 
 
 def describe(url: str | None) -> str:

@@ -105,11 +105,19 @@ class Gateway:
             # The gateway watches for orphans itself (OrphanWatch below: it cancels them);
             # the client still finds lost requests (request_lost). Its requests are tied to
             # its life (a watch: producer/client/watch.py).
+            # Every request's stream is read through a few shared XREADs, on a bounded pool.
             self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
                                       orphan_timeout=None, watch=True,
-                                      watch_ttl_s=self.settings.watch_ttl_s)
+                                      watch_ttl_s=self.settings.watch_ttl_s,
+                                      shared_readers=self.settings.read_connections,
+                                      max_connections=self.settings.redis_connections)
+            if self.client.shared_reads is not None:
+                self.client.shared_reads.on_read = self.metrics.shared_read.observe
         log.info("gateway serving", namespace=self.settings.namespace,
-                 api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue)
+                 api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue,
+                 max_concurrent=self.settings.max_concurrent,
+                 redis_connections=self.settings.redis_connections,
+                 read_connections=self.settings.read_connections)
         try:
             yield
         finally:

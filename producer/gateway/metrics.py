@@ -14,6 +14,8 @@ from prometheus_client import (
 
 # Seconds until the response starts (the whole answer when not streamed).
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Streams one shared XREAD names (producer/client/shared_reads.py).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class GatewayMetrics:
@@ -34,6 +36,10 @@ class GatewayMetrics:
         self.orphaned = Counter("conveyor_gateway_orphaned_total",
                                 "requests cancelled because their model had no live worker "
                                 "for the orphan timeout", registry=self.registry)
+        self.shared_read = Histogram("conveyor_gateway_shared_read_streams",
+                                     "streams each shared XREAD names (the answers of all "
+                                     "requests are read through a few)", buckets=BATCH_BUCKETS,
+                                     registry=self.registry)
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

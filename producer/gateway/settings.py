@@ -19,6 +19,13 @@ KEEPALIVE_S = 10.0
 # A request whose model has had no live worker this long is cancelled and answered with
 # `no_live_worker`, rather than waiting for a worker that may never come.
 ORPHAN_TIMEOUT_S = 60.0
+# Generation requests answered at once; more get 429 `gateway_busy` until one ends.
+MAX_CONCURRENT = 512
+# Redis connections of one gateway process, and how many of them read the answers' streams
+# for every request at once (producer/client/shared_reads.py); the rest submit, cancel and
+# look at the models.
+REDIS_CONNECTIONS = 64
+READ_CONNECTIONS = 8
 
 
 @dataclass
@@ -34,9 +41,11 @@ class GatewaySettings:
     # Lane of the requests this gateway submits (interactive: people wait on them).
     lane: str = "interactive"
     model_state_ttl_s: float = MODEL_STATE_TTL_S
-    # Generation requests answered at once (each holds a Redis connection while it waits);
-    # more get 429 until one ends.
-    max_concurrent: int = 512
+    # Generation requests answered at once; more get 429 until one ends.
+    max_concurrent: int = MAX_CONCURRENT
+    # Redis connections in all, and those of them that read every request's stream.
+    redis_connections: int = REDIS_CONNECTIONS
+    read_connections: int = READ_CONNECTIONS
     keepalive_s: float = KEEPALIVE_S
     # Seconds this gateway's watch outlives it: its requests are cancelled that long after
     # it dies (producer/client/watch.py).
@@ -57,6 +66,14 @@ class GatewaySettings:
         if self.max_queue is not None and (not isinstance(self.max_queue, int)
                                            or self.max_queue < 1):
             raise ValueError(f"max_queue must be a positive integer, got {self.max_queue!r}")
+        for name in ("max_concurrent", "redis_connections", "read_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.redis_connections <= self.read_connections:
+            raise ValueError(f"redis_connections ({self.redis_connections}) must be more than "
+                             f"read_connections ({self.read_connections}): the readers hold "
+                             "theirs while they wait, and submits need some")
 
     def key_accepted(self, presented: str | None) -> bool:
         """Whether ``presented`` is one of the keys (constant time per key)."""

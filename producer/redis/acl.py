@@ -90,6 +90,7 @@ WORKER_COMMANDS = (
     "get", "incr",  # runs alone of a suspect request (poison isolation)
     "subscribe", "unsubscribe",  # the cancel channel
     "hset", "hdel", "del",  # heartbeat hash (removed at exit), the model hash (and its template)
+    "hgetall",  # at start: the other workers' heartbeats (no real and simulated on one model)
     "sadd", "srem", "smembers",  # the models and workers sets (dead workers pruned)
     "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), take-overs
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests

@@ -15,6 +15,9 @@ DEFAULT_PORT = 8000
 KEEPALIVE_S = 10.0
 ORPHAN_TIMEOUT_S = 60.0
 WATCH_TTL_S = 20
+MAX_CONCURRENT = 512
+REDIS_CONNECTIONS = 64
+READ_CONNECTIONS = 8
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -47,6 +50,15 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--watch-ttl", type=int, default=WATCH_TTL_S, metavar="S",
                    help="this gateway's requests are cancelled S seconds after it dies (its "
                    "watch key lapses)")
+    p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT, metavar="N",
+                   help="generation requests answered at once; more get 429 gateway_busy "
+                   "with Retry-After until one ends")
+    p.add_argument("--redis-connections", type=int, default=REDIS_CONNECTIONS, metavar="N",
+                   help="Redis connections of this process in all (a command waits for a "
+                   "free one)")
+    p.add_argument("--read-connections", type=int, default=READ_CONNECTIONS, metavar="N",
+                   help="of those, how many read the answers of every request at once (each "
+                   "XREAD names up to 256 streams)")
     p.set_defaults(handler=gateway_cmd)
     return p
 
@@ -69,7 +81,9 @@ def gateway_cmd(args: argparse.Namespace) -> int:
     settings = GatewaySettings(redis_url=args.redis, namespace=args.namespace, api_keys=keys,
                                max_queue=args.max_queue, keepalive_s=args.keepalive,
                                orphan_timeout_s=args.orphan_timeout or None,
-                               watch_ttl_s=args.watch_ttl)
+                               watch_ttl_s=args.watch_ttl, max_concurrent=args.max_concurrent,
+                               redis_connections=args.redis_connections,
+                               read_connections=args.read_connections)
     if not keys:
         print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
               f"{args.host}:{args.port} may use the fleet", file=sys.stderr)

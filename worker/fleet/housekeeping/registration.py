@@ -32,8 +32,16 @@ def check_same_kind(client: redis.Redis, keys: Keys, name: str, simulated: bool,
 
     The caller publishes its own heartbeat (status ``starting``) first: of two workers of
     both kinds that start at once, each checks after its own heartbeat is out, so at least
-    one of them sees the other and refuses (both may)."""
-    other = next((hb for hb in read_heartbeats(client, keys)
+    one of them sees the other and refuses (both may). A worker user made before this check
+    read heartbeats may lack HGETALL: the check is then skipped, with a warning."""
+    try:
+        heartbeats = read_heartbeats(client, keys)
+    except redis.exceptions.NoPermissionError as exc:
+        log.warning("cannot read the other workers' heartbeats: whether a worker of the other "
+                    "kind serves this model is not checked (grant +hgetall: docs/security.md)",
+                    model=name, error=str(exc))
+        return
+    other = next((hb for hb in heartbeats
                   if (is_live(hb) or hb.get("status") == "starting") and hb.get("model") == name
                   and hb.get("worker_id") != worker_id
                   and (hb.get("simulated") or "") != ("1" if simulated else "")), None)

@@ -1,0 +1,165 @@
+"""Many followers' blocking XREADs served by a few shared ones (an asyncio server's).
+
+A follower (producer/client/stream_follow.py) waits for its streams with a blocking XREAD.
+Alone, each holds a Redis connection for as long as it waits: a server answering a
+thousand streams at once would hold a thousand connections (and redis-py's asyncio pool
+refuses the 101st). Here every follower's read joins one queue, and at most
+``max_readers`` XREADs at a time, each naming at most ``max_keys`` streams, serve them all:
+a reply goes to each read whose streams got entries, and a read that got nothing joins
+the queue again until its own BLOCK is over (then it gets None, as from XREAD).
+
+A blocking XREAD cannot take a stream named after it began. So that a read queued while
+every reader waits is not left waiting long, readers block at most ``block_cap_ms``: under
+load they come back far sooner, at the first entry of any stream they name, and take
+everything queued meanwhile into their next XREAD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.client.stream_events import entry_id_key
+
+# XREADs in flight at once, streams one of them names, and its longest BLOCK (see above).
+MAX_READERS = 8
+MAX_KEYS = 256
+BLOCK_CAP_MS = 10
+
+
+@dataclass(eq=False)
+class _Read:
+    """One follower's XREAD: its streams (key -> id to read after), until when it may wait
+    (the event loop's clock), and where its reply goes."""
+
+    streams: dict[str, str]
+    deadline: float
+    future: asyncio.Future = field(repr=False)
+
+
+class SharedReads:
+    """``await reads.xread(streams, block_ms)`` answers as ``redis.xread(streams, count,
+    block=block_ms)`` would, through XREADs shared with every other caller."""
+
+    def __init__(self, redis: Any, *, count: int, max_readers: int = MAX_READERS,
+                 max_keys: int = MAX_KEYS, block_cap_ms: int = BLOCK_CAP_MS) -> None:
+        for name, value in (("max_readers", max_readers), ("max_keys", max_keys),
+                            ("block_cap_ms", block_cap_ms)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.redis = redis
+        self.count = count
+        self.max_readers = max_readers
+        self.max_keys = max_keys
+        self.block_cap_ms = block_cap_ms
+        self._queue: deque[_Read] = deque()
+        self._tasks: set[asyncio.Task] = set()
+        # Called with the number of streams each shared XREAD names (a metric's hook).
+        self.on_read: Callable[[int], object] | None = None
+
+    @property
+    def readers(self) -> int:
+        """XREADs in flight now."""
+        return len(self._tasks)
+
+    async def xread(self, streams: dict[str, str], block_ms: int) -> list | None:
+        """Entries after each stream's id, as XREAD's reply ([(stream, entries), ...]); None
+        when none came within ``block_ms``."""
+        loop = asyncio.get_running_loop()
+        read = _Read(dict(streams), loop.time() + block_ms / 1000, loop.create_future())
+        self._queue.append(read)
+        self._start_readers()
+        try:
+            return await read.future
+        finally:
+            if not read.future.done():
+                read.future.cancel()  # the caller gave up: the readers drop it
+
+    async def close(self) -> None:
+        """Stop the XREADs in flight; their reads end with CancelledError."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _start_readers(self) -> None:
+        while len(self._tasks) < self.max_readers:
+            batch = self._take()
+            if not batch:
+                return
+            task = asyncio.ensure_future(self._read(batch))
+            self._tasks.add(task)  # (the loop keeps only a weak reference to a task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _take(self) -> list[_Read]:
+        """Queued reads, oldest first, naming at most max_keys streams together (a read that
+        names more goes alone)."""
+        batch: list[_Read] = []
+        keys = 0
+        while self._queue:
+            read = self._queue[0]
+            if read.future.done():  # its caller gave up
+                self._queue.popleft()
+                continue
+            if batch and keys + len(read.streams) > self.max_keys:
+                break
+            batch.append(self._queue.popleft())
+            keys += len(read.streams)
+        return batch
+
+    async def _read(self, batch: list[_Read]) -> None:
+        after: dict[str, str] = {}  # each stream once, after the earliest id asked
+        for read in batch:
+            for key, last in read.streams.items():
+                if key not in after or entry_id_key(last) < entry_id_key(after[key]):
+                    after[key] = last
+        loop = asyncio.get_running_loop()
+        left_ms = math.ceil((min(r.deadline for r in batch) - loop.time()) * 1000)
+        if self.on_read is not None:
+            self.on_read(len(after))
+        try:
+            reply = await self.redis.xread(after, count=self.count,
+                                           block=max(1, min(self.block_cap_ms, left_ms)))
+        except BaseException as exc:
+            self._tasks.discard(asyncio.current_task())
+            for read in batch:
+                if not read.future.done():
+                    read.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise  # cancelled (closing): the callers heard of it
+            self._start_readers()  # the reads queued meanwhile try on their own
+            return
+        self._tasks.discard(asyncio.current_task())  # a free reader for what follows
+        got: dict[str, tuple[Any, list]] = {}
+        for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
+            got[stream.decode() if isinstance(stream, bytes) else stream] = (stream, entries)
+        now = loop.time()
+        again: list[_Read] = []
+        for read in batch:
+            if read.future.done():
+                continue
+            mine = []
+            for key, last in read.streams.items():
+                if key not in got:
+                    continue
+                stream, entries = got[key]
+                if last != after[key]:  # another read asked from an earlier id
+                    entries = [e for e in entries if entry_id_key(_text(e[0])) >
+                               entry_id_key(last)]
+                if entries:
+                    mine.append((stream, entries))
+            if mine:
+                read.future.set_result(mine)
+            elif now >= read.deadline:
+                read.future.set_result(None)
+            else:
+                again.append(read)
+        self._queue.extendleft(reversed(again))  # ahead of reads queued since
+        self._start_readers()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

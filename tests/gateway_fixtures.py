@@ -26,10 +26,10 @@ def serve_gateway(redis_url: str, **settings) -> Iterator[RunningGateway]:
     import uvicorn
 
     from producer.gateway import GatewaySettings, create_app
+    from producer.gateway.server import server_config
 
     app = create_app(GatewaySettings(redis_url=redis_url, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           access_log=False, lifespan="on"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))  # as `conveyor gateway`
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     eventually(lambda: server.started or not thread.is_alive(), "the gateway listening")

@@ -24,8 +24,12 @@ from producer.client.client import Client
 from producer.wire.keys import Keys
 from worker import Engine, SamplingParams
 from worker.cli.gateway_verb import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
     KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
     MAX_CONCURRENT,
+    MAX_CONNECTIONS,
     ORPHAN_TIMEOUT_S,
     READ_CONNECTIONS,
     REDIS_CONNECTIONS,
@@ -84,9 +88,11 @@ def test_the_cli_defaults_are_the_settings_defaults():
 
     assert (KEEPALIVE_S, ORPHAN_TIMEOUT_S) == (SETTINGS_KEEPALIVE, SETTINGS_ORPHAN)
     assert WATCH_TTL_S == GatewaySettings().watch_ttl_s
-    assert (MAX_CONCURRENT, REDIS_CONNECTIONS, READ_CONNECTIONS) == (
-        GatewaySettings().max_concurrent, GatewaySettings().redis_connections,
-        GatewaySettings().read_connections)
+    s = GatewaySettings()
+    assert (MAX_CONCURRENT, REDIS_CONNECTIONS, READ_CONNECTIONS, MAX_CONNECTIONS) == (
+        s.max_concurrent, s.redis_connections, s.read_connections, s.max_connections)
+    assert (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT_S) == (
+        s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s)
     assert SETTINGS_KEEPALIVE <= 15  # a waiting stream speaks at least every 15 s
 
 

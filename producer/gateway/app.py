@@ -98,6 +98,7 @@ class Gateway:
         self._tokenizers: dict[str, tuple[float, Any]] = {}
         # Generation requests being answered now (streams until their last event).
         self.active = 0
+        self.metrics.in_flight.set_function(lambda: self.active)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -180,7 +181,7 @@ class Gateway:
 
     async def _generate(self, request: Request, url: str) -> Response:
         started = time.monotonic()
-        self.active += 1
+        request.state.slot = False  # taken (in _answer) once the body is read
         streaming = False
         try:
             response = await self._answer(request, url)
@@ -196,7 +197,7 @@ class Gateway:
             response = _error(ApiError("internal error in the gateway", status=500,
                                        kind="server_error"))
         finally:
-            if not streaming:  # a stream holds its slot until its last event
+            if request.state.slot and not streaming:  # a stream holds it to its last event
                 self.active -= 1
         self.metrics.answered(url, response.status_code, time.monotonic() - started)
         return response
@@ -204,11 +205,15 @@ class Gateway:
     async def _answer(self, request: Request, url: str) -> Response:
         if (refused := self._authorize(request)) is not None:
             return refused
-        if self.active > self.settings.max_concurrent:
+        body = await self._body(request)
+        # The slot is taken once the body is in: a client that sends it slowly holds none.
+        if self.active >= self.settings.max_concurrent:
+            self.metrics.refused.labels("gateway_busy").inc()
             raise ApiError(f"this gateway is answering {self.settings.max_concurrent} requests "
                            "already: try again shortly", status=429,
                            kind="rate_limit_exceeded", code="gateway_busy")
-        body = await self._body(request)
+        self.active += 1
+        request.state.slot = True
         api = parse_body(url, body)
         await self._check_model(api.model)
         request_id = await self._submit(api)
@@ -239,11 +244,18 @@ class Gateway:
             raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes",
                            status=413, code="body_too_large")
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                               status=413, code="body_too_large")
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for piece in request.stream():
+                    raw += piece
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} "
+                                       "bytes", status=413, code="body_too_large")
+        except TimeoutError:
+            self.metrics.timeouts.labels("body").inc()
+            raise ApiError(f"the request body did not arrive within "
+                           f"{self.settings.body_timeout_s:g} s", status=408,
+                           code="body_timeout") from None
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # bad JSON, a 5,000-digit int, nesting
@@ -513,6 +525,8 @@ def _unreachable(exc: Exception) -> JSONResponse:
 
 def _error(exc: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {}
+    if exc.status == 408:  # the rest of its body is not read: the connection ends here
+        headers["Connection"] = "close"
     if exc.request_id is not None:
         headers["X-Request-Id"] = exc.request_id
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)

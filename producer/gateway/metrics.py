@@ -36,6 +36,19 @@ class GatewayMetrics:
         self.orphaned = Counter("conveyor_gateway_orphaned_total",
                                 "requests cancelled because their model had no live worker "
                                 "for the orphan timeout", registry=self.registry)
+        self.refused = Counter("conveyor_gateway_refused_total",
+                               "generation requests refused before they were submitted, by "
+                               "reason (gateway_busy: --max-concurrent reached)", ["reason"],
+                               registry=self.registry)
+        self.timeouts = Counter("conveyor_gateway_timeouts_total",
+                                "client connections cut by a timeout, by kind (header, body)",
+                                ["kind"], registry=self.registry)
+        self.in_flight = Gauge("conveyor_gateway_requests_in_flight",
+                               "generation requests being answered now (--max-concurrent "
+                               "bounds them)", registry=self.registry)
+        self.connections = Gauge("conveyor_gateway_connections_open",
+                                 "client connections open now (--max-connections bounds them)",
+                                 registry=self.registry)
         self.shared_read = Histogram("conveyor_gateway_shared_read_streams",
                                      "streams each shared XREAD names (the answers of all "
                                      "requests are read through a few)", buckets=BATCH_BUCKETS,

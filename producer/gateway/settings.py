@@ -26,6 +26,12 @@ MAX_CONCURRENT = 512
 # look at the models.
 REDIS_CONNECTIONS = 64
 READ_CONNECTIONS = 8
+# Open client connections (503 past them), and how long a client may take to send a
+# request's headers, then its body, and stay idle between requests on a kept-alive one.
+MAX_CONNECTIONS = 4096
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+KEEPALIVE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -46,6 +52,10 @@ class GatewaySettings:
     # Redis connections in all, and those of them that read every request's stream.
     redis_connections: int = REDIS_CONNECTIONS
     read_connections: int = READ_CONNECTIONS
+    max_connections: int = MAX_CONNECTIONS
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     keepalive_s: float = KEEPALIVE_S
     # Seconds this gateway's watch outlives it: its requests are cancelled that long after
     # it dies (producer/client/watch.py).
@@ -66,7 +76,11 @@ class GatewaySettings:
         if self.max_queue is not None and (not isinstance(self.max_queue, int)
                                            or self.max_queue < 1):
             raise ValueError(f"max_queue must be a positive integer, got {self.max_queue!r}")
-        for name in ("max_concurrent", "redis_connections", "read_connections"):
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_concurrent", "redis_connections", "read_connections",
+                     "max_connections"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

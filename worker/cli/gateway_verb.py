@@ -18,6 +18,10 @@ WATCH_TTL_S = 20
 MAX_CONCURRENT = 512
 REDIS_CONNECTIONS = 64
 READ_CONNECTIONS = 8
+MAX_CONNECTIONS = 4096
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+KEEPALIVE_TIMEOUT_S = 5.0
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +63,16 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--read-connections", type=int, default=READ_CONNECTIONS, metavar="N",
                    help="of those, how many read the answers of every request at once (each "
                    "XREAD names up to 256 streams)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help="open client connections; past them new ones get 503 (the soft "
+                   "open-files limit is raised to the hard one at start)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request headers take longer")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help="answer 408 to a request whose body takes longer (it holds no "
+                   "--max-concurrent slot meanwhile)")
+    p.add_argument("--keepalive-timeout", type=float, default=KEEPALIVE_TIMEOUT_S, metavar="S",
+                   help="close a kept-alive connection idle this long between requests")
     p.set_defaults(handler=gateway_cmd)
     return p
 
@@ -68,6 +82,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         import uvicorn
 
         from producer.gateway import GatewaySettings, create_app
+        from producer.gateway.server import raise_open_files_limit, server_config
         from producer.gateway.settings import read_key_file
     except ImportError as exc:
         print(f"conveyor gateway: error: {exc.name} is missing: pip install "
@@ -83,10 +98,14 @@ def gateway_cmd(args: argparse.Namespace) -> int:
                                orphan_timeout_s=args.orphan_timeout or None,
                                watch_ttl_s=args.watch_ttl, max_concurrent=args.max_concurrent,
                                redis_connections=args.redis_connections,
-                               read_connections=args.read_connections)
+                               read_connections=args.read_connections,
+                               max_connections=args.max_connections,
+                               header_timeout_s=args.header_timeout,
+                               body_timeout_s=args.body_timeout,
+                               keepalive_timeout_s=args.keepalive_timeout)
     if not keys:
         print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
               f"{args.host}:{args.port} may use the fleet", file=sys.stderr)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    raise_open_files_limit(settings.max_connections)
+    uvicorn.Server(server_config(create_app(settings), args.host, args.port)).run()
     return 0

@@ -1,0 +1,112 @@
+"""How the gateway's HTTP server guards its sockets: timeouts for headers and idle
+connections, a bound on open connections, and enough file descriptors for them.
+
+uvicorn closes an idle kept-alive connection (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency``, but a client that sends half its headers keeps its socket as long as
+it likes. ``guarded_protocol`` gives uvicorn's h11 protocol a header timer: from the
+connection's start (and from the end of each answer on a kept-alive one) to the end of the
+next request's headers; a connection still without them is closed. The body has its own
+timeout in the app (producer/gateway/app.py), which takes a request's concurrency slot only
+once its body is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from typing import Any
+
+import structlog
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from producer.gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger(__name__)
+
+# File descriptors a gateway needs besides its clients' sockets (Redis, logs, the loop).
+SPARE_FDS = 256
+
+
+def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = None
+                     ) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than
+    ``header_timeout_s``; ``metrics`` count open connections and those timeouts."""
+
+    class HeaderTimedProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _timed_cycle: Any = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if metrics is not None:
+                metrics.connections.inc()
+            self._start_header_timer()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.cycle is not self._timed_cycle:
+                self._timed_cycle = self.cycle  # the headers of a request are in
+                self._stop_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._start_header_timer()  # the next request's headers, if any come
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_header_timer()
+            if metrics is not None:
+                metrics.connections.dec()
+            super().connection_lost(exc)
+
+        def _start_header_timer(self) -> None:
+            self._stop_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _stop_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                if metrics is not None:
+                    metrics.timeouts.labels("header").inc()
+                self.transport.close()
+
+    return HeaderTimedProtocol
+
+
+def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """The uvicorn settings of a gateway app (producer.gateway.create_app): its protocol
+    with a header timeout, the keep-alive timeout, and at most ``max_connections``
+    connections (503 past them)."""
+    gateway = app.state.gateway
+    settings = gateway.settings
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+        http=guarded_protocol(settings.header_timeout_s, gateway.metrics),
+        timeout_keep_alive=max(1, round(settings.keepalive_timeout_s)),
+        limit_concurrency=settings.max_connections)
+
+
+def raise_open_files_limit(max_connections: int) -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (each connection is a file
+    descriptor); returns the soft limit now, logged, with a warning where
+    ``max_connections`` and SPARE_FDS do not fit in it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit", soft=soft, hard=hard,
+                        error=str(exc))
+    log.info("open files limit", limit=soft)
+    if soft != resource.RLIM_INFINITY and max_connections + SPARE_FDS > soft:
+        log.warning("--max-connections does not fit in the open files limit: connections past "
+                    "it fail to open", max_connections=max_connections, limit=soft,
+                    spare=SPARE_FDS)
+    return soft

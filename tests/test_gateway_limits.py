@@ -1,0 +1,118 @@
+"""The gateway protects itself (a real gateway app under uvicorn, a simulated worker, raw
+sockets for the slow clients): past --max-concurrent 429 gateway_busy with Retry-After; the
+slot taken only once the body is read; header and body timeouts close slow clients while
+others are answered; the open-files limit raised at start."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import threading
+
+import httpx
+from fleet_fixtures import MODEL
+from gateway_fixtures import serve_gateway
+from structlog.testing import capture_logs
+from waiting import eventually
+
+from producer.gateway.server import raise_open_files_limit
+
+BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=60)
+    return s
+
+
+def _slow_header(url: str) -> socket.socket:
+    s = _connect(url)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n")  # and no more
+    return s
+
+
+def _slow_body(url: str) -> socket.socket:
+    s = _connect(url)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
+              b"\r\nContent-Length: 100000\r\n\r\n{")  # one byte of a body of 100,000
+    return s
+
+
+def _metric(gateway, name: str, **labels: str) -> float:
+    value = gateway.app.state.gateway.metrics.registry.get_sample_value(name, labels or None)
+    return value or 0.0
+
+
+def test_past_max_concurrent_a_request_gets_429_gateway_busy_with_retry_after(
+        redis_url, start_worker):
+    start_worker(simulate_step_ms=20, max_num_seqs=8)
+    with serve_gateway(redis_url, max_concurrent=2) as gateway, \
+            httpx.Client(timeout=60) as http:
+        holding = []
+        for i in range(2):  # two streams that take ~1 s each hold both slots
+            resp = http.send(http.build_request("POST", f"{gateway.api}/completions", json={
+                **BODY, "max_tokens": 50, "stream": True, "seed": i}), stream=True)
+            holding.append(resp)
+        eventually(lambda: gateway.app.state.gateway.active == 2, "both slots taken")
+        busy = http.post(f"{gateway.api}/completions", json=BODY)
+        for resp in holding:
+            assert resp.status_code == 200 and list(resp.iter_lines())[-2] == "data: [DONE]"
+            resp.close()
+        eventually(lambda: gateway.app.state.gateway.active == 0, "the slots given back")
+        after = http.post(f"{gateway.api}/completions", json=BODY)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    assert busy.json()["error"]["code"] == "gateway_busy"
+    assert _metric(gateway, "conveyor_gateway_refused_total", reason="gateway_busy") == 1
+    assert after.status_code == 200
+
+
+def test_slow_clients_are_cut_by_the_timeouts_and_hold_no_slot_meanwhile(
+        redis_url, start_worker):
+    start_worker(simulate_step_ms=1)
+    with serve_gateway(redis_url, max_concurrent=1, header_timeout_s=1.0,
+                       body_timeout_s=1.0) as gateway:
+        slow = [_slow_header(gateway.url) for _ in range(40)]
+        slow += [_slow_body(gateway.url) for _ in range(40)]
+        # Precondition: every slow client is connected, and none holds the one slot.
+        eventually(lambda: _metric(gateway, "conveyor_gateway_connections_open") >= 80,
+                   "the slow clients connected")
+        with httpx.Client(timeout=60) as http:
+            normal = http.post(f"{gateway.api}/completions", json=BODY)
+        assert normal.status_code == 200  # answered while the 80 slow ones are open
+        answers = [b""] * len(slow)
+
+        def read_all(i: int) -> None:  # until the gateway closes the connection
+            chunks = []
+            while piece := slow[i].recv(65536):
+                chunks.append(piece)
+            answers[i] = b"".join(chunks)
+
+        readers = [threading.Thread(target=read_all, args=(i,)) for i in range(len(slow))]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout=60)
+        for s in slow:
+            s.close()
+    assert not any(t.is_alive() for t in readers)  # every slow connection was closed
+    assert all(a == b"" for a in answers[:40])  # headers never complete: closed, no answer
+    assert all(a.startswith(b"HTTP/1.1 408") and b"body_timeout" in a for a in answers[40:])
+    assert _metric(gateway, "conveyor_gateway_timeouts_total", kind="header") == 40
+    assert _metric(gateway, "conveyor_gateway_timeouts_total", kind="body") == 40
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one_and_a_misfit_is_said():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 64:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # precondition: below it
+        with capture_logs() as logs:
+            now = raise_open_files_limit(max_connections=10**9)
+        assert now == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if hard != resource.RLIM_INFINITY:
+            assert now == hard
+        assert any(e["event"] == "open files limit" for e in logs)
+        assert any("does not fit" in e["event"] and e["log_level"] == "warning" for e in logs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -147,7 +147,8 @@ def test_a_wrong_api_key_is_401(redis_url, start_worker):
         with openai.OpenAI(base_url=running.api, api_key="right-key", max_retries=0) as good:
             assert good.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                            temperature=0).usage.completion_tokens == 2
-        assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+        assert httpx.get(running.url + "/health").json() == {"status": "ok", "in_flight": 0,
+                                                             "busy": False}
 
 
 def test_a_full_queue_is_429_with_retry_after(redis_url, start_worker, client, redis_client):

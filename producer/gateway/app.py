@@ -35,6 +35,7 @@ from starlette.routing import Route
 from producer.client.async_client import AsyncClient
 from producer.client.backpressure import QueueFull
 from producer.client.client import tokenizer_from
+from producer.client.connection import connect_async
 from producer.client.models import ModelState
 from producer.client.stream_events import ChunkEvent
 from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
@@ -54,6 +55,8 @@ LIVENESS_POLL_S = 1.0
 KEEPALIVE = ": keep-alive\n\n"
 # How long an ended stream waits for its cancelled read to unwind.
 CANCEL_WAIT_S = 1.0
+# How long /health waits for Redis's PONG before it says Redis does not answer.
+HEALTH_TIMEOUT_S = 2.0
 
 
 class Orphaned(Exception):
@@ -98,6 +101,7 @@ class Gateway:
         self._tokenizers: dict[str, tuple[float, Any]] = {}
         # Generation requests being answered now (streams until their last event).
         self.active = 0
+        self._health: Any = None  # its own connection, made at start
         self.metrics.in_flight.set_function(lambda: self.active)
 
     @contextlib.asynccontextmanager
@@ -114,6 +118,8 @@ class Gateway:
                                       max_connections=self.settings.redis_connections)
             if self.client.shared_reads is not None:
                 self.client.shared_reads.on_read = self.metrics.shared_read.observe
+        # /health's own connection: it answers however busy the pool is.
+        self._health = connect_async(self.settings.redis_url, max_connections=1)
         log.info("gateway serving", namespace=self.settings.namespace,
                  api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue,
                  max_concurrent=self.settings.max_concurrent,
@@ -122,6 +128,7 @@ class Gateway:
         try:
             yield
         finally:
+            await self._health.aclose()
             if self._given_client is None and self.client is not None:
                 await self.client.close()
 
@@ -167,11 +174,16 @@ class Gateway:
         return JSONResponse(_model_entry(name, simulated))
 
     async def health(self, request: Request) -> Response:
+        """200 while Redis answers, busy or not (a load balancer keeps sending: a busy
+        gateway answers 429 itself); 503 when Redis does not answer."""
         try:
-            await self.client.redis.ping()
-        except UNREACHABLE as exc:
-            return JSONResponse({"status": "unavailable", "redis": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await self._health.ping()
+        except (*UNREACHABLE, TimeoutError) as exc:
+            return JSONResponse({"status": "unavailable", "redis": str(exc) or "no answer"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "in_flight": self.active,
+                             "busy": self.active >= self.settings.max_concurrent})
 
     async def metrics_page(self, request: Request) -> Response:
         body, content_type = self.metrics.exposition()

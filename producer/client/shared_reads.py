@@ -8,10 +8,12 @@ refuses the 101st). Here every follower's read joins one queue, and at most
 a reply goes to each read whose streams got entries, and a read that got nothing joins
 the queue again until its own BLOCK is over (then it gets None, as from XREAD).
 
-A blocking XREAD cannot take a stream named after it began. So that a read queued while
-every reader waits is not left waiting long, readers block at most ``block_cap_ms``: under
-load they come back far sooner, at the first entry of any stream they name, and take
-everything queued meanwhile into their next XREAD.
+A blocking XREAD cannot take a stream named after it began. A read queued while a reader is
+free starts one at once; so that one queued while every reader waits is not left waiting
+long, the reader that takes the last free place blocks at most ``block_cap_ms`` (the others
+up to IDLE_BLOCK_MS: an idle gateway does not poll). Under load readers come back far
+sooner, at the first entry of any stream they name, and after PACE_MS take everything
+queued meanwhile into their next XREAD.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from producer.client.stream_events import entry_id_key
 MAX_READERS = 8
 MAX_KEYS = 256
 BLOCK_CAP_MS = 10
+# The longest BLOCK of a reader that leaves a free place beside it.
+IDLE_BLOCK_MS = 250
+# A reader whose XREAD brought entries waits this long before its next: an XREAD returns at
+# the first entry of any stream it names and costs Redis and this process something for
+# every stream it names, so without the pause a reader of hundreds of streams would name
+# them all again for each entry.
+PACE_MS = 2
 
 
 @dataclass(eq=False)
@@ -118,11 +127,13 @@ class SharedReads:
                     after[key] = last
         loop = asyncio.get_running_loop()
         left_ms = math.ceil((min(r.deadline for r in batch) - loop.time()) * 1000)
+        # (this reader is in _tasks already: the last free place is its own when full)
+        cap = self.block_cap_ms if len(self._tasks) >= self.max_readers else IDLE_BLOCK_MS
         if self.on_read is not None:
             self.on_read(len(after))
         try:
             reply = await self.redis.xread(after, count=self.count,
-                                           block=max(1, min(self.block_cap_ms, left_ms)))
+                                           block=max(1, min(cap, left_ms)))
         except BaseException as exc:
             self._tasks.discard(asyncio.current_task())
             for read in batch:
@@ -132,7 +143,6 @@ class SharedReads:
                 raise  # cancelled (closing): the callers heard of it
             self._start_readers()  # the reads queued meanwhile try on their own
             return
-        self._tasks.discard(asyncio.current_task())  # a free reader for what follows
         got: dict[str, tuple[Any, list]] = {}
         for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
             got[stream.decode() if isinstance(stream, bytes) else stream] = (stream, entries)
@@ -158,6 +168,9 @@ class SharedReads:
             else:
                 again.append(read)
         self._queue.extendleft(reversed(again))  # ahead of reads queued since
+        if got:  # let entries gather: the reads just answered come back meanwhile
+            await asyncio.sleep(PACE_MS / 1000)
+        self._tasks.discard(asyncio.current_task())  # a free reader for what follows
         self._start_readers()
 
 

@@ -1,0 +1,208 @@
+"""Many streamed answers at once through one gateway: all answered, and what the gateway adds
+to the gap between chunks that a direct reader of the same streams sees.
+
+    python -m worker.bench.gateway_streams [--streams 1000] [--tokens 100]
+        [--simulate-step-ms 5] [--max-num-seqs 1024] [--read-connections 8]
+
+A private redis-server, one simulated worker (`conveyor worker --simulate-step-ms`) and one
+`conveyor gateway` process; this process opens STREAMS streaming completions at once
+(httpx, asyncio) and, beside them, follows the same requests' output streams directly
+(the bench's follower, worker/bench/run/follower.py, on a thread of its own). Each chunk's
+arrival is timed on both sides; the report gives every answer's status, the gaps between a
+request's chunks p50/p90/p99 through the gateway and directly, /health's answers (asked
+every 0.5 s throughout) and the gateway's CPU. On a machine of 2 cores the client's own
+event loop, beside the worker, Redis and the gateway, delays what it reads: the gaps it
+reports through the gateway are the client's as much as the gateway's.
+docs/benchmarks.md keeps the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _gaps(arrivals: list[float]) -> list[float]:
+    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    from worker.bench.results.metrics import percentile
+
+    return {f"p{q}": round(percentile([v * 1000 for v in values], q), 1) for q in (50, 90, 99)}
+
+
+def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_seqs: int,
+            read_connections: int, out: Path, direct_too: bool = True) -> dict[str, Any]:
+    import httpx
+    import redis
+
+    from producer.client.models import decode_hash, is_live
+    from producer.redis.ephemeral import start_ephemeral
+    from producer.wire.keys import Keys
+    from worker.bench.run.cpu import process_cpu_s
+    from worker.bench.run.follower import StreamFollower
+    from worker.bench.run.worker_process import WorkerProcess
+
+    keys = Keys()
+    with tempfile.TemporaryDirectory() as folder:
+        server = start_ephemeral(Path(folder))
+        r = redis.Redis.from_url(server.url)
+        flags = ["--simulate-step-ms", str(step_ms), "--max-num-seqs", str(max_num_seqs),
+                 "--max-num-batched-tokens", str(max(8192, max_num_seqs))]
+        with WorkerProcess("gw", model_dir, "m", server.url, "conveyor", flags,
+                           out / "worker.log") as worker:
+            worker.start(r)
+            port = 18000 + os.getpid() % 1000
+            gateway = subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "gateway", "--redis", server.url,
+                 "--port", str(port), "--max-concurrent", str(streams * 2),
+                 "--read-connections", str(read_connections)],
+                stdout=open(out / "gateway.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        if httpx.get(url + "/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline or gateway.poll() is not None:
+                        raise RuntimeError(f"the gateway did not start: {out / 'gateway.log'}")
+                    time.sleep(0.2)
+                assert is_live(decode_hash(r.hgetall(worker.key)))
+                cpu_before = process_cpu_s(gateway.pid)
+                result = asyncio.run(_drive(url, streams, tokens, r, keys, StreamFollower,
+                                            direct_too))
+                result["gateway_cpu_s"] = round((process_cpu_s(gateway.pid) or 0)
+                                                - (cpu_before or 0), 2)
+            finally:
+                gateway.terminate()
+                gateway.wait(30)
+        server.stop()
+    return {"streams": streams, "tokens": tokens, "simulate_step_ms": step_ms,
+            "read_connections": read_connections, **result}
+
+
+async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
+                 follower_class: Any, direct_too: bool) -> dict[str, Any]:
+    import httpx
+
+    through: dict[str, list[float]] = {}
+    direct: dict[str, list[float]] = {}
+    statuses: list[int] = []
+    done_ok = 0
+    follower = follower_class(r, keys, period_s=0.002)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def follow() -> None:  # the direct reader, beside the gateway
+        while direct_too and not stop.is_set():
+            with lock:
+                if not len(follower):
+                    events = []
+                else:
+                    events = follower.poll(20)
+            now = time.perf_counter()
+            for rid, event in events:
+                if hasattr(event, "token_ids"):
+                    direct.setdefault(rid, []).append(now)
+            if not events:
+                time.sleep(0.002)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    health: list[int] = []
+
+    def look() -> None:  # /health throughout: busy is not unhealthy
+        with httpx.Client(timeout=10) as probe:
+            while not stop.is_set():
+                try:
+                    health.append(probe.get(url + "/health").status_code)
+                except httpx.TransportError:
+                    health.append(0)
+                stop.wait(0.5)
+
+    prober = threading.Thread(target=look, daemon=True)
+    prober.start()
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        nonlocal done_ok
+        body = {"model": "m", "prompt": [5, 6, 7, i % 50], "max_tokens": tokens,
+                "stream": True, "seed": i}
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            statuses.append(resp.status_code)
+            rid = resp.headers.get("x-request-id", f"?{i}")
+            with lock:
+                follower.add(rid)
+            times = through.setdefault(rid, [])
+            last = ""
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {") and '"text"' in line:
+                    times.append(time.perf_counter())
+                if line.startswith("data:"):
+                    last = line
+            if last == "data: [DONE]":
+                done_ok += 1
+
+    limits = httpx.Limits(max_connections=streams + 10, max_keepalive_connections=streams)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await asyncio.gather(*(one(http, i) for i in range(streams)))
+    elapsed = time.perf_counter() - started
+    await asyncio.sleep(0.5)
+    stop.set()
+    reader.join(10)
+    prober.join(15)
+    gw = [g for times in through.values() for g in _gaps(times)]
+    dr = [g for times in direct.values() for g in _gaps(times)]
+    return {"seconds": round(elapsed, 2), "client_cpu_s": round(time.process_time()
+                                                                 - cpu_started, 2),
+            "status_200": statuses.count(200),
+            "answered_in_full": done_ok,
+            "health_200": f"{health.count(200)} of {len(health)}",
+            "gap_ms_through_gateway": _pcts(gw),
+            "gap_ms_direct": _pcts(dr)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.bench.gateway_streams",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint folder (default: the small preset)")
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--tokens", type=int, default=100, help="output tokens a request")
+    p.add_argument("--simulate-step-ms", type=float, default=5.0)
+    p.add_argument("--max-num-seqs", type=int, default=1024)
+    p.add_argument("--read-connections", type=int, default=8)
+    p.add_argument("--out", default=None, help="folder for the processes' logs")
+    p.add_argument("--no-direct", action="store_true",
+                   help="no direct reader beside the gateway (this process then only reads "
+                   "the answers)")
+    args = p.parse_args(argv)
+    from producer.gateway.server import raise_open_files_limit
+    from producer.logging import configure_logging
+    from worker.modelgen.ensure import ensure_model
+
+    configure_logging("warning")
+    raise_open_files_limit(args.streams + 64)  # this process holds a socket a stream
+    out = Path(args.out or tempfile.mkdtemp(prefix="gateway-streams-"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = measure(ensure_model(args.model, "small"), args.streams, args.tokens,
+                     args.simulate_step_ms, args.max_num_seqs, args.read_connections, out,
+                     not args.no_direct)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,13 +73,16 @@ def test_past_max_concurrent_a_request_gets_429_gateway_busy_with_retry_after(
 def test_slow_clients_are_cut_by_the_timeouts_and_hold_no_slot_meanwhile(
         redis_url, start_worker):
     start_worker(simulate_step_ms=1)
-    with serve_gateway(redis_url, max_concurrent=1, header_timeout_s=1.0,
-                       body_timeout_s=1.0) as gateway:
+    with serve_gateway(redis_url, max_concurrent=1, header_timeout_s=3.0,
+                       body_timeout_s=3.0) as gateway:
         slow = [_slow_header(gateway.url) for _ in range(40)]
         slow += [_slow_body(gateway.url) for _ in range(40)]
-        # Precondition: every slow client is connected, and none holds the one slot.
+        # Precondition: every slow client is connected, and the 40 slow bodies are being
+        # read by the app (the old gateway took each one's slot there: the one slot).
         eventually(lambda: _metric(gateway, "conveyor_gateway_connections_open") >= 80,
                    "the slow clients connected")
+        eventually(lambda: _metric(gateway, "conveyor_gateway_bodies_reading") == 40,
+                   "the slow bodies being read")
         with httpx.Client(timeout=60) as http:
             normal = http.post(f"{gateway.api}/completions", json=BODY)
         assert normal.status_code == 200  # answered while the 80 slow ones are open
@@ -103,6 +106,18 @@ def test_slow_clients_are_cut_by_the_timeouts_and_hold_no_slot_meanwhile(
     assert all(a.startswith(b"HTTP/1.1 408") and b"body_timeout" in a for a in answers[40:])
     assert _metric(gateway, "conveyor_gateway_timeouts_total", kind="header") == 40
     assert _metric(gateway, "conveyor_gateway_timeouts_total", kind="body") == 40
+
+
+def test_a_connection_past_max_connections_is_closed_at_once(redis_url):
+    with serve_gateway(redis_url, max_connections=3) as gateway:
+        held = [_connect(gateway.url) for _ in range(3)]
+        eventually(lambda: _metric(gateway, "conveyor_gateway_connections_open") == 3,
+                   "three connections open")
+        extra = _connect(gateway.url)
+        assert extra.recv(100) == b""  # closed without an answer
+        for s in (*held, extra):
+            s.close()
+    assert _metric(gateway, "conveyor_gateway_refused_total", reason="max_connections") == 1
 
 
 def test_the_open_files_limit_is_raised_to_the_hard_one_and_a_misfit_is_said():

@@ -91,6 +91,34 @@ def test_each_read_gets_its_own_entries_and_none_once_its_block_is_over(redis_ur
     assert early_ids[0] == b"1-0" and late_ids == [b"3-0"]  # each after its own id
 
 
+def test_more_waiting_reads_than_readers_take_turns_and_close_ends_them_all(redis_url):
+    """Past max_readers x max_keys streams, reads that got nothing go to the back of the
+    queue: a read whose stream has an entry is answered while idle ones still wait."""
+    ready = KEYS.output("ready")
+
+    async def main():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        reads = SharedReads(r, count=READ_COUNT, max_readers=1, max_keys=2)
+        try:
+            idle = [asyncio.ensure_future(reads.xread({KEYS.output(f"idle-{i}"): "0-0"}, 5000))
+                    for i in range(2)]
+            await asyncio.sleep(0.05)  # the two idle reads fill the one reader
+            await r.xadd(ready, {FIELD: b"x"}, id="1-0")
+            answered = await asyncio.wait_for(reads.xread({ready: "0-0"}, 5000), 30)
+            still_waiting = not any(f.done() for f in idle)
+        finally:
+            await reads.close()
+            await r.aclose()
+        ended = [f.cancelled() for f in idle]
+        with pytest.raises(RuntimeError, match="closed"):
+            await reads.xread({ready: "0-0"}, 10)
+        return answered, still_waiting, ended
+
+    answered, still_waiting, ended = asyncio.run(main())
+    assert answered[0][0] == ready.encode() and still_waiting
+    assert ended == [True, True]  # close() ends the queued reads too
+
+
 def test_a_failed_shared_read_fails_each_read_it_served():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -77,8 +77,8 @@ class AsyncClient(ClientBase):
                          watch_ttl_s, watch_id)
         self.redis = (connection if connection is not None
                       else connect_async(url, max_connections=max_connections))
-        # Followers' XREADs through a few shared ones (producer/client/shared_reads.py: a
-        # server that answers many streams at once); None: each follower reads on its own.
+        # Followers' XREADs through a few shared ones (producer/client/shared_reads.py), for
+        # a server that answers many streams at once; None: each follower reads on its own.
         self.shared_reads = (SharedReads(self.redis, count=READ_COUNT, max_readers=shared_readers)
                              if shared_readers else None)
         self._watch_keeper: AsyncWatchKeeper | None = None

@@ -6,7 +6,8 @@ thousand streams at once would hold a thousand connections (and redis-py's async
 refuses the 101st). Here every follower's read joins one queue, and at most
 ``max_readers`` XREADs at a time, each naming at most ``max_keys`` streams, serve them all:
 a reply goes to each read whose streams got entries, and a read that got nothing joins
-the queue again until its own BLOCK is over (then it gets None, as from XREAD).
+the back of the queue again until its own BLOCK is over (then it gets None, as from XREAD):
+past ``max_readers`` x ``max_keys`` waiting streams, XREADs take them in turn.
 
 A blocking XREAD cannot take a stream named after it began. A read queued while a reader is
 free starts one at once; so that one queued while every reader waits is not left waiting
@@ -67,6 +68,7 @@ class SharedReads:
         self.block_cap_ms = block_cap_ms
         self._queue: deque[_Read] = deque()
         self._tasks: set[asyncio.Task] = set()
+        self._closed = False
         # Called with the number of streams each shared XREAD names (a metric's hook).
         self.on_read: Callable[[int], object] | None = None
 
@@ -78,6 +80,8 @@ class SharedReads:
     async def xread(self, streams: dict[str, str], block_ms: int) -> list | None:
         """Entries after each stream's id, as XREAD's reply ([(stream, entries), ...]); None
         when none came within ``block_ms``."""
+        if self._closed:
+            raise RuntimeError("these shared reads are closed")
         loop = asyncio.get_running_loop()
         read = _Read(dict(streams), loop.time() + block_ms / 1000, loop.create_future())
         self._queue.append(read)
@@ -89,13 +93,17 @@ class SharedReads:
                 read.future.cancel()  # the caller gave up: the readers drop it
 
     async def close(self) -> None:
-        """Stop the XREADs in flight; their reads end with CancelledError."""
+        """Stop the XREADs in flight and drop the queued reads: every read waiting ends with
+        CancelledError, and later ones raise RuntimeError."""
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._queue:
+            self._queue.popleft().future.cancel()
 
     def _start_readers(self) -> None:
-        while len(self._tasks) < self.max_readers:
+        while not self._closed and len(self._tasks) < self.max_readers:
             batch = self._take()
             if not batch:
                 return
@@ -108,10 +116,14 @@ class SharedReads:
         names more goes alone)."""
         batch: list[_Read] = []
         keys = 0
+        now = asyncio.get_running_loop().time()
         while self._queue:
             read = self._queue[0]
             if read.future.done():  # its caller gave up
                 self._queue.popleft()
+                continue
+            if now >= read.deadline:  # its BLOCK ended while it waited for a reader
+                self._queue.popleft().future.set_result(None)
                 continue
             if batch and keys + len(read.streams) > self.max_keys:
                 break
@@ -167,7 +179,7 @@ class SharedReads:
                 read.future.set_result(None)
             else:
                 again.append(read)
-        self._queue.extendleft(reversed(again))  # ahead of reads queued since
+        self._queue.extend(again)  # behind those queued since: in turn, none starved
         if got:  # let entries gather: the reads just answered come back meanwhile
             await asyncio.sleep(PACE_MS / 1000)
         self._tasks.discard(asyncio.current_task())  # a free reader for what follows

@@ -118,8 +118,8 @@ class Gateway:
                                       max_connections=self.settings.redis_connections)
             if self.client.shared_reads is not None:
                 self.client.shared_reads.on_read = self.metrics.shared_read.observe
-        # /health's own connection: it answers however busy the pool is.
-        self._health = connect_async(self.settings.redis_url, max_connections=1)
+            # /health's own connection: it answers however busy the pool is.
+            self._health = connect_async(self.settings.redis_url, max_connections=1)
         log.info("gateway serving", namespace=self.settings.namespace,
                  api_keys=len(self.settings.api_keys), max_queue=self.settings.max_queue,
                  max_concurrent=self.settings.max_concurrent,
@@ -128,7 +128,8 @@ class Gateway:
         try:
             yield
         finally:
-            await self._health.aclose()
+            if self._health is not None:
+                await self._health.aclose()
             if self._given_client is None and self.client is not None:
                 await self.client.close()
 
@@ -178,7 +179,8 @@ class Gateway:
         gateway answers 429 itself); 503 when Redis does not answer."""
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                await self._health.ping()
+                # (a client given to create_app: its own connections)
+                await (self._health or self.client.redis).ping()
         except (*UNREACHABLE, TimeoutError) as exc:
             return JSONResponse({"status": "unavailable", "redis": str(exc) or "no answer"},
                                 status_code=503)
@@ -256,6 +258,7 @@ class Gateway:
             raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes",
                            status=413, code="body_too_large")
         raw = bytearray()
+        self.metrics.reading_bodies.inc()
         try:
             async with asyncio.timeout(self.settings.body_timeout_s):
                 async for piece in request.stream():
@@ -268,6 +271,8 @@ class Gateway:
             raise ApiError(f"the request body did not arrive within "
                            f"{self.settings.body_timeout_s:g} s", status=408,
                            code="body_timeout") from None
+        finally:
+            self.metrics.reading_bodies.dec()
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # bad JSON, a 5,000-digit int, nesting

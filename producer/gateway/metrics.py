@@ -37,8 +37,9 @@ class GatewayMetrics:
                                 "requests cancelled because their model had no live worker "
                                 "for the orphan timeout", registry=self.registry)
         self.refused = Counter("conveyor_gateway_refused_total",
-                               "generation requests refused before they were submitted, by "
-                               "reason (gateway_busy: --max-concurrent reached)", ["reason"],
+                               "requests or connections refused, by reason (gateway_busy: "
+                               "--max-concurrent reached; max_connections: a connection "
+                               "closed at once)", ["reason"],
                                registry=self.registry)
         self.timeouts = Counter("conveyor_gateway_timeouts_total",
                                 "client connections cut by a timeout, by kind (header, body)",
@@ -46,6 +47,9 @@ class GatewayMetrics:
         self.in_flight = Gauge("conveyor_gateway_requests_in_flight",
                                "generation requests being answered now (--max-concurrent "
                                "bounds them)", registry=self.registry)
+        self.reading_bodies = Gauge("conveyor_gateway_bodies_reading",
+                                    "requests whose body is being read (they hold no "
+                                    "--max-concurrent slot yet)", registry=self.registry)
         self.connections = Gauge("conveyor_gateway_connections_open",
                                  "client connections open now (--max-connections bounds them)",
                                  registry=self.registry)

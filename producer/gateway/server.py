@@ -1,11 +1,13 @@
 """How the gateway's HTTP server guards its sockets: timeouts for headers and idle
 connections, a bound on open connections, and enough file descriptors for them.
 
-uvicorn closes an idle kept-alive connection (``timeout_keep_alive``) and answers 503 past
-``limit_concurrency``, but a client that sends half its headers keeps its socket as long as
-it likes. ``guarded_protocol`` gives uvicorn's h11 protocol a header timer: from the
-connection's start (and from the end of each answer on a kept-alive one) to the end of the
-next request's headers; a connection still without them is closed. The body has its own
+uvicorn closes an idle kept-alive connection (``timeout_keep_alive``), but a client that
+sends half its headers keeps its socket as long as it likes, and uvicorn's
+``limit_concurrency`` answers 503 past its bound but keeps every socket open.
+``guarded_protocol`` gives uvicorn's h11 protocol a header timer (from the connection's
+start, and from the end of each answer on a kept-alive one, to the end of the next
+request's headers: a connection still without them is closed) and closes a connection
+opened past ``max_connections`` at once. The body has its own
 timeout in the app (producer/gateway/app.py), which takes a request's concurrency slot only
 once its body is read.
 """
@@ -28,10 +30,13 @@ log = structlog.get_logger(__name__)
 SPARE_FDS = 256
 
 
-def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = None
+def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
+                     max_connections: int, metrics: GatewayMetrics | None = None
                      ) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request headers take longer than
-    ``header_timeout_s``; ``metrics`` count open connections and those timeouts."""
+    ``header_timeout_s`` (after an answer on a kept-alive one: the keep-alive timeout more),
+    and one opened past ``max_connections``; ``metrics`` count open connections, those
+    timeouts and refusals."""
 
     class HeaderTimedProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -41,7 +46,12 @@ def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = N
             super().connection_made(transport)
             if metrics is not None:
                 metrics.connections.inc()
-            self._start_header_timer()
+            if len(self.connections) > max_connections:  # (this one counted already)
+                if metrics is not None:
+                    metrics.refused.labels("max_connections").inc()
+                transport.close()
+                return
+            self._start_header_timer(header_timeout_s)
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -50,9 +60,12 @@ def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = N
                 self._stop_header_timer()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._start_header_timer()  # the next request's headers, if any come
+            answered = self.cycle
+            super().on_response_complete()  # (parses a pipelined request, if one is in)
+            if not self.transport.is_closing() and self.cycle is answered:
+                # The next request, if one comes: the keep-alive timeout to begin it, then
+                # the header timeout for its headers.
+                self._start_header_timer(keepalive_timeout_s + header_timeout_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
@@ -60,9 +73,9 @@ def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = N
                 metrics.connections.dec()
             super().connection_lost(exc)
 
-        def _start_header_timer(self) -> None:
+        def _start_header_timer(self, seconds: float) -> None:
             self._stop_header_timer()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+            self._header_timer = self.loop.call_later(seconds, self._headers_late)
 
         def _stop_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -81,15 +94,15 @@ def guarded_protocol(header_timeout_s: float, metrics: GatewayMetrics | None = N
 
 def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
     """The uvicorn settings of a gateway app (producer.gateway.create_app): its protocol
-    with a header timeout, the keep-alive timeout, and at most ``max_connections``
-    connections (503 past them)."""
+    with a header timeout and at most ``max_connections`` open connections (one past them
+    is closed at once), and the keep-alive timeout."""
     gateway = app.state.gateway
     settings = gateway.settings
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-        http=guarded_protocol(settings.header_timeout_s, gateway.metrics),
-        timeout_keep_alive=max(1, round(settings.keepalive_timeout_s)),
-        limit_concurrency=settings.max_connections)
+        http=guarded_protocol(settings.header_timeout_s, settings.keepalive_timeout_s,
+                              settings.max_connections, gateway.metrics),
+        timeout_keep_alive=max(1, round(settings.keepalive_timeout_s)))
 
 
 def raise_open_files_limit(max_connections: int) -> int:

@@ -1,4 +1,4 @@
-"""Followers' XREADs served by a few shared ones (producer/client/shared_reads.py), on a real
+"""Followers' XREADs served by a few shared ones (producer/gateway/shared_reads.py), on a real
 Redis: many streams read through a bounded pool, each read getting its own streams' entries."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gateway_fixtures import serve_gateway
 
 from producer.client.async_client import AsyncClient
 from producer.client.client import READ_COUNT
-from producer.client.shared_reads import SharedReads
+from producer.gateway.shared_reads import SharedReads
 from producer.wire.keys import Keys
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk
 
@@ -44,7 +44,8 @@ def test_three_hundred_followers_read_through_a_pool_of_six_connections(redis_ur
     streams_a_read: list[int] = []
 
     async def main():
-        client = AsyncClient(redis_url, shared_readers=2, max_connections=6)
+        client = AsyncClient(redis_url, max_connections=6)
+        client.shared_reads = SharedReads(client.redis, count=READ_COUNT, max_readers=2)
         client.shared_reads.on_read = streams_a_read.append
         writer = redis.asyncio.Redis.from_url(redis_url)
         try:
@@ -54,6 +55,7 @@ def test_three_hundred_followers_read_through_a_pool_of_six_connections(redis_ur
             await _write(writer, ids, tokens=5)
             return await asyncio.wait_for(asyncio.gather(*reading), timeout=120)
         finally:
+            await client.shared_reads.close()
             await client.close()
             await writer.aclose()
 

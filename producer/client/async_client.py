@@ -30,7 +30,6 @@ from producer.client.models import (
     state_of,
 )
 from producer.client.orphans import ORPHAN_TIMEOUT_S, OrphanWatch, held_from
-from producer.client.shared_reads import SharedReads
 from producer.client.stream_events import StreamEvent, completion_from, event_from
 from producer.client.stream_follow import OutputFollower, StreamFollower, block_ms, deadline_after
 from producer.client.watch import WATCH_TTL_S, AsyncWatchKeeper
@@ -53,9 +52,8 @@ class AsyncClient(ClientBase):
     existing asyncio client instead (it is not closed by ``close``). ``max_queue`` is the
     default for :meth:`submit`'s (None: no limit); ``clock`` (default: the system's)
     decides every timeout and deadline; ``orphan_timeout`` and the watch as Client's.
-    ``shared_readers`` > 0: every follower's XREAD goes through at most that many shared
-    ones (:mod:`producer.client.shared_reads`), not a connection each; ``max_connections``
-    bounds the connection pool (a command waits for a free one).
+    ``max_connections`` bounds the connection pool (a command waits for a free one);
+    :attr:`shared_reads` can take every follower's XREAD off its own connection.
     """
 
     def __init__(
@@ -70,17 +68,17 @@ class AsyncClient(ClientBase):
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
         watch_id: str | None = None,
-        shared_readers: int = 0,
         max_connections: int | None = None,
     ) -> None:
         super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
                          watch_ttl_s, watch_id)
         self.redis = (connection if connection is not None
                       else connect_async(url, max_connections=max_connections))
-        # Followers' XREADs through a few shared ones (producer/client/shared_reads.py), for
-        # a server that answers many streams at once; None: each follower reads on its own.
-        self.shared_reads = (SharedReads(self.redis, count=READ_COUNT, max_readers=shared_readers)
-                             if shared_readers else None)
+        # Set by a server that answers many streams at once (the gateway's SharedReads,
+        # producer/gateway/shared_reads.py): an object whose ``await xread(streams,
+        # block_ms)`` answers as XREAD, through XREADs shared with the other followers;
+        # None: each follower reads on its own connection. Its owner closes it.
+        self.shared_reads: Any = None
         self._watch_keeper: AsyncWatchKeeper | None = None
         self._watch_lock = asyncio.Lock()
 
@@ -263,8 +261,6 @@ class AsyncClient(ClientBase):
     async def close(self) -> None:
         """Stop renewing the watch, if any, and close the connection, unless it was passed
         in by the caller."""
-        if self.shared_reads is not None:
-            await self.shared_reads.close()
         async with self._watch_lock:
             if self._watch_keeper is not None:
                 await self._watch_keeper.stop()

@@ -34,13 +34,14 @@ from starlette.routing import Route
 
 from producer.client.async_client import AsyncClient
 from producer.client.backpressure import QueueFull
-from producer.client.client import tokenizer_from
+from producer.client.client import READ_COUNT, tokenizer_from
 from producer.client.connection import connect_async
 from producer.client.models import ModelState
 from producer.client.stream_events import ChunkEvent
 from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
+from producer.gateway.shared_reads import SharedReads
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
@@ -102,6 +103,7 @@ class Gateway:
         # Generation requests being answered now (streams until their last event).
         self.active = 0
         self._health: Any = None  # its own connection, made at start
+        self._reads: SharedReads | None = None  # every request's reads, made at start
         self.metrics.in_flight.set_function(lambda: self.active)
 
     @contextlib.asynccontextmanager
@@ -114,10 +116,11 @@ class Gateway:
             self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
                                       orphan_timeout=None, watch=True,
                                       watch_ttl_s=self.settings.watch_ttl_s,
-                                      shared_readers=self.settings.read_connections,
                                       max_connections=self.settings.redis_connections)
-            if self.client.shared_reads is not None:
-                self.client.shared_reads.on_read = self.metrics.shared_read.observe
+            self._reads = SharedReads(self.client.redis, count=READ_COUNT,
+                                      max_readers=self.settings.read_connections)
+            self._reads.on_read = self.metrics.shared_read.observe
+            self.client.shared_reads = self._reads
             # /health's own connection: it answers however busy the pool is.
             self._health = connect_async(self.settings.redis_url, max_connections=1)
         log.info("gateway serving", namespace=self.settings.namespace,
@@ -130,6 +133,8 @@ class Gateway:
         finally:
             if self._health is not None:
                 await self._health.aclose()
+            if self._reads is not None:
+                await self._reads.close()
             if self._given_client is None and self.client is not None:
                 await self.client.close()
 

@@ -14,7 +14,7 @@ from prometheus_client import (
 
 # Seconds until the response starts (the whole answer when not streamed).
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-# Streams one shared XREAD names (producer/client/shared_reads.py).
+# Streams one shared XREAD names (producer/gateway/shared_reads.py).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 

@@ -22,7 +22,7 @@ ORPHAN_TIMEOUT_S = 60.0
 # Generation requests answered at once; more get 429 `gateway_busy` until one ends.
 MAX_CONCURRENT = 512
 # Redis connections of one gateway process, and how many of them read the answers' streams
-# for every request at once (producer/client/shared_reads.py); the rest submit, cancel and
+# for every request at once (producer/gateway/shared_reads.py); the rest submit, cancel and
 # look at the models.
 REDIS_CONNECTIONS = 64
 READ_CONNECTIONS = 8

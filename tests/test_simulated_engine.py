@@ -100,27 +100,20 @@ def test_a_simulated_device_runs_the_steps_handed_to_it_back_to_back():
             chunks=[ScheduledChunk(rid, [5], 3, [0], 0, True, 0)],
             new_requests=[NewRequestData(rid, SamplingParams(), n, [1, 2, 3], [])])
 
+    def ends_after(out: SchedulerOutput, seconds: float) -> bool:
+        """Whether ``out``, run on a thread, has ended once the clock moved ``seconds``."""
+        worker = threading.Thread(target=runner.execute, args=(out,))
+        worker.start()
+        clock.advance(seconds)
+        worker.join(timeout=30)
+        return not worker.is_alive()
+
     first, second = step(1), step(2)
     runner.queued(first)
     runner.queued(second)  # both handed over at 0
-    done = threading.Event()
-
-    def run(out: SchedulerOutput) -> None:
-        runner.execute(out)
-        done.set()
-
-    worker = threading.Thread(target=run, args=(first,))
-    worker.start()
-    clock.advance(0.005)
-    worker.join(timeout=30)
-    assert not worker.is_alive() and done.is_set()  # the first ended at 5 ms
-    done.clear()
+    assert ends_after(first, 0.005)  # the first ended at 5 ms
     clock.advance(0.002)  # the runner thread comes to the second at 7 ms
-    worker = threading.Thread(target=run, args=(second,))
-    worker.start()
-    clock.advance(0.003)  # 10 ms: it ran from 5 ms, when the device was free
-    worker.join(timeout=30)
-    assert not worker.is_alive() and done.is_set()
+    assert ends_after(second, 0.003)  # 10 ms: it ran from 5 ms, when the device was free
     assert runner.simulated_ms == 10
     # A step with nothing to compute (swaps only) takes its hand-over time with it: the
     # next step, handed over after an idle 10 ms, starts then and not in the past.
@@ -130,12 +123,7 @@ def test_a_simulated_device_runs_the_steps_handed_to_it_back_to_back():
     clock.advance(0.010)
     third = step(3)
     runner.queued(third)
-    done.clear()
-    worker = threading.Thread(target=run, args=(third,))
-    worker.start()
-    clock.advance(0.005)
-    worker.join(timeout=30)
-    assert not worker.is_alive() and done.is_set()
+    assert ends_after(third, 0.005)
     assert runner._device_free_at == pytest.approx(0.025)  # 20 ms + its 5, not 10 + 5
 
 

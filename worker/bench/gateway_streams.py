@@ -6,7 +6,7 @@ to the gap between chunks that a direct reader of the same streams sees.
 
 A private redis-server, one simulated worker (`conveyor worker --simulate-step-ms`) and one
 `conveyor gateway` process; this process opens STREAMS streaming completions at once
-(httpx, asyncio) and, beside them, follows the same requests' output streams directly
+(raw HTTP/1.1 on asyncio) and, beside them, follows the same requests' output streams directly
 (the bench's follower, worker/bench/run/follower.py, on a thread of its own). Each chunk's
 arrival is timed on both sides; the report gives every answer's status, the gaps between a
 request's chunks p50/p90/p99 through the gateway and directly, /health's answers (asked
@@ -136,29 +136,42 @@ async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
     prober = threading.Thread(target=look, daemon=True)
     prober.start()
 
-    async def one(http: httpx.AsyncClient, i: int) -> None:
-        nonlocal done_ok
-        body = {"model": "m", "prompt": [5, 6, 7, i % 50], "max_tokens": tokens,
-                "stream": True, "seed": i}
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            statuses.append(resp.status_code)
-            rid = resp.headers.get("x-request-id", f"?{i}")
-            with lock:
-                follower.add(rid)
-            times = through.setdefault(rid, [])
-            last = ""
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {") and '"text"' in line:
-                    times.append(time.perf_counter())
-                if line.startswith("data:"):
-                    last = line
-            if last == "data: [DONE]":
-                done_ok += 1
+    host, port = url.removeprefix("http://").split(":")
 
-    limits = httpx.Limits(max_connections=streams + 10, max_keepalive_connections=streams)
+    async def one(i: int) -> None:
+        # A lean HTTP/1.1 reader (an SSE event a chunk of the chunked answer): an HTTP client
+        # library spends more CPU a chunk than the gateway does, and the client shares the
+        # machine's cores with it.
+        nonlocal done_ok
+        body = json.dumps({"model": "m", "prompt": [5, 6, 7, i % 50], "max_tokens": tokens,
+                           "stream": True, "seed": i}).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        status = int((await reader.readline()).split()[1])
+        statuses.append(status)
+        rid = f"?{i}"
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "x-request-id":
+                rid = value.strip()
+        with lock:
+            follower.add(rid)
+        times = through.setdefault(rid, [])
+        last = b""
+        while size := int((await reader.readline()).strip() or b"0", 16):
+            event = await reader.readexactly(size)
+            await reader.readline()  # the chunk's CRLF
+            if event.startswith(b"data: {") and b'"text"' in event:
+                times.append(time.perf_counter())
+            if event.startswith(b"data:"):
+                last = event
+        writer.close()
+        if last.strip() == b"data: [DONE]" and status == 200:
+            done_ok += 1
+
     started, cpu_started = time.perf_counter(), time.process_time()
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await asyncio.gather(*(one(http, i) for i in range(streams)))
+    await asyncio.gather(*(one(i) for i in range(streams)))
     elapsed = time.perf_counter() - started
     await asyncio.sleep(0.5)
     stop.set()

@@ -40,6 +40,7 @@ PERMANENT_CAUSES = (AuthenticationError, ssl.SSLCertVerificationError)
 # Seconds a command of a bounded asyncio pool waits for a free connection before it fails.
 POOL_WAIT_S = 10.0
 
+
 def connect(
     url: str | None = None,
     *,

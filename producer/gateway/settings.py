@@ -26,8 +26,9 @@ MAX_CONCURRENT = 512
 # look at the models.
 REDIS_CONNECTIONS = 64
 READ_CONNECTIONS = 8
-# Open client connections (503 past them), and how long a client may take to send a
-# request's headers, then its body, and stay idle between requests on a kept-alive one.
+# Open client connections (one past them is closed at once), and how long a client may take
+# to send a request's headers, then its body, and stay idle between requests on a kept-alive
+# one.
 MAX_CONNECTIONS = 4096
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0

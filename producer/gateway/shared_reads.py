@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.client.stream_events import entry_id_key
+from producer.wire.replies import as_text
 
 # XREADs in flight at once, streams one of them names, and its longest BLOCK (see above).
 MAX_READERS = 8
@@ -71,11 +72,6 @@ class SharedReads:
         self._closed = False
         # Called with the number of streams each shared XREAD names (a metric's hook).
         self.on_read: Callable[[int], object] | None = None
-
-    @property
-    def readers(self) -> int:
-        """XREADs in flight now."""
-        return len(self._tasks)
 
     async def xread(self, streams: dict[str, str], block_ms: int) -> list | None:
         """Entries after each stream's id, as XREAD's reply ([(stream, entries), ...]); None
@@ -157,7 +153,7 @@ class SharedReads:
             return
         got: dict[str, tuple[Any, list]] = {}
         for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
-            got[stream.decode() if isinstance(stream, bytes) else stream] = (stream, entries)
+            got[as_text(stream)] = (stream, entries)
         now = loop.time()
         again: list[_Read] = []
         for read in batch:
@@ -169,8 +165,8 @@ class SharedReads:
                     continue
                 stream, entries = got[key]
                 if last != after[key]:  # another read asked from an earlier id
-                    entries = [e for e in entries if entry_id_key(_text(e[0])) >
-                               entry_id_key(last)]
+                    entries = [e for e in entries
+                               if entry_id_key(as_text(e[0])) > entry_id_key(last)]
                 if entries:
                     mine.append((stream, entries))
             if mine:
@@ -184,7 +180,3 @@ class SharedReads:
             await asyncio.sleep(PACE_MS / 1000)
         self._tasks.discard(asyncio.current_task())  # a free reader for what follows
         self._start_readers()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

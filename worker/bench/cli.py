@@ -226,7 +226,7 @@ def simulated_ideal(args: argparse.Namespace, items: list) -> dict[str, Any] | N
              "ideal_output_tokens_per_s": round(rows * 1000 / step_ms, 1)}
     # The best any engine does, where it is a bound: every step costs the same (`a` alone)
     # and every request is there at t=0.
-    if (cost.to_dict() == StepCost(base_ms=cost.base_ms).to_dict() and not args.rate
+    if (cost == StepCost(base_ms=cost.base_ms) and not args.rate
             and not args.concurrency and not any(i.arrival_s for i in items)):
         steps = perfect_engine_steps([i.max_tokens for i in items], rows)
         ideal["best_output_tokens_per_s"] = round(

@@ -35,12 +35,6 @@ def _gaps(arrivals: list[float]) -> list[float]:
     return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
-    from worker.bench.results.metrics import percentile
-
-    return {f"p{q}": round(percentile([v * 1000 for v in values], q), 1) for q in (50, 90, 99)}
-
-
 def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_seqs: int,
             read_connections: int, out: Path, direct_too: bool = True) -> dict[str, Any]:
     import httpx
@@ -97,6 +91,8 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
 async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
                  follower_class: Any, direct_too: bool) -> dict[str, Any]:
     import httpx
+
+    from worker.bench.results.metrics import summarize_ms
 
     through: dict[str, list[float]] = {}
     direct: dict[str, list[float]] = {}
@@ -184,8 +180,8 @@ async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
             "status_200": statuses.count(200),
             "answered_in_full": done_ok,
             "health_200": f"{health.count(200)} of {len(health)}",
-            "gap_ms_through_gateway": _pcts(gw),
-            "gap_ms_direct": _pcts(dr)}
+            "gap_ms_through_gateway": summarize_ms(gw),
+            "gap_ms_direct": summarize_ms(dr)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,8 +64,8 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="of those, how many read the answers of every request at once (each "
                    "XREAD names up to 256 streams)")
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                   help="open client connections; past them new ones get 503 (the soft "
-                   "open-files limit is raised to the hard one at start)")
+                   help="open client connections; one past them is closed at once (the "
+                   "soft open-files limit is raised to the hard one at start)")
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
                    help="close a connection whose request headers take longer")
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",

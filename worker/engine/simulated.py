@@ -44,10 +44,7 @@ def simulated_token(seed: int, index: int, vocab_size: int,
     ``r = splitmix64((seed * 2**32 + index) mod 2**64)``, taken modulo the number of
     allowed ids, then counted up past each excluded id (ascending) it reaches: uniform over
     ``range(vocab_size)`` less ``excluded`` (its end-of-sequence ids)."""
-    skip = sorted({e for e in excluded if 0 <= e < vocab_size})
-    allowed = vocab_size - len(skip)
-    if allowed < 1:
-        raise ValueError("the vocabulary has no token that is not excluded")
+    skip, allowed = _drawn_from(vocab_size, excluded)
     token = splitmix64(((seed << 32) + index) & MASK64) % allowed
     for e in skip:
         if token >= e:
@@ -55,15 +52,21 @@ def simulated_token(seed: int, index: int, vocab_size: int,
     return token
 
 
+def _drawn_from(vocab_size: int, excluded: Iterable[int]) -> tuple[list[int], int]:
+    """The excluded ids inside the vocabulary, ascending, and how many ids are left."""
+    skip = sorted({e for e in excluded if 0 <= e < vocab_size})
+    allowed = vocab_size - len(skip)
+    if allowed < 1:
+        raise ValueError("the vocabulary has no token that is not excluded")
+    return skip, allowed
+
+
 def simulated_tokens(seeds: list[int], indexes: list[int], vocab_size: int,
                      excluded: Iterable[int] = ()) -> list[int]:
     """:func:`simulated_token` of each (seed, index) pair, the same values, in one pass of
     uint64 arithmetic (a step's rows at once: the runner thread holds the GIL the host's
     other threads need for as short as it can)."""
-    skip = sorted({e for e in excluded if 0 <= e < vocab_size})
-    allowed = vocab_size - len(skip)
-    if allowed < 1:
-        raise ValueError("the vocabulary has no token that is not excluded")
+    skip, allowed = _drawn_from(vocab_size, excluded)
     x = ((np.array([s & MASK64 for s in seeds], dtype=np.uint64) << np.uint64(32))
          + np.array(indexes, dtype=np.uint64))  # both wrap modulo 2**64, as MASK64 does
     x += np.uint64(0x9E3779B97F4A7C15)  # splitmix64, in place

@@ -132,7 +132,8 @@ SIMULATED_BUSY = "simulated_busy_ms"
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
-    """The workers' KV transfer counters and step take-overs (their heartbeats), summed."""
+    """The workers' KV transfer counters, step take-overs and simulated steps' milliseconds
+    (their heartbeats), summed."""
     total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)

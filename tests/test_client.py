@@ -439,6 +439,30 @@ def test_async_client_core_behaviours(redis_url, r):  # noqa: F811
     pubsub.close()
 
 
+def test_async_stream_ticks_when_quiet_for_tick_s_on_the_clients_clock(redis_url, r):  # noqa: F811
+    """``stream(tick_s=...)`` yields None once that long passed on the client's clock with
+    no event (a server's keep-alive), and never while the clock stands still."""
+    write(r, "quiet", OutputChunk(0, [1], "x"))
+    clock = ManualClock()
+
+    async def scenario() -> list:
+        async with AsyncClient(redis_url, clock=clock) as ac:
+            events = ac.stream("quiet", tick_s=0.5)
+            got = [await anext(events)]
+            since = xread_calls(r)
+            waiting = asyncio.ensure_future(anext(events))
+            await until_reading_again(r, since)
+            assert not waiting.done()  # reading on, and no tick while the clock stands still
+            clock.advance(0.5)
+            got.append(await asyncio.wait_for(waiting, timeout=10))
+            write(r, "quiet", FinalEntry("length", 1))
+            got.append(await asyncio.wait_for(anext(events), timeout=10))
+            return got
+
+    chunk, tick, final = asyncio.run(scenario())
+    assert chunk.token_ids == [1] and tick is None and final.finish_reason == "length"
+
+
 # --- CLI -------------------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from worker.host.long_lived import YOUNG_OBJECTS, long_lived_frozen
+from producer.long_lived import YOUNG_OBJECTS, long_lived_frozen
 
 
 class _Node:

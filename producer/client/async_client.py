@@ -7,6 +7,7 @@ Everything but the Redis calls is shared with the synchronous client
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -143,37 +144,52 @@ class AsyncClient(ClientBase):
 
     def stream(
         self, request_id: str, from_id: str | None = None, *, timeout: float | None = None,
-        orphan_timeout: float | None | object = CLIENT_DEFAULT,
-    ) -> AsyncIterator[StreamEvent]:
+        orphan_timeout: float | None | object = CLIENT_DEFAULT, tick_s: float | None = None,
+    ) -> AsyncIterator[StreamEvent | None]:
         """Async-iterate a request's ChunkEvents in token order, then its FinalEvent.
 
         Same resume, each-index-once, gap, timeout and orphan rules as
-        :meth:`producer.client.client.Client.stream`.
+        :meth:`producer.client.client.Client.stream`. With ``tick_s``, also None each time
+        that long (on the client's clock) passed without an event: a server that must speak
+        while a stream is quiet (keep-alives) learns of it from the read it waits on anyway,
+        with no timer or task of its own per event.
         """
         return self._follow_one(self._follower(request_id, from_id, timeout),
-                                self._watch(request_id, orphan_timeout))
+                                self._watch(request_id, orphan_timeout), tick_s)
 
-    async def _follow_one(self, follower: StreamFollower,
-                          watch: OrphanWatch | None = None) -> AsyncIterator[StreamEvent]:
+    async def _follow_one(self, follower: StreamFollower, watch: OrphanWatch | None = None,
+                          tick_s: float | None = None) -> AsyncIterator[StreamEvent | None]:
         if follower.needs_probe:
             follower.probe(await self.redis.xrevrange(follower.key, count=1))
-        async for event in self._follow(follower, watch):
+        async for event in self._follow(follower, watch, tick_s):
             yield event
 
-    async def _follow(self, follower: OutputFollower[T],
-                      watch: OrphanWatch | None = None) -> AsyncIterator[T]:
+    async def _follow(self, follower: OutputFollower[T], watch: OrphanWatch | None = None,
+                      tick_s: float | None = None) -> AsyncIterator[T | None]:
         # The only I/O of following: the follower decides what to read and what it means,
         # the watch when to look at the model and the request's whereabouts.
+        quiet_since = self.clock.monotonic()
         while not follower.done:
             streams, block = follower.streams(), follower.block_ms()
             if watch is not None:
                 block = min(block, watch.block_ms())
+            if tick_s is not None:
+                block = max(1, min(block, math.ceil(
+                    (quiet_since + tick_s - self.clock.monotonic()) * 1000)))
             if self.shared_reads is not None:
                 reply = await self.shared_reads.xread(streams, block)
             else:
                 reply = await self.redis.xread(streams, count=READ_COUNT, block=block)
-            for item in follower.feed(reply):
+            items = follower.feed(reply)
+            for item in items:
                 yield item
+            if tick_s is not None:
+                now = self.clock.monotonic()
+                if items:
+                    quiet_since = now
+                elif now - quiet_since >= tick_s:
+                    quiet_since = now
+                    yield None
             if watch is not None and not follower.done:
                 if reply:
                     watch.heard()

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.wire.completion import Completion, FinishReason, TokenLogprob, Usage
-from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, OutputChunk, decode_output
+from producer.wire.protocol import (
+    ID_GENERATION,
+    FinalEntry,
+    OutputChunk,
+    decode_output,
+    entry_message,
+)
 
 # Stream ids a reader may resume from: "0", "0-0", "{ms}-{seq}".
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
@@ -87,10 +93,10 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
     return int(first), int(second or 0)
 
 
-def event_from(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
+def event_from(entry_id: bytes | str, fields: Any) -> StreamEvent:
     """One output entry as an event, on its own (no tracking); ProtocolError when malformed."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    entry = decode_output(fields.get(FIELD))
+    entry = decode_output(entry_message(fields))
     if isinstance(entry, FinalEntry):
         return _final_event(eid, entry)
     return ChunkEvent(eid, entry.index, list(entry.token_ids), entry.text,
@@ -149,13 +155,13 @@ class OutputTracker:
     def done(self) -> bool:
         return self.final is not None
 
-    def feed(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent | None:
+    def feed(self, entry_id: bytes | str, fields: Any) -> StreamEvent | None:
         """Decode one entry; None when it holds no token index not yet yielded.
 
         StreamGapError when the entry shows that tokens were lost; the tracker then stays
         where it was (``last_id`` is not moved past the bad entry).
         """
-        return self.feed_message(entry_id, fields.get(FIELD))
+        return self.feed_message(entry_id, entry_message(fields))
 
     def feed_message(self, entry_id: bytes | str, message: object) -> StreamEvent | None:
         """``feed`` for a reader that took the entry's message field out itself (a raw XREAD

@@ -54,8 +54,6 @@ DISCONNECT_POLL_S = 0.25
 # for model_state_ttl_s, so this costs no Redis round trip per request).
 LIVENESS_POLL_S = 1.0
 KEEPALIVE = ": keep-alive\n\n"
-# How long an ended stream waits for its cancelled read to unwind.
-CANCEL_WAIT_S = 1.0
 # How long /health waits for Redis's PONG before it says Redis does not answer.
 HEALTH_TIMEOUT_S = 2.0
 
@@ -395,7 +393,7 @@ class Gateway:
         try:
             if (first := writer.first()) is not None:
                 yield _sse(first)
-            async for event in self._speaking(self.client.stream(request_id), api.model):
+            async for event in self._speaking(request_id, api.model):
                 if event is None:
                     yield KEEPALIVE
                     continue
@@ -441,37 +439,25 @@ class Gateway:
                            else "the client disconnected mid-stream")
                     await self._cancel(request_id, why, gone=not broken)
 
-    async def _speaking(self, events: AsyncIterator[Any], model: str
-                        ) -> AsyncIterator[Any | None]:
-        """``events`` as they come, and None (a keep-alive is due) each time ``keepalive_s``
-        passed without one; raises Orphaned once the model has had no live worker for the
-        orphan timeout."""
-        stream = aiter(events)
-        pending = asyncio.ensure_future(anext(stream))
+    async def _speaking(self, request_id: str, model: str) -> AsyncIterator[Any | None]:
+        """The request's events as they come, and None (a keep-alive is due) each time
+        ``keepalive_s`` passed without one; raises Orphaned once the model has had no live
+        worker for the orphan timeout. The stream's own read wakes it when it is quiet (the
+        client's ticks): no task or timer a chunk."""
         orphan = OrphanWatch(self, model)
+        keepalive_s = self.settings.keepalive_s
+        tick_s = min(LIVENESS_POLL_S, keepalive_s)
         spoke = time.monotonic()
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=LIVENESS_POLL_S)
-                if done:
-                    try:
-                        event = pending.result()
-                    except StopAsyncIteration:
-                        return
-                    yield event
-                    spoke = time.monotonic()
-                    orphan.heard()
-                    pending = asyncio.ensure_future(anext(stream))
-                    continue
-                if time.monotonic() - spoke >= self.settings.keepalive_s:
-                    yield None
-                    spoke = time.monotonic()
-                await orphan.check()
-        finally:
-            # Cancelled, the read may take its time to unwind (redis-py closes the
-            # connection): the answer does not wait for it.
-            pending.cancel()
-            await asyncio.wait({pending}, timeout=CANCEL_WAIT_S)
+        async for event in self.client.stream(request_id, tick_s=tick_s):
+            if event is not None:
+                yield event
+                spoke = time.monotonic()
+                orphan.heard()
+                continue
+            if time.monotonic() - spoke >= keepalive_s:
+                yield None
+                spoke = time.monotonic()
+            await orphan.check()
 
     async def _live(self, model: str) -> bool:
         """Whether a live worker serves ``model`` (True while Redis cannot say: an outage

@@ -26,6 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+try:
+    from hiredis import pack_command
+except ImportError:  # redis-py packs it then (slower, the same bytes)
+    pack_command = None
+
 from producer.client.stream_events import entry_id_key
 from producer.wire.replies import as_text
 
@@ -54,7 +59,8 @@ class _Read:
 
 class SharedReads:
     """``await reads.xread(streams, block_ms)`` answers as ``redis.xread(streams, count,
-    block=block_ms)`` would, through XREADs shared with every other caller."""
+    block=block_ms)`` would, through XREADs shared with every other caller; each entry's
+    fields as the raw reply holds them ([field, value, ...])."""
 
     def __init__(self, redis: Any, *, count: int, max_readers: int = MAX_READERS,
                  max_keys: int = MAX_KEYS, block_cap_ms: int = BLOCK_CAP_MS) -> None:
@@ -70,6 +76,7 @@ class SharedReads:
         self._queue: deque[_Read] = deque()
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._starting = False  # a start of readers is due this turn of the loop
         # Called with the number of streams each shared XREAD names (a metric's hook).
         self.on_read: Callable[[int], object] | None = None
 
@@ -81,7 +88,11 @@ class SharedReads:
         loop = asyncio.get_running_loop()
         read = _Read(dict(streams), loop.time() + block_ms / 1000, loop.create_future())
         self._queue.append(read)
-        self._start_readers()
+        if not self._starting:
+            # Readers start once this turn of the loop is over, with every read queued in it:
+            # the followers a reply woke come back together, not one small XREAD each.
+            self._starting = True
+            loop.call_soon(self._start_queued)
         try:
             return await read.future
         finally:
@@ -97,6 +108,10 @@ class SharedReads:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         while self._queue:
             self._queue.popleft().future.cancel()
+
+    def _start_queued(self) -> None:
+        self._starting = False
+        self._start_readers()
 
     def _start_readers(self) -> None:
         while not self._closed and len(self._tasks) < self.max_readers:
@@ -129,10 +144,16 @@ class SharedReads:
 
     async def _read(self, batch: list[_Read]) -> None:
         after: dict[str, str] = {}  # each stream once, after the earliest id asked
+        readers: dict[str, list[_Read]] = {}  # and the reads that wait on it
         for read in batch:
             for key, last in read.streams.items():
-                if key not in after or entry_id_key(last) < entry_id_key(after[key]):
+                if key not in after:
                     after[key] = last
+                    readers[key] = [read]
+                    continue
+                if entry_id_key(last) < entry_id_key(after[key]):
+                    after[key] = last
+                readers[key].append(read)
         loop = asyncio.get_running_loop()
         left_ms = math.ceil((min(r.deadline for r in batch) - loop.time()) * 1000)
         # (this reader is in _tasks already: the last free place is its own when full)
@@ -140,8 +161,9 @@ class SharedReads:
         if self.on_read is not None:
             self.on_read(len(after))
         try:
-            reply = await self.redis.xread(after, count=self.count,
-                                           block=max(1, min(cap, left_ms)))
+            reply = await _raw_command(self.redis, (
+                "XREAD", "COUNT", self.count, "BLOCK", max(1, min(cap, left_ms)), "STREAMS",
+                *after.keys(), *after.values()))
         except BaseException as exc:
             self._tasks.discard(asyncio.current_task())
             for read in batch:
@@ -151,27 +173,15 @@ class SharedReads:
                 raise  # cancelled (closing): the callers heard of it
             self._start_readers()  # the reads queued meanwhile try on their own
             return
-        got: dict[str, tuple[Any, list]] = {}
-        for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
-            got[as_text(stream)] = (stream, entries)
+        got = reply.items() if isinstance(reply, dict) else reply or []
+        if got:
+            self._answer(got, after, readers)
         now = loop.time()
         again: list[_Read] = []
         for read in batch:
             if read.future.done():
                 continue
-            mine = []
-            for key, last in read.streams.items():
-                if key not in got:
-                    continue
-                stream, entries = got[key]
-                if last != after[key]:  # another read asked from an earlier id
-                    entries = [e for e in entries
-                               if entry_id_key(as_text(e[0])) > entry_id_key(last)]
-                if entries:
-                    mine.append((stream, entries))
-            if mine:
-                read.future.set_result(mine)
-            elif now >= read.deadline:
+            if now >= read.deadline:
                 read.future.set_result(None)
             else:
                 again.append(read)
@@ -180,3 +190,46 @@ class SharedReads:
             await asyncio.sleep(PACE_MS / 1000)
         self._tasks.discard(asyncio.current_task())  # a free reader for what follows
         self._start_readers()
+
+
+    @staticmethod
+    def _answer(got: Any, after: dict[str, str], readers: dict[str, list[_Read]]) -> None:
+        """Hand each read the entries ``got`` (an XREAD reply) holds for its streams."""
+        mine: dict[_Read, list] = {}
+        for stream, entries in got:
+            key = as_text(stream)
+            for read in readers.get(key, ()):
+                if read.future.done():  # its caller gave up
+                    continue
+                theirs = entries
+                if read.streams[key] != after[key]:  # another read asked from an earlier id
+                    last = entry_id_key(read.streams[key])
+                    theirs = [e for e in entries if entry_id_key(as_text(e[0])) > last]
+                if theirs:
+                    mine.setdefault(read, []).append((stream, theirs))
+        for read, replies in mine.items():
+            read.future.set_result(replies)
+
+
+async def _raw_command(redis: Any, args: tuple) -> Any:
+    """One command on a connection of ``redis``'s pool (its retry rules kept), packed by
+    hiredis and its reply left raw. An XREAD of hundreds of streams is as many arguments:
+    redis-py spent ~4 µs of Python a stream packing them and then made a dict of each
+    entry's fields, which the followers need not (producer.wire.protocol.entry_message)."""
+    if pack_command is None:  # without hiredis: the same command through redis-py
+        return await redis.execute_command(*args)
+    pool = redis.connection_pool
+    conn = await pool.get_connection()
+    packed = pack_command(args)
+
+    async def once() -> Any:
+        await conn.send_packed_command(packed)
+        return await conn.read_response()  # (a failed or cancelled read disconnects)
+
+    async def failed(error: Exception, *count: int) -> None:
+        await conn.disconnect()
+
+    try:
+        return await conn.retry.call_with_retry(once, failed)
+    finally:
+        await pool.release(conn)

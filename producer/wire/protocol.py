@@ -244,6 +244,20 @@ class FinalEntry:
         )
 
 
+def entry_message(fields: Any) -> Any:
+    """An output entry's message (its FIELD), from its fields as redis-py parses them (a
+    dict) or as a raw XREAD reply holds them ([field, value, ...]); None without one (which
+    decode_output refuses)."""
+    if isinstance(fields, dict):
+        return fields.get(FIELD)
+    if len(fields) == 2 and fields[0] == FIELD:  # every output entry: one field
+        return fields[1]
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == FIELD:
+            return fields[i + 1]
+    return None
+
+
 def decode_output(data: bytes) -> OutputChunk | FinalEntry:
     """Parse one output stream entry."""
     m = _unpack(data)

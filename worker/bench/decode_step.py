@@ -13,7 +13,7 @@ kernel on packed copies of the weights; with ``CONVEYOR_CPU_MATMUL=unpacked`` th
 kernel or oneDNN's matmul). Steps are medians over ``--steps`` rounds; matmuls are the
 best round. step / matmuls is 1.0 where attention, norms, rope, sampling and Python cost
 nothing. The step is measured as a worker runs it: the engine's objects kept off the
-garbage collector (worker/host/long_lived.py), and no detokenizing (a worker's publisher thread
+garbage collector (producer/long_lived.py), and no detokenizing (a worker's publisher thread
 does that, off the engine's thread). ``--profile`` adds torch.profiler's operator table.
 
 Attention must read every running sequence's K and V once a layer, and on a CPU that read
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from producer import settings
 from worker.bench.sampling_steps import decoding_engine, model_with_vocab
-from worker.host.long_lived import long_lived_frozen
+from producer.long_lived import long_lived_frozen
 from worker.models import packed_weights
 from worker.models.linear import linear
 

@@ -2,17 +2,18 @@
 to the gap between chunks that a direct reader of the same streams sees.
 
     python -m worker.bench.gateway_streams [--streams 1000] [--tokens 100]
-        [--simulate-step-ms 5] [--max-num-seqs 1024] [--read-connections 8]
+        [--simulate-step-ms 5] [--stream-interval-ms 50] [--max-num-seqs 1024]
+        [--read-connections 8] [--no-direct]
 
 A private redis-server, one simulated worker (`conveyor worker --simulate-step-ms`) and one
 `conveyor gateway` process; this process opens STREAMS streaming completions at once
-(raw HTTP/1.1 on asyncio) and, beside them, follows the same requests' output streams directly
-(the bench's follower, worker/bench/run/follower.py, on a thread of its own). Each chunk's
+(raw HTTP/1.1 on asyncio) while a process of its own follows the same requests' output
+streams directly (the bench's follower, worker/bench/run/follower.py). Each chunk's
 arrival is timed on both sides; the report gives every answer's status, the gaps between a
 request's chunks p50/p90/p99 through the gateway and directly, /health's answers (asked
-every 0.5 s throughout) and the gateway's CPU. On a machine of 2 cores the client's own
-event loop, beside the worker, Redis and the gateway, delays what it reads: the gaps it
-reports through the gateway are the client's as much as the gateway's.
+every 0.5 s throughout) and the CPU seconds of every process with the share of the
+machine's cores they took together: past ~0.8 of them the processes wait for each other's
+cores, and the gaps measure the machine as much as the gateway.
 docs/benchmarks.md keeps the figures.
 """
 
@@ -36,23 +37,23 @@ def _gaps(arrivals: list[float]) -> list[float]:
 
 
 def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_seqs: int,
-            read_connections: int, out: Path, direct_too: bool = True) -> dict[str, Any]:
+            read_connections: int, out: Path, direct_too: bool = True,
+            interval_ms: float | None = None) -> dict[str, Any]:
     import httpx
     import redis
 
     from producer.client.models import decode_hash, is_live
     from producer.redis.ephemeral import start_ephemeral
-    from producer.wire.keys import Keys
     from worker.bench.run.cpu import process_cpu_s
-    from worker.bench.run.follower import StreamFollower
     from worker.bench.run.worker_process import WorkerProcess
 
-    keys = Keys()
     with tempfile.TemporaryDirectory() as folder:
         server = start_ephemeral(Path(folder))
         r = redis.Redis.from_url(server.url)
         flags = ["--simulate-step-ms", str(step_ms), "--max-num-seqs", str(max_num_seqs),
                  "--max-num-batched-tokens", str(max(8192, max_num_seqs))]
+        if interval_ms is not None:
+            flags += ["--stream-interval-ms", str(interval_ms)]
         with WorkerProcess("gw", model_dir, "m", server.url, "conveyor", flags,
                            out / "worker.log") as worker:
             worker.start(r)
@@ -75,49 +76,74 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
                         raise RuntimeError(f"the gateway did not start: {out / 'gateway.log'}")
                     time.sleep(0.2)
                 assert is_live(decode_hash(r.hgetall(worker.key)))
-                cpu_before = process_cpu_s(gateway.pid)
-                result = asyncio.run(_drive(url, streams, tokens, r, keys, StreamFollower,
-                                            direct_too))
-                result["gateway_cpu_s"] = round((process_cpu_s(gateway.pid) or 0)
-                                                - (cpu_before or 0), 2)
+                pids = {"gateway": gateway.pid, "worker": worker.proc.pid,
+                        "redis": server.pid}
+                cpu_before = {name: process_cpu_s(pid) or 0.0 for name, pid in pids.items()}
+                result = asyncio.run(_drive(url, streams, tokens, server.url, direct_too))
+                cpu = result.pop("cpu_s")
+                for name, pid in pids.items():
+                    cpu[name] = round((process_cpu_s(pid) or 0.0) - cpu_before[name], 2)
+                result["cpu_s"] = cpu
+                result["share_of_cores"] = round(sum(cpu.values()) / (
+                    (os.cpu_count() or 1) * result["seconds"]), 2)
             finally:
                 gateway.terminate()
                 gateway.wait(30)
         server.stop()
     return {"streams": streams, "tokens": tokens, "simulate_step_ms": step_ms,
-            "read_connections": read_connections, **result}
+            "stream_interval_ms": interval_ms, "read_connections": read_connections,
+            **result}
 
 
-async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
-                 follower_class: Any, direct_too: bool) -> dict[str, Any]:
+def _read_directly(redis_url: str, rids: Any, report: Any) -> None:
+    """The direct reader, a process of its own (the client's event loop and it would
+    otherwise take turns at one interpreter): request ids come on ``rids`` (JSON), one
+    ``null`` when no more will; it follows each to its final and sends back every request's
+    chunk arrival times (JSON)."""
+    import redis
+
+    from producer.wire.keys import Keys
+    from worker.bench.run.follower import StreamFollower
+
+    follower = StreamFollower(redis.Redis.from_url(redis_url), Keys(), period_s=0.002)
+    arrivals: dict[str, list[float]] = {}
+    more = True
+    while more or len(follower):
+        while rids.poll():
+            rid = json.loads(rids.recv_bytes())
+            if rid is None:
+                more = False
+            else:
+                follower.add(rid)
+        events = follower.poll(20) if len(follower) else []
+        now = time.perf_counter()
+        for rid, event in events:
+            if hasattr(event, "token_ids"):
+                arrivals.setdefault(rid, []).append(now)
+        if not events:
+            time.sleep(0.002)
+    report.send_bytes(json.dumps(arrivals).encode())
+
+
+async def _drive(url: str, streams: int, tokens: int, redis_url: str,
+                 direct_too: bool) -> dict[str, Any]:
+    import multiprocessing
+
     import httpx
 
     from worker.bench.results.metrics import summarize_ms
 
     through: dict[str, list[float]] = {}
-    direct: dict[str, list[float]] = {}
     statuses: list[int] = []
     done_ok = 0
-    follower = follower_class(r, keys, period_s=0.002)
-    lock = threading.Lock()
     stop = threading.Event()
-
-    def follow() -> None:  # the direct reader, beside the gateway
-        while direct_too and not stop.is_set():
-            with lock:
-                if not len(follower):
-                    events = []
-                else:
-                    events = follower.poll(20)
-            now = time.perf_counter()
-            for rid, event in events:
-                if hasattr(event, "token_ids"):
-                    direct.setdefault(rid, []).append(now)
-            if not events:
-                time.sleep(0.002)
-
-    reader = threading.Thread(target=follow, daemon=True)
-    reader.start()
+    spawn = multiprocessing.get_context("spawn")
+    rids_out, rids_in = spawn.Pipe(duplex=False)
+    report_out, report_in = spawn.Pipe(duplex=False)
+    reader = spawn.Process(target=_read_directly, args=(redis_url, rids_out, report_in),
+                           daemon=True)
+    if direct_too:
+        reader.start()
     health: list[int] = []
 
     def look() -> None:  # /health throughout: busy is not unhealthy
@@ -151,8 +177,8 @@ async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
             name, _, value = line.decode().partition(":")
             if name.lower() == "x-request-id":
                 rid = value.strip()
-        with lock:
-            follower.add(rid)
+        if direct_too:
+            rids_in.send_bytes(json.dumps(rid).encode())
         times = through.setdefault(rid, [])
         last = b""
         while size := int((await reader.readline()).strip() or b"0", 16):
@@ -169,19 +195,26 @@ async def _drive(url: str, streams: int, tokens: int, r: Any, keys: Any,
     started, cpu_started = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(i) for i in range(streams)))
     elapsed = time.perf_counter() - started
-    await asyncio.sleep(0.5)
+    client_cpu = time.process_time() - cpu_started
+    direct: dict[str, list[float]] = {}
+    reader_cpu = 0.0
+    if direct_too:
+        from worker.bench.run.cpu import process_cpu_s
+
+        rids_in.send_bytes(b"null")
+        direct = json.loads(await asyncio.to_thread(report_out.recv_bytes))
+        reader_cpu = process_cpu_s(reader.pid) or 0.0
+        reader.join(10)
     stop.set()
-    reader.join(10)
     prober.join(15)
     gw = [g for times in through.values() for g in _gaps(times)]
     dr = [g for times in direct.values() for g in _gaps(times)]
-    return {"seconds": round(elapsed, 2), "client_cpu_s": round(time.process_time()
-                                                                 - cpu_started, 2),
-            "status_200": statuses.count(200),
+    return {"seconds": round(elapsed, 2), "status_200": statuses.count(200),
             "answered_in_full": done_ok,
             "health_200": f"{health.count(200)} of {len(health)}",
             "gap_ms_through_gateway": summarize_ms(gw),
-            "gap_ms_direct": summarize_ms(dr)}
+            "gap_ms_direct": summarize_ms(dr),
+            "cpu_s": {"client": round(client_cpu, 2), "direct_reader": round(reader_cpu, 2)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--tokens", type=int, default=100, help="output tokens a request")
     p.add_argument("--simulate-step-ms", type=float, default=5.0)
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="the worker's (default: its own, 50)")
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--read-connections", type=int, default=8)
     p.add_argument("--out", default=None, help="folder for the processes' logs")
@@ -208,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = measure(ensure_model(args.model, "small"), args.streams, args.tokens,
                      args.simulate_step_ms, args.max_num_seqs, args.read_connections, out,
-                     not args.no_direct)
+                     not args.no_direct, args.stream_interval_ms)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -7,7 +7,7 @@ small preset (random weights; another vocabulary size gets its own checkpoint, w
 tokenizer); the steps of all modes are interleaved, so a slower moment of the machine
 weighs on every mode alike, and each mode's median is printed with its ratio to greedy.
 The engines' objects are kept off the garbage collector meanwhile, as a worker process
-keeps them (worker/host/long_lived.py).
+keeps them (producer/long_lived.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from worker import Engine, SamplingParams
-from worker.host.long_lived import long_lived_frozen
+from producer.long_lived import long_lived_frozen
 from worker.modelgen import make_model
 
 MODES: dict[str, dict[str, object]] = {

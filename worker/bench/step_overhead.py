@@ -20,7 +20,7 @@ from kvstore import BlockPool, KVCacheManager
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
-from worker.host.long_lived import freeze_long_lived_objects
+from producer.long_lived import freeze_long_lived_objects
 
 BLOCK_SIZE = 16
 

@@ -84,6 +84,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         from producer.gateway import GatewaySettings, create_app
         from producer.gateway.server import raise_open_files_limit, server_config
         from producer.gateway.settings import read_key_file
+        from producer.long_lived import freeze_long_lived_objects
     except ImportError as exc:
         print(f"conveyor gateway: error: {exc.name} is missing: pip install "
               "'conveyor[gateway]'", file=sys.stderr)
@@ -107,5 +108,9 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         print("conveyor gateway: warning: no API key (--api-key-file): anyone who reaches "
               f"{args.host}:{args.port} may use the fleet", file=sys.stderr)
     raise_open_files_limit(settings.max_connections)
-    uvicorn.Server(server_config(create_app(settings), args.host, args.port)).run()
+    app = create_app(settings)
+    # Imports and the app kept out of the collector's passes, and those rarer: each open
+    # stream holds its objects for its whole answer (producer/long_lived.py).
+    freeze_long_lived_objects()
+    uvicorn.Server(server_config(app, args.host, args.port)).run()
     return 0

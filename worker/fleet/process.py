@@ -53,7 +53,7 @@ from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.publishing.text_stage import TextStage
 from worker.fleet.supervised import SupervisedThread
 from worker.host.cpu_placement import Placement, pin_engine_team, pin_io_thread, plan
-from worker.host.long_lived import freeze_long_lived_objects
+from producer.long_lived import freeze_long_lived_objects
 from worker.host.openmp import release_thread_pool
 
 log = structlog.get_logger(__name__)

@@ -42,7 +42,7 @@ from producer.client.client import FOLLOW_MANY_KEYS, READ_COUNT
 from producer.client.stream_events import OutputTracker, StreamEvent
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.keys import Keys
-from producer.wire.protocol import FIELD, ProtocolError
+from producer.wire.protocol import entry_message
 from worker.fleet.publishing.raw_pipeline import run_commands
 
 # Seconds from one poll's start to the next's (see the module docstring).
@@ -148,7 +148,7 @@ class StreamFollower:
         for entry_id, fields in entries:
             if tracker is None:
                 break
-            event = tracker.feed_message(entry_id, _message(fields))
+            event = tracker.feed_message(entry_id, entry_message(fields))
             if event is not None:
                 events.append((rid, event))
                 if self.quiet_s:
@@ -159,13 +159,3 @@ class StreamFollower:
                 self._quiet_until.pop(rid, None)
                 del self._by_key[self._key_of.pop(rid)]
                 tracker = None
-
-
-def _message(fields: list[bytes]) -> bytes:
-    """The message field of a raw entry ([field, value, ...]); ProtocolError without one."""
-    if len(fields) == 2 and fields[0] == FIELD:  # every output entry: one field
-        return fields[1]
-    for i in range(0, len(fields) - 1, 2):
-        if fields[i] == FIELD:
-            return fields[i + 1]
-    raise ProtocolError("entry has no message field")

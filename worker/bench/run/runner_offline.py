@@ -11,7 +11,7 @@ from worker.bench.results.records import KVSample, RequestRecord, RunResult
 from worker.bench.run import cpu
 from worker.bench.run.arrivals import ArrivalPlan
 from worker.bench.run.workloads import WorkItem
-from worker.host.long_lived import long_lived_frozen
+from producer.long_lived import long_lived_frozen
 
 
 def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
@@ -26,7 +26,7 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         engine = Engine(model_dir, **engine_settings)
         engine.generate([list(range(2, 10)), list(range(2, 66))],
                         {"max_tokens": 4, "temperature": 0, "ignore_eos": True})  # warm-up
-        # As a worker process does once its engine is built (worker/host/long_lived.py).
+        # As a worker process does once its engine is built (producer/long_lived.py).
         with long_lived_frozen():
             before, preempted_before = time.process_time(), cpu.process_preemptions(os.getpid())
             taken_before = engine.stats()["step_team_takeovers"]

@@ -1,4 +1,5 @@
-"""Keep the cyclic garbage collector off the objects a worker holds for its whole life.
+"""Keep the cyclic garbage collector off the objects a long-running process holds for its
+whole life (a worker, a gateway).
 
 After torch, transformers and the model are loaded a worker process holds ~300,000
 objects that the collector tracks (functions, modules, dicts). Python runs a full
@@ -16,6 +17,11 @@ walked a step's worth of objects still in use: a W7 run spent ~5% of its wall ti
 collector, with pauses of up to ~8 ms (docs/benchmarks.md). Nearly all of them die young
 by reference counting, so with YOUNG_OBJECTS few passes run at all; cycles are still
 collected, a little later.
+
+A gateway answering a thousand streams is the same case: each stream's generators, futures
+and buffers live for its whole answer, and every chunk makes and drops a few dozen objects
+(the XREAD reply, the event, its JSON). With Python's thresholds the collector took ~15% of
+its CPU at 1,000 streams (docs/benchmarks.md), in passes that walked every open stream.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ YOUNG_OBJECTS = 20_000
 def freeze_long_lived_objects() -> int:
     """Collect what is garbage now, then exempt every object still alive from later
     collections, and collect the youngest generation once YOUNG_OBJECTS more were made
-    than freed; returns how many objects were frozen. For a process that is the worker's
-    own (its entry point), once its engine is built: frozen objects that later become
-    garbage in a reference cycle are never freed."""
+    than freed; returns how many objects were frozen. For a process of its own (a worker's
+    entry point once its engine is built, a gateway's before it serves): frozen objects
+    that later become garbage in a reference cycle are never freed."""
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()

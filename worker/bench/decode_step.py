@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from producer import settings
-from worker.bench.sampling_steps import decoding_engine, model_with_vocab
 from producer.long_lived import long_lived_frozen
+from worker.bench.sampling_steps import decoding_engine, model_with_vocab
 from worker.models import packed_weights
 from worker.models.linear import linear
 

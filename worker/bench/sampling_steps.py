@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from worker import Engine, SamplingParams
 from producer.long_lived import long_lived_frozen
+from worker import Engine, SamplingParams
 from worker.modelgen import make_model
 
 MODES: dict[str, dict[str, object]] = {

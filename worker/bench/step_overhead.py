@@ -17,10 +17,10 @@ import statistics
 import time
 
 from kvstore import BlockPool, KVCacheManager
+from producer.long_lived import freeze_long_lived_objects
 from scheduler import Request, Scheduler, SchedulerConfig
 from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
-from producer.long_lived import freeze_long_lived_objects
 
 BLOCK_SIZE = 16
 

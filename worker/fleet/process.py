@@ -19,6 +19,7 @@ from kvstore.tier.breaker import CLOSED, Breaker
 from kvstore.tier.redis_tier import RedisKVTier
 from producer.client.connection import connect, describe, resolve_url
 from producer.clock import SYSTEM_CLOCK, Clock
+from producer.long_lived import freeze_long_lived_objects
 from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
 from worker.engine.engine import Engine
@@ -53,7 +54,6 @@ from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.publishing.text_stage import TextStage
 from worker.fleet.supervised import SupervisedThread
 from worker.host.cpu_placement import Placement, pin_engine_team, pin_io_thread, plan
-from producer.long_lived import freeze_long_lived_objects
 from worker.host.openmp import release_thread_pool
 
 log = structlog.get_logger(__name__)

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from producer.long_lived import long_lived_frozen
 from worker.bench.results.records import KVSample, RequestRecord, RunResult
 from worker.bench.run import cpu
 from worker.bench.run.arrivals import ArrivalPlan
 from worker.bench.run.workloads import WorkItem
-from producer.long_lived import long_lived_frozen
 
 
 def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,

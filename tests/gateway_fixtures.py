@@ -22,14 +22,16 @@ class RunningGateway:
 
 
 @contextmanager
-def serve_gateway(redis_url: str, **settings) -> Iterator[RunningGateway]:
+def serve_gateway(redis_url: str, protocol: type | None = None, **settings
+                  ) -> Iterator[RunningGateway]:
     import uvicorn
 
     from producer.gateway import GatewaySettings, create_app
     from producer.gateway.server import server_config
 
     app = create_app(GatewaySettings(redis_url=redis_url, **settings))
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))  # as `conveyor gateway`
+    # as `conveyor gateway` (``protocol``: uvicorn's HTTP protocol, default the gateway's)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0, protocol))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     eventually(lambda: server.started or not thread.is_alive(), "the gateway listening")

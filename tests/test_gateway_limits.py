@@ -10,12 +10,14 @@ import socket
 import threading
 
 import httpx
+import pytest
 from fleet_fixtures import MODEL
 from gateway_fixtures import serve_gateway
 from structlog.testing import capture_logs
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from waiting import eventually
 
-from producer.gateway.server import raise_open_files_limit
+from producer.gateway.server import http_protocol, raise_open_files_limit
 
 BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
 
@@ -37,6 +39,19 @@ def _slow_body(url: str) -> socket.socket:
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
               b"\r\nContent-Length: 100000\r\n\r\n{")  # one byte of a body of 100,000
     return s
+
+
+def _read_answer(s: socket.socket) -> bytes:
+    """One whole answer with a Content-Length (its head and body may come apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def _metric(gateway, name: str, **labels: str) -> float:
@@ -108,8 +123,34 @@ def test_slow_clients_are_cut_by_the_timeouts_and_hold_no_slot_meanwhile(
     assert _metric(gateway, "conveyor_gateway_timeouts_total", kind="body") == 40
 
 
-def test_a_connection_past_max_connections_is_closed_at_once(redis_url):
-    with serve_gateway(redis_url, max_connections=3) as gateway:
+PROTOCOLS = [pytest.param(http_protocol(), id="default"),
+             pytest.param(H11Protocol, id="h11")]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_headers_that_never_end_are_cut_and_a_kept_alive_connection_gets_its_time(
+        redis_url, protocol):
+    """Either protocol the gateway may run: the header timer from the connection's start,
+    and after an answer the keep-alive timeout more."""
+    with serve_gateway(redis_url, protocol=protocol, header_timeout_s=0.5,
+                       keepalive_timeout_s=1.0) as gateway:
+        slow = _slow_header(gateway.url)
+        kept = _connect(gateway.url)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        answer = _read_answer(kept)
+        assert answer.startswith(b"HTTP/1.1 200")  # precondition: an answer on a kept one
+        assert slow.recv(100) == b""  # closed by the header timeout, no answer
+        closed_slow = _metric(gateway, "conveyor_gateway_timeouts_total", kind="header")
+        assert kept.recv(100) == b""  # then the kept one: keep-alive (+ header) timeout
+        for s in (slow, kept):
+            s.close()
+    assert closed_slow >= 1
+    assert _metric(gateway, "conveyor_gateway_connections_open") == 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_connection_past_max_connections_is_closed_at_once(redis_url, protocol):
+    with serve_gateway(redis_url, protocol=protocol, max_connections=3) as gateway:
         held = [_connect(gateway.url) for _ in range(3)]
         eventually(lambda: _metric(gateway, "conveyor_gateway_connections_open") == 3,
                    "three connections open")

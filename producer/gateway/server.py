@@ -4,12 +4,17 @@ connections, a bound on open connections, and enough file descriptors for them.
 uvicorn closes an idle kept-alive connection (``timeout_keep_alive``), but a client that
 sends half its headers keeps its socket as long as it likes, and uvicorn's
 ``limit_concurrency`` answers 503 past its bound but keeps every socket open.
-``guarded_protocol`` gives uvicorn's h11 protocol a header timer (from the connection's
+``guarded_protocol`` gives uvicorn's HTTP protocol a header timer (from the connection's
 start, and from the end of each answer on a kept-alive one, to the end of the next
 request's headers: a connection still without them is closed) and closes a connection
 opened past ``max_connections`` at once. The body has its own
 timeout in the app (producer/gateway/app.py), which takes a request's concurrency slot only
 once its body is read.
+
+The protocol is uvicorn's httptools one where httptools is installed (the gateway extra
+brings it), else its h11 one: h11 parses and frames in Python, and at a thousand streams
+its framing of each SSE event took ~10 µs of the gateway's CPU that httptools' does not
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,15 +35,25 @@ log = structlog.get_logger(__name__)
 SPARE_FDS = 256
 
 
-def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
-                     max_connections: int, metrics: GatewayMetrics | None = None
-                     ) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request headers take longer than
-    ``header_timeout_s`` (after an answer on a kept-alive one: the keep-alive timeout more),
-    and one opened past ``max_connections``; ``metrics`` count open connections, those
-    timeouts and refusals."""
+def http_protocol() -> type:
+    """uvicorn's httptools protocol where httptools is installed, else its h11 one."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return H11Protocol
+    return HttpToolsProtocol
 
-    class HeaderTimedProtocol(H11Protocol):
+
+def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
+                     max_connections: int, metrics: GatewayMetrics | None = None,
+                     base: type | None = None) -> type:
+    """uvicorn's HTTP protocol (``base``, default http_protocol()), closing a connection
+    whose request headers take longer than ``header_timeout_s`` (after an answer on a
+    kept-alive one: the keep-alive timeout more), and one opened past ``max_connections``;
+    ``metrics`` count open connections, those timeouts and refusals."""
+    protocol: Any = base or http_protocol()
+
+    class HeaderTimedProtocol(protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _timed_cycle: Any = None
 
@@ -53,8 +68,9 @@ def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
                 return
             self._start_header_timer(header_timeout_s)
 
-        def handle_events(self) -> None:
-            super().handle_events()
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # (both protocols make a request's cycle once its headers are parsed)
             if self.cycle is not None and self.cycle is not self._timed_cycle:
                 self._timed_cycle = self.cycle  # the headers of a request are in
                 self._stop_header_timer()
@@ -92,16 +108,18 @@ def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
     return HeaderTimedProtocol
 
 
-def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
+def server_config(app: Any, host: str, port: int, protocol: type | None = None
+                  ) -> uvicorn.Config:
     """The uvicorn settings of a gateway app (producer.gateway.create_app): its protocol
-    with a header timeout and at most ``max_connections`` open connections (one past them
-    is closed at once), and the keep-alive timeout."""
+    (``protocol``, default http_protocol()) with a header timeout and at most
+    ``max_connections`` open connections (one past them is closed at once), and the
+    keep-alive timeout."""
     gateway = app.state.gateway
     settings = gateway.settings
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
         http=guarded_protocol(settings.header_timeout_s, settings.keepalive_timeout_s,
-                              settings.max_connections, gateway.metrics),
+                              settings.max_connections, gateway.metrics, protocol),
         timeout_keep_alive=max(1, round(settings.keepalive_timeout_s)))
 
 

@@ -46,6 +46,8 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
     from producer.redis.ephemeral import start_ephemeral
     from worker.bench.run.cpu import process_cpu_s
     from worker.bench.run.worker_process import WorkerProcess
+    from worker.engine.config import field_default
+    from worker.fleet.config import WorkerConfig
 
     with tempfile.TemporaryDirectory() as folder:
         server = start_ephemeral(Path(folder))
@@ -79,7 +81,10 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
                 pids = {"gateway": gateway.pid, "worker": worker.proc.pid,
                         "redis": server.pid}
                 cpu_before = {name: process_cpu_s(pid) or 0.0 for name, pid in pids.items()}
-                result = asyncio.run(_drive(url, streams, tokens, server.url, direct_too))
+                interval = (field_default(WorkerConfig, "stream_interval_ms")
+                            if interval_ms is None else interval_ms)
+                result = asyncio.run(_drive(url, streams, tokens, server.url, direct_too,
+                                            interval))
                 cpu = result.pop("cpu_s")
                 for name, pid in pids.items():
                     cpu[name] = round((process_cpu_s(pid) or 0.0) - cpu_before[name], 2)
@@ -95,17 +100,21 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
             **result}
 
 
-def _read_directly(redis_url: str, rids: Any, report: Any) -> None:
+def _read_directly(redis_url: str, interval_ms: float, rids: Any, report: Any) -> None:
     """The direct reader, a process of its own (the client's event loop and it would
     otherwise take turns at one interpreter): request ids come on ``rids`` (JSON), one
     ``null`` when no more will; it follows each to its final and sends back every request's
-    chunk arrival times (JSON)."""
+    chunk arrival times (JSON). A stream that just gave a chunk is left alone for the
+    stream interval less 2 ms, as `conveyor bench` does (naming a thousand streams every
+    poll would cost Redis more than the worker's writes)."""
     import redis
 
     from producer.wire.keys import Keys
     from worker.bench.run.follower import StreamFollower
+    from worker.bench.run.runner_fleet import quiet_s
 
-    follower = StreamFollower(redis.Redis.from_url(redis_url), Keys(), period_s=0.002)
+    follower = StreamFollower(redis.Redis.from_url(redis_url), Keys(), period_s=0.002,
+                              quiet_s=quiet_s({"stream_interval_ms": interval_ms}))
     arrivals: dict[str, list[float]] = {}
     more = True
     while more or len(follower):
@@ -125,8 +134,8 @@ def _read_directly(redis_url: str, rids: Any, report: Any) -> None:
     report.send_bytes(json.dumps(arrivals).encode())
 
 
-async def _drive(url: str, streams: int, tokens: int, redis_url: str,
-                 direct_too: bool) -> dict[str, Any]:
+async def _drive(url: str, streams: int, tokens: int, redis_url: str, direct_too: bool,
+                 interval_ms: float) -> dict[str, Any]:
     import multiprocessing
 
     import httpx
@@ -140,8 +149,8 @@ async def _drive(url: str, streams: int, tokens: int, redis_url: str,
     spawn = multiprocessing.get_context("spawn")
     rids_out, rids_in = spawn.Pipe(duplex=False)
     report_out, report_in = spawn.Pipe(duplex=False)
-    reader = spawn.Process(target=_read_directly, args=(redis_url, rids_out, report_in),
-                           daemon=True)
+    reader = spawn.Process(target=_read_directly, daemon=True,
+                           args=(redis_url, interval_ms, rids_out, report_in))
     if direct_too:
         reader.start()
     health: list[int] = []

@@ -248,3 +248,51 @@ def test_logprob_tokens_spell_the_answer_streamed_or_not(start_worker, oai):
                 if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_a_text_chunks_event_made_from_its_shape_is_the_whole_chunks_json(url):
+    """ChunkWriter.text_event (the shape made once a stream) writes what json.dumps of the
+    whole chunk writes, whatever the text holds."""
+    from producer.gateway.answers import ChunkWriter, TokenSpeller, sse
+    from producer.wire.openai_api import parse_body
+
+    body = {"model": MODEL, "stream": True}
+    body |= ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in url
+             else {"prompt": "hi"})
+    writer = ChunkWriter(parse_body(url, body), "req-1", 1700000000, TokenSpeller(None))
+    for text in ["plain", 'quotes " and \\ back', "line\nbreak\t", "ünïcödé 漢字 🙂", "",
+                 "\ue000text\ue000", "\x00\x1f"]:
+        event = writer.text_event(text)
+        assert event == sse(writer.text(text, None))
+        assert json.loads(event.removeprefix("data: "))["choices"][0] is not None
+
+
+def test_requests_that_arrive_together_share_one_read_of_the_model_states(redis_url,
+                                                                          redis_client):
+    """A burst of requests while the view of the models is stale reads it once, not once
+    each (a thousand streams opened at once made a thousand reads)."""
+    import asyncio
+
+    from producer.client.async_client import AsyncClient
+    from producer.gateway import GatewaySettings, create_app
+
+    def smembers_calls() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_smembers", {})
+                   .get("calls", 0))
+
+    async def burst() -> list:
+        async with AsyncClient(redis_url) as client:
+            gateway = create_app(GatewaySettings(redis_url=redis_url), client).state.gateway
+            before = smembers_calls()
+            await gateway._model_states()
+            one_read = smembers_calls() - before
+            gateway._states_at = -1e9  # stale again
+            before = smembers_calls()
+            views = await asyncio.gather(*(gateway._model_states() for _ in range(200)))
+            again = await gateway._model_states()  # fresh still: no read
+            return [one_read, smembers_calls() - before, views, again]
+
+    one_read, burst_reads, views, again = asyncio.run(burst())
+    assert one_read >= 1 and burst_reads == one_read
+    assert all(view is views[0] for view in views) and again is views[0]

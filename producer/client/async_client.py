@@ -154,8 +154,11 @@ class AsyncClient(ClientBase):
         while a stream is quiet (keep-alives) learns of it from the read it waits on anyway,
         with no timer or task of its own per event.
         """
-        return self._follow_one(self._follower(request_id, from_id, timeout),
-                                self._watch(request_id, orphan_timeout), tick_s)
+        follower = self._follower(request_id, from_id, timeout)
+        watch = self._watch(request_id, orphan_timeout)
+        if not follower.needs_probe:  # (one generator less between each event and its reader)
+            return self._follow(follower, watch, tick_s)
+        return self._follow_one(follower, watch, tick_s)
 
     async def _follow_one(self, follower: StreamFollower, watch: OrphanWatch | None = None,
                           tick_s: float | None = None) -> AsyncIterator[StreamEvent | None]:

@@ -8,6 +8,7 @@ request's deadline) pass through as they are (docs/gateway.md). A request that f
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from producer.wire.completion import Completion, TokenLogprob, Usage
@@ -76,6 +77,15 @@ def completion_body(request: ApiRequest, done: Completion, created: int,
             "usage": usage_body(done.usage)}
 
 
+# Stands for a chunk's text while its event's shape is made (no text holds it: private use).
+_TEXT_MARK = "\ue000text\ue000"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event holding ``payload`` as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 class ChunkWriter:
     """The chunks of one streamed answer, in order."""
 
@@ -85,6 +95,15 @@ class ChunkWriter:
         self.id = response_id(request, request_id)
         self.created = created
         self.speller = speller
+        # A text chunk's event around its text, made once: a stream's chunks differ in
+        # nothing else, and the whole chunk through json.dumps cost ~6 µs an event.
+        shape = sse(self.text(_TEXT_MARK, None))
+        self._before, _, self._after = shape.partition(json.dumps(_TEXT_MARK, ensure_ascii=False))
+
+    def text_event(self, text: str) -> str:
+        """The server-sent event of a text chunk without logprobs: sse(self.text(text,
+        None)), the same characters."""
+        return self._before + json.dumps(text, ensure_ascii=False) + self._after
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.request.chat else "text_completion"

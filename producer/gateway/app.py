@@ -38,7 +38,7 @@ from producer.client.client import READ_COUNT, tokenizer_from
 from producer.client.connection import connect_async
 from producer.client.models import ModelState
 from producer.client.stream_events import ChunkEvent
-from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body
+from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body, sse
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.gateway.shared_reads import SharedReads
@@ -96,6 +96,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._states: dict[str, ModelState] = {}
         self._states_at = -1e9
+        # The read of the states in flight (shared by every request that needs it), and when
+        # it began.
+        self._states_reading: asyncio.Future | None = None
+        self._states_read_from = -1e9
         # model -> (when read, its tokenizer or None)
         self._tokenizers: dict[str, tuple[float, Any]] = {}
         # Generation requests being answered now (streams until their last event).
@@ -301,12 +305,27 @@ class Gateway:
         return [flag == b"1" for flag in await pipe.execute()]
 
     async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:
-        now = time.monotonic()
-        if fresh or now - self._states_at >= self.settings.model_state_ttl_s:
-            states = await self.client.model_states()
-            self._states = {s.name: s for s in states}
-            self._states_at = now
-        return self._states
+        """Each model's state as last read, read again past model_state_ttl_s (``fresh``:
+        read now, or by a read that began after this call). One read at a time: the
+        thousand requests that come in while it runs share it."""
+        asked = time.monotonic()
+        if not fresh and asked - self._states_at < self.settings.model_state_ttl_s:
+            return self._states
+        reading = self._states_reading
+        if reading is None or (fresh and self._states_read_from < asked):
+            reading = self._states_reading = asyncio.ensure_future(self._read_states(asked))
+            self._states_read_from = asked
+        return await asyncio.shield(reading)
+
+    async def _read_states(self, began: float) -> dict[str, ModelState]:
+        try:
+            states = {s.name: s for s in await self.client.model_states()}
+            if began >= self._states_at:  # (a read begun later may have ended first)
+                self._states, self._states_at = states, began
+            return states
+        finally:
+            if self._states_reading is asyncio.current_task():
+                self._states_reading = None
 
     async def _check_model(self, model: str) -> None:
         state = (await self._model_states()).get(model)
@@ -385,50 +404,64 @@ class Gateway:
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
                       speller: TokenSpeller) -> AsyncIterator[str]:
-        """The server-sent events of a streamed answer; a disconnect cancels the request."""
+        """The server-sent events of a streamed answer: a keep-alive comment each
+        ``keepalive_s`` without one (the stream's own read wakes it when quiet: no task or
+        timer a chunk), an error event once the model has had no live worker for the
+        orphan timeout; a disconnect cancels the request."""
         writer = ChunkWriter(api, request_id, created, speller)
         finished = False
         broken = False
+        orphan = OrphanWatch(self, api.model)
+        keepalive_s = self.settings.keepalive_s
+        spoke = time.monotonic()
         self.metrics.streams_open.inc()
         try:
             if (first := writer.first()) is not None:
-                yield _sse(first)
-            async for event in self._speaking(request_id, api.model):
-                if event is None:
-                    yield KEEPALIVE
+                yield sse(first)
+            async for event in self.client.stream(
+                    request_id, tick_s=min(LIVENESS_POLL_S, keepalive_s)):
+                if event is None:  # quiet for a tick
+                    if time.monotonic() - spoke >= keepalive_s:
+                        yield KEEPALIVE
+                        spoke = time.monotonic()
+                    await orphan.check()
                     continue
+                spoke = time.monotonic()
+                orphan.heard()
                 if isinstance(event, ChunkEvent):
-                    if event.text or (api.logprobs and event.logprobs):
-                        yield _sse(writer.text(event.text, event.logprobs))
+                    if api.logprobs and event.logprobs:
+                        yield sse(writer.text(event.text, event.logprobs))
+                    elif event.text:
+                        yield writer.text_event(event.text)
                     continue
                 finished = True
                 if event.error:
-                    yield _sse(ApiError(event.error, status=500, kind="server_error",
-                                        code="request_failed").body())
+                    yield sse(ApiError(event.error, status=500, kind="server_error",
+                                       code="request_failed").body())
                 else:
-                    yield _sse(writer.last(event.finish_reason, event.text))
+                    yield sse(writer.last(event.finish_reason, event.text))
                     if api.include_usage:
-                        yield _sse(writer.usage(_usage(event.usage, event.num_tokens)))
+                        yield sse(writer.usage(_usage(event.usage, event.num_tokens)))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
             finished = True  # nothing to cancel: nothing holds it
-            yield _sse(ApiError(str(exc), status=500, kind="server_error", code="request_lost",
-                                request_id=request_id).body())
+            yield sse(ApiError(str(exc), status=500, kind="server_error", code="request_lost",
+                               request_id=request_id).body())
             yield "data: [DONE]\n\n"
         except Orphaned as exc:
             finished = True  # cancelled here, and said so
             with anyio.CancelScope(shield=True):
                 await self._cancel(request_id, str(exc), gone=False)
             self.metrics.orphaned.inc()
-            yield _sse(ApiError(str(exc), status=503, kind="service_unavailable",
-                                code="no_live_worker", request_id=request_id).body())
+            yield sse(ApiError(str(exc), status=503, kind="service_unavailable",
+                               code="no_live_worker", request_id=request_id).body())
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 (any failure: the client must hear of it)
             # Streaming began: the status line is sent, so the error is an event.
             broken = True
             log.warning("stream broken", request_id=request_id, error=repr(exc))
-            yield _sse(ApiError(f"the answer's stream broke: {exc}", status=500,
-                                kind="server_error", code="stream_failed").body())
+            yield sse(ApiError(f"the answer's stream broke: {exc}", status=500,
+                               kind="server_error", code="stream_failed").body())
             yield "data: [DONE]\n\n"
         finally:
             self.metrics.streams_open.dec()
@@ -438,26 +471,6 @@ class Gateway:
                     why = ("its stream broke" if broken
                            else "the client disconnected mid-stream")
                     await self._cancel(request_id, why, gone=not broken)
-
-    async def _speaking(self, request_id: str, model: str) -> AsyncIterator[Any | None]:
-        """The request's events as they come, and None (a keep-alive is due) each time
-        ``keepalive_s`` passed without one; raises Orphaned once the model has had no live
-        worker for the orphan timeout. The stream's own read wakes it when it is quiet (the
-        client's ticks): no task or timer a chunk."""
-        orphan = OrphanWatch(self, model)
-        keepalive_s = self.settings.keepalive_s
-        tick_s = min(LIVENESS_POLL_S, keepalive_s)
-        spoke = time.monotonic()
-        async for event in self.client.stream(request_id, tick_s=tick_s):
-            if event is not None:
-                yield event
-                spoke = time.monotonic()
-                orphan.heard()
-                continue
-            if time.monotonic() - spoke >= keepalive_s:
-                yield None
-                spoke = time.monotonic()
-            await orphan.check()
 
     async def _live(self, model: str) -> bool:
         """Whether a live worker serves ``model`` (True while Redis cannot say: an outage
@@ -520,10 +533,6 @@ def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:
                  int(usage.get("completion_tokens", num_tokens)),
                  int(usage.get("cached_tokens", 0)),
                  int(usage.get("kv_transferred_tokens", 0)))
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def _unreachable(exc: Exception) -> JSONResponse:

@@ -3,11 +3,12 @@ to the gap between chunks that a direct reader of the same streams sees.
 
     python -m worker.bench.gateway_streams [--streams 1000] [--tokens 100]
         [--simulate-step-ms 5] [--stream-interval-ms 50] [--max-num-seqs 1024]
-        [--read-connections 8] [--no-direct]
+        [--read-connections 8] [--ramp-s 0] [--no-direct]
 
 A private redis-server, one simulated worker (`conveyor worker --simulate-step-ms`) and one
 `conveyor gateway` process; this process opens STREAMS streaming completions at once
-(raw HTTP/1.1 on asyncio) while a process of its own follows the same requests' output
+(raw HTTP/1.1 on asyncio; with ``--ramp-s`` opened evenly over that many seconds, not
+all at once) while a process of its own follows the same requests' output
 streams directly (the bench's follower, worker/bench/run/follower.py). Each chunk's
 arrival is timed on both sides; the report gives every answer's status, the gaps between a
 request's chunks p50/p90/p99 through the gateway and directly, /health's answers (asked
@@ -38,7 +39,7 @@ def _gaps(arrivals: list[float]) -> list[float]:
 
 def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_seqs: int,
             read_connections: int, out: Path, direct_too: bool = True,
-            interval_ms: float | None = None) -> dict[str, Any]:
+            interval_ms: float | None = None, ramp_s: float = 0.0) -> dict[str, Any]:
     import httpx
     import redis
 
@@ -84,7 +85,7 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
                 interval = (field_default(WorkerConfig, "stream_interval_ms")
                             if interval_ms is None else interval_ms)
                 result = asyncio.run(_drive(url, streams, tokens, server.url, direct_too,
-                                            interval))
+                                            interval, ramp_s, out / "arrivals.json"))
                 cpu = result.pop("cpu_s")
                 for name, pid in pids.items():
                     cpu[name] = round((process_cpu_s(pid) or 0.0) - cpu_before[name], 2)
@@ -96,7 +97,8 @@ def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_
                 gateway.wait(30)
         server.stop()
     return {"streams": streams, "tokens": tokens, "simulate_step_ms": step_ms,
-            "stream_interval_ms": interval_ms, "read_connections": read_connections,
+            "stream_interval_ms": interval_ms, "ramp_s": ramp_s,
+            "read_connections": read_connections,
             **result}
 
 
@@ -127,7 +129,9 @@ def _read_directly(redis_url: str, interval_ms: float, rids: Any, report: Any) -
         events = follower.poll(20) if len(follower) else []
         now = time.perf_counter()
         for rid, event in events:
-            if hasattr(event, "token_ids"):
+            # A chunk whose text is still held (a character's first bytes, a stop string's
+            # start) makes no event of the gateway's: it is not one here either.
+            if hasattr(event, "token_ids") and event.text:
                 arrivals.setdefault(rid, []).append(now)
         if not events:
             time.sleep(0.002)
@@ -135,7 +139,8 @@ def _read_directly(redis_url: str, interval_ms: float, rids: Any, report: Any) -
 
 
 async def _drive(url: str, streams: int, tokens: int, redis_url: str, direct_too: bool,
-                 interval_ms: float) -> dict[str, Any]:
+                 interval_ms: float, ramp_s: float, arrivals_to: Path | None = None
+                 ) -> dict[str, Any]:
     import multiprocessing
 
     import httpx
@@ -174,6 +179,7 @@ async def _drive(url: str, streams: int, tokens: int, redis_url: str, direct_too
         # library spends more CPU a chunk than the gateway does, and the client shares the
         # machine's cores with it.
         nonlocal done_ok
+        await asyncio.sleep(ramp_s * i / streams)
         body = json.dumps({"model": "m", "prompt": [5, 6, 7, i % 50], "max_tokens": tokens,
                            "stream": True, "seed": i}).encode()
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -216,6 +222,9 @@ async def _drive(url: str, streams: int, tokens: int, redis_url: str, direct_too
         reader.join(10)
     stop.set()
     prober.join(15)
+    if arrivals_to is not None:  # every chunk's arrival on both sides, to look into
+        arrivals_to.write_text(json.dumps({"started": started, "through_gateway": through,
+                                           "direct": direct}))
     gw = [g for times in through.values() for g in _gaps(times)]
     dr = [g for times in direct.values() for g in _gaps(times)]
     return {"seconds": round(elapsed, 2), "status_200": statuses.count(200),
@@ -237,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the worker's (default: its own, 50)")
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--read-connections", type=int, default=8)
-    p.add_argument("--out", default=None, help="folder for the processes' logs")
+    p.add_argument("--ramp-s", type=float, default=0.0,
+                   help="open the streams evenly over this many seconds (default: at once)")
+    p.add_argument("--out", default=None,
+                   help="folder for the processes' logs and every chunk's arrival times")
     p.add_argument("--no-direct", action="store_true",
                    help="no direct reader beside the gateway (this process then only reads "
                    "the answers)")
@@ -252,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = measure(ensure_model(args.model, "small"), args.streams, args.tokens,
                      args.simulate_step_ms, args.max_num_seqs, args.read_connections, out,
-                     not args.no_direct, args.stream_interval_ms)
+                     not args.no_direct, args.stream_interval_ms, args.ramp_s)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -1,20 +1,20 @@
 """Many streamed answers at once through one gateway: all answered, and what the gateway adds
 to the gap between chunks that a direct reader of the same streams sees.
 
-    python -m worker.bench.gateway_streams [--streams 1000] [--tokens 100]
+    python -m worker.bench.gateway.streams [--streams 1000] [--tokens 100]
         [--simulate-step-ms 5] [--stream-interval-ms 50] [--max-num-seqs 1024]
         [--read-connections 8] [--ramp-s 0] [--no-direct]
 
 A private redis-server, one simulated worker (`conveyor worker --simulate-step-ms`) and one
-`conveyor gateway` process; this process opens STREAMS streaming completions at once
-(raw HTTP/1.1 on asyncio; with ``--ramp-s`` opened evenly over that many seconds, not
-all at once) while a process of its own follows the same requests' output
-streams directly (the bench's follower, worker/bench/run/follower.py). Each chunk's
-arrival is timed on both sides; the report gives every answer's status, the gaps between a
-request's chunks p50/p90/p99 through the gateway and directly, /health's answers (asked
-every 0.5 s throughout) and the CPU seconds of every process with the share of the
-machine's cores they took together: past ~0.8 of them the processes wait for each other's
-cores, and the gaps measure the machine as much as the gateway.
+`conveyor gateway` process (worker/bench/gateway/processes.py); this process opens STREAMS
+streaming completions at once (raw HTTP/1.1 on asyncio; with ``--ramp-s`` evenly over that
+many seconds) while a process of its own follows the same requests' output streams directly
+(the bench's follower, worker/bench/run/follower.py). Each chunk's arrival is timed on both
+sides; the report gives every answer's status, the gaps between a request's chunks
+p50/p90/p99 through the gateway and directly, /health's answers (asked every 0.5 s
+throughout) and the CPU seconds of every process with the share of the machine's cores
+they took together: past ~0.8 of them the processes wait for each other's cores, and the
+gaps measure the machine as much as the gateway.
 docs/benchmarks.md keeps the figures.
 """
 
@@ -24,8 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,66 +38,31 @@ def _gaps(arrivals: list[float]) -> list[float]:
 def measure(model_dir: Path, streams: int, tokens: int, step_ms: float, max_num_seqs: int,
             read_connections: int, out: Path, direct_too: bool = True,
             interval_ms: float | None = None, ramp_s: float = 0.0) -> dict[str, Any]:
-    import httpx
-    import redis
-
-    from producer.client.models import decode_hash, is_live
-    from producer.redis.ephemeral import start_ephemeral
+    from worker.bench.gateway.processes import serving
     from worker.bench.run.cpu import process_cpu_s
-    from worker.bench.run.worker_process import WorkerProcess
     from worker.engine.config import field_default
     from worker.fleet.config import WorkerConfig
 
-    with tempfile.TemporaryDirectory() as folder:
-        server = start_ephemeral(Path(folder))
-        r = redis.Redis.from_url(server.url)
-        flags = ["--simulate-step-ms", str(step_ms), "--max-num-seqs", str(max_num_seqs),
-                 "--max-num-batched-tokens", str(max(8192, max_num_seqs))]
-        if interval_ms is not None:
-            flags += ["--stream-interval-ms", str(interval_ms)]
-        with WorkerProcess("gw", model_dir, "m", server.url, "conveyor", flags,
-                           out / "worker.log") as worker:
-            worker.start(r)
-            port = 18000 + os.getpid() % 1000
-            gateway = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", "gateway", "--redis", server.url,
-                 "--port", str(port), "--max-concurrent", str(streams * 2),
-                 "--read-connections", str(read_connections)],
-                stdout=open(out / "gateway.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        if httpx.get(url + "/health").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline or gateway.poll() is not None:
-                        raise RuntimeError(f"the gateway did not start: {out / 'gateway.log'}")
-                    time.sleep(0.2)
-                assert is_live(decode_hash(r.hgetall(worker.key)))
-                pids = {"gateway": gateway.pid, "worker": worker.proc.pid,
-                        "redis": server.pid}
-                cpu_before = {name: process_cpu_s(pid) or 0.0 for name, pid in pids.items()}
-                interval = (field_default(WorkerConfig, "stream_interval_ms")
-                            if interval_ms is None else interval_ms)
-                result = asyncio.run(_drive(url, streams, tokens, server.url, direct_too,
-                                            interval, ramp_s, out / "arrivals.json"))
-                cpu = result.pop("cpu_s")
-                for name, pid in pids.items():
-                    cpu[name] = round((process_cpu_s(pid) or 0.0) - cpu_before[name], 2)
-                result["cpu_s"] = cpu
-                result["share_of_cores"] = round(sum(cpu.values()) / (
-                    (os.cpu_count() or 1) * result["seconds"]), 2)
-            finally:
-                gateway.terminate()
-                gateway.wait(30)
-        server.stop()
+    flags = ["--simulate-step-ms", str(step_ms), "--max-num-seqs", str(max_num_seqs),
+             "--max-num-batched-tokens", str(max(8192, max_num_seqs))]
+    if interval_ms is not None:
+        flags += ["--stream-interval-ms", str(interval_ms)]
+    with serving(model_dir, out, flags, ["--max-concurrent", str(streams * 2),
+                                         "--read-connections", str(read_connections)]) as run:
+        cpu_before = {name: process_cpu_s(pid) or 0.0 for name, pid in run.pids.items()}
+        interval = (field_default(WorkerConfig, "stream_interval_ms")
+                    if interval_ms is None else interval_ms)
+        result = asyncio.run(_drive(run.url, streams, tokens, run.redis_url, direct_too,
+                                    interval, ramp_s, out / "arrivals.json"))
+        cpu = result.pop("cpu_s")
+        for name, pid in run.pids.items():
+            cpu[name] = round((process_cpu_s(pid) or 0.0) - cpu_before[name], 2)
+        result["cpu_s"] = cpu
+        result["share_of_cores"] = round(sum(cpu.values()) / (
+            (os.cpu_count() or 1) * result["seconds"]), 2)
     return {"streams": streams, "tokens": tokens, "simulate_step_ms": step_ms,
             "stream_interval_ms": interval_ms, "ramp_s": ramp_s,
-            "read_connections": read_connections,
-            **result}
+            "read_connections": read_connections, **result}
 
 
 def _read_directly(redis_url: str, interval_ms: float, rids: Any, report: Any) -> None:
@@ -236,7 +199,7 @@ async def _drive(url: str, streams: int, tokens: int, redis_url: str, direct_too
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.bench.gateway_streams",
+    p = argparse.ArgumentParser(prog="python -m worker.bench.gateway.streams",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint folder (default: the small preset)")
     p.add_argument("--streams", type=int, default=1000)

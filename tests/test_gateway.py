@@ -111,7 +111,9 @@ def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 2}, "n"),
         ({"extra_body": {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "hi"}]}]}}, "messages"),
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}},
+         "messages"),
+        ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
         ({"temperature": -1}, "temperature"),
     ]
@@ -296,3 +298,48 @@ def test_requests_that_arrive_together_share_one_read_of_the_model_states(redis_
     one_read, burst_reads, views, again = asyncio.run(burst())
     assert one_read >= 1 and burst_reads == one_read
     assert all(view is views[0] for view in views) and again is views[0]
+
+
+def test_content_parts_names_and_null_fields_reach_the_worker_as_one_message(
+        start_worker, oai, client):
+    """What guidellm and clients that serialise unset fields send: answered as the same
+    messages sent plainly (text parts joined by newlines, the name passed to the template)."""
+    start_worker()
+    plain = [{"role": "user", "content": "Where does\nthe river run?", "name": "bob"}]
+    ref = client.result(client.submit(model=MODEL, messages=plain, max_tokens=6,
+                                      temperature=0), timeout=60)
+    chat = oai.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0,
+        messages=[{"role": "user", "name": "bob", "content": [
+            {"type": "text", "text": "Where does"}, {"type": "text", "text": "the river run?"}]}],
+        extra_body={"metadata": None, "functions": None, "store": True, "user": "u",
+                    "service_tier": "auto", "top_k": -1})
+    assert chat.choices[0].message.content == ref.text
+    assert chat.usage.prompt_tokens == ref.usage.prompt_tokens
+
+
+def test_tokenize_detokenize_version_and_models_with_their_context(start_worker, gateway,
+                                                                   client):
+    from producer.version import conveyor_version
+
+    start_worker()
+    ref = client.result(client.submit(PROMPT, model=MODEL, max_tokens=1, temperature=0),
+                        timeout=60)
+    info = client.model_info(MODEL)
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]})
+        version = http.get("/version").json()
+        models = http.get("/v1/models").json()["data"]
+        embeddings = http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+        bad = http.post("/detokenize", json={"model": MODEL, "tokens": [-1]})
+        unknown = http.post("/tokenize", json={"model": "nobody", "prompt": "x"})
+    assert tokens["count"] == len(tokens["tokens"]) == ref.usage.prompt_tokens
+    assert tokens["max_model_len"] == info["max_model_len"]
+    assert text.json()["prompt"] == client.tokenizer(MODEL).decode(tokens["tokens"],
+                                                                   skip_special_tokens=True)
+    assert version == {"version": conveyor_version()}
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, info["max_model_len"])]
+    assert embeddings.status_code == 404 and embeddings.json()["error"]["code"] == "not_served"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert unknown.status_code == 404

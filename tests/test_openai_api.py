@@ -46,3 +46,44 @@ def test_completion_prompts_text_ids_or_one_in_a_list():
     with pytest.raises(ApiError) as missing:
         parse_body(COMPLETIONS_URL, {"prompt": "x"})
     assert missing.value.param == "model"
+
+
+def test_null_fields_are_absent_and_fields_that_change_nothing_are_accepted():
+    """Clients that serialise unset fields as null, and OpenAI's bookkeeping fields, get the
+    same request as a body without them; a field that would change the answer still gets
+    its 400 however it is set."""
+    bare = parse_body(CHAT_URL, {**CHAT, "max_tokens": 5})
+    nulls = {name: None for name in ("metadata", "store", "functions", "tools", "n", "seed",
+                                     "stop", "logprobs", "top_logprobs", "stream_options",
+                                     "response_format", "bogus")}
+    ignored = {"user": "u", "safety_identifier": "s", "store": True, "metadata": {"k": "v"},
+               "service_tier": "auto", "prompt_cache_key": "k", "parallel_tool_calls": True}
+    for extra in (nulls, ignored):
+        req = parse_body(CHAT_URL, {**CHAT, "max_tokens": 5, **extra})
+        assert (req.messages, req.sampling, req.stream, req.logprobs) \
+            == (bare.messages, bare.sampling, bare.stream, bare.logprobs)
+    assert parse_body(CHAT_URL, {**CHAT, "top_k": -1}).sampling == {}  # vLLM's "off"
+    with pytest.raises(ApiError) as refused:
+        parse_body(CHAT_URL, {**CHAT, "functions": [{"name": "f"}]})
+    assert refused.value.param == "functions"
+
+
+def test_chat_content_parts_join_their_text_and_name_other_parts():
+    parts = [{"type": "text", "text": "Where does"}, {"type": "text", "text": "it run?"}]
+    req = parse_body(CHAT_URL, {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief.", "name": None},
+        {"role": "user", "content": parts, "name": "bob"}]})
+    assert req.messages == [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Where does\nit run?", "name": "bob"}]
+    for part, named in [({"type": "image_url", "image_url": {"url": "x"}}, "'image_url'"),
+                        ({"type": "input_audio", "input_audio": {}}, "'input_audio'"),
+                        ({"type": "file", "file": {}}, "'file'"), ({"text": "x"}, "None")]:
+        with pytest.raises(ApiError) as refused:
+            parse_body(CHAT_URL, {"model": "m", "messages": [
+                {"role": "user", "content": [parts[0], part]}]})
+        assert refused.value.param == "messages"
+        assert f"messages[0].content[1]: {named} parts are not supported" \
+            in refused.value.message
+    with pytest.raises(ApiError, match="name must be a string"):
+        parse_body(CHAT_URL, {"model": "m", "messages": [
+            {"role": "user", "content": "x", "name": 7}]})

@@ -141,7 +141,10 @@ def test_enums_and_constants_are_the_code_ones():
     assert tuple(at(REQUEST_SCHEMA, "/properties/lane/enum")) == LANES
     assert (tuple(at(REQUEST_SCHEMA, "/$defs/message/properties/role/enum"))
             == wire_messages.ROLES)
-    assert set(at(REQUEST_SCHEMA, "/$defs/message/properties")) == {"role", "content"}
+    assert set(at(REQUEST_SCHEMA, "/$defs/message/properties")) == {"role", "content",
+                                                                     "name"}
+    assert at(REQUEST_SCHEMA, "/$defs/message/properties/name/maxLength") \
+        == wire_messages.MAX_NAME_CHARS
     final = OUTPUT_SCHEMA["$defs"]["final"]["properties"]
     assert final["finish_reason"]["enum"] == [str(r) for r in FinishReason]
     assert set(OUTPUT_SCHEMA["$defs"]["usage"]["properties"]) == {f.name for f in fields(Usage)}
@@ -368,7 +371,8 @@ INVALID = {
     "message array content": changed(prompt=DELETE,
                                      messages=[user([{"type": "text", "text": "hi"}])]),
     "message nil content": changed(prompt=DELETE, messages=[user(None)]),
-    "message with a name": changed(prompt=DELETE, messages=[user(name="bob")]),
+    "message with an empty name": changed(prompt=DELETE, messages=[user(name="")]),
+    "message with a tool call": changed(prompt=DELETE, messages=[user(tool_calls=[])]),
     "too many messages": changed(prompt=DELETE,
                                  messages=[user()] * (wire_messages.MAX_MESSAGES + 1)),
     "params a string": changed(params="greedy"),

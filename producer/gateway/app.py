@@ -42,6 +42,8 @@ from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body,
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.gateway.shared_reads import SharedReads
+from producer.gateway.tokenizing import detokenized, tokenized
+from producer.version import conveyor_version
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
@@ -54,6 +56,9 @@ DISCONNECT_POLL_S = 0.25
 # for model_state_ttl_s, so this costs no Redis round trip per request).
 LIVENESS_POLL_S = 1.0
 KEEPALIVE = ": keep-alive\n\n"
+# OpenAI endpoints clients reach for that conveyor does not serve: a 404 that says so.
+NOT_SERVED = ("/v1/embeddings", "/v1/images/generations", "/v1/audio/transcriptions",
+              "/v1/audio/speech", "/v1/moderations", "/v1/responses")
 # How long /health waits for Redis's PONG before it says Redis does not answer.
 HEALTH_TIMEOUT_S = 2.0
 
@@ -78,6 +83,10 @@ def create_app(settings: GatewaySettings, client: AsyncClient | None = None) -> 
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
+        Route("/version", gateway.version, methods=["GET"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        *(Route(url, gateway.not_served, methods=["GET", "POST"]) for url in NOT_SERVED),
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan,
@@ -157,10 +166,11 @@ class Gateway:
             return _unreachable(exc)
         names = sorted(s.name for s in states.values() if s.live)
         try:
-            simulated = await self._simulated(names)
+            registered = await self._registered(names)
         except UNREACHABLE as exc:
             return _unreachable(exc)
-        data = [_model_entry(name, sim) for name, sim in zip(names, simulated, strict=True)]
+        data = [_model_entry(name, *facts) for name, facts in zip(names, registered,
+                                                                    strict=True)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -176,10 +186,55 @@ class Gateway:
                                    "serves it", status=404, param="model",
                                    code="model_not_found"))
         try:
-            [simulated] = await self._simulated([name])
+            [facts] = await self._registered([name])
         except UNREACHABLE as exc:
             return _unreachable(exc)
-        return JSONResponse(_model_entry(name, simulated))
+        return JSONResponse(_model_entry(name, *facts))
+
+    async def tokenize(self, request: Request) -> Response:
+        """``{"model", "prompt", "add_special_tokens"?}``: the prompt's token ids as the
+        model's worker would read them (its registered tokenizer; no worker asked)."""
+        return await self._through_tokenizer(request, "prompt", tokenized)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``{"model", "tokens"}``: their text, special tokens left out (as a worker's
+        answers are written)."""
+        return await self._through_tokenizer(request, "tokens", detokenized)
+
+    async def _through_tokenizer(self, request: Request, field: str, answer: Any) -> Response:
+        if (refused := self._authorize(request)) is not None:
+            return refused
+        try:
+            body = await self._body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+                raise ApiError("'model' is required: a model name (GET /v1/models lists "
+                               "them)", param="model")
+            if field not in body:
+                raise ApiError(f"'{field}' is required", param=field)
+            await self._check_model(body["model"])
+            tokenizer = await self._tokenizer(body["model"])
+            if tokenizer is None:
+                raise ApiError(f"model {body['model']!r} registered no tokenizer",
+                               param="model", code="no_tokenizer")
+            return JSONResponse(answer(tokenizer, body, await self._max_model_len(body)))
+        except ApiError as exc:
+            return _error(exc)
+        except UNREACHABLE as exc:
+            return _unreachable(exc)
+
+    async def _max_model_len(self, body: dict[str, Any]) -> int | None:
+        [(_, length)] = await self._registered([body["model"]])
+        return length
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": conveyor_version()})
+
+    async def not_served(self, request: Request) -> Response:
+        """Endpoints of OpenAI's API that conveyor does not serve: 404 saying so."""
+        return _error(ApiError(f"{request.url.path} is not served by conveyor (it serves "
+                               f"{COMPLETIONS_URL}, {CHAT_URL}, /v1/models, /tokenize, "
+                               "/detokenize and /version)", status=404, kind="not_found",
+                               code="not_served"))
 
     async def health(self, request: Request) -> Response:
         """200 while Redis answers, busy or not (a load balancer keeps sending: a busy
@@ -295,14 +350,18 @@ class Gateway:
         return _error(ApiError("Incorrect API key provided: pass it as 'Authorization: "
                                "Bearer KEY'", status=401, code="invalid_api_key"))
 
-    async def _simulated(self, names: list[str]) -> list[bool]:
-        """Whether each model is served by simulated workers (its registration says so)."""
+    async def _registered(self, names: list[str]) -> list[tuple[bool, int | None]]:
+        """Each model's registration: whether simulated workers serve it, and its context
+        length (max_model_len; None where it is not a number)."""
         if not names:
             return []
         pipe = self.client.redis.pipeline(transaction=False)
-        for name in names:
+        for name in names:  # (HGETs: the producer's ACL has no HMGET)
             pipe.hget(self.client.keys.model(name), "simulated")
-        return [flag == b"1" for flag in await pipe.execute()]
+            pipe.hget(self.client.keys.model(name), "max_model_len")
+        replies = await pipe.execute()
+        return [(simulated == b"1", int(length) if (length or b"").isdigit() else None)
+                for simulated, length in zip(replies[::2], replies[1::2], strict=True)]
 
     async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:
         """Each model's state as last read, read again past model_state_ttl_s (``fresh``:
@@ -521,8 +580,12 @@ class OrphanWatch:
                            f"{self.timeout:g} s: the request was cancelled")
 
 
-def _model_entry(name: str, simulated: bool = False) -> dict[str, Any]:
-    entry = {"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
+def _model_entry(name: str, simulated: bool = False, max_model_len: int | None = None
+                 ) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": 0,
+                             "owned_by": "conveyor"}
+    if max_model_len is not None:  # (vLLM's field: the context, prompt and output together)
+        entry["max_model_len"] = max_model_len
     if simulated:  # its tokens are not the model's (worker/engine/simulated.py)
         entry.update(owned_by="conveyor (simulated)", simulated=True)
     return entry

@@ -1,8 +1,9 @@
-"""Chat messages as a request carries them: ``[{"role": ..., "content": "..."}]``.
+"""Chat messages as a request carries them: ``[{"role": ..., "content": "...", "name":
+...}]`` (``name`` optional, passed to the chat template, which may use it or not).
 
-Only what every chat template understands: a role and a string content. Anything richer
-(array content, images, tool calls) is refused at the edge with a message naming it, never
-dropped silently.
+Only what every chat template understands: a role, a string content and a name. Anything
+richer (images, tool calls) is refused at the edge with a message naming it, never dropped
+silently; the gateway joins OpenAI's text parts into one string before they get here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 1024
 # All contents together: the same bound as a text prompt.
 MAX_MESSAGES_CHARS = 1_000_000
+# A participant's name (OpenAI allows 64 characters of [a-zA-Z0-9_-]; any text is kept here).
+MAX_NAME_CHARS = 256
 
 
 def validate_messages(value: Any) -> list[dict[str, str]]:
@@ -33,9 +36,9 @@ def validate_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a map with role and content, "
                              f"got {brief(message)}")
-        if extra := sorted(brief(k) for k in set(message) - {"role", "content"}):
+        if extra := sorted(brief(k) for k in set(message) - {"role", "content", "name"}):
             raise ValueError(f"messages[{i}] has unsupported field(s): {', '.join(extra[:4])} "
-                             "(only role and content)")
+                             "(only role, content and name)")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, "
@@ -45,5 +48,12 @@ def validate_messages(value: Any) -> list[dict[str, str]]:
         total += len(content)
         if total > MAX_MESSAGES_CHARS:
             raise ValueError(f"messages longer than {MAX_MESSAGES_CHARS} characters in all")
-        out.append({"role": role, "content": content})
+        kept = {"role": role, "content": content}
+        if "name" in message:
+            name = message["name"]
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+                raise ValueError(f"messages[{i}].name must be a string of 1 to "
+                                 f"{MAX_NAME_CHARS} characters, got {brief(name)}")
+            kept["name"] = name
+        out.append(kept)
     return out

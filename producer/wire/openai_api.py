@@ -1,11 +1,15 @@
 """OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) read into conveyor
 requests, for the gateway and for batch files alike.
 
-Every field is either implemented, accepted only at the value that means "nothing special"
-(``n: 1``, ``echo: false``, ...), or refused with an error naming it: a client that asks for
-tools, a JSON response format or several choices must hear that it did not get them.
+A field set to null is absent (clients serialise unset fields so). Every other field is
+implemented, accepted only at the value that means "nothing special" (``n: 1``, ``echo:
+false``, ...), accepted and ignored because it changes nothing in the answer (IGNORED:
+``user``, ``store``, ``metadata``, ...), or refused with an error naming it: a client that asks
+for tools, a JSON response format or several choices must hear that it did not get them.
 conveyor's own sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``) are accepted as extensions, as vLLM accepts them.
+``stop_token_ids``) are accepted as extensions, as vLLM accepts them (``top_k: -1``, vLLM's
+"off", is conveyor's 0). Chat content may be a list of text parts (joined by newlines, as
+vLLM does); an image, audio or file part is refused, named.
 """
 
 from __future__ import annotations
@@ -27,10 +31,15 @@ SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop
                              "top_k", "min_p", "repetition_penalty", "ignore_eos",
                              "stop_token_ids"})
 # Fields accepted only at the value that asks for nothing special.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "parallel_tool_calls": None,
-           "tool_choice": "none", "tools": None, "response_format": {"type": "text"}}
-# Fields that change nothing conveyor does (``user`` is the caller's end-user id).
-IGNORED = frozenset({"user"})
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
+           "tools": None, "response_format": {"type": "text"}}
+# Fields that change nothing in the answer: the caller's end-user ids, OpenAI's storage,
+# tags and billing tier, its prompt cache's routing key, and parallel_tool_calls (no tools:
+# "tools" is refused unless empty).
+IGNORED = frozenset({"user", "safety_identifier", "store", "metadata", "service_tier",
+                     "prompt_cache_key", "parallel_tool_calls"})
+# Chat content parts: text is read; these are named in a refusal (no model input for them).
+TEXT_PART = "text"
 # OpenAI's limit on completions' integer ``logprobs``; chat's ``top_logprobs`` goes to 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
@@ -80,6 +89,9 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
                        status=404, code="unknown_url")
     if not isinstance(body, Mapping):
         raise ApiError("the request body must be a JSON object")
+    body = {name: value for name, value in body.items() if value is not None}
+    if body.get("top_k") == -1:  # vLLM's "off"
+        del body["top_k"]
     chat = url == CHAT_URL
     known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options"}
     known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs"} if chat
@@ -121,11 +133,7 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
 def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
     messages = body.get("messages")
     if isinstance(messages, list):
-        for i, m in enumerate(messages):
-            if isinstance(m, Mapping) and isinstance(m.get("content"), list):
-                raise ApiError(f"messages[{i}].content: array content (parts, images) is not "
-                               "supported by conveyor: send a string", param="messages",
-                               code="unsupported_value")
+        messages = [_with_text_content(i, m) for i, m in enumerate(messages)]
     try:
         req.messages = validate_messages(messages)
     except ValueError as exc:
@@ -146,6 +154,29 @@ def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
         req.logprobs = True
     elif body.get("top_logprobs") is not None:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def _with_text_content(i: int, message: Any) -> Any:
+    """A message without its null fields, a content given as a list of parts as one string
+    (its text parts joined by newlines, as vLLM does); ApiError naming a part that is not
+    text."""
+    if not isinstance(message, Mapping):
+        return message
+    message = {name: value for name, value in message.items() if value is not None}
+    if not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for j, part in enumerate(message["content"]):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != TEXT_PART:
+            raise ApiError(f"messages[{i}].content[{j}]: {_short(kind)} parts are not "
+                           "supported by conveyor (text parts only: no image, audio or file "
+                           "input)", param="messages", code="unsupported_value")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(f"messages[{i}].content[{j}].text must be a string",
+                           param="messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _completion_fields(body: Mapping[str, Any], req: ApiRequest) -> None:

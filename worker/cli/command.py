@@ -10,13 +10,13 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from importlib import metadata
 
 import redis
 
 from producer.client.connection import describe
 from producer.logging import DEFAULT_LEVEL, LEVELS, configure_logging
 from producer.redis.config import RedisServerError
+from producer.version import conveyor_version
 from worker.bench.cli import add_bench_parser
 from worker.cli.bulk_verbs import add_bulk_parser
 from worker.cli.client_verbs import add_client_parsers
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="conveyor",
         description="An LLM inference worker fleet driven by Redis.",
     )
-    parser.add_argument("--version", action="version", version=f"conveyor {version()}",
+    parser.add_argument("--version", action="version", version=f"conveyor {conveyor_version()}",
                         help="print the installed conveyor's version and exit")
     _add_log_level(parser, default=DEFAULT_LEVEL)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -75,14 +75,6 @@ def walk_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentP
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):  # aliases: once each
                 yield from walk_parsers(child)
-
-
-def version() -> str:
-    """The installed conveyor distribution's version ("unknown" when run from a bare tree)."""
-    try:
-        return metadata.version("conveyor")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:

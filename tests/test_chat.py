@@ -13,11 +13,11 @@ from fleet_fixtures import MODEL
 from transformers import AutoTokenizer
 
 from producer.bulk import run_batch_file
+from producer.chat_template import ChatTemplate, ChatTemplateError
 from producer.client.client import Client
 from producer.wire.completion import FinishReason
 from worker import Engine, SamplingParams
 from worker.engine.tokenizer import Tokenizer
-from worker.fleet.intake.chat_template import ChatTemplate, ChatTemplateError
 
 # Llama 3's shape: a header per turn, <|eot_id|> after each, BOS first; trims contents.
 LLAMA3 = (

@@ -18,6 +18,7 @@ from producer.wire.keys import Keys
 
 KEYS = Keys()
 PROMPT = "The river ran past the old stone bridge"
+COMPLETIONS = "/completions"
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Where does the river run?"}]
 
@@ -190,17 +191,41 @@ def test_health_metrics_and_errors_outside_the_api(start_worker, gateway, oai):
     assert bad_json.status_code == 400 and bad_json.json()["error"]["message"]
 
 
-def test_an_error_after_streaming_began_is_an_event_before_done(start_worker, gateway,
-                                                                tiny_llama):
-    start_worker()
-    too_long = [7] * 2100  # more tokens than the tiny model's context (2,048)
-    body = {"model": MODEL, "prompt": too_long, "max_tokens": 4, "stream": True}
+def test_an_error_after_streaming_began_is_an_event_before_done(start_worker, gateway):
+    # A prompt within the context but larger than the worker's whole KV pool (4 blocks of
+    # 16): only the worker can tell, once the request is queued.
+    start_worker(num_kv_blocks=4)
+    body = {"model": MODEL, "prompt": [7] * 100, "max_tokens": 4, "stream": True}
     response = httpx.post(gateway.api + "/completions", json=body, timeout=60)
     assert response.status_code == 200  # the status line went out before the worker answered
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "max length" in error["message"] and error["code"] == "request_failed"
+    assert "KV pool" in error["message"] and error["code"] == "request_failed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_the_context_is_a_400_before_it_is_queued(start_worker, gateway, client,
+                                                                 stream):
+    """The gateway counts the prompt's tokens with the model's registered tokenizer and
+    chat template: over the context (2,048 for the tiny model) it answers 400, streamed or
+    not (vLLM's answer), and queues nothing."""
+    start_worker()
+    lane = KEYS.requests(MODEL, "interactive")
+    queued_before = client.redis.xlen(lane)
+    long_text = "the river ran past the old stone bridge " * 400
+    cases = [(COMPLETIONS, {"prompt": [7] * 2100}, "prompt"),
+             (COMPLETIONS, {"prompt": long_text}, "prompt"),
+             ("/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
+              "messages")]
+    for url, fields, param in cases:
+        response = httpx.post(gateway.api + url, json={
+            "model": MODEL, "max_tokens": 4, "stream": stream, **fields}, timeout=60)
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert "max length is 2048 tokens" in error["message"]
+    assert client.redis.xlen(lane) == queued_before  # none queued
 
 
 def test_bodies_that_cannot_be_read_are_400s_and_counted(start_worker, gateway):
@@ -227,12 +252,12 @@ def test_bodies_that_cannot_be_read_are_400s_and_counted(start_worker, gateway):
 
 def test_a_failed_request_names_its_id_and_a_model_can_be_retrieved(start_worker, gateway,
                                                                     oai, client):
-    start_worker()
+    start_worker(num_kv_blocks=4)  # 64 tokens of KV: the worker refuses 100 of prompt
     assert oai.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("nobody")
     response = httpx.post(gateway.api + "/completions", timeout=60,
-                          json={"model": MODEL, "prompt": [7] * 2100, "max_tokens": 2})
+                          json={"model": MODEL, "prompt": [7] * 100, "max_tokens": 2})
     assert response.status_code == 400 and response.json()["error"]["code"] == "request_failed"
     failed = client.result(response.headers["x-request-id"], timeout=10)
     assert str(failed.finish_reason) == "error"

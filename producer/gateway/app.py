@@ -34,12 +34,13 @@ from starlette.routing import Route
 
 from producer.client.async_client import AsyncClient
 from producer.client.backpressure import QueueFull
-from producer.client.client import READ_COUNT, tokenizer_from
+from producer.client.client import READ_COUNT
 from producer.client.connection import connect_async
 from producer.client.models import ModelState
 from producer.client.stream_events import ChunkEvent
 from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body, sse
 from producer.gateway.metrics import GatewayMetrics
+from producer.gateway.model_facts import ModelFacts, read_facts
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.gateway.shared_reads import SharedReads
 from producer.gateway.tokenizing import detokenized, tokenized
@@ -109,8 +110,8 @@ class Gateway:
         # it began.
         self._states_reading: asyncio.Future | None = None
         self._states_read_from = -1e9
-        # model -> (when read, its tokenizer or None)
-        self._tokenizers: dict[str, tuple[float, Any]] = {}
+        # model -> (when read, what its registration says: producer/gateway/model_facts.py)
+        self._model_facts: dict[str, tuple[float, ModelFacts]] = {}
         # Generation requests being answered now (streams until their last event).
         self.active = 0
         self._health: Any = None  # its own connection, made at start
@@ -212,19 +213,15 @@ class Gateway:
             if field not in body:
                 raise ApiError(f"'{field}' is required", param=field)
             await self._check_model(body["model"])
-            tokenizer = await self._tokenizer(body["model"])
-            if tokenizer is None:
+            facts = await self._facts(body["model"])
+            if facts.tokenizer is None:
                 raise ApiError(f"model {body['model']!r} registered no tokenizer",
                                param="model", code="no_tokenizer")
-            return JSONResponse(answer(tokenizer, body, await self._max_model_len(body)))
+            return JSONResponse(answer(facts.tokenizer, body, facts.max_model_len))
         except ApiError as exc:
             return _error(exc)
         except UNREACHABLE as exc:
             return _unreachable(exc)
-
-    async def _max_model_len(self, body: dict[str, Any]) -> int | None:
-        [(_, length)] = await self._registered([body["model"]])
-        return length
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": conveyor_version()})
@@ -292,9 +289,14 @@ class Gateway:
         request.state.slot = True
         api = parse_body(url, body)
         await self._check_model(api.model)
+        # What can be decided before the request is queued is answered with its status,
+        # streamed or not: a prompt over the context, messages the template refuses.
+        facts = await self._facts(api.model)
+        prompt_tokens = await facts.prompt_tokens(api)
+        facts.check_context(api, prompt_tokens)
         request_id = await self._submit(api)
         created = int(time.time())
-        speller = TokenSpeller(await self._tokenizer(api.model) if api.logprobs else None)
+        speller = TokenSpeller(facts.tokenizer if api.logprobs else None)
         if api.stream:
             return StreamingResponse(self._events(request_id, api, created, speller),
                                      media_type="text/event-stream",
@@ -415,17 +417,16 @@ class Gateway:
         except (ValueError, OverflowError) as exc:
             raise ApiError(str(exc)) from None
 
-    async def _tokenizer(self, model: str) -> Any | None:
-        """The model's registered tokenizer (None: it has none), read at most once a
-        minute and parsed off the event loop."""
+    async def _facts(self, model: str) -> ModelFacts:
+        """The model's registered tokenizer, chat template and context length, read at most
+        once a minute (the tokenizer parsed off the event loop)."""
         now = time.monotonic()
-        cached = self._tokenizers.get(model)
+        cached = self._model_facts.get(model)
         if cached is not None and now - cached[0] < TOKENIZER_TTL_S:
             return cached[1]
-        raw = await self.client.redis.hget(self.client.keys.model(model), "tokenizer_json")
-        tokenizer = None if raw is None else await asyncio.to_thread(tokenizer_from, raw)
-        self._tokenizers[model] = (now, tokenizer)
-        return tokenizer
+        facts = await read_facts(self.client.redis, self.client.keys.model(model))
+        self._model_facts[model] = (now, facts)
+        return facts
 
     async def _wait(self, request: Request, request_id: str, model: str):
         """The request's Completion, or None (and the request cancelled) when the client

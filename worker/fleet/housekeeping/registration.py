@@ -9,13 +9,13 @@ from pathlib import Path
 import redis
 import structlog
 
+from producer.chat_template import CHAT_FIELDS, ChatTemplate
 from producer.client.client import read_heartbeats
 from producer.client.models import is_live
 from producer.clock import Clock
 from producer.wire.keys import Keys
 from producer.wire.protocol import now_ms
 from worker.engine.engine import Engine
-from worker.fleet.intake.chat_template import CHAT_FIELDS, ChatTemplate
 
 log = structlog.get_logger(__name__)
 

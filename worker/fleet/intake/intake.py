@@ -11,6 +11,7 @@ from typing import Any
 import redis
 import structlog
 
+from producer.chat_template import ChatTemplate
 from producer.client.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
@@ -22,7 +23,6 @@ from worker.fleet.handoff.tier_io import TierReader, resolve
 from worker.fleet.housekeeping.leases import hand_back
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
-from worker.fleet.intake.chat_template import ChatTemplate
 from worker.fleet.intake.resume import Published, read_published
 from worker.fleet.messages import Admission, Rejection
 from worker.fleet.publishing.publisher import Publisher

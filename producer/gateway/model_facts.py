@@ -1,0 +1,82 @@
+"""What the gateway knows of a model from its registration: its tokenizer, chat template
+and context length, read at most once a minute. With them it counts a request's prompt
+tokens as the model's workers will (the same tokenizer and template, rendered and encoded
+the same way: worker/fleet/intake/intake.py), so a prompt over the context is answered 400
+before it is queued, streamed or not, and a stream's usage can be given on every chunk."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from producer.chat_template import ChatTemplate
+from producer.client.client import tokenizer_from
+from producer.wire.openai_api import ApiError, ApiRequest
+
+# Prompts longer than this (characters) are encoded off the event loop.
+INLINE_PROMPT_CHARS = 20_000
+# The model hash's fields read here.
+FIELDS = ("tokenizer_json", "chat_template", "chat_special_tokens", "max_model_len")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A registered model's tokenizer and chat template (None: it registered none) and
+    context length (None: not a number)."""
+
+    tokenizer: Any | None = None
+    template: ChatTemplate | None = None
+    max_model_len: int | None = None
+
+    async def prompt_tokens(self, api: ApiRequest) -> int | None:
+        """How many tokens the model's workers will read for ``api``'s prompt; None where
+        this cannot tell (no tokenizer, or chat without a template: the worker refuses
+        such a request itself). ApiError (400) when the chat template refuses the
+        messages, as the worker would."""
+        if isinstance(api.prompt, list):
+            return len(api.prompt)
+        if self.tokenizer is None or (api.messages is not None and self.template is None):
+            return None
+        if api.messages is not None:
+            try:
+                text = self.template.render(api.messages)  # type: ignore[union-attr]
+            except ValueError as exc:  # ChatTemplateError
+                raise ApiError(str(exc), param="messages", code="chat_template") from None
+            special = False  # the template writes them
+        else:
+            text, special = api.prompt, True
+        if len(text) > INLINE_PROMPT_CHARS:
+            encoded = await asyncio.to_thread(self.tokenizer.encode, text,
+                                              add_special_tokens=special)
+        else:
+            encoded = self.tokenizer.encode(text, add_special_tokens=special)
+        return len(encoded.ids)
+
+    def check_context(self, api: ApiRequest, prompt_tokens: int | None) -> None:
+        """ApiError (400 context_length_exceeded) when the prompt leaves no room to
+        generate: the worker's own rule (worker/engine/admission.py), decided here."""
+        if (prompt_tokens is not None and self.max_model_len is not None
+                and prompt_tokens >= self.max_model_len):
+            raise ApiError(f"prompt of {prompt_tokens} tokens leaves no room to generate: "
+                           f"the model's max length is {self.max_model_len} tokens",
+                           param="messages" if api.chat else "prompt",
+                           code="context_length_exceeded")
+
+
+async def read_facts(redis: Any, key: str) -> ModelFacts:
+    """The facts of the model registered at ``key`` (its hash), the tokenizer parsed off the
+    event loop."""
+    pipe = redis.pipeline(transaction=False)
+    for name in FIELDS:  # (HGETs: the producer's ACL has no HMGET)
+        pipe.hget(key, name)
+    raw_tokenizer, template, special, length = await pipe.execute()
+    tokenizer = (None if raw_tokenizer is None
+                 else await asyncio.to_thread(tokenizer_from, raw_tokenizer))
+    registration = {"chat_template": _text(template), "chat_special_tokens": _text(special)}
+    return ModelFacts(tokenizer, ChatTemplate.from_registration(registration),
+                      int(length) if (length or b"").isdigit() else None)
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()

@@ -368,3 +368,26 @@ def test_tokenize_detokenize_version_and_models_with_their_context(start_worker,
     assert embeddings.status_code == 404 and embeddings.json()["error"]["code"] == "not_served"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert unknown.status_code == 404
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(start_worker, oai, client):
+    """What guidellm asks for: each chunk's usage counts the prompt (as the gateway counted
+    it, equal to the worker's count) and the tokens so far; the last one the whole."""
+    start_worker()
+    ref = client.result(client.submit(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                      temperature=0), timeout=60)
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"stream_options": {"include_usage": True,
+                                       "continuous_usage_stats": True}}))
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in with_choices)
+    prompt = ref.usage.prompt_tokens
+    assert {c.usage.prompt_tokens for c in with_choices} == {prompt}
+    so_far = [c.usage.completion_tokens for c in with_choices]
+    assert so_far[0] == 0 and so_far == sorted(so_far) and so_far[-1] == 8  # role, ..., last
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens
+               for c in with_choices)
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8

@@ -110,23 +110,26 @@ class ChunkWriter:
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.request.model, "choices": choices, **extra}
 
-    def first(self) -> dict[str, Any] | None:
-        """Chat opens with the assistant's role and no content; completions with nothing."""
+    def first(self, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Chat opens with the assistant's role and no content; completions with nothing.
+        ``usage`` (continuous usage): the chunk carries it."""
         if not self.request.chat:
             return None
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+                             "logprobs": None, "finish_reason": None}], **_usage(usage))
 
-    def text(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def text(self, text: str, logprobs: list[TokenLogprob] | None,
+             usage: dict[str, Any] | None = None) -> dict[str, Any]:
         lp = logprobs_body(self.request, logprobs, self.speller)
         if self.request.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": lp,
                       "finish_reason": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
-        return self._chunk([choice])
+        return self._chunk([choice], **_usage(usage))
 
-    def last(self, finish_reason: str, text: str = "") -> dict[str, Any]:
+    def last(self, finish_reason: str, text: str = "", usage: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
         if self.request.chat:
             delta = {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": None,
@@ -134,11 +137,21 @@ class ChunkWriter:
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": finish_reason}
-        return self._chunk([choice])
+        return self._chunk([choice], **_usage(usage))
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with the usage and no choices."""
         return self._chunk([], usage=usage_body(usage))
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The usage so far of a streamed answer (continuous usage): its tokens until now."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {} if usage is None else {"usage": usage}
 
 
 def logprobs_body(request: ApiRequest, logprobs: list[TokenLogprob] | None,

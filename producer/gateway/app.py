@@ -38,7 +38,14 @@ from producer.client.client import READ_COUNT
 from producer.client.connection import connect_async
 from producer.client.models import ModelState
 from producer.client.stream_events import ChunkEvent
-from producer.gateway.answers import ChunkWriter, TokenSpeller, completion_body, sse
+from producer.gateway.answers import (
+    ChunkWriter,
+    TokenSpeller,
+    completion_body,
+    running_usage,
+    sse,
+    usage_body,
+)
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.model_facts import ModelFacts, read_facts
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
@@ -298,7 +305,8 @@ class Gateway:
         created = int(time.time())
         speller = TokenSpeller(facts.tokenizer if api.logprobs else None)
         if api.stream:
-            return StreamingResponse(self._events(request_id, api, created, speller),
+            return StreamingResponse(self._events(request_id, api, created, speller,
+                                                  prompt_tokens or 0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
@@ -463,11 +471,12 @@ class Gateway:
             raise
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
-                      speller: TokenSpeller) -> AsyncIterator[str]:
+                      speller: TokenSpeller, prompt_tokens: int = 0) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: a keep-alive comment each
         ``keepalive_s`` without one (the stream's own read wakes it when quiet: no task or
         timer a chunk), an error event once the model has had no live worker for the
-        orphan timeout; a disconnect cancels the request."""
+        orphan timeout; a disconnect cancels the request. With continuous usage each chunk
+        carries the usage so far (``prompt_tokens`` as the gateway counted them)."""
         writer = ChunkWriter(api, request_id, created, speller)
         finished = False
         broken = False
@@ -476,7 +485,9 @@ class Gateway:
         spoke = time.monotonic()
         self.metrics.streams_open.inc()
         try:
-            if (first := writer.first()) is not None:
+            every = api.continuous_usage
+            if (first := writer.first(running_usage(prompt_tokens, 0) if every
+                                      else None)) is not None:
                 yield sse(first)
             async for event in self.client.stream(
                     request_id, tick_s=min(LIVENESS_POLL_S, keepalive_s)):
@@ -489,7 +500,10 @@ class Gateway:
                 spoke = time.monotonic()
                 orphan.heard()
                 if isinstance(event, ChunkEvent):
-                    if api.logprobs and event.logprobs:
+                    if every and (event.text or (api.logprobs and event.logprobs)):
+                        yield sse(writer.text(event.text, event.logprobs, running_usage(
+                            prompt_tokens, event.index + len(event.token_ids))))
+                    elif api.logprobs and event.logprobs:
                         yield sse(writer.text(event.text, event.logprobs))
                     elif event.text:
                         yield writer.text_event(event.text)
@@ -499,9 +513,11 @@ class Gateway:
                     yield sse(ApiError(event.error, status=500, kind="server_error",
                                        code="request_failed").body())
                 else:
-                    yield sse(writer.last(event.finish_reason, event.text))
+                    done = _usage(event.usage, event.num_tokens)
+                    yield sse(writer.last(event.finish_reason, event.text,
+                                          usage_body(done) if every else None))
                     if api.include_usage:
-                        yield sse(writer.usage(_usage(event.usage, event.num_tokens)))
+                        yield sse(writer.usage(done))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
             finished = True  # nothing to cancel: nothing holds it

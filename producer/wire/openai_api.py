@@ -40,6 +40,8 @@ IGNORED = frozenset({"user", "safety_identifier", "store", "metadata", "service_
                      "prompt_cache_key", "parallel_tool_calls"})
 # Chat content parts: text is read; these are named in a refusal (no model input for them).
 TEXT_PART = "text"
+# stream_options' fields: OpenAI's include_usage, vLLM's continuous_usage_stats.
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 # OpenAI's limit on completions' integer ``logprobs``; chat's ``top_logprobs`` goes to 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
@@ -77,6 +79,8 @@ class ApiRequest:
     stream: bool = False
     # stream_options.include_usage: a last chunk with the usage and no choices.
     include_usage: bool = False
+    # stream_options.continuous_usage_stats (vLLM's): the usage so far on every chunk.
+    continuous_usage: bool = False
     # The answer carries logprobs (chat: ``logprobs: true``; completions: ``logprobs: k``).
     logprobs: bool = False
 
@@ -114,10 +118,11 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
         if not req.stream:
             raise ApiError("stream_options is only allowed with stream: true",
                            param="stream_options")
-        if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
-            raise ApiError("stream_options supports include_usage only",
-                           param="stream_options", code="unsupported_parameter")
+        if not isinstance(options, Mapping) or set(options) - STREAM_OPTIONS:
+            raise ApiError("stream_options supports include_usage and continuous_usage_stats "
+                           "only", param="stream_options", code="unsupported_parameter")
         req.include_usage = _bool(options, "include_usage")
+        req.continuous_usage = _bool(options, "continuous_usage_stats")
     req.sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
     if chat:
         _chat_fields(body, req)

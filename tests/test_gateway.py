@@ -391,3 +391,14 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(start_worker
                for c in with_choices)
     assert "".join(c.choices[0].delta.content or "" for c in with_choices) == ref.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_priority_goes_on_the_request(start_worker, oai, client):
+    from producer.wire.protocol import FIELD, GenerationRequest
+
+    start_worker()
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": -5})
+    [(_, fields)] = client.redis.xrevrange(KEYS.requests(MODEL, "interactive"), count=1)
+    queued = GenerationRequest.decode(fields[FIELD])
+    assert queued.priority == -5 and done.id.endswith(queued.request_id)

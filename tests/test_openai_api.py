@@ -87,3 +87,12 @@ def test_chat_content_parts_join_their_text_and_name_other_parts():
     with pytest.raises(ApiError, match="name must be a string"):
         parse_body(CHAT_URL, {"model": "m", "messages": [
             {"role": "user", "content": "x", "name": 7}]})
+
+
+def test_priority_is_the_requests_in_conveyors_range():
+    assert parse_body(CHAT_URL, CHAT).priority == 0
+    assert parse_body(CHAT_URL, {**CHAT, "priority": -5}).priority == -5
+    for bad in (1001, -1001, 1.5, True, "high"):
+        with pytest.raises(ApiError) as refused:
+            parse_body(CHAT_URL, {**CHAT, "priority": bad})
+        assert refused.value.param == "priority"

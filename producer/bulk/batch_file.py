@@ -100,6 +100,9 @@ def parse_line(text: str, line: int, model: str | None = None,
         if req.logprobs:
             raise ValueError("logprobs are not supported in a batch file (the gateway "
                              "returns them)")
+        if req.priority:
+            raise ValueError("priority is the whole batch's in a batch file (conveyor batch "
+                             "--priority)")
     except (ValueError, OverflowError) as exc:
         return BadLine(line, custom_id, "invalid_request", str(exc))
     return BatchItem(line, custom_id, req.model, req.prompt, req.sampling, req.messages)

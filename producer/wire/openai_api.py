@@ -20,6 +20,7 @@ from typing import Any
 
 from producer.wire.messages import validate_messages
 from producer.wire.params import SamplingParams
+from producer.wire.protocol import PRIORITY_RANGE
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -83,6 +84,8 @@ class ApiRequest:
     continuous_usage: bool = False
     # The answer carries logprobs (chat: ``logprobs: true``; completions: ``logprobs: k``).
     logprobs: bool = False
+    # vLLM's priority: the request's (lower is more urgent, as vLLM's), 0 unless given.
+    priority: int = 0
 
 
 def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
@@ -97,7 +100,8 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
     if body.get("top_k") == -1:  # vLLM's "off"
         del body["top_k"]
     chat = url == CHAT_URL
-    known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options"}
+    known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options",
+                                                        "priority"}
     known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs"} if chat
               else {"prompt", "logprobs"})
     for name, value in body.items():
@@ -124,6 +128,11 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
         req.include_usage = _bool(options, "include_usage")
         req.continuous_usage = _bool(options, "continuous_usage_stats")
     req.sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+    priority = body.get("priority", 0)
+    if not _int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise ApiError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}] "
+                       "(lower is more urgent)", param="priority")
+    req.priority = priority
     if chat:
         _chat_fields(body, req)
     else:

@@ -106,8 +106,11 @@ class ChatTemplate:
         tokens = info.get("chat_special_tokens") or "{}"
         return cls(source, json.loads(tokens) if isinstance(tokens, str) else tokens)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; ChatTemplateError when the template refuses them."""
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """The prompt text for ``messages``; ChatTemplateError when the template refuses them.
+        ``extra``: a request's chat_template_kwargs, more variables for the template (their
+        names never the renderer's own: producer.wire.messages.validate_template_kwargs)."""
         # OpenAI's "developer" role is its newer name for "system"; templates know only
         # the older one.
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
@@ -116,7 +119,7 @@ class ChatTemplate:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 tools=None, documents=None, strftime_now=self._strftime_now,
-                **self.special_tokens)
+                **{**(extra or {}), **self.special_tokens})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused the messages: "
                                     f"{exc}") from None

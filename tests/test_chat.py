@@ -46,6 +46,12 @@ ALTERNATING = (
     "{% endif %}{{ '[' + message['role'] + '] ' + message['content'] }}{% endfor %}"
 )
 TEMPLATES = {"llama3": LLAMA3, "chatml": CHATML}
+# Qwen 3's switch: with enable_thinking false, an empty think block opens the answer.
+THINKING = CHATML.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You answer in one word."},
@@ -75,10 +81,11 @@ def with_template(model_dir, out, template: str | None):
     return folder
 
 
-def reference_ids(model_dir, messages) -> list[int]:
+def reference_ids(model_dir, messages, **template_kwargs) -> list[int]:
     """transformers' apply_chat_template, tokenized."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  **template_kwargs)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -256,3 +263,31 @@ def test_named_templates_without_a_default_are_refused_and_developer_is_system()
                             "{% endfor %}")
     assert template.render([{"role": "developer", "content": "a"},
                             {"role": "user", "content": "b"}]) == "system:a user:b "
+
+
+def test_chat_template_kwargs_reach_the_template_through_the_gateway(
+        tiny_llama, tmp_path, redis_url, start_worker):
+    """vLLM's chat_template_kwargs: the worker renders with them as transformers does, and
+    the gateway counts the prompt with them too."""
+    import httpx
+    import openai
+    from gateway_fixtures import serve_gateway
+
+    folder = with_template(tiny_llama, tmp_path, THINKING)
+    messages = CONVERSATIONS[2]
+    off = reference_ids(folder, messages, enable_thinking=False)
+    assert len(off) > len(reference_ids(folder, messages))  # precondition: it changes them
+    start_worker(model_dir=folder)
+    expected = Engine(folder, dtype="float64", num_kv_blocks=512).generate(
+        [off], SamplingParams(max_tokens=5, temperature=0))[0]
+    with serve_gateway(redis_url) as running, \
+            openai.OpenAI(base_url=running.api, api_key="k", max_retries=0) as oai:
+        chat = oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        refused = httpx.post(running.api + "/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": messages, "chat_template_kwargs": {"bos_token": "x"}})
+    assert chat.usage.prompt_tokens == len(off)
+    assert chat.choices[0].message.content == expected.text
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"

@@ -145,6 +145,9 @@ def test_enums_and_constants_are_the_code_ones():
                                                                      "name"}
     assert at(REQUEST_SCHEMA, "/$defs/message/properties/name/maxLength") \
         == wire_messages.MAX_NAME_CHARS
+    kwargs = at(REQUEST_SCHEMA, "/properties/chat_template_kwargs")
+    assert set(kwargs["propertyNames"]["not"]["enum"]) == wire_messages.RESERVED_TEMPLATE_NAMES
+    assert kwargs["x-max-json-chars"] == wire_messages.MAX_TEMPLATE_KWARGS_CHARS
     final = OUTPUT_SCHEMA["$defs"]["final"]["properties"]
     assert final["finish_reason"]["enum"] == [str(r) for r in FinishReason]
     assert set(OUTPUT_SCHEMA["$defs"]["usage"]["properties"]) == {f.name for f in fields(Usage)}
@@ -296,6 +299,9 @@ FOREIGN = [
     {"v": 1, "id": "a", "model": "tiny", "prompt": "Hello"},
     {"v": 1, "id": "a", "model": "tiny", "prompt_token_ids": [1, 2, 3], "params": None},
     {"v": 1, "id": "a", "model": "tiny", "messages": [{"role": "user", "content": ""}]},
+    {"v": 1, "id": "a", "model": "tiny", "messages": [{"role": "user", "content": "x",
+                                                        "name": "bob"}],
+     "chat_template_kwargs": {"enable_thinking": False, "depth": [1, {"a": None}]}},
     {"v": 1, "id": "a", "model": "tiny", "prompt": "x", "prompt_token_ids": None,
      "messages": None, "deadline_ms": None, "lane": "batch", "priority": -1000},
     {"v": 1, "id": "a", "model": "tiny", "prompt": "x",
@@ -372,6 +378,15 @@ INVALID = {
                                      messages=[user([{"type": "text", "text": "hi"}])]),
     "message nil content": changed(prompt=DELETE, messages=[user(None)]),
     "message with an empty name": changed(prompt=DELETE, messages=[user(name="")]),
+    "template kwargs without messages": changed(chat_template_kwargs={"a": 1}),
+    "template kwargs a list": changed(prompt=DELETE, messages=[user()],
+                                      chat_template_kwargs=[1]),
+    "template kwargs set messages": changed(prompt=DELETE, messages=[user()],
+                                            chat_template_kwargs={"messages": []}),
+    "template kwargs set bos_token": changed(prompt=DELETE, messages=[user()],
+                                             chat_template_kwargs={"bos_token": "x"}),
+    "template kwargs name not an identifier": changed(prompt=DELETE, messages=[user()],
+                                                      chat_template_kwargs={"a-b": 1}),
     "message with a tool call": changed(prompt=DELETE, messages=[user(tool_calls=[])]),
     "too many messages": changed(prompt=DELETE,
                                  messages=[user()] * (wire_messages.MAX_MESSAGES + 1)),
@@ -454,7 +469,9 @@ BEYOND_THE_SCHEMA = {
     "temperature NaN": with_params(temperature=math.nan),
     "temperature infinite": with_params(temperature=math.inf),
     "top_p NaN": with_params(top_p=math.nan),
-    # A sum over items.
+    # Sizes as JSON and sums over items.
+    "template kwargs too long": changed(prompt=DELETE, messages=[user()], chat_template_kwargs={
+        "a": "x" * wire_messages.MAX_TEMPLATE_KWARGS_CHARS}),
     "messages too long in all": changed(prompt=DELETE, messages=[
         user("x" * (wire_messages.MAX_MESSAGES_CHARS // 2 + 1))] * 2),
 }

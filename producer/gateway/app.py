@@ -411,7 +411,8 @@ class Gateway:
         try:
             return await self.client.submit(
                 api.prompt, messages=api.messages, model=api.model, lane=self.settings.lane,
-                max_queue=self.settings.max_queue, priority=api.priority, **api.sampling)
+                max_queue=self.settings.max_queue, priority=api.priority,
+                chat_template_kwargs=api.chat_template_kwargs, **api.sampling)
         except QueueFull as exc:
             # The stream's key is the fleet's business, not the API caller's.
             raise ApiError(f"model {api.model!r} has {exc.count} requests waiting, the most "

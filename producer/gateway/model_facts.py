@@ -40,7 +40,10 @@ class ModelFacts:
             return None
         if api.messages is not None:
             try:
-                text = self.template.render(api.messages)  # type: ignore[union-attr]
+                # (off the event loop: a template is a checkpoint's code, however slow)
+                text = await asyncio.to_thread(
+                    self.template.render,  # type: ignore[union-attr]
+                    api.messages, extra=api.chat_template_kwargs)
             except ValueError as exc:  # ChatTemplateError
                 raise ApiError(str(exc), param="messages", code="chat_template") from None
             special = False  # the template writes them

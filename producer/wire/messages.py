@@ -8,6 +8,7 @@ silently; the gateway joins OpenAI's text parts into one string before they get 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from producer.wire.validation import brief
@@ -17,6 +18,13 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 1024
 # All contents together: the same bound as a text prompt.
 MAX_MESSAGES_CHARS = 1_000_000
+# chat_template_kwargs: extra variables for the chat template (e.g. a Qwen-style
+# enable_thinking), as JSON at most this long, and never one of the names the renderer sets.
+MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "add_generation_prompt", "tools", "documents", "strftime_now",
+    "raise_exception", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+    "cls_token", "mask_token"})
 # A participant's name (OpenAI allows 64 characters of [a-zA-Z0-9_-]; any text is kept here).
 MAX_NAME_CHARS = 256
 
@@ -57,3 +65,27 @@ def validate_messages(value: Any) -> list[dict[str, str]]:
             kept["name"] = name
         out.append(kept)
     return out
+
+
+def validate_template_kwargs(value: Any) -> dict[str, Any]:
+    """``value`` as chat_template_kwargs: a map from names (identifiers, none of
+    RESERVED_TEMPLATE_NAMES) to JSON values, at most MAX_TEMPLATE_KWARGS_CHARS as JSON; or a
+    ValueError saying what is wrong with it."""
+    if not isinstance(value, dict):
+        raise ValueError(f"chat_template_kwargs must be a map, got {brief(value)}")
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs names must be identifiers, got "
+                             f"{brief(name)}")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs may not set {name!r} (the renderer sets "
+                             "it)")
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        raise ValueError("chat_template_kwargs values must be JSON (strings, numbers, "
+                         "booleans, null, lists and maps)") from None
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"chat_template_kwargs larger than {MAX_TEMPLATE_KWARGS_CHARS} "
+                         "characters of JSON")
+    return dict(value)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.wire.messages import validate_messages
+from producer.wire.messages import validate_messages, validate_template_kwargs
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import PRIORITY_RANGE
 
@@ -86,6 +86,8 @@ class ApiRequest:
     logprobs: bool = False
     # vLLM's priority: the request's (lower is more urgent, as vLLM's), 0 unless given.
     priority: int = 0
+    # vLLM's chat_template_kwargs: more variables for the chat template (chat only).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
@@ -102,8 +104,8 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
     chat = url == CHAT_URL
     known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options",
                                                         "priority"}
-    known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs"} if chat
-              else {"prompt", "logprobs"})
+    known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+               "chat_template_kwargs"} if chat else {"prompt", "logprobs"})
     for name, value in body.items():
         if name not in known:
             raise ApiError(f"{name!r} is not supported by conveyor", param=name,
@@ -152,6 +154,11 @@ def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
         req.messages = validate_messages(messages)
     except ValueError as exc:
         raise ApiError(str(exc), param="messages") from None
+    if "chat_template_kwargs" in body:
+        try:
+            req.chat_template_kwargs = validate_template_kwargs(body["chat_template_kwargs"])
+        except ValueError as exc:
+            raise ApiError(str(exc), param="chat_template_kwargs") from None
     limit = body.get("max_completion_tokens")
     if limit is not None:
         if body.get("max_tokens") is not None and body["max_tokens"] != limit:

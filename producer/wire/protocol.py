@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from producer.wire.keys import validate_lane, validate_name
-from producer.wire.messages import validate_messages
+from producer.wire.messages import validate_messages, validate_template_kwargs
 from producer.wire.params import SamplingParams
 from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 
@@ -43,7 +43,8 @@ PRIORITY_RANGE = (-1000, 1000)
 MAX_UNIX_MS = 253_402_300_799_999
 # Fields a request map may hold; any other is an error (a typo must not pass silently).
 REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
-                            "params", "priority", "lane", "created_ms", "deadline_ms", "watch"})
+                            "params", "priority", "lane", "created_ms", "deadline_ms", "watch",
+                            "chat_template_kwargs"})
 
 
 class ProtocolError(ValueError):
@@ -79,6 +80,8 @@ class GenerationRequest:
     # The producer's watch (``{ns}:watch:{watch}``): a worker cancels the request once that
     # key lapses, its producer gone. None: the request lives on its own.
     watch: str | None = None
+    # Extra variables for the chat template (only with messages); None: none.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         validate_request_id(self.request_id)
@@ -93,6 +96,10 @@ class GenerationRequest:
         given = [v is not None for v in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt (text), prompt_token_ids and messages")
+        if self.chat_template_kwargs is not None:
+            if self.messages is None:
+                raise ValueError("chat_template_kwargs needs messages (a chat request)")
+            self.chat_template_kwargs = validate_template_kwargs(self.chat_template_kwargs)
         if self.messages is not None:
             self.messages = validate_messages(self.messages)
         elif self.prompt is not None:
@@ -137,6 +144,8 @@ class GenerationRequest:
             m["messages"] = self.messages
         if self.watch is not None:  # the same: only requests that carry one
             m["watch"] = self.watch
+        if self.chat_template_kwargs is not None:  # the same
+            m["chat_template_kwargs"] = self.chat_template_kwargs
         try:
             data = _pack(m)
         except (OverflowError, ValueError, TypeError) as exc:  # a number msgpack cannot hold
@@ -175,6 +184,7 @@ class GenerationRequest:
                 created_ms=m.get("created_ms", 0),
                 deadline_ms=m.get("deadline_ms"),
                 watch=m.get("watch"),
+                chat_template_kwargs=m.get("chat_template_kwargs"),
             )
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc), rid) from None

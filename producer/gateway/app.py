@@ -200,16 +200,18 @@ class Gateway:
         return JSONResponse(_model_entry(name, *facts))
 
     async def tokenize(self, request: Request) -> Response:
-        """``{"model", "prompt", "add_special_tokens"?}``: the prompt's token ids as the
-        model's worker would read them (its registered tokenizer; no worker asked)."""
-        return await self._through_tokenizer(request, "prompt", tokenized)
+        """``{"model", "prompt", "add_special_tokens"?}`` or ``{"model", "messages",
+        "chat_template_kwargs"?, "add_generation_prompt"?}``: the token ids the model's
+        workers would read (its registered tokenizer and template; no worker asked)."""
+        return await self._through_tokenizer(request, ("prompt", "messages"), tokenized)
 
     async def detokenize(self, request: Request) -> Response:
         """``{"model", "tokens"}``: their text, special tokens left out (as a worker's
         answers are written)."""
-        return await self._through_tokenizer(request, "tokens", detokenized)
+        return await self._through_tokenizer(request, ("tokens",), detokenized)
 
-    async def _through_tokenizer(self, request: Request, field: str, answer: Any) -> Response:
+    async def _through_tokenizer(self, request: Request, fields: tuple[str, ...],
+                                 answer: Any) -> Response:
         if (refused := self._authorize(request)) is not None:
             return refused
         try:
@@ -217,14 +219,15 @@ class Gateway:
             if not isinstance(body, dict) or not isinstance(body.get("model"), str):
                 raise ApiError("'model' is required: a model name (GET /v1/models lists "
                                "them)", param="model")
-            if field not in body:
-                raise ApiError(f"'{field}' is required", param=field)
+            if not any(field in body for field in fields):
+                raise ApiError(f"{' or '.join(repr(f) for f in fields)} is required",
+                               param=fields[0])
             await self._check_model(body["model"])
             facts = await self._facts(body["model"])
             if facts.tokenizer is None:
                 raise ApiError(f"model {body['model']!r} registered no tokenizer",
                                param="model", code="no_tokenizer")
-            return JSONResponse(answer(facts.tokenizer, body, facts.max_model_len))
+            return JSONResponse(await answer(facts, body))
         except ApiError as exc:
             return _error(exc)
         except UNREACHABLE as exc:

@@ -36,6 +36,15 @@ class ModelFacts:
         messages, as the worker would."""
         if isinstance(api.prompt, list):
             return len(api.prompt)
+        ids = await self.prompt_ids(api)
+        return None if ids is None else len(ids)
+
+    async def prompt_ids(self, api: ApiRequest, add_generation_prompt: bool = True
+                         ) -> list[int] | None:
+        """The token ids the model's workers will read for ``api``'s prompt (as
+        prompt_tokens counts them; a chat rendered with or without the generation prompt)."""
+        if isinstance(api.prompt, list):
+            return list(api.prompt)
         if self.tokenizer is None or (api.messages is not None and self.template is None):
             return None
         if api.messages is not None:
@@ -43,7 +52,7 @@ class ModelFacts:
                 # (off the event loop: a template is a checkpoint's code, however slow)
                 text = await asyncio.to_thread(
                     self.template.render,  # type: ignore[union-attr]
-                    api.messages, extra=api.chat_template_kwargs)
+                    api.messages, add_generation_prompt, extra=api.chat_template_kwargs)
             except ValueError as exc:  # ChatTemplateError
                 raise ApiError(str(exc), param="messages", code="chat_template") from None
             special = False  # the template writes them
@@ -54,7 +63,7 @@ class ModelFacts:
                                               add_special_tokens=special)
         else:
             encoded = self.tokenizer.encode(text, add_special_tokens=special)
-        return len(encoded.ids)
+        return list(encoded.ids)
 
     def check_context(self, api: ApiRequest, prompt_tokens: int | None) -> None:
         """ApiError (400 context_length_exceeded) when the prompt leaves no room to

@@ -1,31 +1,43 @@
-"""The gateway's /tokenize and /detokenize: through the model's registered tokenizer (the
-one its workers encode and decode with), without asking a worker."""
+"""The gateway's /tokenize and /detokenize: through the model's registered tokenizer and
+chat template (the ones its workers encode, render and decode with), without asking a
+worker."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from producer.wire.openai_api import ApiError
+from producer.gateway.model_facts import ModelFacts
+from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
 
 
-def tokenized(tokenizer: Any, body: dict[str, Any], max_model_len: int | None
-               ) -> dict[str, Any]:
-    """/tokenize's answer (vLLM's shape): the prompt's ids as the model's worker encodes a
-    text prompt."""
-    prompt, special = body["prompt"], body.get("add_special_tokens", True)
-    if not isinstance(prompt, str):
-        raise ApiError("prompt must be a string (chat messages are not tokenized here yet)",
-                       param="prompt")
-    if not isinstance(special, bool):
-        raise ApiError("add_special_tokens must be true or false", param="add_special_tokens")
-    ids = tokenizer.encode(prompt, add_special_tokens=special).ids
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
+    """/tokenize's answer (vLLM's shape): the ids a worker reads for ``prompt`` (text, with
+    the tokenizer's special tokens unless ``add_special_tokens`` is false) or for
+    ``messages`` (rendered by the chat template with ``chat_template_kwargs``, with the
+    generation prompt unless ``add_generation_prompt`` is false)."""
+    chat = "messages" in body
+    flag = "add_generation_prompt" if chat else "add_special_tokens"
+    on = body.get(flag, True)
+    if not isinstance(on, bool):
+        raise ApiError(f"{flag} must be true or false", param=flag)
+    fields = ("model", "messages", "chat_template_kwargs") if chat else ("model", "prompt")
+    api = parse_body(CHAT_URL if chat else COMPLETIONS_URL,
+                     {k: body[k] for k in fields if k in body})
+    if chat:
+        ids = await facts.prompt_ids(api, add_generation_prompt=on)
+        if ids is None:
+            raise ApiError(f"model {api.model!r} registered no chat template",
+                           param="messages", code="no_chat_template")
+    elif isinstance(api.prompt, list):
+        ids = list(api.prompt)
+    else:
+        ids = list(facts.tokenizer.encode(api.prompt, add_special_tokens=on).ids)
+    return {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
 
 
-def detokenized(tokenizer: Any, body: dict[str, Any], max_model_len: int | None
-                 ) -> dict[str, Any]:
+async def detokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
     """/detokenize's answer (vLLM's shape): the ids' text, special tokens left out."""
-    ids = body["tokens"]
+    ids, tokenizer = body["tokens"], facts.tokenizer
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           and 0 <= t < tokenizer.get_vocab_size()
                                           for t in ids)):

@@ -116,10 +116,12 @@ class ChatTemplate:
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                     for m in messages]
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                tools=None, documents=None, strftime_now=self._strftime_now,
-                **{**(extra or {}), **self.special_tokens})
+            # One mapping, not keywords: a variable may be called anything (even "self").
+            return self._template.render({
+                **(extra or {}), "messages": messages,
+                "add_generation_prompt": add_generation_prompt, "tools": None,
+                "documents": None, "strftime_now": self._strftime_now,
+                **self.special_tokens})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused the messages: "
                                     f"{exc}") from None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import cache
 from importlib import metadata
 
 
+@cache
 def conveyor_version() -> str:
     """The installed conveyor distribution's version ("unknown" when run from a bare tree)."""
     try:

@@ -406,3 +406,38 @@ def test_priority_goes_on_the_request(start_worker, oai, client):
     [(_, fields)] = client.redis.xrevrange(KEYS.requests(MODEL, "interactive"), count=1)
     queued = GenerationRequest.decode(fields[FIELD])
     assert queued.priority == -5 and done.id.endswith(queued.request_id)
+
+
+def test_text_the_tokenizer_cannot_take_is_a_400_and_the_facts_are_read_once(
+        start_worker, gateway, redis_client, redis_url):
+    """A lone surrogate in the JSON is a str that tokenizers refuses: a 400 naming the
+    field, not a 500. And a burst of requests with no facts read yet reads them once."""
+    import asyncio
+
+    start_worker()
+    for url, body in [("/v1/completions", '{"model": "%s", "prompt": "a\\ud800b"}'),
+                      ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": '
+                       '"user", "content": "a\\ud800b"}]}'),
+                      ("/tokenize", '{"model": "%s", "prompt": "a\\ud800b"}')]:
+        response = httpx.post(gateway.url + url, content=(body % MODEL).encode(), timeout=60,
+                              headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (url, response.text[:200])
+        assert "cannot be encoded" in response.json()["error"]["message"]
+
+    from producer.client.async_client import AsyncClient
+    from producer.gateway import GatewaySettings, create_app
+
+    def hget_calls() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
+
+    async def burst() -> list:
+        async with AsyncClient(redis_url) as client:
+            fresh = create_app(GatewaySettings(redis_url=redis_url),
+                               client).state.gateway
+            before = hget_calls()
+            facts = await asyncio.gather(*(fresh._facts(MODEL) for _ in range(50)))
+            return [hget_calls() - before, facts]
+
+    hgets, facts = asyncio.run(burst())
+    assert hgets == 4  # one read: four fields
+    assert all(f is facts[0] for f in facts) and facts[0].tokenizer is not None

@@ -149,6 +149,28 @@ def test_headers_that_never_end_are_cut_and_a_kept_alive_connection_gets_its_tim
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_pipelined_request_is_answered_whole_however_long_it_takes(redis_url, start_worker,
+                                                                     protocol):
+    """A request pipelined behind another is in progress when the first answer ends: no
+    header timer runs on it (httptools made its cycle when its headers came)."""
+    start_worker(simulate_step_ms=20, max_num_seqs=8)
+    with serve_gateway(redis_url, protocol=protocol, header_timeout_s=0.3,
+                       keepalive_timeout_s=0.3) as gateway:
+        body = (b'{"model": "%s", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": true, '
+                b'"stream": true}' % MODEL.encode())
+        s = _connect(gateway.url)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+                  b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"[DONE]" not in got and (piece := s.recv(65536)):
+            got += piece
+        s.close()
+    assert got.count(b"HTTP/1.1 200") == 2  # both answered
+    assert b"[DONE]" in got  # the stream (40 steps of 20 ms, past both timers) whole
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_connection_past_max_connections_is_closed_at_once(redis_url, protocol):
     with serve_gateway(redis_url, protocol=protocol, max_connections=3) as gateway:
         held = [_connect(gateway.url) for _ in range(3)]

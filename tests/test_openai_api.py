@@ -96,3 +96,21 @@ def test_priority_is_the_requests_in_conveyors_range():
         with pytest.raises(ApiError) as refused:
             parse_body(CHAT_URL, {**CHAT, "priority": bad})
         assert refused.value.param == "priority"
+
+
+def test_chat_template_kwargs_are_names_a_template_can_take():
+    from producer.chat_template import ChatTemplate
+
+    body = {**CHAT, "chat_template_kwargs": {}}
+    assert parse_body(CHAT_URL, body).chat_template_kwargs is None  # nothing to send
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    for bad in ({"range": 1}, {"self": 1}, {"bos_token": "x"}, {"é": 1}, {"a-b": 1}, {"deep": nested},
+                {"x": float("nan")}, {"x": "y" * 20_000}):
+        with pytest.raises(ApiError) as refused:
+            parse_body(CHAT_URL, {**CHAT, "chat_template_kwargs": bad})
+        assert refused.value.param == "chat_template_kwargs"
+    template = ChatTemplate("{{ mode }}{{ messages[0]['content'] }}{% for i in range(2) %}"
+                            "{{ i }}{% endfor %}")
+    assert template.render(CHAT["messages"], extra={"mode": "S"}) == "Shi01"

@@ -156,6 +156,8 @@ class AsyncClient(ClientBase):
         while a stream is quiet (keep-alives) learns of it from the read it waits on anyway,
         with no timer or task of its own per event.
         """
+        if tick_s is not None and not tick_s > 0:
+            raise ValueError(f"tick_s must be a positive number of seconds, got {tick_s!r}")
         follower = self._follower(request_id, from_id, timeout)
         watch = self._watch(request_id, orphan_timeout)
         if not follower.needs_probe:  # (one generator less between each event and its reader)

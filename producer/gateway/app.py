@@ -117,8 +117,10 @@ class Gateway:
         # it began.
         self._states_reading: asyncio.Future | None = None
         self._states_read_from = -1e9
-        # model -> (when read, what its registration says: producer/gateway/model_facts.py)
+        # model -> (when read, what its registration says: producer/gateway/model_facts.py),
+        # and the reads of them in flight
         self._model_facts: dict[str, tuple[float, ModelFacts]] = {}
+        self._facts_reading: dict[str, asyncio.Future] = {}
         # Generation requests being answered now (streams until their last event).
         self.active = 0
         self._health: Any = None  # its own connection, made at start
@@ -309,7 +311,7 @@ class Gateway:
         speller = TokenSpeller(facts.tokenizer if api.logprobs else None)
         if api.stream:
             return StreamingResponse(self._events(request_id, api, created, speller,
-                                                  prompt_tokens or 0),
+                                                  prompt_tokens),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
@@ -378,13 +380,15 @@ class Gateway:
 
     async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:
         """Each model's state as last read, read again past model_state_ttl_s (``fresh``:
-        read now, or by a read that began after this call). One read at a time: the
+        by a read that began after the view this call found). One read at a time: the
         thousand requests that come in while it runs share it."""
         asked = time.monotonic()
         if not fresh and asked - self._states_at < self.settings.model_state_ttl_s:
             return self._states
         reading = self._states_reading
-        if reading is None or (fresh and self._states_read_from < asked):
+        # A fresh look joins a read in flight that began after the view it had (that read
+        # is newer than what it saw); otherwise it begins one.
+        if reading is None or (fresh and self._states_read_from <= self._states_at):
             reading = self._states_reading = asyncio.ensure_future(self._read_states(asked))
             self._states_read_from = asked
         return await asyncio.shield(reading)
@@ -431,14 +435,29 @@ class Gateway:
 
     async def _facts(self, model: str) -> ModelFacts:
         """The model's registered tokenizer, chat template and context length, read at most
-        once a minute (the tokenizer parsed off the event loop)."""
+        once a minute, by one read at a time: requests that come meanwhile wait for it when
+        nothing was read yet, and take the facts read before otherwise."""
         now = time.monotonic()
         cached = self._model_facts.get(model)
         if cached is not None and now - cached[0] < TOKENIZER_TTL_S:
             return cached[1]
-        facts = await read_facts(self.client.redis, self.client.keys.model(model))
-        self._model_facts[model] = (now, facts)
-        return facts
+        reading = self._facts_reading.get(model)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_facts(model, now))
+            # (a refresh nobody waits for fails quietly: the next request reads again)
+            reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._facts_reading[model] = reading
+        if cached is not None:
+            return cached[1]  # (the read in flight refreshes them)
+        return await asyncio.shield(reading)
+
+    async def _read_facts(self, model: str, began: float) -> ModelFacts:
+        try:
+            facts = await read_facts(self.client.redis, self.client.keys.model(model))
+            self._model_facts[model] = (began, facts)
+            return facts
+        finally:
+            del self._facts_reading[model]
 
     async def _wait(self, request: Request, request_id: str, model: str):
         """The request's Completion, or None (and the request cancelled) when the client
@@ -475,12 +494,14 @@ class Gateway:
             raise
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
-                      speller: TokenSpeller, prompt_tokens: int = 0) -> AsyncIterator[str]:
+                      speller: TokenSpeller, prompt_tokens: int | None = None
+                      ) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: a keep-alive comment each
         ``keepalive_s`` without one (the stream's own read wakes it when quiet: no task or
         timer a chunk), an error event once the model has had no live worker for the
         orphan timeout; a disconnect cancels the request. With continuous usage each chunk
-        carries the usage so far (``prompt_tokens`` as the gateway counted them)."""
+        carries the usage so far (``prompt_tokens`` as the gateway counted them; where it
+        could not, only the last chunk, with the worker's count)."""
         writer = ChunkWriter(api, request_id, created, speller)
         finished = False
         broken = False
@@ -489,39 +510,41 @@ class Gateway:
         spoke = time.monotonic()
         self.metrics.streams_open.inc()
         try:
-            every = api.continuous_usage
+            every = api.continuous_usage and prompt_tokens is not None
             if (first := writer.first(running_usage(prompt_tokens, 0) if every
                                       else None)) is not None:
                 yield sse(first)
-            async for event in self.client.stream(
-                    request_id, tick_s=min(LIVENESS_POLL_S, keepalive_s)):
-                if event is None:  # quiet for a tick
-                    if time.monotonic() - spoke >= keepalive_s:
-                        yield KEEPALIVE
-                        spoke = time.monotonic()
-                    await orphan.check()
-                    continue
-                spoke = time.monotonic()
-                orphan.heard()
-                if isinstance(event, ChunkEvent):
-                    if every and (event.text or (api.logprobs and event.logprobs)):
-                        yield sse(writer.text(event.text, event.logprobs, running_usage(
-                            prompt_tokens, event.index + len(event.token_ids))))
-                    elif api.logprobs and event.logprobs:
-                        yield sse(writer.text(event.text, event.logprobs))
-                    elif event.text:
-                        yield writer.text_event(event.text)
-                    continue
-                finished = True
-                if event.error:
-                    yield sse(ApiError(event.error, status=500, kind="server_error",
-                                       code="request_failed").body())
-                else:
-                    done = _usage(event.usage, event.num_tokens)
-                    yield sse(writer.last(event.finish_reason, event.text,
-                                          usage_body(done) if every else None))
-                    if api.include_usage:
-                        yield sse(writer.usage(done))
+            # (closed here, not by the collector: its read ends when the answer does)
+            async with contextlib.aclosing(self.client.stream(
+                    request_id, tick_s=min(LIVENESS_POLL_S, keepalive_s))) as events:
+                async for event in events:
+                    if event is None:  # quiet for a tick
+                        if time.monotonic() - spoke >= keepalive_s:
+                            yield KEEPALIVE
+                            spoke = time.monotonic()
+                        await orphan.check()
+                        continue
+                    spoke = time.monotonic()
+                    orphan.heard()
+                    if isinstance(event, ChunkEvent):
+                        if every and (event.text or (api.logprobs and event.logprobs)):
+                            yield sse(writer.text(event.text, event.logprobs, running_usage(
+                                prompt_tokens, event.index + len(event.token_ids))))
+                        elif api.logprobs and event.logprobs:
+                            yield sse(writer.text(event.text, event.logprobs))
+                        elif event.text:
+                            yield writer.text_event(event.text)
+                        continue
+                    finished = True
+                    if event.error:
+                        yield sse(ApiError(event.error, status=500, kind="server_error",
+                                           code="request_failed").body())
+                    else:
+                        done = _usage(event.usage, event.num_tokens)
+                        yield sse(writer.last(event.finish_reason, event.text,
+                                              usage_body(done) if api.continuous_usage else None))
+                        if api.include_usage:
+                            yield sse(writer.usage(done))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
             finished = True  # nothing to cancel: nothing holds it

@@ -10,9 +10,13 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from producer.chat_template import ChatTemplate
 from producer.client.client import tokenizer_from
 from producer.wire.openai_api import ApiError, ApiRequest
+
+log = structlog.get_logger(__name__)
 
 # Prompts longer than this (characters) are encoded off the event loop.
 INLINE_PROMPT_CHARS = 20_000
@@ -58,11 +62,15 @@ class ModelFacts:
             special = False  # the template writes them
         else:
             text, special = api.prompt, True
-        if len(text) > INLINE_PROMPT_CHARS:
-            encoded = await asyncio.to_thread(self.tokenizer.encode, text,
-                                              add_special_tokens=special)
-        else:
-            encoded = self.tokenizer.encode(text, add_special_tokens=special)
+        try:
+            if len(text) > INLINE_PROMPT_CHARS:
+                encoded = await asyncio.to_thread(self.tokenizer.encode, text,
+                                                  add_special_tokens=special)
+            else:
+                encoded = self.tokenizer.encode(text, add_special_tokens=special)
+        except Exception as exc:  # noqa: BLE001 (tokenizers raises TypeError on a lone surrogate)
+            raise ApiError(f"the prompt cannot be encoded: {str(exc)[:200]}",
+                           param="messages" if api.chat else "prompt") from None
         return list(encoded.ids)
 
     def check_context(self, api: ApiRequest, prompt_tokens: int | None) -> None:
@@ -78,15 +86,25 @@ class ModelFacts:
 
 async def read_facts(redis: Any, key: str) -> ModelFacts:
     """The facts of the model registered at ``key`` (its hash), the tokenizer parsed off the
-    event loop."""
+    event loop. A tokenizer or template this process cannot read (another tokenizers or
+    jinja2 than the workers') is logged and left out: the workers still judge the request."""
     pipe = redis.pipeline(transaction=False)
     for name in FIELDS:  # (HGETs: the producer's ACL has no HMGET)
         pipe.hget(key, name)
     raw_tokenizer, template, special, length = await pipe.execute()
-    tokenizer = (None if raw_tokenizer is None
-                 else await asyncio.to_thread(tokenizer_from, raw_tokenizer))
+    tokenizer = None
+    if raw_tokenizer is not None:
+        try:
+            tokenizer = await asyncio.to_thread(tokenizer_from, raw_tokenizer)
+        except Exception as exc:  # noqa: BLE001 (any parse failure: counted by workers instead)
+            log.warning("cannot read the model's tokenizer", key=key, error=repr(exc))
     registration = {"chat_template": _text(template), "chat_special_tokens": _text(special)}
-    return ModelFacts(tokenizer, ChatTemplate.from_registration(registration),
+    try:
+        chat_template = ChatTemplate.from_registration(registration)
+    except Exception as exc:  # noqa: BLE001 (the same)
+        log.warning("cannot read the model's chat template", key=key, error=repr(exc))
+        chat_template = None
+    return ModelFacts(tokenizer, chat_template,
                       int(length) if (length or b"").isdigit() else None)
 
 

@@ -76,11 +76,12 @@ def guarded_protocol(header_timeout_s: float, keepalive_timeout_s: float,
                 self._stop_header_timer()
 
         def on_response_complete(self) -> None:
-            answered = self.cycle
-            super().on_response_complete()  # (parses a pipelined request, if one is in)
-            if not self.transport.is_closing() and self.cycle is answered:
-                # The next request, if one comes: the keep-alive timeout to begin it, then
-                # the header timeout for its headers.
+            super().on_response_complete()  # (h11 parses a pipelined request here)
+            # No request in progress (a pipelined one has its cycle already: httptools
+            # made it when its headers came, h11 just now): the next request, if one comes,
+            # gets the keep-alive timeout to begin and the header timeout for its headers.
+            if not self.transport.is_closing() and (self.cycle is None
+                                                    or self.cycle.response_complete):
                 self._start_header_timer(keepalive_timeout_s + header_timeout_s)
 
         def connection_lost(self, exc: Exception | None) -> None:

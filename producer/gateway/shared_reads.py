@@ -60,7 +60,8 @@ class _Read:
 class SharedReads:
     """``await reads.xread(streams, block_ms)`` answers as ``redis.xread(streams, count,
     block=block_ms)`` would, through XREADs shared with every other caller; each entry's
-    fields as the raw reply holds them ([field, value, ...])."""
+    fields as the raw reply holds them ([field, value, ...]; a dict where hiredis is
+    missing: producer.wire.protocol.entry_message reads either)."""
 
     def __init__(self, redis: Any, *, count: int, max_readers: int = MAX_READERS,
                  max_keys: int = MAX_KEYS, block_cap_ms: int = BLOCK_CAP_MS) -> None:
@@ -218,9 +219,9 @@ async def _raw_command(redis: Any, args: tuple) -> Any:
     entry's fields, which the followers need not (producer.wire.protocol.entry_message)."""
     if pack_command is None:  # without hiredis: the same command through redis-py
         return await redis.execute_command(*args)
+    packed = pack_command(args)  # (before a connection is taken: nothing to leak)
     pool = redis.connection_pool
     conn = await pool.get_connection()
-    packed = pack_command(args)
 
     async def once() -> Any:
         await conn.send_packed_command(packed)

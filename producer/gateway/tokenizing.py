@@ -4,10 +4,14 @@ worker."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from producer.gateway.model_facts import ModelFacts
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
+
+# Token ids decoded on the event loop; more go to a thread.
+INLINE_IDS = 4096
 
 
 async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
@@ -17,7 +21,7 @@ async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
     generation prompt unless ``add_generation_prompt`` is false)."""
     chat = "messages" in body
     flag = "add_generation_prompt" if chat else "add_special_tokens"
-    on = body.get(flag, True)
+    on = True if body.get(flag) is None else body[flag]
     if not isinstance(on, bool):
         raise ApiError(f"{flag} must be true or false", param=flag)
     fields = ("model", "messages", "chat_template_kwargs") if chat else ("model", "prompt")
@@ -28,18 +32,26 @@ async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
         if ids is None:
             raise ApiError(f"model {api.model!r} registered no chat template",
                            param="messages", code="no_chat_template")
-    elif isinstance(api.prompt, list):
-        ids = list(api.prompt)
-    else:
-        ids = list(facts.tokenizer.encode(api.prompt, add_special_tokens=on).ids)
+    elif isinstance(api.prompt, list) or on:
+        ids = await facts.prompt_ids(api)
+    else:  # without the tokenizer's special tokens
+        try:
+            ids = list((await asyncio.to_thread(facts.tokenizer.encode, api.prompt,
+                                                add_special_tokens=False)).ids)
+        except Exception as exc:  # noqa: BLE001 (as ModelFacts.prompt_ids)
+            raise ApiError(f"the prompt cannot be encoded: {str(exc)[:200]}",
+                           param="prompt") from None
     return {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
 
 
 async def detokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
     """/detokenize's answer (vLLM's shape): the ids' text, special tokens left out."""
     ids, tokenizer = body["tokens"], facts.tokenizer
+    vocab = tokenizer.get_vocab_size()
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                          and 0 <= t < tokenizer.get_vocab_size()
-                                          for t in ids)):
+                                          and 0 <= t < vocab for t in ids)):
         raise ApiError("tokens must be a list of the model's token ids", param="tokens")
+    if len(ids) > INLINE_IDS:
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, ids,
+                                                  skip_special_tokens=True)}
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=True)}

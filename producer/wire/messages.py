@@ -24,7 +24,10 @@ MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024
 RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "add_generation_prompt", "tools", "documents", "strftime_now",
     "raise_exception", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-    "cls_token", "mask_token"})
+    "cls_token", "mask_token",
+    # Jinja's own names: a template that calls range() must get range, and "self" is the
+    # template itself.
+    "range", "dict", "lipsum", "cycler", "joiner", "namespace", "self"})
 # A participant's name (OpenAI allows 64 characters of [a-zA-Z0-9_-]; any text is kept here).
 MAX_NAME_CHARS = 256
 
@@ -67,14 +70,16 @@ def validate_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def validate_template_kwargs(value: Any) -> dict[str, Any]:
-    """``value`` as chat_template_kwargs: a map from names (identifiers, none of
-    RESERVED_TEMPLATE_NAMES) to JSON values, at most MAX_TEMPLATE_KWARGS_CHARS as JSON; or a
-    ValueError saying what is wrong with it."""
+def validate_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """``value`` as chat_template_kwargs: a map from names (ASCII identifiers, none of
+    RESERVED_TEMPLATE_NAMES) to JSON values, at most MAX_TEMPLATE_KWARGS_CHARS as JSON, None
+    for an empty one (nothing to send); or a ValueError saying what is wrong with it."""
     if not isinstance(value, dict):
         raise ValueError(f"chat_template_kwargs must be a map, got {brief(value)}")
+    if not value:
+        return None
     for name in value:
-        if not isinstance(name, str) or not name.isidentifier():
+        if not isinstance(name, str) or not name.isascii() or not name.isidentifier():
             raise ValueError(f"chat_template_kwargs names must be identifiers, got "
                              f"{brief(name)}")
         if name in RESERVED_TEMPLATE_NAMES:
@@ -82,7 +87,7 @@ def validate_template_kwargs(value: Any) -> dict[str, Any]:
                              "it)")
     try:
         size = len(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise ValueError("chat_template_kwargs values must be JSON (strings, numbers, "
                          "booleans, null, lists and maps)") from None
     if size > MAX_TEMPLATE_KWARGS_CHARS:

@@ -97,9 +97,9 @@ class GenerationRequest:
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt (text), prompt_token_ids and messages")
         if self.chat_template_kwargs is not None:
-            if self.messages is None:
-                raise ValueError("chat_template_kwargs needs messages (a chat request)")
             self.chat_template_kwargs = validate_template_kwargs(self.chat_template_kwargs)
+            if self.chat_template_kwargs is not None and self.messages is None:
+                raise ValueError("chat_template_kwargs needs messages (a chat request)")
         if self.messages is not None:
             self.messages = validate_messages(self.messages)
         elif self.prompt is not None:

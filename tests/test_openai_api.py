@@ -106,8 +106,8 @@ def test_chat_template_kwargs_are_names_a_template_can_take():
     nested: list = []
     for _ in range(5000):
         nested = [nested]
-    for bad in ({"range": 1}, {"self": 1}, {"bos_token": "x"}, {"é": 1}, {"a-b": 1}, {"deep": nested},
-                {"x": float("nan")}, {"x": "y" * 20_000}):
+    for bad in ({"range": 1}, {"self": 1}, {"bos_token": "x"}, {"é": 1}, {"a-b": 1},
+                {"deep": nested}, {"x": float("nan")}, {"x": "y" * 20_000}):
         with pytest.raises(ApiError) as refused:
             parse_body(CHAT_URL, {**CHAT, "chat_template_kwargs": bad})
         assert refused.value.param == "chat_template_kwargs"

@@ -76,6 +76,35 @@ def test_text_prompt_and_stop_string_is_removed(engine):
     assert stop not in stopped.text
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_same_tokens(engine):
+    (free,) = engine.generate(["The river runs"], SamplingParams(max_tokens=30, temperature=0,
+                                                                  ignore_eos=True))
+    stop = free.text[5:8]
+    args = {"max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    (cut,) = engine.generate(["The river runs"], SamplingParams(**args))
+    (kept,) = engine.generate(["The river runs"], SamplingParams(
+        **args, include_stop_str_in_output=True))
+    assert kept.finish_reason is FinishReason.STOP and kept.token_ids == cut.token_ids
+    assert kept.text == cut.text + stop == free.text[: free.text.index(stop) + len(stop)]
+
+
+def test_skip_special_tokens_false_keeps_their_text(engine, tiny_llama):
+    """The model's EOS generated past (ignore_eos) is text when skip_special_tokens is false,
+    and nothing by default; the tokens are the same."""
+    from worker.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_llama)
+    eos = min(engine.eos_token_ids)
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+              "logit_bias": {str(eos): 100}}
+    (plain,) = engine.generate(["The river runs"], SamplingParams(**params))
+    (kept,) = engine.generate(["The river runs"], SamplingParams(
+        **params, skip_special_tokens=False))
+    assert plain.token_ids == kept.token_ids == [eos] * 12  # precondition: EOS, every step
+    assert plain.text == "" and kept.text == tok.decode([eos] * 12, skip_special_tokens=False)
+    assert kept.text != ""
+
+
 def test_streamed_text_deltas_add_up_to_the_completion_text(engine):
     params = SamplingParams(max_tokens=25, temperature=0.7, seed=3, ignore_eos=True, stop=["zzq"])
     engine.add_request("Tell me about the lighthouse", params)

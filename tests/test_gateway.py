@@ -441,3 +441,28 @@ def test_text_the_tokenizer_cannot_take_is_a_400_and_the_facts_are_read_once(
     hgets, facts = asyncio.run(burst())
     assert hgets == 4  # one read: four fields
     assert all(f is facts[0] for f in facts) and facts[0].tokenizer is not None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_kept_and_special_tokens_spelt_through_the_fleet(start_worker, oai,
+                                                                     client, stream):
+    """vLLM's include_stop_str_in_output and skip_special_tokens, on the publisher's path
+    (text made a chunk at a time), streamed or not."""
+    start_worker()
+    free = client.result(client.submit(PROMPT, model=MODEL, max_tokens=20, temperature=0,
+                                       ignore_eos=True), timeout=60)
+    stop = free.text[5:8]
+    eos = min(client.model_info(MODEL)["eos_token_ids"])
+
+    def text(**extra) -> str:
+        done = oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                      stream=stream, **extra)
+        return "".join(c.choices[0].text for c in done) if stream else done.choices[0].text
+
+    kept = text(max_tokens=20, stop=[stop],
+                extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept == free.text[: free.text.index(stop) + len(stop)]
+    forced = {"max_tokens": 4, "logit_bias": {str(eos): 100}}
+    spelt = text(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert text(**forced, extra_body={"ignore_eos": True}) == ""  # precondition: EOS only
+    assert spelt == client.tokenizer(MODEL).decode([eos] * 4, skip_special_tokens=False) != ""

@@ -73,6 +73,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs, sorted by id; given as a mapping (JSON keys may be strings).
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # The text leaves out the tokenizer's special tokens (vLLM's default); False keeps them.
+    skip_special_tokens: bool = True
+    # A stop string that ended the request stays at the end of its text (vLLM's field).
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -114,6 +118,11 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         # String keys, as in OpenAI's JSON: msgpack readers refuse integer map keys by default.
         d["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        # Only when set: a worker from before them refuses the fields, never a request that
+        # leaves them at their defaults.
+        for name, default in LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     def _validate(self) -> None:
@@ -127,8 +136,9 @@ class SamplingParams:
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {brief(self.ignore_eos)}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {brief(getattr(self, name))}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -156,6 +166,10 @@ class SamplingParams:
             _check_int("logit_bias token id", token, low=0, high=MAX_TOKEN_ID)
             _check_float("logit_bias value", bias, low=-MAX_ABS_LOGIT_BIAS,
                          high=MAX_ABS_LOGIT_BIAS)
+
+
+# Fields added after the first wire version, with their defaults: written only when set.
+LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False}
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

@@ -57,7 +57,9 @@ class RequestOutputState:
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,
                tokenizer: Tokenizer | None) -> RequestOutputState:
-        detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        detok = (IncrementalDetokenizer(tokenizer,
+                                        skip_special_tokens=params.skip_special_tokens)
+                 if tokenizer is not None else None)
         return cls(request_id, params, seed, num_prompt_tokens, detok)
 
     def add_tokens(self, token_ids: list[int], logprob: TokenLogprob | None) -> None:
@@ -104,9 +106,13 @@ class RequestOutputState:
         return max((len(s) for s in self.params.stop), default=1)
 
     def _cut_at_stop_string(self, start: int) -> None:
-        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) != -1]
+        hits = [(i, len(s)) for s in self.params.stop if (i := self.text.find(s, start)) != -1]
         if hits:
-            self.text = self.text[: min(hits)]
+            if self.params.include_stop_str_in_output:
+                # The text ends with the stop string that was complete first.
+                self.text = self.text[: min(i + n for i, n in hits)]
+            else:
+                self.text = self.text[: min(i for i, _ in hits)]
             self.hit_stop_string = True
 
     def _safe_end(self) -> int:

@@ -36,8 +36,8 @@ class Tokenizer:
         # apply_chat_template does).
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -55,11 +55,13 @@ class IncrementalDetokenizer:
     for each token.
     """
 
-    def __init__(self, tokenizer: Tokenizer, by_chunk: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, by_chunk: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens  # (False: special tokens' text is kept)
         self._ids: list[int] = []
-        self._stream = DecodeStream(skip_special_tokens=True) if DecodeStream and not \
-            by_chunk else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if DecodeStream \
+            and not by_chunk else None
         self._prefix_offset = 0  # start of the window that is re-decoded
         self._read_offset = 0  # tokens whose text has been emitted
         self.text = ""
@@ -92,8 +94,8 @@ class IncrementalDetokenizer:
     def _window(self) -> str:
         """Decode the window from ``_prefix_offset``: the text past what was read, unless it
         ends in an incomplete character."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix) :]
@@ -107,8 +109,8 @@ class IncrementalDetokenizer:
         where the last emitted text began (not the request's every token again), past
         that text; nothing where it does not start with it (text already out is never
         rewritten)."""
-        emitted = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        emitted = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         delta = full[len(emitted) :] if full.startswith(emitted) else ""
         self.text += delta
         self._read_offset = self._prefix_offset = len(self._ids)

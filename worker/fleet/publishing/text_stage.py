@@ -38,7 +38,9 @@ class TextStage:
                                           self.tokenizer)
         if self.tokenizer is not None and not item.params.stop:
             # Detokenized a chunk at a time (fill): the window suits that best.
-            state.detokenizer = IncrementalDetokenizer(self.tokenizer, by_chunk=True)
+            state.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, by_chunk=True,
+                skip_special_tokens=item.params.skip_special_tokens)
         if item.published_token_ids:
             state.add_tokens(item.published_token_ids, None)
             # Text the earlier worker held back (a partial character, a possible stop string)

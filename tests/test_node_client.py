@@ -160,6 +160,19 @@ def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_
     assert chat.finish_reason == got_chat["finish_reason"] == "length", chat.error
     assert (got_chat["token_ids"], got_chat["text"]) == (chat.token_ids, chat.text)
     assert got_chat["usage"]["prompt_tokens"] == chat.usage.prompt_tokens
+    # The optional fields a newer producer sends: a name, template kwargs, later params.
+    named = [{**CHAT[0], "name": "ann"}, *CHAT[1:]]
+    later = {**GREEDY, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    with Client(redis_url) as client:
+        want_named = client.result(client.submit(
+            messages=named, model=MODEL, chat_template_kwargs={"enable_thinking": False},
+            **later), timeout=60)
+    got_named = run_node(node, redis_url, "--messages", json.dumps(named),
+                         "--chat-template-kwargs", '{"enable_thinking": false}',
+                         "--params", json.dumps(later))
+    assert want_named.finish_reason == got_named["finish_reason"] == "length"
+    assert (got_named["token_ids"], got_named["text"]) \
+        == (want_named.token_ids, want_named.text)
 
     with Client(redis_url) as client:
         free = client.result(client.submit(PROMPT, model=MODEL, **GREEDY), timeout=60)
@@ -175,7 +188,8 @@ def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_
     bad = run_node(node, redis_url, "--prompt", PROMPT, "--params", '{"top_p": 0}')
     assert bad["finish_reason"] == "error" and "top_p" in bad["error"]
     assert_outputs_match_schema(redis_client, [chat.request_id, got_chat["id"],
-                                               want.request_id, got["id"], bad["id"]])
+                                               want.request_id, got["id"], bad["id"],
+                                               want_named.request_id, got_named["id"]])
 
 
 PASSWORDS = {"producer": "pr0ducer-secret", "worker": "w0rker-secret"}

@@ -40,7 +40,8 @@ function options() {
       id: { type: 'string' },
       prompt: { type: 'string' },
       'prompt-token-ids': { type: 'string' }, // comma-separated
-      messages: { type: 'string' }, // JSON: [{"role": "user", "content": "..."}]
+      messages: { type: 'string' }, // JSON: [{"role": "user", "content": "...", "name"?: ...}]
+      'chat-template-kwargs': { type: 'string' }, // JSON: {"enable_thinking": false}
       params: { type: 'string', default: '{}' }, // JSON: SamplingParams fields
       priority: { type: 'string', default: '0' },
       'timeout-ms': { type: 'string' }, // sets deadline_ms, enforced by the worker
@@ -86,6 +87,10 @@ function requestMessage(opts) {
     message.prompt_token_ids = opts['prompt-token-ids'].split(',').map(Number);
   }
   if (opts.messages !== undefined) message.messages = JSON.parse(opts.messages);
+  // Only when given: a worker from before the field refuses it (docs/protocol.md).
+  if (opts['chat-template-kwargs'] !== undefined) {
+    message.chat_template_kwargs = JSON.parse(opts['chat-template-kwargs']);
+  }
   if (opts['timeout-ms'] !== undefined) {
     message.deadline_ms = message.created_ms + Number(opts['timeout-ms']);
   }

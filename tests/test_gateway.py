@@ -397,15 +397,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(start_worker
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
-def test_priority_goes_on_the_request(start_worker, oai, client):
+def test_priority_goes_on_the_request_within_the_gateways_floor(start_worker, redis_url,
+                                                                  client):
+    """By default no client goes ahead of requests that ask for nothing (--min-priority
+    0): -5 is a 400 naming it; a gateway that allows it puts it on the request."""
     from producer.wire.protocol import FIELD, GenerationRequest
 
     start_worker()
-    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                  extra_body={"priority": -5})
-    [(_, fields)] = client.redis.xrevrange(KEYS.requests(MODEL, "interactive"), count=1)
-    queued = GenerationRequest.decode(fields[FIELD])
-    assert queued.priority == -5 and done.id.endswith(queued.request_id)
+    for floor in (0, -1000):
+        with serve_gateway(redis_url, min_priority=floor) as gw, \
+                openai.OpenAI(base_url=gw.api, api_key="unused", max_retries=0) as oai:
+            ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+            later = oai.completions.create(**ask, extra_body={"priority": 7})
+            if floor == 0:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    oai.completions.create(**ask, extra_body={"priority": -5})
+                assert refused.value.body["code"] == "priority_not_allowed"
+                continue
+            done = oai.completions.create(**ask, extra_body={"priority": -5})
+    queued = [GenerationRequest.decode(fields[FIELD]) for _, fields in
+              client.redis.xrevrange(KEYS.requests(MODEL, "interactive"), count=2)]
+    assert [q.priority for q in queued] == [-5, 7]
+    assert done.id.endswith(queued[0].request_id) and later.id.endswith(queued[1].request_id)
 
 
 def test_text_the_tokenizer_cannot_take_is_a_400_and_the_facts_are_read_once(

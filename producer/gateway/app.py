@@ -300,6 +300,10 @@ class Gateway:
         self.active += 1
         request.state.slot = True
         api = parse_body(url, body)
+        if api.priority < self.settings.min_priority:
+            raise ApiError(f"priority {api.priority} is more urgent than this gateway allows "
+                           f"(--min-priority {self.settings.min_priority}; lower is more "
+                           "urgent)", param="priority", code="priority_not_allowed")
         await self._check_model(api.model)
         # What can be decided before the request is queued is answered with its status,
         # streamed or not: a prompt over the context, messages the template refuses.

@@ -47,6 +47,10 @@ class GatewaySettings:
     max_queue: int | None = None
     # Lane of the requests this gateway submits (interactive: people wait on them).
     lane: str = "interactive"
+    # The most urgent priority a client may ask for (lower is more urgent): by default none
+    # goes ahead of requests that ask for nothing; an operator who trusts its clients
+    # lowers it (to -1000, the wire's bound, for vLLM's whole range).
+    min_priority: int = 0
     model_state_ttl_s: float = MODEL_STATE_TTL_S
     # Generation requests answered at once; more get 429 until one ends.
     max_concurrent: int = MAX_CONCURRENT
@@ -74,6 +78,9 @@ class GatewaySettings:
         if self.orphan_timeout_s is not None and not self.orphan_timeout_s > 0:
             raise ValueError(f"orphan_timeout_s must be > 0 or None, got "
                              f"{self.orphan_timeout_s!r}")
+        if not isinstance(self.min_priority, int) or not -1000 <= self.min_priority <= 1000:
+            raise ValueError(f"min_priority must be an integer in [-1000, 1000], got "
+                             f"{self.min_priority!r}")
         if self.max_queue is not None and (not isinstance(self.max_queue, int)
                                            or self.max_queue < 1):
             raise ValueError(f"max_queue must be a positive integer, got {self.max_queue!r}")

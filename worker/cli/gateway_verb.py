@@ -46,6 +46,10 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="answer 429 when the model's interactive lane already holds N "
                    "waiting requests (default: no bound)")
+    p.add_argument("--min-priority", type=int, default=0, metavar="P",
+                   help="the most urgent priority a client may ask for (lower is more urgent; "
+                   "default 0: none goes ahead of requests that ask for nothing; -1000 allows "
+                   "the whole range)")
     p.add_argument("--keepalive", type=float, default=KEEPALIVE_S, metavar="S",
                    help="a stream that waits sends an SSE comment every S seconds")
     p.add_argument("--orphan-timeout", type=float, default=ORPHAN_TIMEOUT_S, metavar="S",
@@ -96,6 +100,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         keys = read_key_file(args.api_key_file)
     settings = GatewaySettings(redis_url=args.redis, namespace=args.namespace, api_keys=keys,
                                max_queue=args.max_queue, keepalive_s=args.keepalive,
+                               min_priority=args.min_priority,
                                orphan_timeout_s=args.orphan_timeout or None,
                                watch_ttl_s=args.watch_ttl, max_concurrent=args.max_concurrent,
                                redis_connections=args.redis_connections,

@@ -160,6 +160,18 @@ def test_a_model_without_a_template_refuses_messages_on_their_stream(
         # The worker keeps serving prompts.
         assert client.result(client.submit("hello", model=MODEL, max_tokens=2),
                              timeout=60).finish_reason == FinishReason.LENGTH
+    # Through the gateway the same refusal comes before anything is queued, streamed or not.
+    import httpx
+    from gateway_fixtures import serve_gateway
+
+    with serve_gateway(redis_url) as running:
+        for stream in (False, True):
+            refused = httpx.post(running.api + "/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "stream": stream})
+            assert refused.status_code == 400
+            assert refused.json()["error"]["code"] == "no_chat_template"
+    assert redis_client.xlen("conveyor:dead") == 1  # the one the worker refused above
 
 
 @pytest.mark.parametrize("bad, message", [

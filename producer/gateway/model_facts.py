@@ -32,6 +32,8 @@ class ModelFacts:
     tokenizer: Any | None = None
     template: ChatTemplate | None = None
     max_model_len: int | None = None
+    # The model registered no chat template (not: one this process could not read).
+    no_template: bool = False
 
     async def prompt_tokens(self, api: ApiRequest) -> int | None:
         """How many tokens the model's workers will read for ``api``'s prompt; None where
@@ -49,6 +51,11 @@ class ModelFacts:
         prompt_tokens counts them; a chat rendered with or without the generation prompt)."""
         if isinstance(api.prompt, list):
             return list(api.prompt)
+        if api.messages is not None and self.no_template:
+            # The worker's own refusal, before the request is queued.
+            raise ApiError(f"model {api.model!r} has no chat template: send a prompt (POST "
+                           "/v1/completions) instead of messages", param="messages",
+                           code="no_chat_template")
         if self.tokenizer is None or (api.messages is not None and self.template is None):
             return None
         if api.messages is not None:
@@ -105,7 +112,8 @@ async def read_facts(redis: Any, key: str) -> ModelFacts:
         log.warning("cannot read the model's chat template", key=key, error=repr(exc))
         chat_template = None
     return ModelFacts(tokenizer, chat_template,
-                      int(length) if (length or b"").isdigit() else None)
+                      int(length) if (length or b"").isdigit() else None,
+                      no_template=template is None)
 
 
 def _text(value: bytes | None) -> str | None:

@@ -269,12 +269,45 @@ def test_logprob_tokens_spell_the_answer_streamed_or_not(start_worker, oai):
             "logprobs": 1}
     whole = oai.completions.create(**args)
     lp = whole.choices[0].logprobs
-    assert "".join(lp.tokens) == whole.choices[0].text
-    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # (a model may also write bytes that are no UTF-8 at all: the text has U+FFFD there,
+    # one for a run the tokenizer's decoder reads as one, so those are left out)
+    text = whole.choices[0].text
+    joined = b"".join(map(token_bytes, lp.tokens)).decode("utf-8", "replace")
+    assert joined.replace("\ufffd", "") == text.replace("\ufffd", "")
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
     streamed = [c.choices[0].logprobs for c in oai.completions.create(**args, stream=True)
                 if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def token_bytes(token: str) -> bytes:
+    """A logprobs token's bytes: ``bytes:\\xNN...`` read back, any other its UTF-8."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+    return token.encode()
+
+
+def test_pieces_of_a_character_are_bytes_tokens_whose_bytes_join_to_the_text(tiny_llama):
+    """Byte-level BPE splits ü, 漢 and 🙂 over several tokens: each piece is a ``bytes:``
+    token with its own bytes, and all the bytes join to the text."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from producer.gateway.answers import TokenSpeller
+
+    raw = RawTokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    text = "Grüße 漢字 🙂 ok"
+    ids = raw.encode(text, add_special_tokens=False).ids
+    speller = TokenSpeller(raw)
+    spelt = [speller.spell(i) for i in ids]
+    assert b"".join(bytes(own) for _, _, own in spelt).decode() == text
+    assert b"".join(token_bytes(token) for token, _, _ in spelt).decode() == text
+    pieces = [token for token, _, _ in spelt if token.startswith("bytes:")]
+    assert len(pieces) >= 9  # precondition: ü, ß, 漢, 字 and 🙂 came in pieces
+    assert all(token_bytes(t) for t in pieces)
+    whole = [token for token, _, _ in spelt if not token.startswith("bytes:")]
+    assert "".join(whole) == "Gre   ok"  # the rest is text, offsets in characters
+    assert [offset for _, offset, _ in spelt][-2:] == [10, 12]
 
 
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])

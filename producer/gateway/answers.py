@@ -20,9 +20,12 @@ class TokenSpeller:
 
     A token decoded alone can lose what it means in place (SentencePiece's leading space)
     or be part of one character (byte-level BPE): the text a token adds is found by
-    decoding it after the tokens before it, and a token that ends inside a character
-    gets no text (the one that completes it carries the character). The pieces add up to
-    the answer's text; offsets count characters before each token.
+    decoding it after the tokens before it. A token whose own bytes are not whole UTF-8
+    (a piece of a character) is written as OpenAI writes it, ``bytes:\\xe6\\xbc``, and its
+    ``bytes`` are its own: the tokens' bytes join to the answer's UTF-8. Offsets count
+    characters before each token. Own bytes are known for byte-level BPE (each character
+    of the token's vocabulary string is one byte) and byte-fallback tokens (``<0xE6>``);
+    for other tokenizers a token's bytes are its text's.
     """
 
     def __init__(self, tokenizer: Any | None) -> None:
@@ -31,28 +34,77 @@ class TokenSpeller:
         self.length = 0  # characters spelled so far
         self._prefix = 0  # decoding restarts here (a few tokens back)
         self._read = 0  # tokens whose text was given out
+        self._byte_level = (tokenizer is not None
+                            and type(tokenizer.decoder).__name__ == "ByteLevel")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def next(self, token_id: int) -> tuple[str, int]:
         """(the token's text here, characters before it)."""
+        text, offset, _ = self.spell(token_id)
+        return text, offset
+
+    def spell(self, token_id: int) -> tuple[str, int, list[int]]:
+        """(the token's text here, or ``bytes:...`` where its own bytes are not whole UTF-8;
+        characters before it; its bytes)."""
         offset = self.length
         if self.tokenizer is None:
-            return f"<{token_id}>", offset
+            text = f"<{token_id}>"
+            return text, offset, list(text.encode())
         self.ids.append(token_id)
+        own = self._own_bytes(token_id)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return "", offset  # inside a character: the next token completes it
-        piece = after[len(before):]
-        self._prefix, self._read = self._read, len(self.ids)
-        self.length += len(piece)
-        return piece, offset
+            piece = ""  # inside a character: the token that completes it carries it
+        else:
+            piece = after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.length += len(piece)
+        if own is None:  # (bytes unknown: the text's)
+            return piece, offset, list(piece.encode())
+        try:
+            own.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in own), offset, list(own)
+        return piece, offset, list(own)
 
     def alone(self, token_id: int) -> str:
         """An alternative's text, decoded by itself."""
         return f"<{token_id}>" if self.tokenizer is None else self._decode([token_id])
+
+    def _own_bytes(self, token_id: int) -> bytes | None:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])  # a byte-fallback token
+            except ValueError:
+                return None
+        if self._byte_level:
+            try:
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:  # a special or added token: not bytes of the table
+                return None
+        return None
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's table (GPT-2's): each byte is one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_of_char()
 
 
 def response_id(request: ApiRequest, request_id: str) -> str:
@@ -160,14 +212,14 @@ def logprobs_body(request: ApiRequest, logprobs: list[TokenLogprob] | None,
     each token spelled where it stands in the answer."""
     if not request.logprobs or logprobs is None:
         return None
-    spelled = [speller.next(lp.token_id) for lp in logprobs]
+    spelled = [speller.spell(lp.token_id) for lp in logprobs]
     if request.chat:
         return {"content": [
-            {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+            {"token": text, "logprob": lp.logprob, "bytes": own,
              "top_logprobs": [{"token": speller.alone(t), "logprob": a,
                                "bytes": list(speller.alone(t).encode())} for t, a in lp.top]}
-            for (text, _), lp in zip(spelled, logprobs, strict=True)]}
-    return {"tokens": [text for text, _ in spelled],
+            for (text, _, own), lp in zip(spelled, logprobs, strict=True)]}
+    return {"tokens": [text for text, _, _ in spelled],
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{speller.alone(t): a for t, a in lp.top} for lp in logprobs],
-            "text_offset": [offset for _, offset in spelled]}
+            "text_offset": [offset for _, offset, _ in spelled]}

@@ -387,6 +387,8 @@ def test_tokenize_detokenize_version_and_models_with_their_context(start_worker,
     with httpx.Client(base_url=gateway.url, timeout=60) as http:
         tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
         chat_tokens = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+        bare = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT,
+                                            "add_special_tokens": False}).json()
         chat = http.post(gateway.api + "/chat/completions", json={
             "model": MODEL, "messages": MESSAGES, "max_tokens": 1}).json()
         text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]})
@@ -397,6 +399,7 @@ def test_tokenize_detokenize_version_and_models_with_their_context(start_worker,
         unknown = http.post("/tokenize", json={"model": "nobody", "prompt": "x"})
     assert tokens["count"] == len(tokens["tokens"]) == ref.usage.prompt_tokens
     assert chat_tokens["count"] == chat["usage"]["prompt_tokens"] > 0
+    assert bare["tokens"] == tokens["tokens"][1:]  # the tokenizer's BOS left out
     assert tokens["max_model_len"] == info["max_model_len"]
     assert text.json()["prompt"] == client.tokenizer(MODEL).decode(tokens["tokens"],
                                                                    skip_special_tokens=True)

@@ -47,7 +47,7 @@ from producer.gateway.answers import (
     usage_body,
 )
 from producer.gateway.metrics import GatewayMetrics
-from producer.gateway.model_facts import ModelFacts, read_facts
+from producer.gateway.model_facts import ModelFacts, read_facts, registered_int
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
 from producer.gateway.shared_reads import SharedReads
 from producer.gateway.tokenizing import detokenized, tokenized
@@ -379,7 +379,7 @@ class Gateway:
             pipe.hget(self.client.keys.model(name), "simulated")
             pipe.hget(self.client.keys.model(name), "max_model_len")
         replies = await pipe.execute()
-        return [(simulated == b"1", int(length) if (length or b"").isdigit() else None)
+        return [(simulated == b"1", registered_int(length))
                 for simulated, length in zip(replies[::2], replies[1::2], strict=True)]
 
     async def _model_states(self, fresh: bool = False) -> dict[str, ModelState]:

@@ -45,10 +45,11 @@ class ModelFacts:
         ids = await self.prompt_ids(api)
         return None if ids is None else len(ids)
 
-    async def prompt_ids(self, api: ApiRequest, add_generation_prompt: bool = True
-                         ) -> list[int] | None:
+    async def prompt_ids(self, api: ApiRequest, add_generation_prompt: bool = True,
+                         add_special_tokens: bool = True) -> list[int] | None:
         """The token ids the model's workers will read for ``api``'s prompt (as
-        prompt_tokens counts them; a chat rendered with or without the generation prompt)."""
+        prompt_tokens counts them); /tokenize may ask for a chat without the generation
+        prompt, or a text without the tokenizer's special tokens."""
         if isinstance(api.prompt, list):
             return list(api.prompt)
         if api.messages is not None and self.no_template:
@@ -68,7 +69,7 @@ class ModelFacts:
                 raise ApiError(str(exc), param="messages", code="chat_template") from None
             special = False  # the template writes them
         else:
-            text, special = api.prompt, True
+            text, special = api.prompt, add_special_tokens
         try:
             if len(text) > INLINE_PROMPT_CHARS:
                 encoded = await asyncio.to_thread(self.tokenizer.encode, text,
@@ -111,9 +112,13 @@ async def read_facts(redis: Any, key: str) -> ModelFacts:
     except Exception as exc:  # noqa: BLE001 (the same)
         log.warning("cannot read the model's chat template", key=key, error=repr(exc))
         chat_template = None
-    return ModelFacts(tokenizer, chat_template,
-                      int(length) if (length or b"").isdigit() else None,
+    return ModelFacts(tokenizer, chat_template, registered_int(length),
                       no_template=template is None)
+
+
+def registered_int(value: bytes | None) -> int | None:
+    """A whole number field of the model hash (max_model_len), or None where it is not one."""
+    return int(value) if (value or b"").isdigit() else None
 
 
 def _text(value: bytes | None) -> str | None:

@@ -27,20 +27,10 @@ async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
     fields = ("model", "messages", "chat_template_kwargs") if chat else ("model", "prompt")
     api = parse_body(CHAT_URL if chat else COMPLETIONS_URL,
                      {k: body[k] for k in fields if k in body})
-    if chat:
-        ids = await facts.prompt_ids(api, add_generation_prompt=on)
-        if ids is None:
-            raise ApiError(f"model {api.model!r} registered no chat template",
-                           param="messages", code="no_chat_template")
-    elif isinstance(api.prompt, list) or on:
-        ids = await facts.prompt_ids(api)
-    else:  # without the tokenizer's special tokens
-        try:
-            ids = list((await asyncio.to_thread(facts.tokenizer.encode, api.prompt,
-                                                add_special_tokens=False)).ids)
-        except Exception as exc:  # noqa: BLE001 (as ModelFacts.prompt_ids)
-            raise ApiError(f"the prompt cannot be encoded: {str(exc)[:200]}",
-                           param="prompt") from None
+    ids = await facts.prompt_ids(api, **{flag: on})
+    if ids is None:  # (the tokenizer is there: a chat template is not)
+        raise ApiError(f"model {api.model!r} registered no chat template",
+                       param="messages", code="no_chat_template")
     return {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
 
 

@@ -40,11 +40,6 @@ class TokenSpeller:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def next(self, token_id: int) -> tuple[str, int]:
-        """(the token's text here, characters before it)."""
-        text, offset, _ = self.spell(token_id)
-        return text, offset
-
     def spell(self, token_id: int) -> tuple[str, int, list[int]]:
         """(the token's text here, or ``bytes:...`` where its own bytes are not whole UTF-8;
         characters before it; its bytes)."""

@@ -223,8 +223,9 @@ class Scheduler:
             token = req.output_token_ids[chunk.output_index] = sampled[chunk.request_id]
             req.pending_token = False
             # Stopped by this token? (_stop_reason, inline: every decoding request, every step)
-            if token in req.stop_ids or len(req.output_token_ids) >= req.output_limit:
-                updates.append(self._stopped(req, token, self._stop_reason(req, token)))
+            if (token in req.stop_ids or len(req.output_token_ids) >= req.output_limit) and \
+                    (reason := self._stop_reason(req, token)) is not None:
+                updates.append(self._stopped(req, token, reason))
             else:
                 updates.append(RequestUpdate(req.request_id, [token], False, None,
                                              req.num_cached_tokens, req.num_transferred_tokens))
@@ -464,7 +465,8 @@ class Scheduler:
     def _stop_reason(req: Request, token: int) -> FinishReason | None:
         """producer.wire.stopping.stop_reason for ``req``, whose newest output token is
         ``token``, through the rules add_request folded into it."""
-        if token in req.stop_ids:
+        if token in req.stop_ids and \
+                len(req.output_token_ids) >= req.sampling_params.min_tokens:
             return FinishReason.STOP
         if len(req.output_token_ids) >= req.output_limit:
             return FinishReason.LENGTH

@@ -44,3 +44,21 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> Reference:
         top2 = torch.topk(step_logits[0], 2).values
         gaps.append(float(top2[0] - top2[1]))
     return Reference(tokens, gaps)
+
+
+@torch.inference_mode()
+def hf_min_new_tokens(model_dir: Path, prompt: list[int], max_tokens: int, min_tokens: int,
+                      bias: dict[int, float]) -> list[int]:
+    """transformers' greedy `generate` with ``min_new_tokens`` and an additive bias on single
+    tokens (``sequence_bias``), float64."""
+    model = _load(str(model_dir))
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        min_new_tokens=min_tokens,
+        sequence_bias={(token,): value for token, value in bias.items()},
+        do_sample=False,
+        pad_token_id=model.generation_config.eos_token_id,
+    )
+    return out[0, len(prompt):].tolist()

@@ -105,6 +105,44 @@ def test_skip_special_tokens_false_keeps_their_text(engine, tiny_llama):
     assert kept.text != ""
 
 
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_min_tokens_keeps_eos_out_of_the_draw_as_transformers_does(tiny_llama, overlapped):
+    """EOS pushed to the top by a bias: drawn at once without min_tokens, only after five
+    tokens with it, and those five are transformers' (min_new_tokens, the same bias)."""
+    from hf_reference import hf_min_new_tokens
+
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=64, async_scheduling=overlapped)
+    eos = min(engine.eos_token_ids)
+    params = {"max_tokens": 20, "temperature": 0, "logit_bias": {str(eos): 100}}
+    (free,) = engine.generate([prompt(12)], SamplingParams(**params))
+    assert free.token_ids == [eos] and free.finish_reason is FinishReason.STOP  # precondition
+    (held,) = engine.generate([prompt(12)], SamplingParams(**params, min_tokens=5))
+    assert held.finish_reason is FinishReason.STOP and len(held.token_ids) == 6
+    assert held.token_ids == hf_min_new_tokens(tiny_llama, prompt(12), 20, 5, {eos: 100.0})
+    assert eos not in held.token_ids[:5] and held.token_ids[5] == eos
+
+
+def test_min_tokens_holds_stop_tokens_and_stop_strings_until_then(engine):
+    (free,) = engine.generate(["The river runs"], SamplingParams(max_tokens=12, temperature=0,
+                                                                  ignore_eos=True))
+    target = free.token_ids[0]
+    forced = {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+              "logit_bias": {str(target): 100}, "stop_token_ids": [target]}
+    (stopped,) = engine.generate(["The river runs"], SamplingParams(**forced))
+    assert stopped.token_ids == [target]  # precondition: the stop token comes first
+    (held,) = engine.generate(["The river runs"], SamplingParams(**forced, min_tokens=3))
+    assert len(held.token_ids) == 4 and held.token_ids[3] == target
+    assert target not in held.token_ids[:3] and held.finish_reason is FinishReason.STOP
+    # A stop string in the first tokens' text ends nothing before min_tokens: the whole text.
+    stop = free.text[:2]
+    args = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    (cut,) = engine.generate(["The river runs"], SamplingParams(**args))
+    assert cut.text == "" and cut.finish_reason is FinishReason.STOP  # precondition
+    (whole,) = engine.generate(["The river runs"], SamplingParams(**args, min_tokens=12))
+    assert whole.token_ids == free.token_ids and whole.text == free.text
+    assert whole.finish_reason is FinishReason.LENGTH
+
+
 def test_streamed_text_deltas_add_up_to_the_completion_text(engine):
     params = SamplingParams(max_tokens=25, temperature=0.7, seed=3, ignore_eos=True, stop=["zzq"])
     engine.add_request("Tell me about the lighthouse", params)

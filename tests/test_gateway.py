@@ -515,3 +515,14 @@ def test_stop_strings_kept_and_special_tokens_spelt_through_the_fleet(start_work
     spelt = text(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert text(**forced, extra_body={"ignore_eos": True}) == ""  # precondition: EOS only
     assert spelt == client.tokenizer(MODEL).decode([eos] * 4, skip_special_tokens=False) != ""
+    # min_tokens: EOS, the top token under the bias, waits for three tokens.
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0, stream=stream,
+                                  max_tokens=10, logit_bias={str(eos): 100},
+                                  extra_body={"min_tokens": 3}, **usage)
+    chunks = list(done) if stream else [done]
+    assert chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=stream,
+                               extra_body={"min_tokens": 3})

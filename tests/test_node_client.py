@@ -162,7 +162,8 @@ def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_
     assert got_chat["usage"]["prompt_tokens"] == chat.usage.prompt_tokens
     # The optional fields a newer producer sends: a name, template kwargs, later params.
     named = [{**CHAT[0], "name": "ann"}, *CHAT[1:]]
-    later = {**GREEDY, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    later = {**GREEDY, "skip_special_tokens": False, "include_stop_str_in_output": True,
+             "min_tokens": 2}
     with Client(redis_url) as client:
         want_named = client.result(client.submit(
             messages=named, model=MODEL, chat_template_kwargs={"enable_thinking": False},

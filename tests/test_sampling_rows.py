@@ -235,3 +235,30 @@ def test_a_steady_decode_batch_lays_its_rows_out_once_and_its_tokens_are_each_al
             assert 0 < len(tokens[rid]) < len(alone) and alone[:len(tokens[rid])] == tokens[rid]
         else:
             assert tokens[rid] == alone
+
+
+def test_min_tokens_bans_follow_the_output_index_with_the_layout_kept():
+    """A row bans EOS and its stop tokens while the index it draws is below min_tokens, in
+    steps that reuse one layout; ignore_eos leaves EOS drawable; other rows ban nothing."""
+    state = SamplingRows(num_rows=2, eos_token_ids=[2, 7])
+    state.add("held", SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9]), 1, [1],
+              [])
+    state.add("free", SamplingParams(temperature=0), 2, [1], [])
+    state.add("own", SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[5]), 3,
+              [1], [])
+    ids = ["free", "held", "own"]
+    bans = [step(state, ids, [n, n, n]).bans for n in range(4)]
+    assert state.num_rebuilds == 1
+    assert bans[0].tolist() == [[1, 1, 1, 2], [2, 7, 9, 5]]
+    assert bans[1].tolist() == [[1, 1, 1, 2], [2, 7, 9, 5]]
+    assert bans[2].tolist() == [[1, 1, 1], [2, 7, 9]]
+    assert bans[3] is None
+
+
+def test_min_tokens_is_validated_against_max_tokens():
+    assert SamplingParams(min_tokens=4, max_tokens=4).to_dict()["min_tokens"] == 4
+    assert "min_tokens" not in SamplingParams().to_dict()  # an older worker still reads it
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) must be <= max_tokens \(4\)"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match="min_tokens must be >= 0"):
+        SamplingParams(min_tokens=-1)

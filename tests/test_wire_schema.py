@@ -184,6 +184,7 @@ LIMITS = [
     ("/properties/deadline_ms/maximum", protocol.MAX_UNIX_MS),
     ("/$defs/token_id/maximum", MAX_TOKEN_ID),
     (f"{P}/max_tokens/maximum", wire_params.MAX_NEW_TOKENS),
+    (f"{P}/min_tokens/maximum", wire_params.MAX_NEW_TOKENS),
     (f"{P}/top_k/maximum", wire_params.MAX_TOP_K),
     (f"{P}/seed/maximum", wire_params.MAX_SEED),
     (f"{P}/stop/anyOf/1/maxItems", wire_params.MAX_STOP_STRINGS),

@@ -32,7 +32,8 @@ SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop
                              "top_k", "min_p", "repetition_penalty", "ignore_eos",
                              "stop_token_ids",
                              # vLLM's
-                             "skip_special_tokens", "include_stop_str_in_output"})
+                             "skip_special_tokens", "include_stop_str_in_output",
+                             "min_tokens"})
 # Fields accepted only at the value that asks for nothing special.
 NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
            "tools": None, "response_format": {"type": "text"}}

@@ -77,6 +77,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A stop string that ended the request stays at the end of its text (vLLM's field).
     include_stop_str_in_output: bool = False
+    # Tokens generated before EOS or a stop token may be sampled, or a stop string may end
+    # the request (vLLM's field): those tokens are kept out of the draw until then.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -128,6 +131,10 @@ class SamplingParams:
     def _validate(self) -> None:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
+        _check_int("min_tokens", self.min_tokens, low=0, high=MAX_NEW_TOKENS)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k, low=0, high=MAX_TOP_K)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)
@@ -169,7 +176,8 @@ class SamplingParams:
 
 
 # Fields added after the first wire version, with their defaults: written only when set.
-LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False}
+LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False,
+                "min_tokens": 0}
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

@@ -18,14 +18,17 @@ def stop_reason(
     stop_token_ids: Collection[int],
     eos_token_ids: Collection[int],
     ignore_eos: bool,
+    min_tokens: int = 0,
 ) -> FinishReason | None:
     """Why a request whose newest token is ``last_token`` is done, or None to go on.
 
     ``num_tokens`` counts prompt and output. A stop token or (unless ignored) EOS is
-    ``stop``; reaching ``max_tokens`` or the model's length is ``length``. Stop strings
-    are text, decided where the text is made (see worker.engine.output_processor).
+    ``stop`` once ``min_tokens`` tokens are out (before, the sampler keeps them out of the
+    draw); reaching ``max_tokens`` or the model's length is ``length``. Stop strings are
+    text, decided where the text is made (see worker.engine.output_processor).
     """
-    if last_token in stop_token_ids or (not ignore_eos and last_token in eos_token_ids):
+    if num_output_tokens >= min_tokens and (
+            last_token in stop_token_ids or (not ignore_eos and last_token in eos_token_ids)):
         return FinishReason.STOP
     if num_output_tokens >= max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH

@@ -43,7 +43,7 @@ class ModelRunner:
         self.block_tables = BlockTableRows()
         # Each running request's parameters, seed and penalty tokens, kept across steps
         # (handed over once: SchedulerOutput.new_requests), and the step's row layout.
-        self.sampling_rows = SamplingRows()
+        self.sampling_rows = SamplingRows(eos_token_ids=model.config.eos_token_ids)
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0

@@ -74,14 +74,16 @@ class RequestOutputState:
             return
         start = max(0, len(self.text) - self._longest_stop() + 1)
         self.text += self.detokenizer.add(token_ids)
-        self._cut_at_stop_string(start)
+        if len(self.token_ids) >= self.params.min_tokens:  # none ends it before min_tokens
+            self._cut_at_stop_string(start)
 
     def finish_text(self) -> None:
         """Release text held back in the detokenizer once the request ends."""
         if self.detokenizer is not None and not self.hit_stop_string:
             start = max(0, len(self.text) - self._longest_stop() + 1)
             self.text += self.detokenizer.flush()
-            self._cut_at_stop_string(start)
+            if len(self.token_ids) >= self.params.min_tokens:
+                self._cut_at_stop_string(start)
 
     def take_delta(self, final: bool) -> str:
         """Text not yet emitted, holding back a tail that may still become a stop string."""

@@ -334,7 +334,8 @@ class EngineLoop(SupervisedThread):
                            len(adm.prompt_token_ids) + len(generated), max_tokens=limit,
                            max_model_len=self.engine.max_model_len,
                            stop_token_ids=p.stop_token_ids,
-                           eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos)
+                           eos_token_ids=self.engine.eos_token_ids, ignore_eos=p.ignore_eos,
+                           min_tokens=p.min_tokens)
 
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         if adm.published is not None:  # a request taken over: in its generation of ids

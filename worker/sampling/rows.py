@@ -30,6 +30,7 @@ import torch
 
 from producer.wire.params import SamplingParams
 from worker.host.step_upload import Staged, StepUpload
+from worker.sampling.min_tokens import banned_ids, stage_bans
 from worker.sampling.randomness import MASK64, uniforms
 from worker.sampling.subsets import RowSubsets
 
@@ -141,6 +142,8 @@ class BatchLayout:
     seeds: np.ndarray | None
     # (batch row, its tokens) of each penalised row.
     penalised: list[tuple[int, PenaltyRow]]
+    # (batch row, min_tokens, banned ids) of each row with min_tokens and ids to ban.
+    limited: list[tuple[int, int, np.ndarray]]
 
 
 class StepRows:
@@ -149,12 +152,14 @@ class StepRows:
     upload is sent."""
 
     def __init__(self, batch: BatchLayout, values: Staged | None,
-                 penalties: tuple[Staged, Staged, Staged, Staged] | None) -> None:
+                 penalties: tuple[Staged, Staged, Staged, Staged] | None,
+                 bans: Staged | None = None) -> None:
         self.params = batch.params
         self.subsets = batch.subsets
         self.penalised = batch.penalised
         self._values = values
         self._penalties = penalties
+        self._bans = bans
 
     @property
     def values(self) -> torch.Tensor:
@@ -168,11 +173,17 @@ class StepRows:
             return None
         return PenaltyTokens(*(s.tensor for s in self._penalties))
 
+    @property
+    def bans(self) -> torch.Tensor | None:
+        """[2, n] (row, token) that rows short of their min_tokens may not draw this step."""
+        return None if self._bans is None else self._bans.tensor
+
 
 class SamplingRows:
     """Per-request sampling rows on the host; the value rows grow (doubling) as needed."""
 
-    def __init__(self, num_rows: int = 16) -> None:
+    def __init__(self, num_rows: int = 16, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.rows: dict[str, int] = {}
         self._free: list[int] = []
         self._params: list[SamplingParams | None] = []
@@ -181,6 +192,8 @@ class SamplingRows:
         self.seeds = np.zeros(0, dtype=np.uint64)
         # Penalised rows only: their distinct tokens.
         self._penalties: list[PenaltyRow | None] = []
+        # Rows with min_tokens: it and the ids banned until then.
+        self._bans: list[tuple[int, np.ndarray] | None] = []
         # The last step's layout: reused while steps sample the same rows in the same order.
         self._batch: BatchLayout | None = None
         # Layouts made so far (tests read it): one per change of the sampled rows.
@@ -201,12 +214,15 @@ class SamplingRows:
         if params.penalized:
             state = self._penalties[row] = PenaltyRow(prompt, params)
             state.extend(output)
+        banned = banned_ids(params, self.eos_token_ids)
+        self._bans[row] = None if banned is None else (params.min_tokens, banned)
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self._params[row] = None
             self._penalties[row] = None
+            self._bans[row] = None
             self._free.append(row)
             self._batch = None  # it may hold this row
 
@@ -226,13 +242,14 @@ class SamplingRows:
                 raise RuntimeError(f"request {request_ids[k]!r} draws output token "
                                    f"{output_indices[k]} but its row has {state.num_outputs}")
         penalties = _penalty_tokens(batch.penalised, upload) if batch.penalised else None
+        bans = stage_bans(batch.limited, output_indices, upload) if batch.limited else None
         if batch.values is None or batch.seeds is None:
-            return StepRows(batch, None, penalties)
+            return StepRows(batch, None, penalties, bans)
         packed = np.empty((len(request_ids), 4), dtype=np.float64)
         packed[:, :3] = batch.values
         # Output indices are never negative: as uint64 they are the same numbers.
         packed[:, DRAW] = uniforms(batch.seeds, np.asarray(output_indices, dtype=np.uint64))
-        return StepRows(batch, upload.add(packed), penalties)
+        return StepRows(batch, upload.add(packed), penalties, bans)
 
     def record(self, step: StepRows, tokens: Sequence[int]) -> None:
         """Take in the tokens a step sampled (``tokens[i]``: batch row i's): its penalised
@@ -252,16 +269,19 @@ class SamplingRows:
         sampled = bool(subsets.sampled)
         penalised = [(k, state) for k, row in enumerate(rows)
                      if (state := self._penalties[row]) is not None]
+        limited = [(k, *bans) for k, row in enumerate(rows)
+                   if (bans := self._bans[row]) is not None]
         self.num_rebuilds += 1
         return BatchLayout(request_ids, params, subsets,
                            self.values[index] if sampled else None,
-                           self.seeds[index] if sampled else None, penalised)
+                           self.seeds[index] if sampled else None, penalised, limited)
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
         self.values, self.seeds = _grown(self.values, rows), _grown(self.seeds, rows)
         self._params += [None] * (rows - old)
         self._penalties += [None] * (rows - old)
+        self._bans += [None] * (rows - old)
         self._free += list(range(rows - 1, old - 1, -1))
 
 

@@ -25,6 +25,7 @@ from producer.wire.params import SamplingParams
 from worker.host.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
 from worker.host.step_upload import StepUpload
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
+from worker.sampling.min_tokens import apply_bans
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
 from worker.sampling.subsets import RowSubsets, rows_at
@@ -44,10 +45,11 @@ class SampleRequest:
     output_token_ids: Sequence[int] = ()
 
 
-def step_rows(rows: Sequence[SampleRequest], device: torch.device, vocab: int) -> StepRows:
+def step_rows(rows: Sequence[SampleRequest], device: torch.device, vocab: int,
+              eos_token_ids: Sequence[int] = ()) -> StepRows:
     """``rows`` laid out for one call on logits ``vocab`` wide, moved to ``device`` in one
-    copy."""
-    state = SamplingRows(len(rows))
+    copy; ``eos_token_ids``: the model's, which a row short of its min_tokens may not draw."""
+    state = SamplingRows(len(rows), eos_token_ids)
     request_ids = [str(i) for i in range(len(rows))]
     for request_id, r in zip(request_ids, rows, strict=True):
         state.add(request_id, r.params, r.seed, r.prompt_token_ids, r.output_token_ids)
@@ -88,6 +90,7 @@ class Sampler:
                 logits = logits.clone()
             apply_penalties(logits, step.penalties)
             apply_logit_bias(logits, subsets.bias)
+            apply_bans(logits, step.bans)
         num_rows = len(step.params)
         tokens = [0] * num_rows
         if len(subsets.greedy) == num_rows:

@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections import Counter
 
-from kvstore import KVCacheManager
+from kvstore import KVCacheManager, PrefixHit
 from producer.wire.completion import FinishReason
 from scheduler.config import SchedulerConfig
 from scheduler.output import (
@@ -319,7 +319,12 @@ class Scheduler:
             if req.status is RequestStatus.FINISHED:
                 heapq.heappop(self._waiting)
                 continue
-            hit = req.preloaded or self.kv.prefix_lookup(req.all_token_ids(), req.block_hashes)
+            if req.preloaded is not None:
+                hit = req.preloaded
+            elif req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+                hit = PrefixHit(block_size=self.kv.block_size)  # its whole prompt computed
+            else:
+                hit = self.kv.prefix_lookup(req.all_token_ids(), req.block_hashes)
             if hit.pending:
                 # Another running request is computing this prefix now: wait and share it.
                 deferred.append(heapq.heappop(self._waiting))

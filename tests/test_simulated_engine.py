@@ -119,7 +119,7 @@ def test_a_simulated_device_runs_the_steps_handed_to_it_back_to_back():
     # next step, handed over after an idle 10 ms, starts then and not in the past.
     swaps_only = SchedulerOutput(swap_out=[(1, 1)])
     runner.queued(swaps_only)
-    assert runner.execute(swaps_only) == ({}, {})
+    assert runner.execute(swaps_only) == ({}, {}, {})
     clock.advance(0.010)
     third = step(3)
     runner.queued(third)

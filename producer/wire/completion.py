@@ -53,6 +53,10 @@ class Completion:
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # Of a request that asked for prompt logprobs: its prompt's token ids and, per token,
+    # its logprob given the ones before it (None for the first, which has none before it).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {

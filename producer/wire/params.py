@@ -80,6 +80,11 @@ class SamplingParams:
     # Tokens generated before EOS or a stop token may be sampled, or a stop string may end
     # the request (vLLM's field): those tokens are kept out of the draw until then.
     min_tokens: int = 0
+    # Log-probabilities of the prompt's tokens (each given the ones before it) and this many
+    # most likely alternatives each, computed in the prefill (vLLM's field; the gateway's
+    # ``echo``). The request then computes its whole prompt: no prefix-cache hit, no
+    # imported KV.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -146,8 +151,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {brief(getattr(self, name))}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -177,7 +183,7 @@ class SamplingParams:
 
 # Fields added after the first wire version, with their defaults: written only when set.
 LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False,
-                "min_tokens": 0}
+                "min_tokens": 0, "prompt_logprobs": None}
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

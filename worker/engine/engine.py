@@ -28,6 +28,7 @@ from worker.engine.step_pipeline import OverlappedSteps
 from worker.engine.tokenizer import Tokenizer
 from worker.models import native_decode
 from worker.sampling import fresh_seed
+from worker.sampling.prompt_logprobs import PromptSpan
 
 # Scheduler counters (since start) that stats() reports: preemptions by kind, blocks swapped,
 # prefix cache use, and prompt tokens computed (prefill, recompute) or whose KV came from
@@ -111,7 +112,8 @@ class Engine:
         added; when this raises, they are still the caller's to release.
         """
         params = sampling_params(params)
-        if self.simulated and params.logprobs is not None:
+        if self.simulated and (params.logprobs is not None
+                               or params.prompt_logprobs is not None):
             raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
                              "cannot give log-probabilities")
         request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
@@ -134,7 +136,8 @@ class Engine:
         )
         req.preloaded = preloaded
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
-                                          self.tokenizer if self.config.detokenize else None)
+                                          self.tokenizer if self.config.detokenize else None,
+                                          prompt_token_ids=None if generated else prompt_ids)
         if generated:
             state.add_tokens(generated, None)
             state.take_delta(final=False)  # already delivered by whoever produced them
@@ -215,16 +218,21 @@ class Engine:
         if sched.is_empty:
             self.runner.release(sched)
             return expired
-        tokens, logprobs = self.runner.execute(sched)
+        tokens, logprobs, prompt = self.runner.execute(sched)
         self.num_steps += 1
-        return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs)
+        return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs,
+                                            prompt)
 
-    def _step_outputs(self, updates: list[RequestUpdate],
-                      logprobs: dict[str, Any]) -> list[StepOutput]:
+    def _step_outputs(self, updates: list[RequestUpdate], logprobs: dict[str, Any],
+                      prompt: dict[str, PromptSpan]) -> list[StepOutput]:
         results, states = [], self._outputs  # (every running request, every step)
+        for request_id, (first, span) in prompt.items():  # (prefill chunks: no update)
+            if (state := states.get(request_id)) is not None:
+                state.add_prompt_logprobs(first, span)
         for upd in updates:
             request_id, new, lp = upd.request_id, upd.new_token_ids, logprobs.get(upd.request_id)
             state = states[request_id]
+            opening = state.opening()
             state.num_cached_tokens = upd.num_cached_tokens
             state.num_transferred_tokens = upd.num_transferred_tokens
             if state.detokenizer is None and lp is None:  # the fleet's: nothing else to do
@@ -236,11 +244,14 @@ class Engine:
                 self.scheduler.finish_request(request_id, FinishReason.STOP)
                 reason = FinishReason.STOP
             if reason is not None:
-                results.append(self._final_output(request_id, new, reason, lp))
+                out = self._final_output(request_id, new, reason, lp)
             else:  # (no text without a detokenizer: the fleet's)
                 text = state.take_delta(final=False) if state.detokenizer is not None else ""
-                results.append(StepOutput(request_id, new, text, False, None,
-                                          [lp] if lp else None, None, state.num_cached_tokens))
+                out = StepOutput(request_id, new, text, False, None, [lp] if lp else None, None,
+                                 state.num_cached_tokens)
+            if opening is not None:  # its first output: the prompt's logprobs with it
+                out.prompt_token_ids, out.prompt_logprobs = opening
+            results.append(out)
         return results
 
     def generate(

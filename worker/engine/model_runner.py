@@ -15,6 +15,7 @@ from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
 from worker.host.step_upload import StepUpload
 from worker.sampling import Sampler
+from worker.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from worker.sampling.rows import SamplingRows
 
 
@@ -44,6 +45,8 @@ class ModelRunner:
         # Each running request's parameters, seed and penalty tokens, kept across steps
         # (handed over once: SchedulerOutput.new_requests), and the step's row layout.
         self.sampling_rows = SamplingRows(eos_token_ids=model.config.eos_token_ids)
+        # Requests that still want their prompt's logprobs (made in their prefill).
+        self.prompt_logprobs = PromptLogprobs()
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0
@@ -55,8 +58,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, pending: dict[str, int] | None = None,
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob | None], dict[str, PromptSpan]]:
         """Compute every chunk of the step; sample a token for each chunk that asks for one.
+        Returns the sampled tokens and their logprobs by request, and the spans of prompt
+        logprobs the step's prefill chunks made (worker/sampling/prompt_logprobs.py).
 
         ``pending``: the tokens the step before sampled, by request (overlapped steps): a
         chunk's PENDING_TOKEN input is that request's.
@@ -66,10 +71,12 @@ class ModelRunner:
         for new in out.new_requests:
             self.sampling_rows.add(new.request_id, new.sampling_params, new.seed,
                                    new.prompt_token_ids, new.output_token_ids)
+            self.prompt_logprobs.add(new.request_id, new.sampling_params,
+                                     new.prompt_token_ids, new.output_token_ids)
         rows_of_chunks = self.block_tables.apply(out)
         chunks = out.chunks
         if not chunks:
-            return {}, {}
+            return {}, {}, {}
         ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         if pending is not None:
             fill_pending(ids, chunks, pending)
@@ -92,17 +99,21 @@ class ModelRunner:
         # The rows whose logits are made: every token (one-token chunks, all sampling: a
         # decode step; the native step makes them with its layers), else the sampling
         # chunks' last tokens.
-        picked = (None if not sampling or len(sampling) == len(ids) else upload.add(
-            (np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
+        plan = self.prompt_logprobs.plan(chunks, upload) if self.prompt_logprobs else None
+        if plan is not None:  # every row of a prompt-logprob chunk, the others' last
+            picked = plan.picked
+        else:
+            picked = (None if not sampling or len(sampling) == len(ids) else upload.add(
+                (np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
         upload.send()
         meta = layout.metadata()
         meta.backend_plans.update(plans)
         if self.on_forward is not None:
             self.on_forward()
-        if step is None:
+        if step is None and plan is None:
             self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
             self._computed(len(ids))
-            return {}, {}
+            return {}, {}, {}
         logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
                                    None if picked is None else picked.tensor)
         self._computed(len(ids))
@@ -110,9 +121,18 @@ class ModelRunner:
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.
             torch.cuda.current_stream(self.device).synchronize()
+        prompt: dict[str, PromptSpan] = {}
+        if plan is not None:
+            prompt = self.prompt_logprobs.compute(logits, plan)
+            if step is None:
+                return {}, {}, prompt
+            if plan.sample_at is not None:
+                logits = logits.index_select(0, plan.sample_at.tensor)
+        assert step is not None
         tokens, logprobs = self.sampler(logits, step, scratch=True)
         self.sampling_rows.record(step, tokens)
-        return dict(zip(ids_out, tokens, strict=True)), dict(zip(ids_out, logprobs, strict=True))
+        return (dict(zip(ids_out, tokens, strict=True)),
+                dict(zip(ids_out, logprobs, strict=True)), prompt)
 
     def _computed(self, tokens: int) -> None:
         self.num_forwards += 1
@@ -124,6 +144,7 @@ class ModelRunner:
         for request_id in (*out.finished_ids, *out.preempted_ids):
             self.block_tables.release(request_id)
             self.sampling_rows.release(request_id)
+            self.prompt_logprobs.release(request_id)
 
     def _swap(self, out: SchedulerOutput) -> None:
         """Save preempted KV to the host, then restore swapped-in KV, before the forward."""

@@ -24,16 +24,21 @@ class StepOutput:
     completion: Completion | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # On the request's first output, when it asked for prompt logprobs: its prompt's ids
+    # and, per token, its logprob (None for the first).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def merged_outputs(outputs: list[StepOutput]) -> StepOutput:
     """Several outputs of one request as one (the last one's ending)."""
     last = outputs[-1]
     logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
+    first = outputs[0]
     return StepOutput(last.request_id, [t for o in outputs for t in o.new_token_ids],
                       "".join(o.text_delta for o in outputs), last.finished,
                       last.finish_reason, logprobs or None, last.completion,
-                      last.num_cached_tokens)
+                      last.num_cached_tokens, first.prompt_token_ids, first.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -53,14 +58,42 @@ class RequestOutputState:
     num_cached_tokens: int = 0
     # Tokens whose KV was imported from the fleet tier when the request was added.
     num_transferred_tokens: int = 0
+    # Of a request that wants prompt logprobs (and has no output yet): its prompt, and the
+    # logprobs of its first len(prompt_logprobs) tokens so far (None for the first).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,
-               tokenizer: Tokenizer | None) -> RequestOutputState:
+               tokenizer: Tokenizer | None, prompt_token_ids: list[int] | None = None,
+               ) -> RequestOutputState:
+        """``prompt_token_ids``: the prompt, where its logprobs are still to come (not a
+        resumed request's: its first output, with them, was out before)."""
         detok = (IncrementalDetokenizer(tokenizer,
                                         skip_special_tokens=params.skip_special_tokens)
                  if tokenizer is not None else None)
-        return cls(request_id, params, seed, num_prompt_tokens, detok)
+        state = cls(request_id, params, seed, num_prompt_tokens, detok)
+        if params.prompt_logprobs is not None and prompt_token_ids is not None:
+            state.prompt_token_ids = list(prompt_token_ids)
+            state.prompt_logprobs = [None]
+        return state
+
+    def add_prompt_logprobs(self, first: int, span: list[TokenLogprob]) -> None:
+        """Take in the logprobs of prompt positions ``first ..``, in order; positions it has
+        already (a prompt computed again after a preemption) are kept as they were."""
+        have = self.prompt_logprobs
+        if have is None:
+            return
+        skip = len(have) - first
+        if skip >= 0:
+            have.extend(span[skip:])
+
+    def opening(self) -> tuple[list[int], list[TokenLogprob | None]] | None:
+        """Before the request's first output token is added: its prompt and the prompt's
+        logprobs, when it asked for them; None otherwise."""
+        if self.prompt_logprobs is None or self.token_ids:
+            return None
+        return self.prompt_token_ids or [], self.prompt_logprobs
 
     def add_tokens(self, token_ids: list[int], logprob: TokenLogprob | None) -> None:
         """Record new tokens; sets hit_stop_string when the text now contains a stop string."""
@@ -102,6 +135,8 @@ class RequestOutputState:
             usage=Usage(self.num_prompt_tokens, len(self.token_ids), num_cached_tokens,
                         min(self.num_transferred_tokens, self.num_prompt_tokens)),
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _longest_stop(self) -> int:

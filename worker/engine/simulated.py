@@ -166,7 +166,7 @@ class SimulatedRunner:
         self._handed_over.append(self.clock.monotonic())
 
     def execute(self, out: SchedulerOutput, pending: dict[str, int] | None = None,
-                ) -> tuple[dict[str, int], dict[str, TokenLogprob | None]]:
+                ) -> tuple[dict[str, int], dict[str, TokenLogprob | None], dict]:
         # When the engine handed this step over (queued; a plain step: now). Taken first,
         # so that a step with nothing to compute (swaps only) leaves none behind.
         now = self.clock.monotonic()
@@ -176,7 +176,7 @@ class SimulatedRunner:
             self._seeds[new.request_id] = new.seed
         chunks = out.chunks
         if not chunks:
-            return {}, {}
+            return {}, {}, {}
         prefill = sum(c.num_tokens for c in chunks if not c.is_decode)
         decodes = sum(1 for c in chunks if c.is_decode)
         context = sum(c.start_position + c.num_tokens for c in chunks)
@@ -198,7 +198,7 @@ class SimulatedRunner:
         left = end - self.clock.monotonic()
         if left > 0:
             self.clock.wait(self._never, left)
-        return tokens, dict.fromkeys(tokens)
+        return tokens, dict.fromkeys(tokens), {}
 
     def release(self, out: SchedulerOutput) -> None:
         for request_id in (*out.finished_ids, *out.preempted_ids):

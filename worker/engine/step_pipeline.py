@@ -37,10 +37,12 @@ from scheduler import RequestUpdate, Scheduler
 from scheduler.output import SchedulerOutput
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import StepOutput
+from worker.sampling.prompt_logprobs import PromptSpan
 
-StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None]]
+StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None], dict[str, PromptSpan]]
 # Turns a step's scheduler updates and logprobs into each request's output (the engine's).
-OutputsOf = Callable[[list[RequestUpdate], dict[str, Any]], list[StepOutput]]
+OutputsOf = Callable[[list[RequestUpdate], dict[str, Any], dict[str, PromptSpan]],
+                     list[StepOutput]]
 
 
 class RunnerThread:
@@ -130,8 +132,8 @@ class OverlappedSteps:
         assert self.inflight is not None
         sched, future = self.inflight
         self.inflight = None
-        tokens, logprobs = future.result()
-        return self.outputs_of(self.scheduler.resolve(sched, tokens), logprobs)
+        tokens, logprobs, prompt = future.result()
+        return self.outputs_of(self.scheduler.resolve(sched, tokens), logprobs, prompt)
 
     def settle(self) -> None:
         """Finish the running step, if any (its outputs come with the next step())."""

@@ -313,7 +313,8 @@ class EngineLoop(SupervisedThread):
         req = adm.request
         kwargs = dict(request_id=req.request_id, priority=req.priority,
                       generated_token_ids=generated, deadline=deadline)
-        if adm.kv is not None:
+        # Prompt logprobs are made in the prefill: such a request computes its whole prompt.
+        if adm.kv is not None and (req.params.prompt_logprobs is None or generated):
             try:
                 add_with_kv(self.engine, adm.prompt_token_ids, params, adm.kv, **kwargs)
             except KVNotAdopted as exc:  # no room now, or the wrong span: compute the prompt

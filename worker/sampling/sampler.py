@@ -159,8 +159,12 @@ class Sampler:
         result: list[TokenLogprob | None] = [None] * len(params)
         if not subsets.logprobs:
             return result
-        # Logprobs of the model's own distribution, before penalties, temperature, filters.
-        logp = torch.log_softmax(rows_at(logits, subsets.logprobs_index).float(), dim=-1)
+        # Logprobs of the model's own distribution, before penalties, temperature, filters,
+        # in its dtype (float64 stays float64; half types are widened).
+        rows = rows_at(logits, subsets.logprobs_index)
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()
+        logp = torch.log_softmax(rows, dim=-1)
         for row, i in enumerate(subsets.logprobs):
             n = params[i].logprobs or 0
             top = torch.topk(logp[row], n) if n else None

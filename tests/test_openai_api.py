@@ -114,3 +114,17 @@ def test_chat_template_kwargs_are_names_a_template_can_take():
     template = ChatTemplate("{{ mode }}{{ messages[0]['content'] }}{% for i in range(2) %}"
                             "{{ i }}{% endfor %}")
     assert template.render(CHAT["messages"], extra={"mode": "S"}) == "Shi01"
+
+
+def test_completions_echo_asks_for_prompt_logprobs_only_with_logprobs():
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 1}
+    echoed = parse_body(COMPLETIONS_URL, {**body, "echo": True, "logprobs": 1})
+    assert echoed.echo and echoed.sampling["prompt_logprobs"] == 1
+    plain = parse_body(COMPLETIONS_URL, {**body, "echo": True})
+    assert plain.echo and "prompt_logprobs" not in plain.sampling
+    assert not parse_body(COMPLETIONS_URL, {**body, "echo": False}).echo
+    with pytest.raises(ApiError, match="echo must be true or false"):
+        parse_body(COMPLETIONS_URL, {**body, "echo": "yes"})
+    with pytest.raises(ApiError) as chat:
+        parse_body(CHAT_URL, {**CHAT, "echo": True})
+    assert chat.value.param == "echo"

@@ -34,6 +34,7 @@ from producer.wire.protocol import (
     GenerationRequest,
     OutputChunk,
     ProtocolError,
+    decode_output,
     error_final,
 )
 from producer.wire.validation import MAX_TOKEN_ID, REQUEST_ID_PATTERN
@@ -191,6 +192,7 @@ LIMITS = [
     ("/$defs/stop_string/maxLength", wire_params.MAX_STOP_STRING_CHARS),
     (f"{P}/stop_token_ids/maxItems", wire_params.MAX_STOP_TOKEN_IDS),
     (f"{P}/logprobs/maximum", wire_params.MAX_LOGPROBS),
+    (f"{P}/prompt_logprobs/maximum", wire_params.MAX_LOGPROBS),
     (f"{P}/presence_penalty/minimum", -wire_params.MAX_ABS_PENALTY),
     (f"{P}/presence_penalty/maximum", wire_params.MAX_ABS_PENALTY),
     (f"{P}/frequency_penalty/minimum", -wire_params.MAX_ABS_PENALTY),
@@ -210,6 +212,8 @@ def test_schema_limits_are_the_code_constants(pointer, expected):
 def test_output_limits_are_the_code_constants():
     logprobs = "/$defs/chunk/properties/logprobs/items/prefixItems/1/maxItems"
     assert at(OUTPUT_SCHEMA, logprobs) == wire_params.MAX_LOGPROBS
+    prompt = "/$defs/chunk/properties/prompt_logprobs/items/anyOf/1/prefixItems/1/maxItems"
+    assert at(OUTPUT_SCHEMA, prompt) == wire_params.MAX_LOGPROBS
 
 
 def test_request_id_pattern_is_the_code_pattern():
@@ -522,14 +526,22 @@ def chunks(draw) -> OutputChunk:
     top = st.lists(st.tuples(TOKEN, LOGPROB).map(list), max_size=wire_params.MAX_LOGPROBS)
     logprobs = draw(st.none() | st.lists(st.tuples(LOGPROB, top).map(list),
                                          min_size=len(token_ids), max_size=len(token_ids)))
-    return OutputChunk(draw(st.integers(0, 2**40)), token_ids, draw(st.text(max_size=100)),
-                       logprobs)
+    chunk = OutputChunk(draw(st.integers(0, 2**40)), token_ids, draw(st.text(max_size=100)),
+                        logprobs)
+    if draw(st.booleans()):  # a first chunk with its prompt's logprobs
+        prompt = draw(st.lists(TOKEN, min_size=1, max_size=32))
+        chunk.prompt_token_ids = prompt
+        chunk.prompt_logprobs = [None] + draw(st.lists(
+            st.tuples(LOGPROB, top).map(list), min_size=len(prompt) - 1,
+            max_size=len(prompt) - 1))
+    return chunk
 
 
 @given(chunk=chunks())
 @FUZZ
 def test_every_chunk_validates(chunk):
     assert schema_errors(OUTPUT, wire(chunk.encode())) == []
+    assert decode_output(chunk.encode()) == chunk
 
 
 @given(reason=st.sampled_from(list(FinishReason)), num_tokens=st.integers(0, 2**40),
@@ -555,6 +567,8 @@ INVALID_OUTPUT = {
     "logprobs without alternatives": {**CHUNK, "logprobs": [[-0.5], [-0.1]]},
     "logprobs alternative named by text": {**CHUNK, "logprobs": [[-0.5, [["a", -0.5]]]]},
     "too many alternatives": {**CHUNK, "logprobs": [[-0.5, [[1, -0.5]] * 21]]},
+    "prompt logprob without alternatives": {**CHUNK, "prompt_token_ids": [1, 2],
+                                            "prompt_logprobs": [None, [-0.5]]},
     "unknown finish reason": {**FINAL, "finish_reason": "done"},
     "unknown usage field": {**FINAL, "usage": {"tokens": 1}},
     "final without usage": {k: v for k, v in FINAL.items() if k != "usage"},

@@ -103,6 +103,9 @@ def parse_line(text: str, line: int, model: str | None = None,
         if req.chat_template_kwargs is not None:
             raise ValueError("chat_template_kwargs is not supported in a batch file yet (the "
                              "gateway takes it)")
+        if req.echo:
+            raise ValueError("echo is not supported in a batch file yet (the gateway's "
+                             "/v1/completions serves it)")
         if req.priority:
             raise ValueError("priority is the whole batch's in a batch file (conveyor batch "
                              "--priority)")

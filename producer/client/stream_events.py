@@ -34,6 +34,10 @@ class ChunkEvent:
     text: str
     # Per token, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    # The first chunk of a request that asked for prompt logprobs: its prompt's ids and
+    # each prompt token's logprob (None for the first).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ def event_from(entry_id: bytes | str, fields: Any) -> StreamEvent:
     if isinstance(entry, FinalEntry):
         return _final_event(eid, entry)
     return ChunkEvent(eid, entry.index, list(entry.token_ids), entry.text,
-                      token_logprobs(entry.token_ids, entry.logprobs))
+                      token_logprobs(entry.token_ids, entry.logprobs),
+                      *_prompt_logprobs(entry))
 
 
 def token_logprobs(token_ids: list[int],
@@ -110,6 +115,16 @@ def token_logprobs(token_ids: list[int],
         return None
     return [TokenLogprob(t, lp, [(a, b) for a, b in top])
             for t, (lp, top) in zip(token_ids, wire, strict=True)]
+
+
+def _prompt_logprobs(chunk: OutputChunk
+                     ) -> tuple[list[int] | None, list[TokenLogprob | None] | None]:
+    """A first chunk's prompt ids and prompt logprobs as TokenLogprobs (None, None without)."""
+    if chunk.prompt_logprobs is None or chunk.prompt_token_ids is None:
+        return None, None
+    return chunk.prompt_token_ids, [
+        None if item is None else TokenLogprob(t, item[0], [(a, b) for a, b in item[1]])
+        for t, item in zip(chunk.prompt_token_ids, chunk.prompt_logprobs, strict=True)]
 
 
 def _final_event(eid: str, entry: FinalEntry) -> FinalEvent:
@@ -189,14 +204,16 @@ class OutputTracker:
         if chunk.index > self.next_index:
             raise StreamGapError(self.request_id, eid, self.next_index, chunk.index)
         skip = max(0, self.next_index - chunk.index)
-        if skip == 0 and chunk.logprobs is None:  # the usual entry: nothing to cut or convert
+        if skip == 0 and chunk.logprobs is None and chunk.prompt_logprobs is None:
+            # The usual entry: nothing to cut or convert.
             event = ChunkEvent(eid, chunk.index, chunk.token_ids, chunk.text)
             self._record(end, chunk.text)
             return event
         text = chunk.text if skip == 0 else self._strip_seen(chunk)
         logprobs = token_logprobs(chunk.token_ids, chunk.logprobs)
         event = ChunkEvent(eid, chunk.index + skip, list(chunk.token_ids[skip:]), text,
-                           logprobs[skip:] if logprobs is not None else None)
+                           logprobs[skip:] if logprobs is not None else None,
+                           *(_prompt_logprobs(chunk) if skip == 0 else (None, None)))
         self._record(end, text)
         return event
 
@@ -220,9 +237,12 @@ def completion_from(request_id: str, events: list[StreamEvent]) -> Completion:
     token_ids: list[int] = []
     texts: list[str] = []
     logprobs: list[TokenLogprob] | None = None
+    prompt: ChunkEvent | None = None
     final: FinalEvent | None = None
     for event in events:
         if isinstance(event, ChunkEvent):
+            if event.prompt_logprobs is not None and prompt is None:
+                prompt = event
             token_ids.extend(event.token_ids)
             texts.append(event.text)
             if event.logprobs is not None:
@@ -246,4 +266,6 @@ def completion_from(request_id: str, events: list[StreamEvent]) -> Completion:
         usage,
         logprobs=logprobs,
         error=final.error,
+        prompt_token_ids=prompt.prompt_token_ids if prompt is not None else None,
+        prompt_logprobs=prompt.prompt_logprobs if prompt is not None else None,
     )

@@ -113,11 +113,23 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+def echo_text(request: ApiRequest, tokenizer: Any | None) -> str:
+    """The prompt as an echoing answer starts with it: as given, or its ids decoded."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    if tokenizer is None or not request.prompt:
+        return ""
+    return tokenizer.decode(request.prompt, skip_special_tokens=True)
+
+
 def completion_body(request: ApiRequest, done: Completion, created: int,
-                    speller: TokenSpeller) -> dict[str, Any]:
-    """The whole answer of a request that was not streamed."""
-    choice = choice_body(request.chat, done.text, str(done.finish_reason),
-                         logprobs_body(request, done.logprobs, speller))
+                    speller: TokenSpeller, echoed: str = "") -> dict[str, Any]:
+    """The whole answer of a request that was not streamed; ``echoed``: the prompt's text,
+    first in an echoing answer (with its tokens' logprobs first, where asked)."""
+    prompt = (prompt_logprobs_body(request, done.prompt_token_ids, done.prompt_logprobs,
+                                   speller) if request.echo else None)
+    logprobs = joined_logprobs(prompt, logprobs_body(request, done.logprobs, speller))
+    choice = choice_body(request.chat, echoed + done.text, str(done.finish_reason), logprobs)
     return {"id": response_id(request, done.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
             "created": created, "model": request.model, "choices": [choice],
@@ -164,6 +176,13 @@ class ChunkWriter:
             return None
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}], **_usage(usage))
+
+    def echo(self, text: str, prompt_ids: list[int] | None,
+             prompt_logprobs: list[TokenLogprob | None] | None) -> dict[str, Any]:
+        """An echoing completion's first chunk: the prompt, and its tokens' logprobs where
+        asked."""
+        lp = prompt_logprobs_body(self.request, prompt_ids, prompt_logprobs, self.speller)
+        return self._chunk([{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}])
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None,
              usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -218,3 +237,26 @@ def logprobs_body(request: ApiRequest, logprobs: list[TokenLogprob] | None,
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{speller.alone(t): a for t, a in lp.top} for lp in logprobs],
             "text_offset": [offset for _, offset, _ in spelled]}
+
+
+def prompt_logprobs_body(request: ApiRequest, prompt_ids: list[int] | None,
+                         logprobs: list[TokenLogprob | None] | None,
+                         speller: TokenSpeller) -> dict[str, Any] | None:
+    """An echoing completion's prompt tokens in logprobs' four lists: the first token has
+    no logprob (null), as OpenAI answers; spelled before the answer's own tokens."""
+    if not request.logprobs or prompt_ids is None or logprobs is None:
+        return None
+    spelled = [speller.spell(t) for t in prompt_ids]
+    return {"tokens": [text for text, _, _ in spelled],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else {speller.alone(t): a for t, a in lp.top}
+                             for lp in logprobs],
+            "text_offset": [offset for _, offset, _ in spelled]}
+
+
+def joined_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None
+                    ) -> dict[str, Any] | None:
+    """Completions' four logprob lists of the prompt, then of the answer."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {name: first[name] + then[name] for name in then}

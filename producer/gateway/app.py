@@ -42,6 +42,7 @@ from producer.gateway.answers import (
     ChunkWriter,
     TokenSpeller,
     completion_body,
+    echo_text,
     running_usage,
     sse,
     usage_body,
@@ -313,9 +314,10 @@ class Gateway:
         request_id = await self._submit(api)
         created = int(time.time())
         speller = TokenSpeller(facts.tokenizer if api.logprobs else None)
+        echoed = echo_text(api, facts.tokenizer) if api.echo else None
         if api.stream:
             return StreamingResponse(self._events(request_id, api, created, speller,
-                                                  prompt_tokens),
+                                                  prompt_tokens, echoed),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
@@ -329,7 +331,7 @@ class Gateway:
             raise ApiError(done.error, status=status, code="request_failed",
                            kind="invalid_request_error" if status == 400 else "server_error",
                            request_id=request_id)
-        return JSONResponse(completion_body(api, done, created, speller),
+        return JSONResponse(completion_body(api, done, created, speller, echoed or ""),
                             headers={"X-Request-Id": request_id})
 
     async def _body(self, request: Request) -> Any:
@@ -498,14 +500,16 @@ class Gateway:
             raise
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
-                      speller: TokenSpeller, prompt_tokens: int | None = None
-                      ) -> AsyncIterator[str]:
+                      speller: TokenSpeller, prompt_tokens: int | None = None,
+                      echoed: str | None = None) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: a keep-alive comment each
         ``keepalive_s`` without one (the stream's own read wakes it when quiet: no task or
         timer a chunk), an error event once the model has had no live worker for the
         orphan timeout; a disconnect cancels the request. With continuous usage each chunk
         carries the usage so far (``prompt_tokens`` as the gateway counted them; where it
-        could not, only the last chunk, with the worker's count)."""
+        could not, only the last chunk, with the worker's count). ``echoed``: an echoing
+        completion's prompt text, its first chunk before the answer's (with the prompt's
+        logprobs, which come with the answer's first tokens)."""
         writer = ChunkWriter(api, request_id, created, speller)
         finished = False
         broken = False
@@ -531,6 +535,10 @@ class Gateway:
                     spoke = time.monotonic()
                     orphan.heard()
                     if isinstance(event, ChunkEvent):
+                        if echoed is not None:
+                            yield sse(writer.echo(echoed, event.prompt_token_ids,
+                                                  event.prompt_logprobs))
+                            echoed = None
                         if every and (event.text or (api.logprobs and event.logprobs)):
                             yield sse(writer.text(event.text, event.logprobs, running_usage(
                                 prompt_tokens, event.index + len(event.token_ids))))

@@ -2,10 +2,12 @@
 requests, for the gateway and for batch files alike.
 
 A field set to null is absent (clients serialise unset fields so). Every other field is
-implemented, accepted only at the value that means "nothing special" (``n: 1``, ``echo:
-false``, ...), accepted and ignored because it changes nothing in the answer (IGNORED:
-``user``, ``store``, ``metadata``, ...), or refused with an error naming it: a client that asks
-for tools, a JSON response format or several choices must hear that it did not get them.
+implemented (completions' ``echo``: the prompt first, with its logprobs where asked, which
+``params.prompt_logprobs`` makes in the prefill), accepted only at the value that means
+"nothing special" (``n: 1``, chat's ``echo: false``, ...), accepted and ignored because it
+changes nothing in the answer (IGNORED: ``user``, ``store``, ``metadata``, ...), or refused
+with an error naming it: a client that asks for tools, a JSON response format or several
+choices must hear that it did not get them.
 conveyor's own sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``) are accepted as extensions, as vLLM accepts them (``top_k: -1``, vLLM's
 "off", is conveyor's 0). Chat content may be a list of text parts (joined by newlines, as
@@ -91,6 +93,9 @@ class ApiRequest:
     priority: int = 0
     # vLLM's chat_template_kwargs: more variables for the chat template (chat only).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Completions' echo: the answer's text starts with the prompt (and its logprobs, where
+    # asked, with the prompt's tokens first: params.prompt_logprobs).
+    echo: bool = False
 
 
 def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
@@ -113,6 +118,8 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
         if name not in known:
             raise ApiError(f"{name!r} is not supported by conveyor", param=name,
                            code="unsupported_parameter")
+        if name == "echo" and not chat:
+            continue  # completions' echo is served (_completion_fields)
         if name in NEUTRAL and value not in (NEUTRAL[name], None, []):  # [] tools: none
             raise ApiError(f"{name}={_short(value)} is not supported by conveyor (only "
                            f"{_short(NEUTRAL[name])})", param=name, code="unsupported_value")
@@ -221,6 +228,9 @@ def _completion_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
                            param="logprobs")
         req.sampling["logprobs"] = k
         req.logprobs = True
+    req.echo = _bool(body, "echo")
+    if req.echo and req.logprobs:
+        req.sampling["prompt_logprobs"] = k
 
 
 def choice_body(chat: bool, text: str, finish_reason: str,

@@ -202,6 +202,10 @@ class OutputChunk:
     # Of a request that asked for logprobs: per token, [its logprob, [[id, logprob], ...]
     # of the most likely alternatives].
     logprobs: list[list[Any]] | None = None
+    # The first chunk (index 0) of a request that asked for prompt logprobs: its prompt's
+    # ids and, per prompt token, nil (the first) or [logprob, [[id, logprob], ...]].
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[list[Any] | None] | None = None
     # Where its writer's generation of entry ids starts (0, or k * ID_GENERATION for a
     # request taken over); not part of the message.
     id_base: int = field(default=0, repr=False, compare=False, metadata=NOT_ON_THE_WIRE)
@@ -220,6 +224,9 @@ class OutputChunk:
         }
         if self.logprobs is not None:
             m["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            m["prompt_token_ids"] = self.prompt_token_ids
+            m["prompt_logprobs"] = self.prompt_logprobs
         return _pack(m)
 
 
@@ -276,10 +283,16 @@ def decode_output(data: bytes) -> OutputChunk | FinalEntry:
         if m.get("kind") == "chunk":
             logprobs = m.get("logprobs")
             if logprobs is not None:
-                logprobs = [[float(lp), [[int(t), float(a)] for t, a in top]]
-                            for lp, top in logprobs]
-            return OutputChunk(int(m["index"]), list(m["token_ids"]), str(m.get("text", "")),
-                               logprobs)
+                logprobs = [_wire_logprob(item) for item in logprobs]
+            chunk = OutputChunk(int(m["index"]), list(m["token_ids"]), str(m.get("text", "")),
+                                logprobs)
+            if (prompt := m.get("prompt_logprobs")) is not None:
+                chunk.prompt_token_ids = [int(t) for t in m["prompt_token_ids"]]
+                chunk.prompt_logprobs = [None if item is None else _wire_logprob(item)
+                                         for item in prompt]
+                if len(chunk.prompt_token_ids) != len(chunk.prompt_logprobs):
+                    raise ValueError("prompt_logprobs and prompt_token_ids differ in length")
+            return chunk
         if m.get("kind") == "final":
             return FinalEntry(
                 str(m["finish_reason"]),
@@ -291,6 +304,12 @@ def decode_output(data: bytes) -> OutputChunk | FinalEntry:
         raise ValueError(f"unknown output entry kind {m.get('kind')!r}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed output entry: {exc}") from None
+
+
+def _wire_logprob(item: Any) -> list[Any]:
+    """One token's [logprob, [[id, logprob], ...]] as read, checked and typed."""
+    lp, top = item
+    return [float(lp), [[int(t), float(a)] for t, a in top]]
 
 
 def error_final(reason: str, num_tokens: int = 0, id_base: int = 0) -> FinalEntry:

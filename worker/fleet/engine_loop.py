@@ -246,6 +246,8 @@ class EngineLoop(SupervisedThread):
     def _chunk_publication(self, out: StepOutput, entry: InflightRequest) -> Publication:
         chunk = OutputChunk(entry.next_index, list(out.new_token_ids),
                             logprobs=wire_logprobs(out), id_base=entry.id_base)
+        if out.prompt_logprobs is not None:
+            with_prompt_logprobs(chunk, out)
         entry.next_index += len(out.new_token_ids)
         self._time_tokens(entry, time.monotonic(), len(out.new_token_ids))
         self.tokens_generated += len(out.new_token_ids)
@@ -303,7 +305,8 @@ class EngineLoop(SupervisedThread):
         # Held here for the stream interval unless its text is looked at token by token
         # (stop strings, log-probabilities) or it is handed on after its first token.
         entry.coalesce = (self.hold is not None and not req.params.stop
-                          and req.params.logprobs is None and self.role != "prefill")
+                          and req.params.logprobs is None and req.params.prompt_logprobs is None
+                          and self.role != "prefill")
         self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
@@ -411,6 +414,8 @@ class EngineLoop(SupervisedThread):
                 chunk = OutputChunk(entry.next_index - len(tokens), tokens,
                                     logprobs=wire_logprobs(out) if out.logprobs else None,
                                     id_base=entry.id_base)
+                if out.prompt_logprobs is not None:
+                    with_prompt_logprobs(chunk, out)
             final = ack = None
             if out.finished:
                 usage = out.completion.usage if out.completion else None
@@ -464,3 +469,11 @@ def wire_logprobs(out: StepOutput) -> list[list[Any]] | None:
     if not out.logprobs or len(out.logprobs) != len(out.new_token_ids):
         return None
     return [[lp.logprob, [[t, a] for t, a in lp.top]] for lp in out.logprobs]
+
+
+def with_prompt_logprobs(chunk: OutputChunk, out: StepOutput) -> None:
+    """The request's first chunk carries its prompt's logprobs (docs/protocol.md)."""
+    assert out.prompt_logprobs is not None
+    chunk.prompt_token_ids = list(out.prompt_token_ids or [])
+    chunk.prompt_logprobs = [None if lp is None else [lp.logprob, [[t, a] for t, a in lp.top]]
+                             for lp in out.prompt_logprobs]

@@ -40,7 +40,8 @@ def joined(pieces: list[OutputChunk]) -> OutputChunk:
         return first
     logprobs = None if first.logprobs is None else [lp for p in pieces for lp in p.logprobs]
     return OutputChunk(first.index, [t for p in pieces for t in p.token_ids],
-                       "".join(p.text for p in pieces), logprobs, id_base=first.id_base)
+                       "".join(p.text for p in pieces), logprobs, first.prompt_token_ids,
+                       first.prompt_logprobs, id_base=first.id_base)
 
 
 def follows(pieces: list[OutputChunk], then: OutputChunk) -> bool:

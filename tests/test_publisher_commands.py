@@ -211,7 +211,7 @@ def test_a_full_worker_reads_new_requests_a_few_at_a_time():
     table = InflightTable(4 + 8, read_batch=4)
     assert table.room() == 12
     for i in range(12):
-        assert table.add(InflightRequest(f"r{i}", "lane", f"{i}-0", 3))
+        assert table.add([InflightRequest(f"r{i}", "lane", f"{i}-0", 3)])
     assert table.room() == 0
     for i in range(3):
         table.remove(f"r{i}")

@@ -39,6 +39,7 @@ from producer.wire.completion import Completion
 from producer.wire.errors import LaneBlocked
 from producer.wire.keys import GROUP
 from producer.wire.protocol import FIELD
+from producer.wire.validation import choice_id
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -219,6 +220,15 @@ class AsyncClient(ClientBase):
         events = [e async for e in self.stream(request_id, timeout=timeout,
                                                orphan_timeout=orphan_timeout)]
         return completion_from(request_id, events)
+
+    async def choices(self, request_id: str, n: int, timeout: float | None = None, *,
+                      orphan_timeout: float | None | object = CLIENT_DEFAULT
+                      ) -> list[Completion]:
+        """The Completions of a request's ``n`` choices, read at once
+        (:meth:`producer.client.client.Client.choices`)."""
+        return list(await asyncio.gather(*(
+            self.result(choice_id(request_id, i), timeout, orphan_timeout=orphan_timeout)
+            for i in range(n))))
 
     async def last_event(self, request_id: str) -> StreamEvent | None:
         """The last entry of a request's output stream, decoded; None when it has none."""

@@ -58,7 +58,7 @@ from producer.wire.errors import LaneBlocked, ModelNotFound
 from producer.wire.keys import GROUP, Keys
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import FIELD, GenerationRequest
-from producer.wire.validation import validate_request_id
+from producer.wire.validation import choice_id, request_of, validate_request_id
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -265,9 +265,9 @@ class ClientBase:
 
     def _watch(self, request_id: str, orphan_timeout: float | None | object
                ) -> OrphanWatch | None:
-        """The orphan look of a wait for ``request_id``: only for a request this client
-        submitted (it knows the model and where the request went)."""
-        submitted = self._submitted.get(request_id)
+        """The orphan look of a wait for ``request_id`` (or a choice of it): only for a
+        request this client submitted (it knows the model and where the request went)."""
+        submitted = self._submitted.get(request_of(request_id))
         if submitted is None:
             return None
         timeout = self.orphan_timeout if orphan_timeout is CLIENT_DEFAULT else orphan_timeout
@@ -363,8 +363,9 @@ class Client(ClientBase):
         (a model without one refuses them on the request's stream), with
         ``chat_template_kwargs`` as more variables for it. ``timeout`` (seconds
         from now on the client's clock) sets ``deadline_ms``, the server-side deadline; other
-        keywords are SamplingParams fields. With ``pipeline`` the XADD is only queued (the
-        model check below still reads Redis at once).
+        keywords are SamplingParams fields (``n``: several choices, one stream each:
+        :meth:`choices`). With ``pipeline`` the XADD is only queued (the model check below
+        still reads Redis at once).
 
         The model must be known: a model no worker ever registered (and no live worker
         serves) raises :class:`~producer.wire.errors.ModelNotFound`, naming the registered
@@ -506,6 +507,14 @@ class Client(ClientBase):
         """
         return completion_from(request_id, list(self.stream(
             request_id, timeout=timeout, orphan_timeout=orphan_timeout)))
+
+    def choices(self, request_id: str, n: int, timeout: float | None = None, *,
+                orphan_timeout: float | None | object = CLIENT_DEFAULT) -> list[Completion]:
+        """The Completions of the ``n`` choices of a request submitted with ``n``: choice i
+        from its own stream, ``choice_id(request_id, i)`` (``result`` of the request id is
+        choice 0's). ``timeout`` applies to each wait."""
+        return [self.result(choice_id(request_id, i), timeout, orphan_timeout=orphan_timeout)
+                for i in range(n)]
 
     def last_event(self, request_id: str) -> StreamEvent | None:
         """The last entry of a request's output stream, decoded; None when it has no stream

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from producer.wire.validation import brief, validate_request_id
+from producer.wire.validation import brief, validate_choice_id, validate_request_id
 
 # The consumer group every worker of a model reads its request streams with.
 GROUP = "workers"
@@ -65,8 +65,9 @@ class Keys:
         return validate_lane(stream.rsplit(":", 1)[-1])
 
     def output(self, request_id: str) -> str:
-        """Stream of one request's output chunks, then its final entry."""
-        return f"{self.ns}:out:{validate_request_id(request_id)}"
+        """Stream of one request's output chunks, then its final entry; choice i > 0 of a
+        request with n choices has its own, under its choice id ``{id}.{i}``."""
+        return f"{self.ns}:out:{validate_choice_id(request_id)}"
 
     @property
     def dead(self) -> str:

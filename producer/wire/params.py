@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from producer.wire.validation import MAX_TOKEN_ID, brief
@@ -14,6 +14,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+# Choices of one request: each is a request the worker that takes it serves.
+MAX_CHOICES = 16
 MAX_SEED = 2**63 - 1
 # Beyond any model's context; a 32-bit int, like token ids and top_k below.
 MAX_NEW_TOKENS = 2**31 - 1
@@ -85,6 +87,10 @@ class SamplingParams:
     # ``echo``). The request then computes its whole prompt: no prefix-cache hit, no
     # imported KV.
     prompt_logprobs: int | None = None
+    # Choices drawn for the prompt (OpenAI's field): the worker serves choice i as a request
+    # of its own, seeded seed + i, streamed on its own output stream (docs/protocol.md);
+    # they share the prompt's KV through the prefix cache.
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -137,6 +143,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_int("min_tokens", self.min_tokens, low=0, high=MAX_NEW_TOKENS)
+        _check_int("n", self.n, low=1, high=MAX_CHOICES)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
@@ -183,7 +190,15 @@ class SamplingParams:
 
 # Fields added after the first wire version, with their defaults: written only when set.
 LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False,
-                "min_tokens": 0, "prompt_logprobs": None}
+                "min_tokens": 0, "prompt_logprobs": None, "n": 1}
+
+
+def choice_params(params: SamplingParams, index: int, seed: int) -> SamplingParams:
+    """Choice ``index``'s parameters of a request with ``params`` (n choices): one choice,
+    seeded ``seed + index`` (``seed``: the request's, or the one its worker chose), and the
+    prompt's logprobs only on choice 0 (the prompt is the same for all)."""
+    return replace(params, n=1, seed=(seed + index) % (MAX_SEED + 1),
+                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

@@ -37,6 +37,30 @@ def validate_request_id(request_id: object) -> str:
     return request_id
 
 
+# Choice i > 0 of a request with n choices (params.n) is served and streamed as "{id}.{i}":
+# a dot is never part of a request id, so no request's id can be a choice's.
+CHOICE_ID_PATTERN = re.compile(r"([A-Za-z0-9_-]{1,64})(?:\.([1-9][0-9]{0,2}))?")
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice ``index`` of request ``request_id`` is served under: the request's own
+    for choice 0, ``{id}.{index}`` after it."""
+    return request_id if index == 0 else f"{request_id}.{index}"
+
+
+def request_of(choice: str) -> str:
+    """The request id a choice id belongs to (a request id is its own)."""
+    return choice.partition(".")[0]
+
+
+def validate_choice_id(value: object) -> str:
+    """A request id, or a choice id ``{id}.{i}`` (1 <= i <= 999); ValueError otherwise."""
+    if not isinstance(value, str) or not CHOICE_ID_PATTERN.fullmatch(value):
+        raise ValueError(f"request id must match [A-Za-z0-9_-]{{1,64}}, or be one followed by "
+                         f"'.' and a choice number, got {brief(value)}")
+    return value
+
+
 def validate_token_ids(token_ids: object, vocab_size: int, what: str = "prompt") -> list[int]:
     """A non-empty list of in-vocabulary ints, or a ValueError."""
     if not isinstance(token_ids, list | tuple) or not token_ids:

@@ -15,7 +15,7 @@ from kvstore import PrefixHit
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import Completion, FinishReason
 from producer.wire.params import SamplingParams
-from producer.wire.validation import validate_request_id
+from producer.wire.validation import validate_choice_id
 from scheduler import Request, RequestUpdate, Scheduler
 from scheduler.deadlines import Deadlines
 from worker.engine.admission import AdmissionChecks, Prompt, sampling_params
@@ -116,7 +116,12 @@ class Engine:
                                or params.prompt_logprobs is not None):
             raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
                              "cannot give log-probabilities")
-        request_id = validate_request_id(request_id or f"req-{next(self._ids)}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine serves one choice a request; add one "
+                             "request a choice, seeded seed + i (the fleet's workers do so: "
+                             "producer.wire.params.choice_params)")
+        # (a request's choice after its first is served as "{id}.{i}")
+        request_id = validate_choice_id(request_id or f"req-{next(self._ids)}")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, generated, limit = self.checks.admit(prompt, params, generated_token_ids)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
@@ -12,7 +11,7 @@ from typing import Any
 import structlog
 
 from producer.wire.completion import FinishReason
-from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, now_ms
+from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 from producer.wire.stopping import stop_reason
 from worker.engine.engine import Engine
 from worker.engine.output_processor import StepOutput
@@ -24,7 +23,7 @@ from worker.fleet.handoff.engine_kv import (
     export_prefix_blocks,
 )
 from worker.fleet.handoff.handoff import HandoffReader, tokens_hash
-from worker.fleet.inflight import InflightRequest, InflightTable
+from worker.fleet.inflight import InflightRequest, InflightTable, last_choice
 from worker.fleet.messages import (
     Admission,
     Forget,
@@ -38,13 +37,9 @@ from worker.fleet.metrics import WorkerMetrics
 from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.publishing.token_hold import TokenHold
 from worker.fleet.supervised import SupervisedThread
+from worker.sampling.randomness import stable_seed
 
 log = structlog.get_logger(__name__)
-
-
-def stable_seed(request_id: str) -> int:
-    """A sampling seed derived from the request id (the same on every worker)."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest()) >> 1
 
 
 class EngineLoop(SupervisedThread):
@@ -126,8 +121,12 @@ class EngineLoop(SupervisedThread):
                 for e, tokens in released]
 
     def cancel(self, request_id: str) -> None:
-        """Ask for a request to end as cancelled at the next step (from other threads)."""
-        self.end(request_id, FinishReason.CANCELLED)
+        """Ask for a request to end as cancelled at the next step (from other threads):
+        every choice of it, where it has several."""
+        # (choice 0 may have ended already: its choices are found by their ids)
+        choices = [rid for rid in self.inflight.ids() if rid.startswith(request_id + ".")]
+        for rid in [request_id, *choices]:
+            self.end(rid, FinishReason.CANCELLED)
 
     def end(self, request_id: str, reason: FinishReason) -> None:
         """Ask for a request to end at the next step with ``reason`` (the first asked wins)."""
@@ -293,11 +292,15 @@ class EngineLoop(SupervisedThread):
         except ValueError as exc:
             log.warning("request rejected", request_id=req.request_id, reason=str(exc))
             self.metrics.request_finished(str(FinishReason.ERROR), wait_s, 0)
-            self.inflight.remove(req.request_id)
-            # After the tokens already published: Redis refuses a final at a lower index.
-            self._send([Rejection(adm.stream, adm.entry_id, str(exc),
-                                  req.request_id, num_tokens=len(generated),
-                                  id_base=adm.published.id_base if adm.published else 0)])
+            id_base = adm.published.id_base if adm.published else 0
+            if last_choice(self.inflight.remove(req.request_id)):
+                # After the tokens already published: Redis refuses a final at a lower index.
+                self._send([Rejection(adm.stream, adm.entry_id, str(exc),
+                                      req.request_id, num_tokens=len(generated),
+                                      id_base=id_base)])
+            else:  # a choice of several: its entry is dead-lettered with the last of them
+                self._send([Publication(req.request_id, final=error_final(
+                    str(exc), len(generated), id_base))])
             return
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                           (adm.stream, adm.entry_id), generated,
@@ -344,9 +347,9 @@ class EngineLoop(SupervisedThread):
     def _finish_unstarted(self, adm: Admission, final: FinalEntry) -> None:
         if adm.published is not None:  # a request taken over: in its generation of ids
             final.id_base = adm.published.id_base
-        self.inflight.remove(adm.request.request_id)
+        last = last_choice(self.inflight.remove(adm.request.request_id))
         self._send([Publication(adm.request.request_id, final=final,
-                                ack=(adm.stream, adm.entry_id))])
+                                ack=(adm.stream, adm.entry_id) if last else None)])
 
     def _apply_cancels(self) -> None:
         self._apply_drops()
@@ -427,7 +430,8 @@ class EngineLoop(SupervisedThread):
                      "kv_transferred_tokens": usage.kv_transferred_tokens if usage else 0},
                     id_base=entry.id_base,
                 )
-                ack = (entry.stream, entry.entry_id)
+                # (a choice of several: the entry is done with the last of them)
+                ack = (entry.stream, entry.entry_id) if last_choice(entry) else None
                 self.inflight.remove(out.request_id)
                 self._finished(entry, final, now)
             items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens,

@@ -36,6 +36,19 @@ class InflightRequest:
     message: bytes | None = None
     # Its producer's watch id (producer/client/watch.py): cancelled once the watch lapses.
     watch: str | None = None
+    # A choice of a request with n > 1 (params.n): the ids of its request's choices not
+    # ended yet, one set shared by them all. The request's entry is acknowledged when the
+    # last one ends (``last_choice``); None for a request of one choice.
+    choices: set[str] | None = None
+
+
+def last_choice(item: InflightRequest | None) -> bool:
+    """``item`` ended: whether its request's entry is done with it (a request of one choice,
+    or the last of its choices to end)."""
+    if item is None or item.choices is None:
+        return True
+    item.choices.discard(item.request_id)
+    return not item.choices
 
 
 class InflightTable:
@@ -72,15 +85,17 @@ class InflightTable:
         free = self.capacity - len(self._items)
         return free if free >= self.read_batch else 0
 
-    def add(self, item: InflightRequest, alone: bool = False) -> bool:
-        """Take a request in; ``alone`` only into an empty table, and then nothing else
-        until it leaves. False (nothing added) when that cannot be."""
+    def add(self, items: list[InflightRequest], alone: bool = False) -> bool:
+        """Take a request in (its choices: one item each); ``alone`` only into an empty
+        table, and then nothing else until they all leave. False (nothing added) when that
+        cannot be."""
         with self._cond:
             if self._alone is not None or (alone and self._items):
                 return False
-            self._items[item.request_id] = item
+            for item in items:
+                self._items[item.request_id] = item
             if alone:
-                self._alone = item.request_id
+                self._alone = items[0].request_id
             return True
 
     @property
@@ -108,7 +123,7 @@ class InflightTable:
     def remove(self, request_id: str) -> InflightRequest | None:
         with self._cond:
             item = self._items.pop(request_id, None)
-            if request_id == self._alone:
+            if not self._items:  # (alone: the table held that request's choices only)
                 self._alone = None
             self._cond.notify_all()
             return item

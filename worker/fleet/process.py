@@ -438,8 +438,9 @@ class Worker:
         if not left:
             return
         try:
-            hand_back(self.client, self.config.worker_id, [(e.stream, e.entry_id) for e in left],
-                      self.config.lease_ms)
+            # (one entry for all the choices of a request)
+            entries = list(dict.fromkeys((e.stream, e.entry_id) for e in left))
+            hand_back(self.client, self.config.worker_id, entries, self.config.lease_ms)
             log.info("handed back unfinished requests", count=len(left))
         except redis.RedisError as exc:  # they lapse with the lease instead
             log.warning("hand back failed; requests wait for their lease to lapse",

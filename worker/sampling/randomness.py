@@ -7,6 +7,7 @@ its prompt plus its first ``k`` tokens continues exactly as before.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 import numpy as np
@@ -51,3 +52,9 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 def fresh_seed() -> int:
     """A seed for a request that did not ask for one (kept, so it can resume exactly)."""
     return secrets.randbits(63)
+
+
+def stable_seed(request_id: str) -> int:
+    """A sampling seed derived from the request id (the same on every worker): an unseeded
+    request resumed elsewhere draws the same tokens."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest()) >> 1

@@ -115,16 +115,21 @@ class LeaseKeeper(SupervisedThread):
                     self.on_orphaned(rid)
 
     def renew_all(self) -> None:
-        held = {(e.stream, e.entry_id): rid for rid in self.inflight.ids()
-                if (e := self.inflight.get(rid)) is not None}
+        # Each entry and the requests served for it (a request's choices share its entry).
+        held: dict[tuple[str, str], list[str]] = {}
+        for rid in self.inflight.ids():
+            if (e := self.inflight.get(rid)) is not None:
+                held.setdefault((e.stream, e.entry_id), []).append(rid)
         if not held:
             return
         kept = self.owned.renew(list(held))
         self.renewals += len(kept)
-        for entry, rid in held.items():
-            if entry not in kept and rid in self.inflight:
-                log.warning("lease lost: another worker owns the request now", request_id=rid)
-                self.on_lost(rid)
+        for entry, rids in held.items():
+            for rid in rids if entry not in kept else ():
+                if rid in self.inflight:
+                    log.warning("lease lost: another worker owns the request now",
+                                request_id=rid)
+                    self.on_lost(rid)
 
 
 def hand_back(client: redis.Redis, worker_id: str, entries: list[tuple[str, str]],

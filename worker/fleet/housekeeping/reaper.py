@@ -15,13 +15,13 @@ from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stre
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
 from producer.wire.replies import as_text
+from producer.wire.validation import choice_id
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release
 from worker.fleet.housekeeping.old_lanes import OldLanes
 from worker.fleet.inflight import InflightTable
 from worker.fleet.intake.intake import Intake
 from worker.fleet.intake.resume import take_over
-from worker.fleet.messages import Rejection
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
@@ -179,19 +179,21 @@ class Reaper(SupervisedThread):
 
     def _resume(self, stream: str, entry_id: str, fields: dict, deliveries: int,
                 alone: bool) -> None:
-        request_id = _request_id(fields)
-        # Its stream taken over first: nothing its earlier worker still sends can land. Not
-        # where this worker serves a request of that id (another entry of it: the intake
-        # refuses this one as a duplicate), whose writes the take-over would refuse.
+        request_id, choices = _request_id(fields)
+        # Its streams (one a choice) taken over first: nothing its earlier worker still
+        # sends can land. Not where this worker serves a request of that id (another entry
+        # of it: the intake refuses this one as a duplicate), whose writes the take-over
+        # would refuse.
         if request_id is None or request_id in self.inflight:
             published = None
         else:
-            published = take_over(self.client, self.keys, request_id,
-                                  self.intake.publisher.output_ttl_s)
-        if published is not None and published.finished:
+            published = [take_over(self.client, self.keys, choice_id(request_id, i),
+                                   self.intake.publisher.output_ttl_s)
+                         for i in range(choices)]
+        if published is not None and all(p.finished for p in published):
             self.client.xack(stream, GROUP, entry_id)  # its worker died between final and ack
             return
-        num = len(published.token_ids) if published else 0
+        num = len(published[0].token_ids) if published else 0
         if request_id is None:  # unreadable: the intake dead-letters it
             alone = False
         if alone:
@@ -203,14 +205,13 @@ class Reaper(SupervisedThread):
                           "it is what kills the workers that take it")
                 log.error("poison request dead-lettered", request_id=request_id,
                           entry_id=entry_id, deliveries=deliveries, runs_alone=runs_alone)
-                self.intake.publisher.publish([Rejection(
-                    stream, entry_id, reason, request_id, fields.get(FIELD), num_tokens=num,
-                    id_base=published.id_base if published else 0)])
+                self.intake.reject(stream, entry_id, reason, request_id, fields.get(FIELD),
+                                   published=published, choices=choices)
                 return
         log.info("resuming a claimed request", request_id=request_id, entry_id=entry_id,
                  published_tokens=num, deliveries=deliveries, alone=alone)
-        adm = self.intake.accept(stream, entry_id, fields, published, alone=alone)
-        if adm is None:
+        admitted = self.intake.accept(stream, entry_id, fields, published, alone=alone)
+        if not admitted:
             return
         if alone:  # counted once it really runs alone
             pipe = self.client.pipeline(transaction=True)
@@ -218,12 +219,14 @@ class Reaper(SupervisedThread):
             pipe.expire(self.keys.isolated(request_id), ISOLATION_MEMORY_S)
             pipe.execute()
             self.isolated += 1
-        self.intake.hand_over([adm], self.client)
+        self.intake.hand_over(admitted, self.client)
 
 
 
-def _request_id(fields: dict) -> str | None:
+def _request_id(fields: dict) -> tuple[str | None, int]:
+    """The entry's request id (None where it names none) and its number of choices."""
     try:
-        return GenerationRequest.decode(fields.get(FIELD)).request_id
+        req = GenerationRequest.decode(fields.get(FIELD))
     except ProtocolError as exc:
-        return exc.request_id
+        return exc.request_id, 1
+    return req.request_id, req.params.n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import queue
 from collections.abc import Callable
@@ -14,7 +15,9 @@ import structlog
 from producer.chat_template import ChatTemplate
 from producer.client.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
-from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.wire.params import choice_params
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, error_final
+from producer.wire.validation import choice_id, request_of
 from worker.engine.tokenizer import Tokenizer
 from worker.fleet.config import WorkerConfig
 from worker.fleet.handoff.handoff import KV_STORED_FIELD, HandoffReader, streams_for
@@ -24,9 +27,10 @@ from worker.fleet.housekeeping.leases import hand_back
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
 from worker.fleet.intake.resume import Published, read_published
-from worker.fleet.messages import Admission, Rejection
+from worker.fleet.messages import Admission, Publication, Rejection
 from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
+from worker.sampling.randomness import stable_seed
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +143,7 @@ class Intake(SupervisedThread):
         admitted: list[Admission] = []
         try:
             for stream, entry_id, fields in entries:
-                if (adm := self.accept(stream, entry_id, fields)) is not None:
-                    admitted.append(adm)
+                admitted += self.accept(stream, entry_id, fields)
         finally:
             # Even when one entry's reads failed: those accepted before it are in the
             # in-flight table, and only the inbox gets them served.
@@ -177,7 +180,9 @@ class Intake(SupervisedThread):
         when the marker check loses its connection (the caller's supervisor then retries).
         """
         try:
-            for rid in cancelled_ids(client, self.keys, [a.request.request_id for a in admitted]):
+            # (by request: a request's choices share its marker)
+            ids = list(dict.fromkeys(request_of(a.request.request_id) for a in admitted))
+            for rid in cancelled_ids(client, self.keys, ids):
                 self.on_cancel(rid)
         finally:
             ready = [adm for adm in admitted if not self._fetch_later(adm)]
@@ -233,59 +238,104 @@ class Intake(SupervisedThread):
         return out
 
     def accept(self, stream: str, entry_id: str, fields: dict,
-               published: Published | None = None, alone: bool = False) -> Admission | None:
-        """Decode, validate and tokenize an entry; None when it is rejected (malformed) or
-        handed back (``alone`` asked for an empty worker, or a suspect runs alone here)."""
+               published: list[Published] | None = None, alone: bool = False
+               ) -> list[Admission]:
+        """Decode, validate and tokenize an entry: one admission a choice of it (its
+        ``params.n``, each seeded seed + i, the first under the request's id); none when it
+        is rejected (malformed) or handed back (``alone`` asked for an empty worker, or a
+        suspect runs alone here). ``published``: what each choice's stream holds already
+        (a claimed request, ``take_over``); a choice whose stream is finished is not served
+        again."""
         self.num_read += 1
         raw = fields.get(FIELD)
+        req: GenerationRequest | None = None
         try:
             req = GenerationRequest.decode(raw)
             if req.model != self.model:
                 raise ProtocolError(f"request for model {req.model!r} on a stream of "
                                     f"{self.model!r}", req.request_id)
+            if req.params.n > 1 and self.role == "prefill":
+                raise ProtocolError(f"n={req.params.n}: several choices are served by workers "
+                                    "of role both, not handed on by a prefill worker",
+                                    req.request_id)
             prompt_ids = self._tokenize(req)
         except ProtocolError as exc:
-            self._reject(stream, entry_id, exc.reason, exc.request_id, raw,
-                         num_tokens=len(published.token_ids) if published else 0,
-                         id_base=published.id_base if published else 0)
-            return None
+            self.reject(stream, entry_id, exc.reason, exc.request_id, raw,
+                         published=published, choices=req.params.n if req else 1)
+            return []
         live = self.inflight.get(req.request_id)
         if live is not None and (live.stream, live.entry_id) == (stream, entry_id):
-            return None  # the very entry this worker is serving (claimed back): nothing to do
+            return []  # the very entry this worker is serving (claimed back): nothing to do
         if live is not None:
             # A second request with a live id: answering it would corrupt the first one's stream.
-            self._reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
+            self.reject(stream, entry_id, f"request id {req.request_id!r} is already in flight",
                          req.request_id, raw, write_final=False)
-            return None
+            return []
         if stream in self.handoff_streams and published is None:
             # Handed on by a prefill worker: resume after the tokens it published. Read
             # before the entry counts as in flight here: a failed read leaves it to lapse
             # and be claimed, never held without being served.
-            published = read_published(self.client, self.keys, req.request_id)
-        item = InflightRequest(req.request_id, stream, entry_id, len(prompt_ids),
-                               len(published.token_ids) if published else 0,
-                               id_base=published.id_base if published else 0,
-                               message=raw if self.role == "prefill" else None,
-                               watch=req.watch)
-        if not self.inflight.add(item, alone):
+            published = [read_published(self.client, self.keys, req.request_id)]
+        admissions = self._choices(req, prompt_ids, stream, entry_id, published)
+        items = [InflightRequest(adm.request.request_id, stream, entry_id, len(prompt_ids),
+                                 len(adm.published.token_ids) if adm.published else 0,
+                                 id_base=adm.published.id_base if adm.published else 0,
+                                 message=raw if self.role == "prefill" else None,
+                                 watch=req.watch)
+                 for adm in admissions]
+        if len(items) > 1 or req.params.n > 1:
+            pending = {item.request_id for item in items}  # shared: see last_choice
+            for item in items:
+                item.choices = pending
+        if not items:  # every choice ended before its worker died: only the ack is missing
+            self.publisher.publish([Publication(req.request_id, ack=(stream, entry_id))])
+            return []
+        if not self.inflight.add(items, alone):
             # A suspect is served alone here now (or this one needs an empty worker): give
             # the entry back as if never delivered here.
             hand_back(self.client, self.worker_id, [(stream, entry_id)], self.lease_ms)
-            return None
-        adm = Admission(req, prompt_ids, stream, entry_id, published)
-        if stream in self.handoff_streams and self.handoffs is not None and published \
+            return []
+        if len(admissions) == 1 and req.params.n == 1:
+            self._fetch_kv(admissions[0], fields)
+        return admissions
+
+    def _choices(self, req: GenerationRequest, prompt_ids: list[int], stream: str,
+                 entry_id: str, published: list[Published] | None) -> list[Admission]:
+        """One admission a choice not yet finished: choice i under choice_id(id, i), with
+        choice_params (seed + i: the request's seed, or one from its id)."""
+        n = req.params.n
+        if n == 1:
+            return [Admission(req, prompt_ids, stream, entry_id,
+                              published[0] if published else None)]
+        seed = req.params.seed if req.params.seed is not None else stable_seed(req.request_id)
+        out = []
+        for i in range(n):
+            done = published[i] if published else None
+            if done is not None and done.finished:
+                continue
+            # (a copy, not dataclasses.replace: a choice id is no request id a producer may
+            # send, and the request's checks would refuse it)
+            choice = copy.copy(req)
+            choice.request_id = choice_id(req.request_id, i)
+            choice.params = choice_params(req.params, i, seed)
+            out.append(Admission(choice, prompt_ids, stream, entry_id, done))
+        return out
+
+    def _fetch_kv(self, adm: Admission, fields: dict) -> None:
+        """Where the request's KV may come from the fleet tier: its fetch, for later."""
+        req, prompt_ids, published = adm.request, adm.prompt_token_ids, adm.published
+        if adm.stream in self.handoff_streams and self.handoffs is not None and published \
                 and published.token_ids and not published.finished:
             if fields.get(KV_STORED_BYTES) == b"0":  # the tier never took it: no lookup
                 self.handoffs.fallback(req.request_id, "missing", "the tier did not take "
                                        "its KV when it was handed on")
-                return adm
+                return
             adm.kv_fetch = functools.partial(self.handoffs.fetch, req.request_id,
                                              prompt_ids + published.token_ids)
             adm.kv_fetch_source = "handoff"
         elif self.prefixes is not None and not (published and published.token_ids):
             adm.kv_fetch = functools.partial(self.prefixes.find, prompt_ids)
             adm.kv_fetch_source = "prefix"
-        return adm
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -314,9 +364,21 @@ class Intake(SupervisedThread):
             raise ProtocolError("the messages render to no tokens", req.request_id)
         return ids
 
-    def _reject(self, stream, entry_id, reason, request_id, raw, write_final=True,
-                num_tokens: int = 0, id_base: int = 0) -> None:
+    def reject(self, stream, entry_id, reason, request_id, raw, write_final=True,
+                published: list[Published] | None = None, choices: int = 1) -> None:
+        """Dead-letter the entry and answer ``reason`` on its stream: each choice's, after
+        what each holds (``published``: a claimed request's)."""
         log.warning("request rejected", request_id=request_id, entry_id=entry_id, reason=reason)
-        self.publisher.publish([Rejection(stream, entry_id, reason, request_id,
-                                          raw if isinstance(raw, bytes) else None, write_final,
-                                          num_tokens, id_base)])
+        held = published or []
+        first = held[0] if held else None
+        items: list[Publication | Rejection] = [Rejection(
+            stream, entry_id, reason, request_id, raw if isinstance(raw, bytes) else None,
+            write_final, len(first.token_ids) if first else 0, first.id_base if first else 0)]
+        if write_final and request_id is not None:
+            for i in range(1, choices):  # the other choices' readers hear it too
+                done = held[i] if i < len(held) else None
+                if done is None or not done.finished:
+                    items.append(Publication(choice_id(request_id, i), final=error_final(
+                        reason, len(done.token_ids) if done else 0,
+                        done.id_base if done else 0)))
+        self.publisher.publish(items)

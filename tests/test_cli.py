@@ -300,3 +300,20 @@ def test_bulk_status_json_into_a_reader_that_stops_after_one_line(redis_url, red
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
 
+
+
+def test_submit_n_prints_each_choice_and_tail_follows_one(start_worker, redis_url, capsys):
+    from fleet_fixtures import MODEL as SERVED
+
+    start_worker()
+    rc = main(["submit", "The river", "--n", "2", "--seed", "3", "--max-tokens", "4",
+               "--temperature", "1", "--json", "--model", SERVED, "--redis", redis_url])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and len(lines) == 2
+    first = lines[0]["request_id"]
+    assert lines[1]["request_id"] == f"{first}.1"
+    assert all(line["usage"]["completion_tokens"] == 4 for line in lines)
+    assert main(["tail", f"{first}.1", "--redis", redis_url]) == 0
+    assert capsys.readouterr().out.startswith(lines[1]["text"])
+    assert main(submit_argv(redis_url, "hi", "--n", "2", "--stream")) == 2
+    assert "does not mix with --stream" in capsys.readouterr().err

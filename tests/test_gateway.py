@@ -110,7 +110,7 @@ def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
          "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"extra_body": {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}},
          "messages"),

@@ -28,7 +28,8 @@ def test_neutral_values_pass_and_anything_else_is_named():
         parse_body(CHAT_URL if name != "echo" and name != "best_of" else COMPLETIONS_URL,
                    {**(CHAT if name not in ("echo", "best_of") else
                        {"model": "m", "prompt": "x"}), name: value})
-    for body, param in [({**CHAT, "n": 3}, "n"), ({**CHAT, "functions": []}, "functions"),
+    for body, param in [({**CHAT, "n": 17}, "n"), ({**CHAT, "functions": []}, "functions"),
+                        ({**CHAT, "best_of": 2}, "best_of"), ({**CHAT, "n": 0}, "n"),
                         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
                         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
                         ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4},
@@ -128,3 +129,9 @@ def test_completions_echo_asks_for_prompt_logprobs_only_with_logprobs():
     with pytest.raises(ApiError) as chat:
         parse_body(CHAT_URL, {**CHAT, "echo": True})
     assert chat.value.param == "echo"
+
+
+def test_n_choices_are_a_sampling_field():
+    req = parse_body(CHAT_URL, {**CHAT, "n": 3, "seed": 5})
+    assert req.n == 3 and req.sampling == {"n": 3, "seed": 5}
+    assert parse_body(CHAT_URL, CHAT).n == 1

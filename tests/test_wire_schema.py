@@ -193,6 +193,7 @@ LIMITS = [
     (f"{P}/stop_token_ids/maxItems", wire_params.MAX_STOP_TOKEN_IDS),
     (f"{P}/logprobs/maximum", wire_params.MAX_LOGPROBS),
     (f"{P}/prompt_logprobs/maximum", wire_params.MAX_LOGPROBS),
+    (f"{P}/n/maximum", wire_params.MAX_CHOICES),
     (f"{P}/presence_penalty/minimum", -wire_params.MAX_ABS_PENALTY),
     (f"{P}/presence_penalty/maximum", wire_params.MAX_ABS_PENALTY),
     (f"{P}/frequency_penalty/minimum", -wire_params.MAX_ABS_PENALTY),

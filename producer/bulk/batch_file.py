@@ -103,6 +103,9 @@ def parse_line(text: str, line: int, model: str | None = None,
         if req.chat_template_kwargs is not None:
             raise ValueError("chat_template_kwargs is not supported in a batch file yet (the "
                              "gateway takes it)")
+        if req.n != 1:
+            raise ValueError("n > 1 is not supported in a batch file yet (the gateway "
+                             "serves it): one line a choice, with its own seed")
         if req.echo:
             raise ValueError("echo is not supported in a batch file yet (the gateway's "
                              "/v1/completions serves it)")

@@ -122,18 +122,31 @@ def echo_text(request: ApiRequest, tokenizer: Any | None) -> str:
     return tokenizer.decode(request.prompt, skip_special_tokens=True)
 
 
-def completion_body(request: ApiRequest, done: Completion, created: int,
-                    speller: TokenSpeller, echoed: str = "") -> dict[str, Any]:
-    """The whole answer of a request that was not streamed; ``echoed``: the prompt's text,
-    first in an echoing answer (with its tokens' logprobs first, where asked)."""
-    prompt = (prompt_logprobs_body(request, done.prompt_token_ids, done.prompt_logprobs,
-                                   speller) if request.echo else None)
-    logprobs = joined_logprobs(prompt, logprobs_body(request, done.logprobs, speller))
-    choice = choice_body(request.chat, echoed + done.text, str(done.finish_reason), logprobs)
-    return {"id": response_id(request, done.request_id),
+def completion_body(request: ApiRequest, choices: list[Completion], created: int,
+                    tokenizer: Any | None, echoed: str = "") -> dict[str, Any]:
+    """The whole answer of a request that was not streamed: one choice a Completion (its
+    tokens spelled with ``tokenizer`` for logprobs); ``echoed``: the prompt's text, first
+    in an echoing answer (with its tokens' logprobs first, where asked)."""
+    first = choices[0]
+    bodies = []
+    for index, done in enumerate(choices):
+        speller = TokenSpeller(tokenizer)
+        prompt = (prompt_logprobs_body(request, done.prompt_token_ids, done.prompt_logprobs,
+                                       speller) if request.echo else None)
+        logprobs = joined_logprobs(prompt, logprobs_body(request, done.logprobs, speller))
+        bodies.append({**choice_body(request.chat, echoed + done.text, str(done.finish_reason),
+                                     logprobs), "index": index})
+    return {"id": response_id(request, first.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
-            "created": created, "model": request.model, "choices": [choice],
-            "usage": usage_body(done.usage)}
+            "created": created, "model": request.model, "choices": bodies,
+            "usage": usage_body(choices_usage(choices))}
+
+
+def choices_usage(choices: list[Completion]) -> Usage:
+    """A request's usage over its choices: its prompt once, every choice's tokens."""
+    first = choices[0].usage
+    return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in choices),
+                 first.cached_tokens, first.kv_transferred_tokens)
 
 
 # Stands for a chunk's text while its event's shape is made (no text holds it: private use).
@@ -149,8 +162,9 @@ class ChunkWriter:
     """The chunks of one streamed answer, in order."""
 
     def __init__(self, request: ApiRequest, request_id: str, created: int,
-                 speller: TokenSpeller) -> None:
+                 speller: TokenSpeller, index: int = 0) -> None:
         self.request = request
+        self.index = index  # the choice's
         self.id = response_id(request, request_id)
         self.created = created
         self.speller = speller
@@ -174,7 +188,7 @@ class ChunkWriter:
         ``usage`` (continuous usage): the chunk carries it."""
         if not self.request.chat:
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}], **_usage(usage))
 
     def echo(self, text: str, prompt_ids: list[int] | None,
@@ -182,26 +196,27 @@ class ChunkWriter:
         """An echoing completion's first chunk: the prompt, and its tokens' logprobs where
         asked."""
         lp = prompt_logprobs_body(self.request, prompt_ids, prompt_logprobs, self.speller)
-        return self._chunk([{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}])
+        return self._chunk([{"index": self.index, "text": text, "logprobs": lp,
+                             "finish_reason": None}])
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None,
              usage: dict[str, Any] | None = None) -> dict[str, Any]:
         lp = logprobs_body(self.request, logprobs, self.speller)
         if self.request.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp,
+            choice = {"index": self.index, "delta": {"content": text}, "logprobs": lp,
                       "finish_reason": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._chunk([choice], **_usage(usage))
 
     def last(self, finish_reason: str, text: str = "", usage: dict[str, Any] | None = None
              ) -> dict[str, Any]:
         if self.request.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": self.index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": self.index, "text": text, "logprobs": None,
                       "finish_reason": finish_reason}
         return self._chunk([choice], **_usage(usage))
 

@@ -47,6 +47,7 @@ from producer.gateway.answers import (
     sse,
     usage_body,
 )
+from producer.gateway.choices import merged_events
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.model_facts import ModelFacts, read_facts, registered_int
 from producer.gateway.settings import RETRY_AFTER_S, GatewaySettings
@@ -313,25 +314,27 @@ class Gateway:
         facts.check_context(api, prompt_tokens)
         request_id = await self._submit(api)
         created = int(time.time())
-        speller = TokenSpeller(facts.tokenizer if api.logprobs else None)
+        spelling = facts.tokenizer if api.logprobs else None  # (logprobs' token texts)
         echoed = echo_text(api, facts.tokenizer) if api.echo else None
         if api.stream:
-            return StreamingResponse(self._events(request_id, api, created, speller,
+            return StreamingResponse(self._events(request_id, api, created, spelling,
                                                   prompt_tokens, echoed),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": request_id})
-        done = await self._wait(request, request_id, api.model)
-        if done is None:  # the client went away: nobody reads this answer
+        choices = await self._wait(request, request_id, api.model, api.n)
+        if choices is None:  # the client went away: nobody reads this answer
             return Response(status_code=499)
-        if done.error:
+        for done in choices:
+            if not done.error:
+                continue
             # Refused before any token (a prompt too long, a template that rejects the
             # messages): the request was wrong. Failed later: the server's fault.
             status = 400 if done.usage.completion_tokens == 0 else 500
             raise ApiError(done.error, status=status, code="request_failed",
                            kind="invalid_request_error" if status == 400 else "server_error",
                            request_id=request_id)
-        return JSONResponse(completion_body(api, done, created, speller, echoed or ""),
+        return JSONResponse(completion_body(api, choices, created, spelling, echoed or ""),
                             headers={"X-Request-Id": request_id})
 
     async def _body(self, request: Request) -> Any:
@@ -465,11 +468,11 @@ class Gateway:
         finally:
             del self._facts_reading[model]
 
-    async def _wait(self, request: Request, request_id: str, model: str):
-        """The request's Completion, or None (and the request cancelled) when the client
-        disconnects first; ApiError 503 (the request cancelled) once its model has had no
-        live worker for the orphan timeout."""
-        task = asyncio.ensure_future(self.client.result(request_id))
+    async def _wait(self, request: Request, request_id: str, model: str, n: int = 1):
+        """The Completions of the request's ``n`` choices, or None (and the request
+        cancelled) when the client disconnects first; ApiError 503 (the request cancelled)
+        once its model has had no live worker for the orphan timeout."""
+        task = asyncio.ensure_future(self.client.choices(request_id, n))
         orphan = OrphanWatch(self, model)
         try:
             while True:
@@ -500,7 +503,7 @@ class Gateway:
             raise
 
     async def _events(self, request_id: str, api: ApiRequest, created: int,
-                      speller: TokenSpeller, prompt_tokens: int | None = None,
+                      spelling: Any | None, prompt_tokens: int | None = None,
                       echoed: str | None = None) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: a keep-alive comment each
         ``keepalive_s`` without one (the stream's own read wakes it when quiet: no task or
@@ -509,8 +512,15 @@ class Gateway:
         carries the usage so far (``prompt_tokens`` as the gateway counted them; where it
         could not, only the last chunk, with the worker's count). ``echoed``: an echoing
         completion's prompt text, its first chunk before the answer's (with the prompt's
-        logprobs, which come with the answer's first tokens)."""
-        writer = ChunkWriter(api, request_id, created, speller)
+        logprobs, which come with the answer's first tokens). Several choices (``n``): each
+        choice's chunks carry its index, in the order they come; the answer ends with the
+        last choice's (a failed choice ends it, and the request, at once)."""
+        n = api.n
+        writers = [ChunkWriter(api, request_id, created, TokenSpeller(spelling), index=i)
+                   for i in range(n)]
+        writer = writers[0]
+        echoing = [echoed is not None] * n
+        finals: list[Usage] = []
         finished = False
         broken = False
         orphan = OrphanWatch(self, api.model)
@@ -519,14 +529,17 @@ class Gateway:
         self.metrics.streams_open.inc()
         try:
             every = api.continuous_usage and prompt_tokens is not None
-            if (first := writer.first(running_usage(prompt_tokens, 0) if every
-                                      else None)) is not None:
-                yield sse(first)
+            for opening in writers:
+                if (first := opening.first(running_usage(prompt_tokens, 0) if every
+                                           else None)) is not None:
+                    yield sse(first)
+            tick_s = min(LIVENESS_POLL_S, keepalive_s)
             # (closed here, not by the collector: its read ends when the answer does)
-            async with contextlib.aclosing(self.client.stream(
-                    request_id, tick_s=min(LIVENESS_POLL_S, keepalive_s))) as events:
-                async for event in events:
-                    if event is None:  # quiet for a tick
+            async with contextlib.aclosing(
+                    self.client.stream(request_id, tick_s=tick_s) if n == 1
+                    else merged_events(self.client, request_id, n, tick_s)) as events:
+                async for item in events:
+                    if item is None:  # quiet for a tick
                         if time.monotonic() - spoke >= keepalive_s:
                             yield KEEPALIVE
                             spoke = time.monotonic()
@@ -534,11 +547,13 @@ class Gateway:
                         continue
                     spoke = time.monotonic()
                     orphan.heard()
+                    index, event = (0, item) if n == 1 else item
+                    writer = writers[index]
                     if isinstance(event, ChunkEvent):
-                        if echoed is not None:
-                            yield sse(writer.echo(echoed, event.prompt_token_ids,
+                        if echoing[index]:  # (its first chunk: with the prompt's logprobs)
+                            yield sse(writer.echo(echoed or "", event.prompt_token_ids,
                                                   event.prompt_logprobs))
-                            echoed = None
+                            echoing[index] = False
                         if every and (event.text or (api.logprobs and event.logprobs)):
                             yield sse(writer.text(event.text, event.logprobs, running_usage(
                                 prompt_tokens, event.index + len(event.token_ids))))
@@ -547,16 +562,24 @@ class Gateway:
                         elif event.text:
                             yield writer.text_event(event.text)
                         continue
-                    finished = True
                     if event.error:
+                        finished = True
                         yield sse(ApiError(event.error, status=500, kind="server_error",
                                            code="request_failed").body())
-                    else:
-                        done = _usage(event.usage, event.num_tokens)
-                        yield sse(writer.last(event.finish_reason, event.text,
-                                              usage_body(done) if api.continuous_usage else None))
-                        if api.include_usage:
-                            yield sse(writer.usage(done))
+                        if n > 1 and len(finals) < n - 1:  # the other choices: nobody reads
+                            with anyio.CancelScope(shield=True):
+                                await self._cancel(request_id, "a choice of it failed",
+                                                   gone=False)
+                        break
+                    done = _usage(event.usage, event.num_tokens)
+                    finals.append(done)
+                    finished = len(finals) == n
+                    yield sse(writer.last(event.finish_reason, event.text,
+                                          usage_body(done) if api.continuous_usage else None))
+                    if finished and api.include_usage:
+                        yield sse(writer.usage(Usage(
+                            done.prompt_tokens, sum(u.completion_tokens for u in finals),
+                            finals[0].cached_tokens, finals[0].kv_transferred_tokens)))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
             finished = True  # nothing to cancel: nothing holds it

@@ -4,7 +4,7 @@ requests, for the gateway and for batch files alike.
 A field set to null is absent (clients serialise unset fields so). Every other field is
 implemented (completions' ``echo``: the prompt first, with its logprobs where asked, which
 ``params.prompt_logprobs`` makes in the prefill), accepted only at the value that means
-"nothing special" (``n: 1``, chat's ``echo: false``, ...), accepted and ignored because it
+"nothing special" (``best_of: 1``, chat's ``echo: false``, ...), accepted and ignored because it
 changes nothing in the answer (IGNORED: ``user``, ``store``, ``metadata``, ...), or refused
 with an error naming it: a client that asks for tools, a JSON response format or several
 choices must hear that it did not get them.
@@ -35,9 +35,11 @@ SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop
                              "stop_token_ids",
                              # vLLM's
                              "skip_special_tokens", "include_stop_str_in_output",
-                             "min_tokens"})
+                             "min_tokens",
+                             # OpenAI's choices: each served as a request (params.n)
+                             "n"})
 # Fields accepted only at the value that asks for nothing special.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
            "tools": None, "response_format": {"type": "text"}}
 # Fields that change nothing in the answer: the caller's end-user ids, OpenAI's storage,
 # tags and billing tier, its prompt cache's routing key, and parallel_tool_calls (no tools:
@@ -93,6 +95,11 @@ class ApiRequest:
     priority: int = 0
     # vLLM's chat_template_kwargs: more variables for the chat template (chat only).
     chat_template_kwargs: dict[str, Any] | None = None
+    @property
+    def n(self) -> int:
+        """Choices asked for (OpenAI's ``n``)."""
+        return self.sampling.get("n", 1)
+
     # Completions' echo: the answer's text starts with the prompt (and its logprobs, where
     # asked, with the prompt's tokens first: params.prompt_logprobs).
     echo: bool = False

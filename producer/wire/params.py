@@ -195,10 +195,9 @@ LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False
 
 def choice_params(params: SamplingParams, index: int, seed: int) -> SamplingParams:
     """Choice ``index``'s parameters of a request with ``params`` (n choices): one choice,
-    seeded ``seed + index`` (``seed``: the request's, or the one its worker chose), and the
-    prompt's logprobs only on choice 0 (the prompt is the same for all)."""
-    return replace(params, n=1, seed=(seed + index) % (MAX_SEED + 1),
-                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+    seeded ``seed + index`` (``seed``: the request's, or the one its worker chose). Each
+    choice that asks for prompt logprobs computes them (its first chunk carries them)."""
+    return replace(params, n=1, seed=(seed + index) % (MAX_SEED + 1))
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

@@ -32,7 +32,7 @@ from producer.wire.completion import Completion
 from producer.wire.errors import ModelNotFound, RequestLost
 from producer.wire.keys import LANES
 from producer.wire.params import SamplingParams
-from producer.wire.validation import validate_request_id
+from producer.wire.validation import validate_choice_id, validate_request_id
 from worker.cli.redis_verbs import add_connection_args
 
 # Seconds `conveyor submit` waits for the final entry unless told otherwise (--wait).
@@ -45,7 +45,7 @@ EXIT_WAITED_OUT = 124
 EXIT_INTERRUPTED = 130
 # The sampling options of `conveyor submit`; each one given is passed to Client.submit, any
 # other is left to SamplingParams' default, so the CLI and Client.submit cannot differ.
-SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop", "n")
 
 
 def sampling_default(name: str) -> Any:
@@ -61,7 +61,8 @@ def add_client_parsers(subparsers: Any) -> None:
     _add_submit_parser(subparsers)
 
     p = subparsers.add_parser("tail", help="follow (or resume) a request's output stream")
-    p.add_argument("request_id", metavar="ID", type=_request_id, help="request id")
+    p.add_argument("request_id", metavar="ID", type=_output_id,
+                   help="request id, or ID.I for choice I of a request with several")
     p.add_argument(
         "--from",
         dest="from_id",
@@ -120,6 +121,10 @@ def _add_submit_parser(subparsers: Any) -> None:
                    help="stop before this text; repeatable (default: no stop string)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="sampling seed: the same tokens in any batch (default: none, random)")
+    p.add_argument("--n", type=int, default=None, metavar="N",
+                   help="choices to draw, choice i seeded S + i (default: 1); each is printed "
+                   "after a line '--- choice I ---' (with --json: one object a line); not "
+                   "with --stream")
     p.add_argument("--lane", choices=LANES, default="interactive",
                    help="the request stream to queue on; workers read batch after interactive")
     output = p.add_mutually_exclusive_group()
@@ -159,6 +164,14 @@ def read_prompt(text: str | None, file: Path | None) -> str:
     if file is not None:
         return file.read_text(encoding="utf-8")
     return sys.stdin.read() if text == "-" else text
+
+
+def _output_id(text: str) -> str:
+    """A request id or a choice id (``ID.I``), for argparse."""
+    try:
+        return validate_choice_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _request_id(text: str) -> str:
@@ -205,6 +218,10 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
                          "--stream")
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
+    choices = args.n or 1
+    if choices > 1 and args.stream:
+        raise ValueError("--n prints whole answers, one a choice: it does not mix with "
+                         "--stream (follow a choice with `conveyor tail ID.I`)")
     prompt = read_prompt(args.text, args.file)
     messages = None
     if args.chat:
@@ -239,7 +256,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         if args.stream:
             return _print_stream(client.stream(request_id, timeout=wait, orphan_timeout=None),
                                  "submit")
-        completion = client.result(request_id, timeout=wait, orphan_timeout=None)
+        completions = client.choices(request_id, choices, timeout=wait, orphan_timeout=None)
     except KeyboardInterrupt:
         # Nobody will read the output any more: free the worker's slot.
         client.cancel(request_id)
@@ -253,16 +270,21 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
     except (StreamGapError, RequestLost) as exc:
         print(f"conveyor submit: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if args.json:
-        print(json.dumps(completion_json(completion), ensure_ascii=False))
-    else:
-        print(completion.text)
+    failed = False
+    for i, completion in enumerate(completions):
+        if args.json:
+            print(json.dumps(completion_json(completion), ensure_ascii=False))
+            continue
+        if choices > 1:
+            print(f"--- choice {i} ---")
+        print(completion.text, flush=True)
         print(f"[{completion.finish_reason}, {completion.usage.completion_tokens} tokens]",
-              file=sys.stderr)
-    if completion.error:
-        print(f"error: {completion.error}", file=sys.stderr)
-        return EXIT_FAILED
-    return 0
+              file=sys.stderr, flush=True)
+    for completion in completions:
+        if completion.error:
+            print(f"error: {completion.error}", file=sys.stderr)
+            failed = True
+    return EXIT_FAILED if failed else 0
 
 
 def completion_json(completion: Completion) -> dict[str, Any]:

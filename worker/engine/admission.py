@@ -27,6 +27,18 @@ def sampling_params(params: SamplingParams | Mapping[str, Any] | None) -> Sampli
     raise ValueError(f"params must be SamplingParams or a mapping, got {type(params).__name__}")
 
 
+def prompts_and_params(prompts: Prompt | Sequence[Prompt], params: Any
+                       ) -> list[tuple[Prompt, Any]]:
+    """Engine.generate's prompts, each with its params: one for all, or one each."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    single = params is None or isinstance(params, SamplingParams | Mapping)
+    per_prompt = [params] * len(prompts) if single else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+    return list(zip(prompts, per_prompt, strict=True))
+
+
 @dataclass(frozen=True)
 class AdmissionChecks:
     """What a request must fit to be admitted to one engine."""
@@ -38,6 +50,8 @@ class AdmissionChecks:
     block_size: int
     # Blocks of the device KV pool: a request that needs more can never run.
     num_kv_blocks: int
+    # A simulated engine (no logits: no logprobs).
+    simulated: bool = False
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -47,12 +61,24 @@ class AdmissionChecks:
     def admit(self, prompt: Prompt, params: SamplingParams,
               generated: Sequence[int]) -> tuple[list[int], list[int], int]:
         """(prompt ids, generated ids, token limit) of a request every check passed."""
+        self.check_params(params)
         prompt_ids = self.prompt_ids(prompt)
         self.check_logit_bias(params)
         generated_ids = self.generated_ids(generated)
         limit = self.token_limit(len(prompt_ids), params)
         self.check_lengths(prompt_ids, generated_ids, limit)
         return prompt_ids, generated_ids, limit
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What the engine cannot serve of ``params``, whatever the prompt."""
+        if self.simulated and (params.logprobs is not None
+                               or params.prompt_logprobs is not None):
+            raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
+                             "cannot give log-probabilities")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine serves one choice a request; add one "
+                             "request a choice, seeded seed + i (the fleet's workers do so: "
+                             "producer.wire.params.choice_params)")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (a string is encoded), each checked against the vocabulary."""

@@ -18,7 +18,8 @@ from producer.wire.params import SamplingParams
 from producer.wire.validation import validate_choice_id
 from scheduler import Request, RequestUpdate, Scheduler
 from scheduler.deadlines import Deadlines
-from worker.engine.admission import AdmissionChecks, Prompt, sampling_params
+from worker.engine import output_processor
+from worker.engine.admission import AdmissionChecks, Prompt, prompts_and_params, sampling_params
 from worker.engine.config import EngineConfig
 from worker.engine.memory import kv_memory, load_forward
 from worker.engine.model_runner import ModelRunner
@@ -28,7 +29,6 @@ from worker.engine.step_pipeline import OverlappedSteps
 from worker.engine.tokenizer import Tokenizer
 from worker.models import native_decode
 from worker.sampling import fresh_seed
-from worker.sampling.prompt_logprobs import PromptSpan
 
 # Scheduler counters (since start) that stats() reports: preemptions by kind, blocks swapped,
 # prefix cache use, and prompt tokens computed (prefill, recompute) or whose KV came from
@@ -67,7 +67,8 @@ class Engine:
         self.host_cache, self.host_pool = memory.host_cache, memory.host_pool
         self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len), self.kv)
         self.checks = AdmissionChecks(self.tokenizer, mc.vocab_size, self.max_model_len,
-                                      cfg.block_size, self.block_pool.num_blocks)
+                                      cfg.block_size, self.block_pool.num_blocks,
+                                      self.simulated)
         self.runner = (SimulatedRunner(self.simulated_cost, mc.vocab_size, self.eos_token_ids,
                                        self.clock) if self.simulated_cost is not None else
                        ModelRunner(self.model, self.kv_cache, self.device, self.host_cache))
@@ -112,15 +113,7 @@ class Engine:
         added; when this raises, they are still the caller's to release.
         """
         params = sampling_params(params)
-        if self.simulated and (params.logprobs is not None
-                               or params.prompt_logprobs is not None):
-            raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
-                             "cannot give log-probabilities")
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: the engine serves one choice a request; add one "
-                             "request a choice, seeded seed + i (the fleet's workers do so: "
-                             "producer.wire.params.choice_params)")
-        # (a request's choice after its first is served as "{id}.{i}")
+        # (choice i > 0 of a request with several is served as "{id}.{i}")
         request_id = validate_choice_id(request_id or f"req-{next(self._ids)}")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -225,19 +218,16 @@ class Engine:
             return expired
         tokens, logprobs, prompt = self.runner.execute(sched)
         self.num_steps += 1
-        return expired + self._step_outputs(self.scheduler.update(sched, tokens), logprobs,
-                                            prompt)
+        updates = self.scheduler.update(sched, tokens)
+        return expired + self._step_outputs(updates, logprobs, prompt)
 
     def _step_outputs(self, updates: list[RequestUpdate], logprobs: dict[str, Any],
-                      prompt: dict[str, PromptSpan]) -> list[StepOutput]:
+                      prompt: output_processor.PromptSpans) -> list[StepOutput]:
         results, states = [], self._outputs  # (every running request, every step)
-        for request_id, (first, span) in prompt.items():  # (prefill chunks: no update)
-            if (state := states.get(request_id)) is not None:
-                state.add_prompt_logprobs(first, span)
+        output_processor.add_prompt_spans(states, prompt)  # (a prefill chunk has no update)
         for upd in updates:
             request_id, new, lp = upd.request_id, upd.new_token_ids, logprobs.get(upd.request_id)
-            state = states[request_id]
-            opening = state.opening()
+            opening = (state := states[request_id]).opening()  # (before its tokens are in)
             state.num_cached_tokens = upd.num_cached_tokens
             state.num_transferred_tokens = upd.num_transferred_tokens
             if state.detokenizer is None and lp is None:  # the fleet's: nothing else to do
@@ -254,8 +244,8 @@ class Engine:
                 text = state.take_delta(final=False) if state.detokenizer is not None else ""
                 out = StepOutput(request_id, new, text, False, None, [lp] if lp else None, None,
                                  state.num_cached_tokens)
-            if opening is not None:  # its first output: the prompt's logprobs with it
-                out.prompt_token_ids, out.prompt_logprobs = opening
+            # (its first output: with the prompt's logprobs, where it asked for them)
+            out.prompt_token_ids, out.prompt_logprobs = opening or (None, None)
             results.append(out)
         return results
 
@@ -265,13 +255,7 @@ class Engine:
         params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run prompts to completion; one Completion per prompt, in order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        single = params is None or isinstance(params, SamplingParams | Mapping)
-        per_prompt = [params] * len(prompts) if single else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        ids = [self.add_request(p, sp) for p, sp in prompts_and_params(prompts, params)]
         done: dict[str, Completion] = {}
         while len(done) < len(ids):
             for out in self.step():

@@ -161,3 +161,15 @@ class RequestOutputState:
                     held = k
                     break
         return len(self.text) - held
+
+
+# A step's prompt logprobs by request: (first prompt position, one logprob a position).
+PromptSpans = dict[str, tuple[int, list[TokenLogprob]]]
+
+
+def add_prompt_spans(states: dict[str, RequestOutputState], spans: PromptSpans) -> None:
+    """A step's spans of prompt logprobs (worker/sampling/prompt_logprobs.py), each to its
+    request's state (one that ended meanwhile has none)."""
+    for request_id, (first, span) in spans.items():
+        if (state := states.get(request_id)) is not None:
+            state.add_prompt_logprobs(first, span)

@@ -6,6 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from producer.wire.validation import choice_id
+
 
 @dataclass(slots=True)
 class InflightRequest:
@@ -113,6 +115,13 @@ class InflightTable:
     def get(self, request_id: str) -> InflightRequest | None:
         with self._cond:
             return self._items.get(request_id)
+
+    def serving(self, request_id: str, choices: int = 1) -> InflightRequest | None:
+        """The item of any of the request's ``choices`` served here, or None."""
+        with self._cond:
+            return next((item for i in range(choices)
+                         if (item := self._items.get(choice_id(request_id, i))) is not None),
+                        None)
 
     def get_each(self, request_ids: list[str]) -> list[InflightRequest | None]:
         """``get`` of each id, under one lock (a step's outputs: hundreds of them)."""

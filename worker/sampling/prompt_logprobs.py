@@ -83,6 +83,8 @@ class PromptLogprobs:
                 k, prompt = wanted
                 start = c.start_position
                 count = max(0, min(start + n, len(prompt) - 1) - start)
+                if start + n >= len(prompt) - 1:  # its last span: wanted no more
+                    del self._wanted[c.request_id]
             if count:
                 at = len(picked)
                 picked.extend(range(offset, offset + n))

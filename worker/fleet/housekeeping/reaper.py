@@ -184,7 +184,7 @@ class Reaper(SupervisedThread):
         # sends can land. Not where this worker serves a request of that id (another entry
         # of it: the intake refuses this one as a duplicate), whose writes the take-over
         # would refuse.
-        if request_id is None or request_id in self.inflight:
+        if request_id is None or self.inflight.serving(request_id, choices) is not None:
             published = None
         else:
             published = [take_over(self.client, self.keys, choice_id(request_id, i),

@@ -263,7 +263,7 @@ class Intake(SupervisedThread):
             self.reject(stream, entry_id, exc.reason, exc.request_id, raw,
                          published=published, choices=req.params.n if req else 1)
             return []
-        live = self.inflight.get(req.request_id)
+        live = self.inflight.serving(req.request_id, req.params.n)
         if live is not None and (live.stream, live.entry_id) == (stream, entry_id):
             return []  # the very entry this worker is serving (claimed back): nothing to do
         if live is not None:

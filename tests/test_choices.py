@@ -122,3 +122,51 @@ def test_a_killed_workers_choices_are_finished_exactly_by_another(redis_url, tin
         assert settled_pending(client.redis) == 0
     finally:
         stop_all(list(procs.values()))
+
+
+def test_a_choice_a_stop_string_ends_leaves_the_others_to_finish(start_worker, client,
+                                                                 redis_client):
+    """Choice 0 ends at a stop string found where the text is made; choice 1 runs on to its
+    length, and the entry is acknowledged once both ended (not with choice 0)."""
+    from fleet_fixtures import settled_pending
+
+    from producer.wire.keys import GROUP
+
+    start_worker()
+    params = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True, "seed": 5}
+    free = client.choices(client.submit(PROMPT, model=MODEL, n=2, **params), 2, timeout=60)
+    stop = next(free[0].text[i:i + 4] for i in range(2, 60)
+                if free[0].text[i:i + 4] not in free[1].text and free[0].text[i:i + 4].strip())
+    rid = client.submit(PROMPT, model=MODEL, n=2, stop=[stop], **params)
+    first = client.result(rid, timeout=60)
+    lane = Keys().requests(MODEL, "interactive")
+    last = client.last_event(choice_id(rid, 1))
+    assert last is None or not hasattr(last, "finish_reason")  # precondition: 1 still runs
+    assert redis_client.xpending(lane, GROUP)["pending"] == 1  # ...and the entry is held
+    assert first.finish_reason == "stop"
+    assert first.text == free[0].text[:free[0].text.index(stop)]
+    second = client.result(choice_id(rid, 1), timeout=60)
+    assert second.finish_reason == "length" and second.token_ids == free[1].token_ids
+    assert settled_pending(redis_client) == 0
+
+
+def test_the_cancel_listener_checks_markers_by_request_for_choices(redis_url, redis_client):
+    """On (re)subscribing it looks at the markers of what the worker serves: a choice id
+    ("{id}.{i}") is looked up by its request's marker, not refused."""
+    import threading
+
+    from producer.clock import SYSTEM_CLOCK
+    from worker.fleet.intake.cancellation import CancelListener
+
+    Client(redis_url).cancel("req7")
+    heard: list[str] = []
+    got = threading.Event()
+    listener = CancelListener(redis_client, Keys(), lambda rid: (heard.append(rid), got.set()),
+                              "w", inflight_ids=lambda: ["req7.1", "req7.2", "other"],
+                              clock=SYSTEM_CLOCK)
+    listener.start()
+    try:
+        assert got.wait(10) and listener.failure is None
+        assert heard == ["req7"]
+    finally:
+        listener.stop()

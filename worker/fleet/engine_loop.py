@@ -303,8 +303,8 @@ class EngineLoop(SupervisedThread):
                     str(exc), len(generated), id_base))])
             return
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
-                          (adm.stream, adm.entry_id), generated,
-                          adm.published.text if adm.published else "")])
+                          (adm.stream, adm.entry_id) if entry.choices is None else None,
+                          generated, adm.published.text if adm.published else "")])
         # Held here for the stream interval unless its text is looked at token by token
         # (stop strings, log-probabilities) or it is handed on after its first token.
         entry.coalesce = (self.hold is not None and not req.params.stop

@@ -134,8 +134,9 @@ class Track:
     # Its stop strings and logprobs settings decide the text and the final.
     params: SamplingParams
     num_prompt_tokens: int
-    # (request stream, entry id) acknowledged with a final a stop string makes.
-    ack: tuple[str, str]
+    # (request stream, entry id) acknowledged with a final a stop string makes; None for a
+    # choice of several (the engine's final of the last choice to end acknowledges it).
+    ack: tuple[str, str] | None
     # A resumed request: the tokens an earlier worker already published.
     published_token_ids: list[int] | None = None
     # ... and their text, as its stream holds it.

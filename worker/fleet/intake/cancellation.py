@@ -10,6 +10,7 @@ import redis
 import structlog
 
 from producer.wire.keys import Keys
+from producer.wire.validation import request_of
 from worker.fleet.supervised import SupervisedThread
 
 log = structlog.get_logger(__name__)
@@ -35,7 +36,9 @@ class CancelListener(SupervisedThread):
         try:
             pubsub.subscribe(self.keys.cancel_channel)
             # Announcements sent while no subscription was up are lost: their markers are not.
-            for rid in cancelled_ids(self.client, self.keys, self.inflight_ids()):
+            # (by request: a request's choices, "{id}.{i}", share its marker)
+            requests = list(dict.fromkeys(request_of(rid) for rid in self.inflight_ids()))
+            for rid in cancelled_ids(self.client, self.keys, requests):
                 self.on_cancel(rid)
             self.subscribed.set()
             self.working()

@@ -262,8 +262,13 @@ class Publisher(SupervisedThread):
             if type(item) is Publication:  # nearly every item: one a request and step
                 if self.text.apply(item):
                     ready.append(item)
-                elif item.chunk is not None:  # of a request ended here: never written
+                    continue
+                if item.chunk is not None:  # of a request ended here: never written
                     self.tokens_dropped += len(item.chunk.token_ids)
+                if item.final is not None and item.ack is not None:
+                    # The engine's final of a choice a stop string ended here: the last of
+                    # its request's choices to end, whose acknowledgement is the entry's.
+                    ready.append(Publication(item.request_id, ack=item.ack))
             elif isinstance(item, Track):
                 self.text.track(item)
             elif isinstance(item, Forget):

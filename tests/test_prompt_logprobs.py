@@ -61,6 +61,21 @@ def test_prompt_logprobs_equal_transformers_float64(tiny_llama, settings):
     assert done.token_ids == alone.token_ids  # the output is the same with or without
 
 
+def test_rows_projected_a_block_at_a_time_give_the_same_logprobs(tiny_llama, monkeypatch):
+    """A prompt's rows go to logits in blocks (bounded memory): blocks of 7 rows, a prompt
+    of 70 in one step, several requests in it; equal to transformers all the same."""
+    from worker.sampling import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_BLOCK", 7)
+    engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=256,
+                    max_num_batched_tokens=512)
+    prompts = [prompt(70), prompt(23, seed=3)]
+    done = engine.generate(prompts, [SamplingParams(max_tokens=2, temperature=0,
+                                                    prompt_logprobs=k) for k in (3, 0)])
+    for ids, got, k in zip(prompts, done, (3, 0), strict=True):
+        check(tiny_llama, got, ids, k)
+
+
 def test_a_cached_prefix_is_computed_again_for_its_logprobs(tiny_llama):
     engine = Engine(tiny_llama, dtype="float64", num_kv_blocks=256, block_size=16)
     ids = prompt(60)

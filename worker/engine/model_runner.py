@@ -98,37 +98,36 @@ class ModelRunner:
                                         upload, self.vocab_size) if sampling else None)
         # The rows whose logits are made: every token (one-token chunks, all sampling: a
         # decode step; the native step makes them with its layers), else the sampling
-        # chunks' last tokens.
+        # chunks' last tokens; a step that makes prompt logprobs keeps its hidden states
+        # (worker/sampling/prompt_logprobs.py).
         plan = self.prompt_logprobs.plan(chunks, upload) if self.prompt_logprobs else None
-        if plan is not None:  # every row of a prompt-logprob chunk, the others' last
-            picked = plan.picked
-        else:
-            picked = (None if not sampling or len(sampling) == len(ids) else upload.add(
-                (np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
+        picked = (None if plan is not None or not sampling or len(sampling) == len(ids)
+                  else upload.add((np.cumsum(query_lens, dtype=np.int64) - 1)[sampling]))
         upload.send()
         meta = layout.metadata()
         meta.backend_plans.update(plans)
         if self.on_forward is not None:
             self.on_forward()
-        if step is None and plan is None:
+        if plan is not None:  # prompt logprobs: from the hidden states, a block at a time
+            hidden = self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
+            self._computed(len(ids))
+            prompt = self.prompt_logprobs.compute(self.model.compute_logits, hidden, plan)
+            if step is None or plan.sample_rows is None:
+                return {}, {}, prompt
+            logits = self.model.compute_logits(hidden.index_select(0, plan.sample_rows.tensor))
+        elif step is None:
             self.model(meta.input_ids, meta.positions, self.kv_cache, meta)
             self._computed(len(ids))
             return {}, {}, {}
-        logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
-                                   None if picked is None else picked.tensor)
-        self._computed(len(ids))
+        else:
+            prompt = {}
+            logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
+                                       None if picked is None else picked.tensor)
+            self._computed(len(ids))
         if self.device.type == "cuda":
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.
             torch.cuda.current_stream(self.device).synchronize()
-        prompt: dict[str, PromptSpan] = {}
-        if plan is not None:
-            prompt = self.prompt_logprobs.compute(logits, plan)
-            if step is None:
-                return {}, {}, prompt
-            if plan.sample_at is not None:
-                logits = logits.index_select(0, plan.sample_at.tensor)
-        assert step is not None
         tokens, logprobs = self.sampler(logits, step, scratch=True)
         self.sampling_rows.record(step, tokens)
         return (dict(zip(ids_out, tokens, strict=True)),

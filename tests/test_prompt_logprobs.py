@@ -119,3 +119,34 @@ def test_bad_values_and_a_simulated_engine_are_refused(tiny_llama):
     engine = Engine(tiny_llama, simulate_step_ms=0.0)
     with pytest.raises(ValueError, match="simulated"):
         engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1))
+
+
+def test_prompt_logprobs_that_would_not_fit_an_entry_or_kv_from_elsewhere_are_refused(
+        tiny_llama):
+    from producer.wire.protocol import MAX_ENTRY_BYTES
+    from worker.engine.admission import AdmissionChecks
+
+    AdmissionChecks.check_prompt_logprobs(10_000, 20, preloaded=False)  # ~3 MB: fits
+    with pytest.raises(ValueError, match="would not fit in one output entry: at most"):
+        AdmissionChecks.check_prompt_logprobs(14_000, 20, preloaded=False)
+    assert 14_000 * (20 + 20 * 15) > MAX_ENTRY_BYTES - 2**18
+    with pytest.raises(ValueError, match="comes from another engine"):
+        AdmissionChecks.check_prompt_logprobs(10, 0, preloaded=True)
+
+
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_the_size_bound_holds_for_the_largest_values(k):
+    """A first chunk's prompt logprobs at their largest (32-bit ids, float64 logprobs) take
+    at most PROMPT_LOGPROB_BYTES + k x PROMPT_ALTERNATIVE_BYTES a prompt token."""
+    from producer.wire.protocol import (
+        PROMPT_ALTERNATIVE_BYTES,
+        PROMPT_LOGPROB_BYTES,
+        OutputChunk,
+    )
+
+    n, big, lp = 1000, 2**31 - 1, -1.2345678901234567
+    bare = OutputChunk(0, [big], "x")
+    full = OutputChunk(0, [big], "x", None, [big] * n,
+                       [None] + [[lp, [[big, lp]] * k] for _ in range(n - 1)])
+    assert len(full.encode()) - len(bare.encode()) <= n * (
+        PROMPT_LOGPROB_BYTES + k * PROMPT_ALTERNATIVE_BYTES)

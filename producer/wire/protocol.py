@@ -36,6 +36,12 @@ NOT_ON_THE_WIRE = {"on_wire": False}
 # Limits on one request entry; a producer is refused (ValueError) before writing past them
 # and a worker dead-letters an entry that does.
 MAX_ENTRY_BYTES = 4 * 2**20
+# Most bytes a first chunk's prompt logprobs take a prompt token, with k alternatives: its id,
+# [logprob, [[id, logprob] x k]] in msgpack (int32s and float64s, every header at its largest).
+PROMPT_LOGPROB_BYTES = 20
+PROMPT_ALTERNATIVE_BYTES = 15
+# What a first chunk's prompt logprobs may take of its entry (the rest: its tokens and text).
+MAX_PROMPT_LOGPROBS_BYTES = MAX_ENTRY_BYTES - 2**18
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 262_144
 PRIORITY_RANGE = (-1000, 1000)

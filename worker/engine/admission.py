@@ -9,6 +9,11 @@ from typing import Any
 
 from kvstore import blocks_for
 from producer.wire.params import SamplingParams
+from producer.wire.protocol import (
+    MAX_PROMPT_LOGPROBS_BYTES,
+    PROMPT_ALTERNATIVE_BYTES,
+    PROMPT_LOGPROB_BYTES,
+)
 from producer.wire.stopping import token_limit
 from producer.wire.validation import validate_token_ids
 from worker.engine.tokenizer import Tokenizer
@@ -58,11 +63,14 @@ class AdmissionChecks:
         """Tokens the whole device KV pool holds."""
         return self.num_kv_blocks * self.block_size
 
-    def admit(self, prompt: Prompt, params: SamplingParams,
-              generated: Sequence[int]) -> tuple[list[int], list[int], int]:
-        """(prompt ids, generated ids, token limit) of a request every check passed."""
+    def admit(self, prompt: Prompt, params: SamplingParams, generated: Sequence[int],
+              preloaded: bool = False) -> tuple[list[int], list[int], int]:
+        """(prompt ids, generated ids, token limit) of a request every check passed;
+        ``preloaded``: its first tokens' KV comes from another engine."""
         self.check_params(params)
         prompt_ids = self.prompt_ids(prompt)
+        if params.prompt_logprobs is not None and not generated:
+            self.check_prompt_logprobs(len(prompt_ids), params.prompt_logprobs, preloaded)
         self.check_logit_bias(params)
         generated_ids = self.generated_ids(generated)
         limit = self.token_limit(len(prompt_ids), params)
@@ -79,6 +87,21 @@ class AdmissionChecks:
             raise ValueError(f"n={params.n}: the engine serves one choice a request; add one "
                              "request a choice, seeded seed + i (the fleet's workers do so: "
                              "producer.wire.params.choice_params)")
+
+    @staticmethod
+    def check_prompt_logprobs(num_tokens: int, k: int, preloaded: bool) -> None:
+        """Prompt logprobs are made in the prefill and travel in the first chunk: the whole
+        prompt is computed, and they must fit in one stream entry."""
+        if preloaded:
+            raise ValueError("prompt_logprobs: the prompt's KV comes from another engine, so "
+                             "its logprobs are not computed here; add it without that KV")
+        size = num_tokens * (PROMPT_LOGPROB_BYTES + k * PROMPT_ALTERNATIVE_BYTES)
+        if size > MAX_PROMPT_LOGPROBS_BYTES:
+            most = MAX_PROMPT_LOGPROBS_BYTES // (PROMPT_LOGPROB_BYTES
+                                                 + k * PROMPT_ALTERNATIVE_BYTES)
+            raise ValueError(f"prompt_logprobs={k} of a prompt of {num_tokens} tokens would "
+                             f"not fit in one output entry: at most {most} prompt tokens "
+                             "with that many alternatives")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (a string is encoded), each checked against the vocabulary."""

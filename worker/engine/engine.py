@@ -79,8 +79,7 @@ class Engine:
         self._pipeline = (OverlappedSteps(self.runner, self.device, self.scheduler,
                                           self._step_outputs)
                           if self.async_scheduling else None)
-        # Live requests with penalties: they read every output token, so no step of theirs
-        # is scheduled before the step before it has its tokens.
+        # Live requests with penalties (each reads every token: no step of theirs overlaps).
         self._num_penalized = 0
         self._outputs: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
@@ -117,7 +116,8 @@ class Engine:
         request_id = validate_choice_id(request_id or f"req-{next(self._ids)}")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, generated, limit = self.checks.admit(prompt, params, generated_token_ids)
+        prompt_ids, generated, limit = self.checks.admit(prompt, params, generated_token_ids,
+                                                         preloaded is not None)
         seed = params.seed if params.seed is not None else fresh_seed()
 
         req = Request(

@@ -333,7 +333,8 @@ class Intake(SupervisedThread):
             adm.kv_fetch = functools.partial(self.handoffs.fetch, req.request_id,
                                              prompt_ids + published.token_ids)
             adm.kv_fetch_source = "handoff"
-        elif self.prefixes is not None and not (published and published.token_ids):
+        elif self.prefixes is not None and not (published and published.token_ids) \
+                and req.params.prompt_logprobs is None:  # (those compute their prompt)
             adm.kv_fetch = functools.partial(self.prefixes.find, prompt_ids)
             adm.kv_fetch_source = "prefix"
 

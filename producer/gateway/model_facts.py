@@ -15,6 +15,7 @@ import structlog
 from producer.chat_template import ChatTemplate
 from producer.client.client import tokenizer_from
 from producer.wire.openai_api import ApiError, ApiRequest
+from producer.wire.protocol import check_prompt_logprobs_size
 
 log = structlog.get_logger(__name__)
 
@@ -90,6 +91,12 @@ class ModelFacts:
                            f"the model's max length is {self.max_model_len} tokens",
                            param="messages" if api.chat else "prompt",
                            code="context_length_exceeded")
+        k = api.sampling.get("prompt_logprobs")
+        if prompt_tokens is not None and k is not None:
+            try:
+                check_prompt_logprobs_size(prompt_tokens, k)
+            except ValueError as exc:
+                raise ApiError(str(exc), param="echo", code="prompt_too_long_for_echo") from None
 
 
 async def read_facts(redis: Any, key: str) -> ModelFacts:

@@ -42,6 +42,17 @@ PROMPT_LOGPROB_BYTES = 20
 PROMPT_ALTERNATIVE_BYTES = 15
 # What a first chunk's prompt logprobs may take of its entry (the rest: its tokens and text).
 MAX_PROMPT_LOGPROBS_BYTES = MAX_ENTRY_BYTES - 2**18
+
+
+def check_prompt_logprobs_size(num_tokens: int, k: int) -> None:
+    """ValueError where the logprobs of a prompt of ``num_tokens`` tokens with ``k``
+    alternatives each would not fit in the first chunk's entry (the worker's rule, also
+    applied by the gateway before it queues a request)."""
+    each = PROMPT_LOGPROB_BYTES + k * PROMPT_ALTERNATIVE_BYTES
+    if num_tokens * each > MAX_PROMPT_LOGPROBS_BYTES:
+        raise ValueError(f"prompt_logprobs={k} of a prompt of {num_tokens} tokens would not "
+                         f"fit in one output entry: at most {MAX_PROMPT_LOGPROBS_BYTES // each} "
+                         "prompt tokens with that many alternatives")
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 262_144
 PRIORITY_RANGE = (-1000, 1000)

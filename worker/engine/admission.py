@@ -9,11 +9,7 @@ from typing import Any
 
 from kvstore import blocks_for
 from producer.wire.params import SamplingParams
-from producer.wire.protocol import (
-    MAX_PROMPT_LOGPROBS_BYTES,
-    PROMPT_ALTERNATIVE_BYTES,
-    PROMPT_LOGPROB_BYTES,
-)
+from producer.wire.protocol import check_prompt_logprobs_size
 from producer.wire.stopping import token_limit
 from producer.wire.validation import validate_token_ids
 from worker.engine.tokenizer import Tokenizer
@@ -95,13 +91,7 @@ class AdmissionChecks:
         if preloaded:
             raise ValueError("prompt_logprobs: the prompt's KV comes from another engine, so "
                              "its logprobs are not computed here; add it without that KV")
-        size = num_tokens * (PROMPT_LOGPROB_BYTES + k * PROMPT_ALTERNATIVE_BYTES)
-        if size > MAX_PROMPT_LOGPROBS_BYTES:
-            most = MAX_PROMPT_LOGPROBS_BYTES // (PROMPT_LOGPROB_BYTES
-                                                 + k * PROMPT_ALTERNATIVE_BYTES)
-            raise ValueError(f"prompt_logprobs={k} of a prompt of {num_tokens} tokens would "
-                             f"not fit in one output entry: at most {most} prompt tokens "
-                             "with that many alternatives")
+        check_prompt_logprobs_size(num_tokens, k)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (a string is encoded), each checked against the vocabulary."""

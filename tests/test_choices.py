@@ -170,3 +170,20 @@ def test_the_cancel_listener_checks_markers_by_request_for_choices(redis_url, re
         assert heard == ["req7"]
     finally:
         listener.stop()
+
+
+def test_a_malformed_request_of_n_choices_is_answered_on_every_stream(start_worker, client,
+                                                                      redis_client):
+    """An entry refused before it could be read as a request (here, an unknown field) still
+    names its id and its n: every choice's stream gets the error, one dead letter."""
+    import msgpack
+
+    start_worker()
+    message = {"v": 1, "id": "bad7", "model": MODEL, "prompt": "hi",
+               "params": {"n": 3, "max_tokens": 2}, "surprise": 1}
+    redis_client.xadd(Keys().requests(MODEL, "interactive"),
+                      {FIELD: msgpack.packb(message, use_bin_type=True)})
+    done = client.choices("bad7", 3, timeout=60)
+    assert [c.finish_reason for c in done] == ["error"] * 3
+    assert all("surprise" in c.error for c in done)
+    assert redis_client.xlen(Keys().dead) == 1

@@ -383,3 +383,15 @@ def test_a_top_k_of_the_whole_vocabulary_cuts_nothing_and_rows_laid_out_for_anot
     wider = step_rows(rows, logits.device, 200)
     with pytest.raises(ValueError, match="200 logits a row, not 50"):
         Sampler()(logits, wider)
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_of_a_call_of_its_own():
+    """SampleRequest rows: EOS (given with the row) and the row's stop tokens are never
+    drawn below min_tokens, whatever their logits; from min_tokens on they are."""
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 50.0  # EOS, far ahead
+    logits[:, 5] = 40.0  # the stop token, next
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    rows = [SampleRequest(params, 1, index, eos_token_ids=[3]) for index in (1, 2)]
+    tokens, _ = Sampler()(logits.clone(), rows)
+    assert tokens == [0, 3]  # below min_tokens: the best token left; at it: EOS

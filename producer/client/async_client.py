@@ -225,10 +225,18 @@ class AsyncClient(ClientBase):
                       orphan_timeout: float | None | object = CLIENT_DEFAULT
                       ) -> list[Completion]:
         """The Completions of a request's ``n`` choices, read at once
-        (:meth:`producer.client.client.Client.choices`)."""
-        return list(await asyncio.gather(*(
-            self.result(choice_id(request_id, i), timeout, orphan_timeout=orphan_timeout)
-            for i in range(n))))
+        (:meth:`producer.client.client.Client.choices`); the first failure to read one is
+        raised, and the other reads stop."""
+        if n == 1:
+            return [await self.result(request_id, timeout, orphan_timeout=orphan_timeout)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                reads = [group.create_task(self.result(
+                    choice_id(request_id, i), timeout, orphan_timeout=orphan_timeout))
+                    for i in range(n)]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        return [read.result() for read in reads]
 
     async def last_event(self, request_id: str) -> StreamEvent | None:
         """The last entry of a request's output stream, decoded; None when it has none."""

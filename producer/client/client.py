@@ -512,9 +512,14 @@ class Client(ClientBase):
                 orphan_timeout: float | None | object = CLIENT_DEFAULT) -> list[Completion]:
         """The Completions of the ``n`` choices of a request submitted with ``n``: choice i
         from its own stream, ``choice_id(request_id, i)`` (``result`` of the request id is
-        choice 0's). ``timeout`` applies to each wait."""
-        return [self.result(choice_id(request_id, i), timeout, orphan_timeout=orphan_timeout)
-                for i in range(n)]
+        choice 0's). ``timeout``: seconds for them all."""
+        deadline = deadline_after(timeout, self.clock)
+        done = []
+        for i in range(n):
+            left = None if deadline is None else max(0.0, deadline - self.clock.monotonic())
+            done.append(self.result(choice_id(request_id, i), left,
+                                    orphan_timeout=orphan_timeout))
+        return done
 
     def last_event(self, request_id: str) -> StreamEvent | None:
         """The last entry of a request's output stream, decoded; None when it has no stream

@@ -486,6 +486,8 @@ class Gateway:
                 await orphan.check()
         except RequestLost as exc:
             task.cancel()
+            if n > 1:  # its other choices may still run: nobody will read them
+                await self._cancel(request_id, "a choice of it was lost", gone=False)
             raise ApiError(str(exc), status=500, kind="server_error", code="request_lost",
                            request_id=request_id) from None
         except Orphaned as exc:
@@ -582,7 +584,10 @@ class Gateway:
                             finals[0].cached_tokens, finals[0].kv_transferred_tokens)))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
-            finished = True  # nothing to cancel: nothing holds it
+            finished = True  # nothing to cancel: nothing holds it (but its other choices)
+            if n > 1:
+                with anyio.CancelScope(shield=True):
+                    await self._cancel(request_id, "a choice of it was lost", gone=False)
             yield sse(ApiError(str(exc), status=500, kind="server_error", code="request_lost",
                                request_id=request_id).body())
             yield "data: [DONE]\n\n"

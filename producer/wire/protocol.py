@@ -20,7 +20,7 @@ import msgpack
 
 from producer.wire.keys import validate_lane, validate_name
 from producer.wire.messages import validate_messages, validate_template_kwargs
-from producer.wire.params import SamplingParams
+from producer.wire.params import MAX_CHOICES, SamplingParams
 from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 
 SCHEMA_VERSION = 1
@@ -321,6 +321,17 @@ def decode_output(data: bytes) -> OutputChunk | FinalEntry:
         raise ValueError(f"unknown output entry kind {m.get('kind')!r}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed output entry: {exc}") from None
+
+
+def declared_choices(data: Any) -> int:
+    """How many choices (``params.n``) an entry asks for, as far as it can be read: an
+    entry refused as malformed is answered on every choice's stream. 1 where unreadable."""
+    try:
+        params = _unpack(data).get("params")
+        n = params.get("n", 1) if isinstance(params, dict) else 1
+    except Exception:  # noqa: BLE001 (any garbage: one stream to answer)
+        return 1
+    return n if _int_in(n, 1, MAX_CHOICES) else 1
 
 
 def _wire_logprob(item: Any) -> list[Any]:

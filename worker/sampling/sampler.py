@@ -35,7 +35,8 @@ from worker.sampling.subsets import RowSubsets, rows_at
 class SampleRequest:
     """One row to sample in a call of its own (the engine's runner keeps its rows across
     steps instead: worker/sampling/rows.py): its parameters, seed and the output index
-    being drawn. ``prompt_token_ids`` and ``output_token_ids`` are read only by penalties.
+    being drawn. ``prompt_token_ids`` and ``output_token_ids`` are read only by penalties,
+    ``eos_token_ids`` (the model's) only by ``min_tokens``.
     """
 
     params: SamplingParams
@@ -43,13 +44,13 @@ class SampleRequest:
     output_index: int
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()
 
 
-def step_rows(rows: Sequence[SampleRequest], device: torch.device, vocab: int,
-              eos_token_ids: Sequence[int] = ()) -> StepRows:
+def step_rows(rows: Sequence[SampleRequest], device: torch.device, vocab: int) -> StepRows:
     """``rows`` laid out for one call on logits ``vocab`` wide, moved to ``device`` in one
-    copy; ``eos_token_ids``: the model's, which a row short of its min_tokens may not draw."""
-    state = SamplingRows(len(rows), eos_token_ids)
+    copy."""
+    state = SamplingRows(len(rows), sorted({t for r in rows for t in r.eos_token_ids}))
     request_ids = [str(i) for i in range(len(rows))]
     for request_id, r in zip(request_ids, rows, strict=True):
         state.add(request_id, r.params, r.seed, r.prompt_token_ids, r.output_token_ids)

@@ -13,7 +13,7 @@ import structlog
 
 from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
 from producer.wire.keys import GROUP, Keys
-from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError
+from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
 from producer.wire.replies import as_text
 from producer.wire.validation import choice_id
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
@@ -228,5 +228,5 @@ def _request_id(fields: dict) -> tuple[str | None, int]:
     try:
         req = GenerationRequest.decode(fields.get(FIELD))
     except ProtocolError as exc:
-        return exc.request_id, 1
+        return exc.request_id, declared_choices(fields.get(FIELD))
     return req.request_id, req.params.n

@@ -16,7 +16,13 @@ from producer.chat_template import ChatTemplate
 from producer.client.queues import waiting
 from producer.wire.keys import GROUP, LANES, Keys
 from producer.wire.params import choice_params
-from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, error_final
+from producer.wire.protocol import (
+    FIELD,
+    GenerationRequest,
+    ProtocolError,
+    declared_choices,
+    error_final,
+)
 from producer.wire.validation import choice_id, request_of
 from worker.engine.tokenizer import Tokenizer
 from worker.fleet.config import WorkerConfig
@@ -260,8 +266,8 @@ class Intake(SupervisedThread):
                                     req.request_id)
             prompt_ids = self._tokenize(req)
         except ProtocolError as exc:
-            self.reject(stream, entry_id, exc.reason, exc.request_id, raw,
-                         published=published, choices=req.params.n if req else 1)
+            self.reject(stream, entry_id, exc.reason, exc.request_id, raw, published=published,
+                        choices=req.params.n if req else declared_choices(raw))
             return []
         live = self.inflight.serving(req.request_id, req.params.n)
         if live is not None and (live.stream, live.entry_id) == (stream, entry_id):

@@ -25,19 +25,24 @@ def _load(model_dir: str):
     return model.eval()
 
 
-@torch.inference_mode()
-def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> Reference:
+def _generate(model_dir: Path, prompt: list[int], max_tokens: int, **options):
     """transformers' own greedy `generate`, float64, one prompt at a time (no padding)."""
     model = _load(str(model_dir))
-    out = model.generate(
+    return model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_tokens,
         do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
         pad_token_id=model.generation_config.eos_token_id,
+        **options,
     )
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> Reference:
+    """transformers' greedy tokens, with the gap between the top two logits of each step."""
+    out = _generate(model_dir, prompt, max_tokens, output_logits=True,
+                    return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     gaps = []
     for step_logits in out.logits:
@@ -49,16 +54,8 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> Reference:
 @torch.inference_mode()
 def hf_min_new_tokens(model_dir: Path, prompt: list[int], max_tokens: int, min_tokens: int,
                       bias: dict[int, float]) -> list[int]:
-    """transformers' greedy `generate` with ``min_new_tokens`` and an additive bias on single
-    tokens (``sequence_bias``), float64."""
-    model = _load(str(model_dir))
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_tokens,
-        min_new_tokens=min_tokens,
-        sequence_bias={(token,): value for token, value in bias.items()},
-        do_sample=False,
-        pad_token_id=model.generation_config.eos_token_id,
-    )
+    """transformers' greedy tokens with ``min_new_tokens`` and an additive bias on single
+    tokens (``sequence_bias``)."""
+    out = _generate(model_dir, prompt, max_tokens, min_new_tokens=min_tokens,
+                    sequence_bias={(token,): value for token, value in bias.items()})
     return out[0, len(prompt):].tolist()

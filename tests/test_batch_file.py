@@ -208,3 +208,23 @@ def test_lines_the_gateway_would_refuse_are_error_lines_not_a_crash():
         assert parsed.code in ("invalid_json", "invalid_request"), (name, parsed)
     assert "logprobs" in parse_line(bad["logprobs"], 1, default_model=MODEL).message
     assert "tools" in parse_line(bad["tools"], 1, default_model=MODEL).message
+
+
+def test_lines_with_a_json_schema_answer_json_valid_against_it(client, start_worker,
+                                                               tmp_path):
+    import jsonschema
+
+    start_worker(**FAST)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    form = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    lines = [request_line(f"s-{i}", f"Item {i}:", max_tokens=64, temperature=1.0, seed=i,
+                          response_format=form) for i in range(8)]
+    summary = run_batch_file(client, write_lines(tmp_path / "in.jsonl", lines),
+                             tmp_path / "out.jsonl")
+    assert summary.succeeded == 8
+    for r in read_lines(tmp_path / "out.jsonl"):
+        choice = r["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), schema)

@@ -317,3 +317,22 @@ def test_submit_n_prints_each_choice_and_tail_follows_one(start_worker, redis_ur
     assert capsys.readouterr().out.startswith(lines[1]["text"])
     assert main(submit_argv(redis_url, "hi", "--n", "2", "--stream")) == 2
     assert "does not mix with --stream" in capsys.readouterr().err
+
+
+def test_submit_json_schema_answers_json_valid_against_it(start_worker, redis_url, capsys,
+                                                          tmp_path):
+    from fleet_fixtures import MODEL as SERVED
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(schema))
+    start_worker()
+    rc = main(["submit", "Is it?", "--json-schema", str(path), "--max-tokens", "32",
+               "--model", SERVED, "--redis", redis_url])
+    out = capsys.readouterr().out
+    assert rc == 0 and json.loads(out.splitlines()[-1]) in ({"ok": True}, {"ok": False})
+    path.write_text("{not json")
+    assert main(["submit", "x", "--json-schema", str(path), "--model", SERVED, "--redis",
+                 redis_url]) == 2
+    assert "not a JSON file" in capsys.readouterr().err

@@ -109,7 +109,7 @@ def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
     cases = [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
          "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"n": 17}, "n"),
         ({"extra_body": {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}},

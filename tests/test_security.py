@@ -47,7 +47,7 @@ from producer.redis.functions import (
 )
 from producer.redis.server import start_ephemeral
 from producer.wire.errors import LaneBlocked
-from producer.wire.keys import GROUP, LANES, Keys
+from producer.wire.keys import GROUP, LANES, Keys, as_text
 from producer.wire.params import MAX_NEW_TOKENS, MAX_SEED, MAX_TOP_K, SamplingParams
 from producer.wire.protocol import (
     MAX_ENTRY_BYTES,
@@ -57,7 +57,6 @@ from producer.wire.protocol import (
     GenerationRequest,
     ProtocolError,
 )
-from producer.wire.replies import as_text
 from producer.wire.validation import MAX_TOKEN_ID, brief
 from worker.cli.command import build_parser
 from worker.cli.redis_verbs import run_redis_cmd

@@ -24,7 +24,7 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from producer.client.client import build_request
 from producer.wire import messages as wire_messages
 from producer.wire import params as wire_params
-from producer.wire import protocol
+from producer.wire import protocol, response_format
 from producer.wire.completion import FinishReason, Usage
 from producer.wire.keys import LANES, validate_name
 from producer.wire.params import SamplingParams
@@ -194,6 +194,10 @@ LIMITS = [
     (f"{P}/logprobs/maximum", wire_params.MAX_LOGPROBS),
     (f"{P}/prompt_logprobs/maximum", wire_params.MAX_LOGPROBS),
     (f"{P}/n/maximum", wire_params.MAX_CHOICES),
+    (f"{P}/response_format/properties/regex/maxLength", response_format.MAX_REGEX_CHARS),
+    (f"{P}/response_format/properties/choices/maxItems", response_format.MAX_CHOICES),
+    (f"{P}/response_format/properties/choices/items/maxLength",
+     response_format.MAX_CHOICE_CHARS),
     (f"{P}/presence_penalty/minimum", -wire_params.MAX_ABS_PENALTY),
     (f"{P}/presence_penalty/maximum", wire_params.MAX_ABS_PENALTY),
     (f"{P}/frequency_penalty/minimum", -wire_params.MAX_ABS_PENALTY),

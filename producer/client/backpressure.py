@@ -24,8 +24,7 @@ import redis.asyncio
 from producer.redis.functions import ADD_IF_ROOM as ADD_IF_ROOM_FUNCTION
 from producer.redis.functions import FunctionsMissing, is_function_missing, is_unknown_command
 from producer.wire.errors import QueueFull
-from producer.wire.keys import GROUP
-from producer.wire.replies import as_text
+from producer.wire.keys import GROUP, as_text
 
 # KEYS[1]: the request stream; KEYS[2] (optional): its lane's handoff stream, counted too.
 # ARGV: group, limit, field, message. Returns {"ok", entry id} after the XADD to KEYS[1], or

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from producer.wire.keys import Keys, validate_name
-from producer.wire.replies import as_text
+from producer.wire.keys import Keys, as_text, validate_name
 
 # Heartbeat statuses of a worker that takes requests; `starting`, `draining`, `failed` and
 # `stopped` workers read no new ones.

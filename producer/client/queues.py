@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import redis
 
-from producer.wire.keys import GROUP, LANES, Keys
-from producer.wire.replies import as_text
+from producer.wire.keys import GROUP, LANES, Keys, as_text
 
 # Redis < 7 reports no consumer-group lag: we count undelivered entries instead, up to this many
 # (XLEN counts served requests too, until trim_request_stream removes them).

@@ -32,7 +32,7 @@ except ImportError:  # redis-py packs it then (slower, the same bytes)
     pack_command = None
 
 from producer.client.stream_events import entry_id_key
-from producer.wire.replies import as_text
+from producer.wire.keys import as_text
 
 # XREADs in flight at once, streams one of them names, and its longest BLOCK (see above).
 MAX_READERS = 8

@@ -21,7 +21,7 @@ from __future__ import annotations
 import redis
 import structlog
 
-from producer.wire.replies import as_text
+from producer.wire.keys import as_text
 
 log = structlog.get_logger(__name__)
 

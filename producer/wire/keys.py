@@ -2,7 +2,7 @@
 
 No other module formats a ``{ns}:`` key (tests/test_one_place.py checks the source): the
 ACL rules (producer/redis/acl.py) and the fleet KV tier (kvstore/tier/redis_tier.py) take
-theirs from :class:`Keys` too.
+theirs from :class:`Keys` too. Names Redis hands back are read with ``as_text``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,13 @@ from __future__ import annotations
 import re
 
 from producer.wire.validation import brief, validate_choice_id, validate_request_id
+
+
+def as_text(value: object) -> str:
+    """A Redis reply as text: ids, names and values come back as bytes from clients that do
+    not decode responses (the project's never do); ``value`` decoded when it is bytes, else
+    its str()."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 # The consumer group every worker of a model reads its request streams with.
 GROUP = "workers"

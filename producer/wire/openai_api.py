@@ -37,10 +37,12 @@ SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop
                              "skip_special_tokens", "include_stop_str_in_output",
                              "min_tokens",
                              # OpenAI's choices: each served as a request (params.n)
-                             "n"})
+                             "n",
+                             # structured outputs (producer/wire/response_format.py)
+                             "response_format"})
 # Fields accepted only at the value that asks for nothing special.
 NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
-           "tools": None, "response_format": {"type": "text"}}
+           "tools": None}
 # Fields that change nothing in the answer: the caller's end-user ids, OpenAI's storage,
 # tags and billing tier, its prompt cache's routing key, and parallel_tool_calls (no tools:
 # "tools" is refused unless empty).

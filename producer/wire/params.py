@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from producer.wire.response_format import canonical
 from producer.wire.validation import MAX_TOKEN_ID, brief
 
 # Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
@@ -91,6 +93,10 @@ class SamplingParams:
     # of its own, seeded seed + i, streamed on its own output stream (docs/protocol.md);
     # they share the prompt's KV through the prefix cache.
     n: int = 1
+    # What the text must be (producer/wire/response_format.py: a JSON object, a JSON value valid
+    # against a schema, a regex, one of some strings): given as OpenAI's response_format
+    # mapping, kept as its canonical JSON text. None: free text.
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and msgpack; store tuples so params stay hashable and frozen.
@@ -102,6 +108,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {brief(value)}")
             object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "response_format", canonical(self.response_format))
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
@@ -137,6 +144,8 @@ class SamplingParams:
         for name, default in LATER_FIELDS.items():
             if d[name] == default:
                 del d[name]
+        if self.response_format is not None:
+            d["response_format"] = json.loads(self.response_format)
         return d
 
     def _validate(self) -> None:
@@ -144,6 +153,9 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_int("min_tokens", self.min_tokens, low=0, high=MAX_NEW_TOKENS)
         _check_int("n", self.n, low=1, high=MAX_CHOICES)
+        if self.response_format is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("response_format ends the text where its grammar is complete: "
+                             "it does not go with ignore_eos or min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
@@ -190,7 +202,7 @@ class SamplingParams:
 
 # Fields added after the first wire version, with their defaults: written only when set.
 LATER_FIELDS = {"skip_special_tokens": True, "include_stop_str_in_output": False,
-                "min_tokens": 0, "prompt_logprobs": None, "n": 1}
+                "min_tokens": 0, "prompt_logprobs": None, "n": 1, "response_format": None}
 
 
 def choice_params(params: SamplingParams, index: int, seed: int) -> SamplingParams:

@@ -125,6 +125,9 @@ def _add_submit_parser(subparsers: Any) -> None:
                    help="choices to draw, choice i seeded S + i (default: 1); each is printed "
                    "after a line '--- choice I ---' (with --json: one object a line); not "
                    "with --stream")
+    p.add_argument("--json-schema", type=Path, metavar="PATH", default=None,
+                   help="a JSON Schema file: the answer is JSON valid against it, decoding "
+                   "held to its grammar (default: free text)")
     p.add_argument("--lane", choices=LANES, default="interactive",
                    help="the request stream to queue on; workers read batch after interactive")
     output = p.add_mutually_exclusive_group()
@@ -229,6 +232,8 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         prompt, messages = None, [*system, {"role": "user", "content": prompt}]
     sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS
                 if getattr(args, name) is not None}
+    if args.json_schema is not None:
+        sampling["response_format"] = schema_format(args.json_schema)
     try:
         model = resolve_model(client, args.model)
     except ValueError as exc:
@@ -285,6 +290,17 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
             print(f"error: {completion.error}", file=sys.stderr)
             failed = True
     return EXIT_FAILED if failed else 0
+
+
+def schema_format(path: Path) -> dict[str, Any]:
+    """The response_format of `--json-schema PATH`: the file's schema, named after it."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--json-schema {path}: not a JSON file we can read ({exc})") from None
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in path.stem)[:64] or "schema"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                   "strict": True}}
 
 
 def completion_json(completion: Completion) -> dict[str, Any]:

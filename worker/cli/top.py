@@ -19,8 +19,8 @@ from producer.client.client import Client
 from producer.client.connection import describe
 from producer.client.models import ModelState, heartbeat_keys, member_names, model_states
 from producer.client.queues import BLOCKED_HINT, LaneStats, handoff_stats, lane_stats
+from producer.wire.keys import as_text
 from producer.wire.protocol import now_ms
-from producer.wire.replies import as_text
 from worker.cli.redis_verbs import add_connection_args
 
 DEFAULT_INTERVAL_S = 1.0

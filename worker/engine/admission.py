@@ -13,6 +13,7 @@ from producer.wire.protocol import check_prompt_logprobs_size
 from producer.wire.stopping import token_limit
 from producer.wire.validation import validate_token_ids
 from worker.engine.tokenizer import Tokenizer
+from worker.sampling.grammar import Grammars
 
 Prompt = str | Sequence[int]
 
@@ -53,6 +54,18 @@ class AdmissionChecks:
     num_kv_blocks: int
     # A simulated engine (no logits: no logprobs).
     simulated: bool = False
+    # The model's grammars (worker/sampling/grammar.py); None: no response_format.
+    grammars: Grammars | None = None
+
+    @classmethod
+    def of(cls, model_dir: Any, tokenizer: Tokenizer | None, mc: Any, max_model_len: int,
+           block_size: int, num_kv_blocks: int, simulated: bool) -> AdmissionChecks:
+        """The checks of an engine of the model ``mc`` read from ``model_dir``, its grammars
+        made where it can follow them (a tokenizer.json, not simulated)."""
+        grammars = None if simulated else Grammars.for_model(model_dir, mc.vocab_size,
+                                                             mc.eos_token_ids)
+        return cls(tokenizer, mc.vocab_size, max_model_len, block_size, num_kv_blocks,
+                   simulated, grammars)
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -65,6 +78,9 @@ class AdmissionChecks:
         ``preloaded``: its first tokens' KV comes from another engine."""
         self.check_params(params)
         prompt_ids = self.prompt_ids(prompt)
+        if params.response_format is not None:  # (compiled once; refused here, not later)
+            self.grammars.matcher(params.response_format,  # type: ignore[union-attr]
+                                  self.generated_ids(generated))
         if params.prompt_logprobs is not None and not generated:
             self.check_prompt_logprobs(len(prompt_ids), params.prompt_logprobs, preloaded)
         self.check_logit_bias(params)
@@ -79,6 +95,10 @@ class AdmissionChecks:
                                or params.prompt_logprobs is not None):
             raise ValueError("logprobs: this worker is simulated (no forward, no logits): it "
                              "cannot give log-probabilities")
+        if params.response_format is not None and (self.simulated or self.grammars is None):
+            raise ValueError("response_format: " + (
+                "this worker is simulated (its tokens are not the model's): it cannot follow "
+                "a grammar" if self.simulated else "this model has no tokenizer.json"))
         if params.n != 1:
             raise ValueError(f"n={params.n}: the engine serves one choice a request; add one "
                              "request a choice, seeded seed + i (the fleet's workers do so: "

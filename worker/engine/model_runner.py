@@ -15,6 +15,7 @@ from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
 from worker.host.step_upload import StepUpload
 from worker.sampling import Sampler
+from worker.sampling.grammar import Grammars
 from worker.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from worker.sampling.rows import SamplingRows
 
@@ -23,7 +24,8 @@ class ModelRunner:
     """Turns a SchedulerOutput into one forward pass over the paged cache."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 host_cache: PagedKVCache | None = None) -> None:
+                 host_cache: PagedKVCache | None = None, grammars: Grammars | None = None
+                 ) -> None:
         self.model = model
         # Called right before each step's forward (the fleet's engine loop hands the step
         # before's output to its publisher there: see worker/fleet/engine_loop.py).
@@ -44,7 +46,8 @@ class ModelRunner:
         self.block_tables = BlockTableRows()
         # Each running request's parameters, seed and penalty tokens, kept across steps
         # (handed over once: SchedulerOutput.new_requests), and the step's row layout.
-        self.sampling_rows = SamplingRows(eos_token_ids=model.config.eos_token_ids)
+        self.sampling_rows = SamplingRows(eos_token_ids=model.config.eos_token_ids,
+                                          grammars=grammars)
         # Requests that still want their prompt's logprobs (made in their prefill).
         self.prompt_logprobs = PromptLogprobs()
         # Counters that tests and stats read: forwards run and tokens fed to the model.

@@ -23,13 +23,14 @@ function) and the penalised rows' tokens, staged in the step's one upload
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
 from worker.host.step_upload import Staged, StepUpload
+from worker.sampling.grammar import Grammars
 from worker.sampling.min_tokens import banned_ids, stage_bans
 from worker.sampling.randomness import MASK64, uniforms
 from worker.sampling.subsets import RowSubsets
@@ -144,6 +145,9 @@ class BatchLayout:
     penalised: list[tuple[int, PenaltyRow]]
     # (batch row, min_tokens, banned ids) of each row with min_tokens and ids to ban.
     limited: list[tuple[int, int, np.ndarray]]
+    # (batch row, grammar matcher) of each constrained row, and those rows' staged index.
+    constrained: list = field(default_factory=list)
+    matcher_rows: Staged | None = None
 
 
 class StepRows:
@@ -153,13 +157,16 @@ class StepRows:
 
     def __init__(self, batch: BatchLayout, values: Staged | None,
                  penalties: tuple[Staged, Staged, Staged, Staged] | None,
-                 bans: Staged | None = None) -> None:
+                 bans: Staged | None = None, masks: Staged | None = None) -> None:
         self.params = batch.params
         self.subsets = batch.subsets
         self.penalised = batch.penalised
+        self.constrained = batch.constrained
         self._values = values
         self._penalties = penalties
         self._bans = bans
+        self._matcher_rows = batch.matcher_rows
+        self._masks = masks
 
     @property
     def values(self) -> torch.Tensor:
@@ -174,6 +181,13 @@ class StepRows:
         return PenaltyTokens(*(s.tensor for s in self._penalties))
 
     @property
+    def grammar(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The constrained rows and their next-token masks (worker/sampling/grammar.py)."""
+        if self._masks is None or self._matcher_rows is None:
+            return None, None
+        return self._matcher_rows.tensor, self._masks.tensor.view(torch.int32)
+
+    @property
     def bans(self) -> torch.Tensor | None:
         """[2, n] (row, token) that rows short of their min_tokens may not draw this step."""
         return None if self._bans is None else self._bans.tensor
@@ -182,8 +196,11 @@ class StepRows:
 class SamplingRows:
     """Per-request sampling rows on the host; the value rows grow (doubling) as needed."""
 
-    def __init__(self, num_rows: int = 16, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, num_rows: int = 16, eos_token_ids: Sequence[int] = (),
+                 grammars: Grammars | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+        # The model's grammars, for rows with a response_format (None: none can have one).
+        self.grammars = grammars
         self.rows: dict[str, int] = {}
         self._free: list[int] = []
         self._params: list[SamplingParams | None] = []
@@ -194,6 +211,8 @@ class SamplingRows:
         self._penalties: list[PenaltyRow | None] = []
         # Rows with min_tokens: it and the ids banned until then.
         self._bans: list[tuple[int, np.ndarray] | None] = []
+        # Constrained rows: their grammar matchers.
+        self._matchers: list = []
         # The last step's layout: reused while steps sample the same rows in the same order.
         self._batch: BatchLayout | None = None
         # Layouts made so far (tests read it): one per change of the sampled rows.
@@ -216,6 +235,11 @@ class SamplingRows:
             state.extend(output)
         banned = banned_ids(params, self.eos_token_ids)
         self._bans[row] = None if banned is None else (params.min_tokens, banned)
+        if params.response_format is not None:
+            if self.grammars is None:
+                raise RuntimeError("a request with a response_format reached sampling rows "
+                                   "without grammars (admission refuses it)")
+            self._matchers[row] = self.grammars.matcher(params.response_format, output)
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -223,6 +247,7 @@ class SamplingRows:
             self._params[row] = None
             self._penalties[row] = None
             self._bans[row] = None
+            self._matchers[row] = None
             self._free.append(row)
             self._batch = None  # it may hold this row
 
@@ -243,19 +268,25 @@ class SamplingRows:
                                    f"{output_indices[k]} but its row has {state.num_outputs}")
         penalties = _penalty_tokens(batch.penalised, upload) if batch.penalised else None
         bans = stage_bans(batch.limited, output_indices, upload) if batch.limited else None
+        masks = None
+        if batch.constrained:
+            assert self.grammars is not None
+            masks, _ = self.grammars.masks([m for _, m in batch.constrained], upload)
         if batch.values is None or batch.seeds is None:
-            return StepRows(batch, None, penalties, bans)
+            return StepRows(batch, None, penalties, bans, masks)
         packed = np.empty((len(request_ids), 4), dtype=np.float64)
         packed[:, :3] = batch.values
         # Output indices are never negative: as uint64 they are the same numbers.
         packed[:, DRAW] = uniforms(batch.seeds, np.asarray(output_indices, dtype=np.uint64))
-        return StepRows(batch, upload.add(packed), penalties, bans)
+        return StepRows(batch, upload.add(packed), penalties, bans, masks)
 
     def record(self, step: StepRows, tokens: Sequence[int]) -> None:
         """Take in the tokens a step sampled (``tokens[i]``: batch row i's): its penalised
         rows count them from the next step on."""
         for k, state in step.penalised:
             state.append(tokens[k])
+        for k, matcher in step.constrained:
+            matcher.consume_token(tokens[k])
 
     def _lay_out(self, request_ids: list[str], upload: StepUpload, vocab: int) -> BatchLayout:
         try:
@@ -271,10 +302,15 @@ class SamplingRows:
                      if (state := self._penalties[row]) is not None]
         limited = [(k, *bans) for k, row in enumerate(rows)
                    if (bans := self._bans[row]) is not None]
+        constrained = [(k, m) for k, row in enumerate(rows)
+                       if (m := self._matchers[row]) is not None]
         self.num_rebuilds += 1
         return BatchLayout(request_ids, params, subsets,
                            self.values[index] if sampled else None,
-                           self.seeds[index] if sampled else None, penalised, limited)
+                           self.seeds[index] if sampled else None, penalised, limited,
+                           constrained,
+                           upload.add(np.array([k for k, _ in constrained], dtype=np.int64))
+                           if constrained else None)
 
     def _grow_rows(self, rows: int) -> None:
         old = len(self._params)
@@ -282,6 +318,7 @@ class SamplingRows:
         self._params += [None] * (rows - old)
         self._penalties += [None] * (rows - old)
         self._bans += [None] * (rows - old)
+        self._matchers += [None] * (rows - old)
         self._free += list(range(rows - 1, old - 1, -1))
 
 

@@ -25,6 +25,7 @@ from producer.wire.params import SamplingParams
 from worker.host.cpu_kernels import argmax_rows_kernel, sample_rows_kernel
 from worker.host.step_upload import StepUpload
 from worker.sampling.filters import BINS_PER_NAT, NUM_BINS, floors, top_p_keep
+from worker.sampling.grammar import apply_grammar
 from worker.sampling.min_tokens import apply_bans
 from worker.sampling.penalties import apply_logit_bias, apply_penalties
 from worker.sampling.rows import DRAW, MIN_P, TEMPERATURE, TOP_P, SamplingRows, StepRows
@@ -92,6 +93,7 @@ class Sampler:
             apply_penalties(logits, step.penalties)
             apply_logit_bias(logits, subsets.bias)
             apply_bans(logits, step.bans)
+            apply_grammar(logits, *step.grammar)
         num_rows = len(step.params)
         tokens = [0] * num_rows
         if len(subsets.greedy) == num_rows:

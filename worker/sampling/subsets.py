@@ -52,7 +52,8 @@ class RowSubsets:
         self.logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         self.logprobs_index = _index(self.logprobs, rows, upload)
         # Logits the sampler changes before it picks (min_tokens: EOS and stop tokens out).
-        self.adjusted = any(p.penalized or p.logit_bias or p.min_tokens for p in params)
+        self.adjusted = any(p.penalized or p.logit_bias or p.min_tokens
+                            or p.response_format is not None for p in params)
         self.bias = LogitBias.stage(params, upload)
 
 

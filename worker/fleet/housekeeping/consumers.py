@@ -13,8 +13,7 @@ from __future__ import annotations
 import redis
 
 from producer.client.models import member_names
-from producer.wire.keys import GROUP, Keys
-from producer.wire.replies import as_text
+from producer.wire.keys import GROUP, Keys, as_text
 
 # ARGV: group, consumer names. Removes each that has no pending entry; returns those.
 REMOVE_IF_EMPTY_SCRIPT = """

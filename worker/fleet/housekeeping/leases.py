@@ -18,8 +18,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer.wire.keys import GROUP, Keys
-from producer.wire.replies import as_text
+from producer.wire.keys import GROUP, Keys, as_text
 from worker.fleet.inflight import InflightTable
 from worker.fleet.publishing.ownership import OwnedEntries
 from worker.fleet.supervised import SupervisedThread

@@ -12,9 +12,8 @@ import redis
 import structlog
 
 from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
-from producer.wire.keys import GROUP, Keys
+from producer.wire.keys import GROUP, Keys, as_text
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
-from producer.wire.replies import as_text
 from producer.wire.validation import choice_id
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import redis
 
 from producer.client.stream_events import entry_id_key
-from producer.wire.keys import Keys
+from producer.wire.keys import Keys, as_text
 from producer.wire.protocol import FIELD, ID_GENERATION, FinalEntry, ProtocolError, decode_output
-from producer.wire.replies import as_text
 
 # KEYS[1]: the output stream; ARGV[1]: the TTL (s) of a stream made here; ARGV[2]:
 # ID_GENERATION. Moves the stream's last id (XINFO STREAM's last-generated-id: a take-over

@@ -1,0 +1,142 @@
+"""Structured outputs (``response_format``) on the engine with random weights: the grammar
+does the work. Every answer parses and validates against its schema and ends ``stop``; a
+regex and a choice hold; a request resumed after some of its tokens goes on in the
+grammar's state to the same answer; formats are checked at the edge (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from worker import Engine, FinishReason, SamplingParams
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["cat", "dog", "fish"]},
+            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+                     "maxItems": 3},
+            "owner": {"$ref": "#/$defs/person"},
+            "size": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
+                               {"type": "null"}]},
+        },
+        "required": ["name", "kind", "owner"],
+        "additionalProperties": False,
+        "$defs": {"person": {"type": "object",
+                             "properties": {"first": {"type": "string", "maxLength": 8},
+                                            "age": {"type": "integer", "minimum": 0,
+                                                    "maximum": 120}},
+                             "required": ["first"], "additionalProperties": False}},
+    },
+    "flat": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine(tiny_llama, dtype="float32", num_kv_blocks=1024, max_num_seqs=32)
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                   "strict": True}}
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 500) for _ in range(rng.randint(3, 30))]
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_answer_validates_and_stops(engine, name):
+    schema = SCHEMAS[name]
+    params = [SamplingParams(max_tokens=512, temperature=1.0, seed=i,
+                             response_format=schema_format(schema)) for i in range(16)]
+    done = engine.generate([prompt(i) for i in range(16)], params)
+    for c in done:
+        assert c.finish_reason is FinishReason.STOP, c.text
+        jsonschema.validate(json.loads(c.text), schema)
+        assert c.text == json.dumps(json.loads(c.text), separators=(",", ":"),
+                                    ensure_ascii=False)  # compact
+
+
+def test_json_object_regex_and_choice(engine):
+    forms = [{"type": "json_object"}, {"type": "regex", "regex": r"[a-c]{2,4}-[0-9]{3}"},
+             {"type": "choice", "choices": ["yes", "no", "maybe"]}]
+    done = engine.generate([prompt(i) for i in range(3)], [
+        SamplingParams(max_tokens=256, temperature=1.0, seed=3, response_format=f)
+        for f in forms])
+    # Any object: its keys and strings are unbounded, so a random model may not close it
+    # within max_tokens; its tokens are a prefix the grammar accepts all the same.
+    assert done[0].text.startswith("{")
+    grammars = engine.checks.grammars
+    grammars.matcher(SamplingParams(response_format=forms[0]).response_format,
+                     done[0].token_ids)
+    if done[0].finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(done[0].text), dict)
+    assert re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", done[1].text)
+    assert done[2].text in ("yes", "no", "maybe")
+    assert [c.finish_reason for c in done[1:]] == [FinishReason.STOP] * 2
+
+
+def test_a_resumed_request_goes_on_in_the_grammars_state(engine):
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=9,
+                            response_format=schema_format(SCHEMAS["nested"]))
+    (whole,) = engine.generate([prompt(5)], params)
+    assert len(whole.token_ids) > 6  # precondition: there is a middle to resume from
+    k = len(whole.token_ids) // 2
+    rid = engine.add_request(prompt(5), params, generated_token_ids=whole.token_ids[:k])
+    done = None
+    while done is None:
+        for out in engine.step():
+            if out.request_id == rid and out.completion is not None:
+                done = out.completion
+    assert done.token_ids == whole.token_ids and done.text == whole.text
+
+
+def test_formats_are_checked_at_the_edge():
+    for bad, words in [({"type": "json_schema"}, "must be an object with a schema"),
+                       ({"type": "xml"}, "type must be one of"),
+                       ({"type": "regex", "regex": "(("}, "cannot be served"),
+                       ({"type": "choice", "choices": []}, "choices must be"),
+                       ({"type": "json_object", "extra": 1}, "unknown field")]:
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(response_format=bad)
+    with pytest.raises(ValueError, match="does not go with ignore_eos"):
+        SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)
+    deep: dict = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValueError, match="nests deeper"):
+        SamplingParams(response_format=schema_format(deep))
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
+
+
+def test_overlapped_steps_hold_the_grammar_too(tiny_llama):
+    """The runner thread takes each step's tokens into the matchers before it masks the
+    next step: overlapped steps give the same answers as plain ones."""
+    form = schema_format(SCHEMAS["nested"])
+    params = [SamplingParams(max_tokens=300, temperature=1.0, seed=i, response_format=form)
+              for i in range(6)]
+    plain = Engine(tiny_llama, dtype="float32", num_kv_blocks=512).generate(
+        [prompt(i) for i in range(6)], params)
+    overlapped = Engine(tiny_llama, dtype="float32", num_kv_blocks=512,
+                        async_scheduling=True)
+    done = overlapped.generate([prompt(i) for i in range(6)], params)
+    assert overlapped.num_overlapped_steps > 0  # precondition
+    assert [c.token_ids for c in done] == [c.token_ids for c in plain]
+    for c in done:
+        jsonschema.validate(json.loads(c.text), SCHEMAS["nested"])
+
+
+def test_a_simulated_engine_refuses_a_response_format(tiny_llama):
+    engine = Engine(tiny_llama, simulate_step_ms=0.0)
+    with pytest.raises(ValueError, match="simulated"):
+        engine.add_request([1, 2, 3], SamplingParams(response_format={"type": "json_object"}))

@@ -1,0 +1,114 @@
+"""Structured outputs on the worker: a constrained request's grammar matcher (llguidance)
+kept with its sampling row, a step's token masks made on the host before the forward and
+applied in the sampler.
+
+Each grammar is compiled once per worker (by the key of its canonical response_format,
+producer/wire/response_format.py) and a request's matcher is a copy of the compiled one: a copy
+costs microseconds where a compile can cost milliseconds. A matcher takes in every token
+its request has (a resumed or recomputed request replays the ones it already has, so it goes
+on in the grammar's state where it stopped), and each step's mask says which tokens may
+come next: one bit a token, 32 a word, made by llguidance into one host array for the
+step's constrained rows and staged in the step's upload. The sampler sets every other
+token's logit to -inf, vectorised over those rows. Where the grammar is complete only the
+model's EOS is allowed: the request ends ``stop``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from producer.wire.params import SamplingParams
+from producer.wire.response_format import grammar_key, grammar_of
+from worker.host.step_upload import Staged, StepUpload
+
+# Compiled grammars kept by a worker (the least recently used go first).
+MAX_CACHED_GRAMMARS = 256
+
+
+class Grammars:
+    """The model's tokens as llguidance sees them, and the grammars compiled for it."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        from llguidance import LLTokenizer
+
+        # The model's whole vocabulary (its logits' width), EOS as the model ends with it.
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                     eos_token=sorted(eos_token_ids))
+        self.vocab_size = vocab_size
+        # 32-bit words a mask row, an even number: a row travels as int64s in the upload.
+        self.words = 2 * ((vocab_size + 63) // 64)
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        # Admission (the engine's thread) and the runner's thread both take matchers.
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.hits = 0
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, vocab_size: int,
+                  eos_token_ids: Sequence[int]) -> Grammars | None:
+        """The model's grammars; None for a model without tokenizer.json (token ids only:
+        no text to constrain)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+
+    def matcher(self, form: str, tokens: Sequence[int] = ()):
+        """A fresh matcher of ``form`` (a canonical response_format) that has taken in
+        ``tokens``; ValueError where the grammar cannot be served or the tokens leave it."""
+        from llguidance import LLMatcher
+
+        key = grammar_key(form)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = LLMatcher(self.tokenizer, grammar_of(form), log_level=0)
+                if compiled.is_error():
+                    raise ValueError(f"response_format cannot be served: "
+                                     f"{compiled.get_error()[:500]}")
+                self._compiled[key] = compiled
+                self.compiles += 1
+                if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+                self.hits += 1
+            matcher = compiled.deep_copy()
+        if tokens and not matcher.consume_tokens(list(tokens)):
+            raise ValueError(f"the request's tokens leave its response_format: "
+                             f"{matcher.get_error()[:500]}")
+        return matcher
+
+    def masks(self, matchers: Sequence, upload: StepUpload) -> tuple[Staged, np.ndarray]:
+        """The next-token masks of ``matchers`` (one row each, ``words`` int32 a row),
+        staged as int64 pairs of words (read them with ``view(torch.int32)``); the host
+        array with them."""
+        mask = np.zeros((len(matchers), self.words), dtype=np.int32)
+        row_bytes = self.words * 4
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
+        return upload.add(mask.view(np.int64)), mask
+
+
+def constrained(params: SamplingParams) -> bool:
+    return params.response_format is not None
+
+
+def apply_grammar(logits: torch.Tensor, rows: torch.Tensor | None,
+                  mask: torch.Tensor | None) -> None:
+    """Set to -inf, in place, every logit of the batch rows ``rows`` whose bit in that row's
+    ``mask`` (int32 words, bit j of word w: token 32w + j) is clear."""
+    if rows is None or mask is None:
+        return
+    bits = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).reshape(mask.shape[0], -1)
+    allowed = allowed[:, :logits.shape[-1]].to(torch.bool)
+    picked = logits.index_select(0, rows)
+    picked.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, picked)

@@ -140,3 +140,77 @@ def test_a_simulated_engine_refuses_a_response_format(tiny_llama):
     engine = Engine(tiny_llama, simulate_step_ms=0.0)
     with pytest.raises(ValueError, match="simulated"):
         engine.add_request([1, 2, 3], SamplingParams(response_format={"type": "json_object"}))
+
+
+def test_a_killed_worker_constrained_stream_resumes_to_the_same_valid_answer(
+        redis_url, tiny_llama, tmp_path):
+    """The worker serving a constrained request is SIGKILLed mid-stream: the other takes it
+    over, replays the grammar from the published tokens and ends with the undisturbed
+    run's tokens, valid against the schema."""
+    import signal
+    import time
+
+    from fleet_fixtures import MODEL, settled_pending
+    from worker_processes import spawn_worker, stop_all, wait_ready
+
+    from producer.client.client import Client
+    from producer.wire.keys import GROUP, Keys
+    from producer.wire.protocol import FIELD, FinalEntry, decode_output
+
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400,
+                                                         "maxLength": 600}},
+              "required": ["text"], "additionalProperties": False}
+    params = {"max_tokens": 1500, "temperature": 1.0, "seed": 21,
+              "response_format": schema_format(schema)}
+    (want,) = Engine(tiny_llama, dtype="float64", num_kv_blocks=512).generate(
+        [prompt(7)], SamplingParams(**params))
+    assert want.finish_reason is FinishReason.STOP  # precondition: a whole answer
+    client = Client(redis_url)
+    procs = {name: spawn_worker(tiny_llama, redis_url, name, "--lease-ms", "1500",
+                                log_dir=tmp_path) for name in ("a", "b")}
+    try:
+        for name, proc in procs.items():
+            wait_ready(client, name, proc)
+        rid = client.submit(prompt(7), model=MODEL, **params)
+        stream = Keys().output(rid)
+        deadline = time.monotonic() + 60
+        while client.redis.xlen(stream) < 3:
+            assert time.monotonic() < deadline, "no tokens came"
+            time.sleep(0.005)
+        lane = Keys().requests(MODEL, "interactive")
+        (held,) = client.redis.xpending_range(lane, GROUP, "-", "+", 10)
+        victim = held["consumer"]
+        victim = victim.decode() if isinstance(victim, bytes) else victim
+        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].wait(timeout=10)
+        last = client.redis.xrevrange(stream, count=1)[0][1][FIELD]
+        assert not isinstance(decode_output(last), FinalEntry)  # precondition: mid-stream
+        got = client.result(rid, timeout=120)
+        assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+        jsonschema.validate(json.loads(got.text), schema)
+        assert settled_pending(client.redis) == 0
+    finally:
+        stop_all(list(procs.values()))
+
+
+def test_a_worker_compiles_each_format_once_off_its_engine_thread(start_worker, redis_url):
+    """Two requests of one format and one of another: two compiles (on the intake's
+    thread, when each is read), the engine's admissions find them compiled; the metrics
+    count them and the masks made."""
+    from fleet_fixtures import MODEL
+
+    from producer.client.client import Client
+
+    worker = start_worker()
+    forms = [schema_format(SCHEMAS["flat"]), schema_format(SCHEMAS["flat"]),
+             {"type": "choice", "choices": ["yes", "no"]}]
+    with Client(redis_url) as client:
+        done = [client.result(client.submit([5, 6, 7], model=MODEL, max_tokens=32,
+                                            temperature=1.0, seed=i, response_format=f),
+                              timeout=60) for i, f in enumerate(forms)]
+    assert [c.finish_reason for c in done] == ["stop"] * 3
+    stats = worker.engine.stats()
+    assert stats["grammar_compiles"] == 2
+    assert stats["grammar_cache_hits"] >= 4  # the second read, and every admission
+    assert stats["grammar_mask_rows"] >= sum(len(c.token_ids) for c in done)
+    assert stats["grammar_compile_seconds"] > 0 and stats["grammar_mask_seconds"] > 0

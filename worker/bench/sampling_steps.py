@@ -34,6 +34,13 @@ MODES: dict[str, dict[str, object]] = {
     "min_p": {"temperature": 1.0, "min_p": 0.1},
     "penalties": {"temperature": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.5,
                   "repetition_penalty": 1.2},
+    # Structured outputs: a JSON object with one free string (a random model seldom closes
+    # it: the batch stays whole); its masks' time is reported on its own. Needs the
+    # model's tokenizer (vocab 8,192 here).
+    "json_schema": {"temperature": 1.0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "bench", "schema": {
+            "type": "object", "properties": {"text": {"type": "string"}},
+            "required": ["text"], "additionalProperties": False}}}},
 }
 PROMPT_TOKENS = 128
 
@@ -46,9 +53,11 @@ def decoding_engine(model_dir: Path, mode: str, batch: int, threads: int,
                     max_num_batched_tokens=max(1024, prompt_tokens * batch), **settings)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
+    # (a constrained request ends where its grammar does: it may not ignore EOS)
+    ignore_eos = "response_format" not in MODES[mode]
     for i in range(batch):
         engine.add_request([rng.randrange(2, vocab) for _ in range(prompt_tokens)],
-                           SamplingParams(max_tokens=100_000, ignore_eos=True, seed=i,
+                           SamplingParams(max_tokens=100_000, ignore_eos=ignore_eos, seed=i,
                                           **MODES[mode]))
     while engine.scheduler.num_waiting or any(
             r.num_output_tokens == 0 for r in engine.scheduler.running):
@@ -65,16 +74,27 @@ def model_with_vocab(vocab: int, folder: Path) -> Path:
 
 
 def measure(model_dir: Path, batch: int, threads: int, rounds: int) -> dict[str, float]:
-    """Median step seconds per mode, steps interleaved across modes."""
-    engines = {mode: decoding_engine(model_dir, mode, batch, threads) for mode in MODES}
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    """Median step seconds per mode, steps interleaved across modes; "masks": the median
+    seconds a constrained step spent making its masks (part of its step)."""
+    tokenizer = (model_dir / "tokenizer.json").is_file()
+    modes = [m for m in MODES if tokenizer or "response_format" not in MODES[m]]
+    engines = {mode: decoding_engine(model_dir, mode, batch, threads) for mode in modes}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    masks: list[float] = []
     with long_lived_frozen():  # as a worker process is once its engine is built
         for _ in range(rounds):
             for mode, engine in engines.items():
+                grammars = engine.checks.grammars
+                before = grammars.mask_seconds if grammars is not None else 0.0
                 start = time.perf_counter()
                 engine.step()
                 times[mode].append(time.perf_counter() - start)
-    return {mode: statistics.median(t) for mode, t in times.items()}
+                if grammars is not None and grammars.mask_rows:
+                    masks.append(grammars.mask_seconds - before)
+    medians = {mode: statistics.median(t) for mode, t in times.items()}
+    if masks:
+        medians["masks"] = statistics.median(masks)
+    return medians
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     greedy = medians["greedy"]
     print(f"vocab {args.vocab}, batch {args.batch}, {args.threads} threads, "
           f"median of {args.rounds} steps")
+    masks = medians.pop("masks", None)
     for mode, seconds in medians.items():
         print(f"{mode:12s} {seconds * 1e3:8.2f} ms   x{seconds / greedy:.3f}")
+    if "json_schema" in medians:
+        # The same draws unconstrained: what a constrained step costs on top.
+        print(f"json_schema / temperature: x{medians['json_schema'] / medians['temperature']:.3f}"
+              + (f"; its masks {masks * 1e3:.2f} ms a step" if masks is not None else ""))
     return 0
 
 

@@ -67,6 +67,10 @@ class AdmissionChecks:
         return cls(tokenizer, mc.vocab_size, max_model_len, block_size, num_kv_blocks,
                    simulated, grammars)
 
+    def grammar_stats(self) -> dict[str, float]:
+        """The grammars' counters (worker/sampling/grammar.py); none without grammars."""
+        return self.grammars.stats() if self.grammars is not None else {}
+
     @property
     def kv_pool_tokens(self) -> int:
         """Tokens the whole device KV pool holds."""

@@ -281,7 +281,7 @@ class Engine:
             # Milliseconds its simulated steps took (a GPU busy; the rest it waited for us).
             "simulated_busy_ms": int(getattr(self.runner, "simulated_ms", 0)),
             **{name: self.scheduler.counters[name] for name in REPORTED_COUNTERS},
-            **self.memory.stats(),
+            **self.memory.stats(), **self.checks.grammar_stats(),
         }
 
     # ----- helpers -----

@@ -88,6 +88,17 @@ ENGINE_COUNTERS = {
                                "Prompt tokens run through the model (prefill, recompute)."),
     "kv_imported_tokens": ("conveyor_kv_imported_tokens",
                            "Prompt tokens whose KV came from the fleet KV tier instead."),
+    # Structured outputs (worker/sampling/grammar.py).
+    "grammar_compiles": ("conveyor_grammar_compiles",
+                         "response_format grammars compiled (each distinct format once)."),
+    "grammar_compile_seconds": ("conveyor_grammar_compile_seconds",
+                                "Seconds spent compiling response_format grammars."),
+    "grammar_cache_hits": ("conveyor_grammar_cache_hits",
+                           "Constrained requests whose grammar was compiled already."),
+    "grammar_mask_rows": ("conveyor_grammar_mask_rows",
+                          "Next-token masks made for constrained rows."),
+    "grammar_mask_seconds": ("conveyor_grammar_mask_seconds",
+                             "Seconds spent making next-token masks (before each forward)."),
 }
 
 

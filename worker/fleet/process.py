@@ -136,6 +136,7 @@ class Worker:
             self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder,
             tier_reader=self.tier_reader,
             hand_ons_waiting=(lambda: self.tier_writer.waiting) if hand_on is not None else None,
+            grammars=self.engine.checks.grammars,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, keys=self.keys,

@@ -16,6 +16,7 @@ model's EOS is allowed: the request ends ``stop``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +47,13 @@ class Grammars:
         self._compiled: OrderedDict[str, object] = OrderedDict()
         # Admission (the engine's thread) and the runner's thread both take matchers.
         self._lock = threading.Lock()
+        # Counters (worker metrics, benchmarks): grammars compiled and the seconds it took,
+        # formats found compiled, mask rows made and the seconds they took.
         self.compiles = 0
+        self.compile_seconds = 0.0
         self.hits = 0
+        self.mask_rows = 0
+        self.mask_seconds = 0.0
 
     @classmethod
     def for_model(cls, model_dir: str | Path, vocab_size: int,
@@ -68,7 +74,9 @@ class Grammars:
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None:
+                began = time.perf_counter()
                 compiled = LLMatcher(self.tokenizer, grammar_of(form), log_level=0)
+                self.compile_seconds += time.perf_counter() - began
                 if compiled.is_error():
                     raise ValueError(f"response_format cannot be served: "
                                      f"{compiled.get_error()[:500]}")
@@ -89,11 +97,20 @@ class Grammars:
         """The next-token masks of ``matchers`` (one row each, ``words`` int32 a row),
         staged as int64 pairs of words (read them with ``view(torch.int32)``); the host
         array with them."""
+        began = time.perf_counter()
         mask = np.zeros((len(matchers), self.words), dtype=np.int32)
         row_bytes = self.words * 4
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
+        self.mask_rows += len(matchers)
+        self.mask_seconds += time.perf_counter() - began
         return upload.add(mask.view(np.int64)), mask
+
+    def stats(self) -> dict[str, float]:
+        """The counters, for the worker's metrics."""
+        return {"grammar_compiles": self.compiles, "grammar_compile_seconds": self.compile_seconds,
+                "grammar_cache_hits": self.hits, "grammar_mask_rows": self.mask_rows,
+                "grammar_mask_seconds": self.mask_seconds}
 
 
 def constrained(params: SamplingParams) -> bool:

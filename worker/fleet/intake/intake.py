@@ -36,6 +36,7 @@ from worker.fleet.intake.resume import Published, read_published
 from worker.fleet.messages import Admission, Publication, Rejection
 from worker.fleet.publishing.publisher import Publisher
 from worker.fleet.supervised import SupervisedThread
+from worker.sampling.grammar import Grammars
 from worker.sampling.randomness import stable_seed
 
 log = structlog.get_logger(__name__)
@@ -82,6 +83,10 @@ class IntakeParts:
     # A prefill worker's hand-ons waiting for the tier writer: they count against its room,
     # so that a slow tier slows its reads instead of piling up KV in memory.
     hand_ons_waiting: Callable[[], int] | None = None
+    # The engine's grammars: a request's response_format is compiled here, off the engine
+    # loop's thread (the engine then finds it compiled), and one that cannot be served is
+    # refused here.
+    grammars: Grammars | None = None
 
 
 class Intake(SupervisedThread):
@@ -110,6 +115,7 @@ class Intake(SupervisedThread):
         self.tier_reader = parts.tier_reader
         self.hand_ons_waiting = parts.hand_ons_waiting
         self.chat_template = parts.chat_template
+        self.grammars = parts.grammars
         self.handoff_max_waiting = config.handoff_max_waiting if role == "prefill" else None
         # Requests waiting in the handoff streams when a prefill worker last looked.
         self.handoff_backlog = 0
@@ -265,6 +271,7 @@ class Intake(SupervisedThread):
                                     "of role both, not handed on by a prefill worker",
                                     req.request_id)
             prompt_ids = self._tokenize(req)
+            self._compile(req)
         except ProtocolError as exc:
             self.reject(stream, entry_id, exc.reason, exc.request_id, raw, published=published,
                         choices=req.params.n if req else declared_choices(raw))
@@ -343,6 +350,16 @@ class Intake(SupervisedThread):
                 and req.params.prompt_logprobs is None:  # (those compute their prompt)
             adm.kv_fetch = functools.partial(self.prefixes.find, prompt_ids)
             adm.kv_fetch_source = "prefix"
+
+    def _compile(self, req: GenerationRequest) -> None:
+        """Compile the request's response_format now (cached: the engine then copies it)."""
+        form = req.params.response_format
+        if form is None or self.grammars is None:
+            return  # (none to compile, or the engine refuses it with its reason)
+        try:
+            self.grammars.matcher(form)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), req.request_id) from None
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:

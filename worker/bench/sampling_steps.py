@@ -34,12 +34,12 @@ MODES: dict[str, dict[str, object]] = {
     "min_p": {"temperature": 1.0, "min_p": 0.1},
     "penalties": {"temperature": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.5,
                   "repetition_penalty": 1.2},
-    # Structured outputs: a JSON object with one free string (a random model seldom closes
-    # it: the batch stays whole); its masks' time is reported on its own. Needs the
-    # model's tokenizer (vocab 8,192 here).
+    # Structured outputs: a JSON object with one long string (at least 5,000 characters:
+    # no request can close it within a run, so the batch stays whole); its masks' time is
+    # reported on its own. Needs the model's tokenizer (vocab 8,192 here).
     "json_schema": {"temperature": 1.0, "response_format": {
         "type": "json_schema", "json_schema": {"name": "bench", "schema": {
-            "type": "object", "properties": {"text": {"type": "string"}},
+            "type": "object", "properties": {"text": {"type": "string", "minLength": 5000}},
             "required": ["text"], "additionalProperties": False}}}},
 }
 PROMPT_TOKENS = 128

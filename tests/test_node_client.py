@@ -174,6 +174,14 @@ def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_
     assert want_named.finish_reason == got_named["finish_reason"] == "length"
     assert (got_named["token_ids"], got_named["text"]) \
         == (want_named.token_ids, want_named.text)
+    # A response_format (structured outputs) travels as a map in params.
+    held = {"max_tokens": 12, "temperature": 0,
+            "response_format": {"type": "choice", "choices": ["yes", "no"]}}
+    with Client(redis_url) as client:
+        want_held = client.result(client.submit(PROMPT, model=MODEL, **held), timeout=60)
+    got_held = run_node(node, redis_url, "--prompt", PROMPT, "--params", json.dumps(held))
+    assert want_held.finish_reason == got_held["finish_reason"] == "stop"
+    assert got_held["text"] == want_held.text and want_held.text in ("yes", "no")
 
     with Client(redis_url) as client:
         free = client.result(client.submit(PROMPT, model=MODEL, **GREEDY), timeout=60)

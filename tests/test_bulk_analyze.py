@@ -460,3 +460,32 @@ def test_a_bulk_worker_stops_its_command_listener_at_once(redis_url, cls):
             assert not thread.is_alive()
     finally:
         connection.close()
+
+
+def test_an_analysis_with_a_json_schema_answers_json_valid_against_it(
+        redis_url, tiny_llama, start_worker):
+    """Every chunk's answer and the reduced one are held to the schema (the grammar does the
+    work on random weights): each parsed into "json", the answer into "answer_json"."""
+    import jsonschema
+
+    start_worker(**FAST)
+    tok = tokenizer_of(tiny_llama)
+    text = document(tok, 3_000)
+    schema = {"type": "object", "properties": {
+        "places": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                   "maxItems": 3}},
+              "required": ["places"], "additionalProperties": False}
+    form = {"type": "json_schema", "json_schema": {"name": "places", "schema": schema}}
+    job = enqueue_analyze(bulk_queue(redis_url), text, "List the places named.", model=MODEL,
+                          chunk_tokens=1200, overlap_tokens=100, max_tokens=128,
+                          sampling={"temperature": 1.0, "seed": 4, "response_format": form})
+    run_burst(redis_url)
+    job.refresh()
+    assert job.get_status() == "finished", job.latest_result().exc_string
+    result = job.return_value()
+    assert result["num_chunks"] >= 3  # precondition: a map and a reduce
+    for part in (*result["chunks"], *result["reduce"]["requests"]):
+        assert part["finish_reason"] == "stop"
+        jsonschema.validate(part["json"], schema)
+    jsonschema.validate(result["answer_json"], schema)
+    assert json.loads(result["answer"]) == result["answer_json"]

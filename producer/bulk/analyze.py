@@ -9,6 +9,7 @@ mend (a request the fleet refuses, bad options, a model nobody serves) is not re
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -256,6 +257,7 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             context = int(info["max_model_len"]) - reduce_max
             answer, reduces = _reduce(runner, templates, spec, answers, context, progress,
                                       resumed)
+            structured = spec.map_sampling.get("response_format") is not None
         except RequestFailed as exc:
             progress.update(stage="failed", error=_failure_message(exc.outcome))
             raise AnalysisFailed(progress.meta["error"]) from None
@@ -269,8 +271,13 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             journal.finish()
     marks["ended"] = time.monotonic()
     progress.update(stage="done")
+    if structured:  # each result parsed (the grammar held it to the schema)
+        for result in (*chunks, *reduces):
+            result["json"] = parsed_json(result)
     return {
         "answer": answer, "model": model, "instruction": instruction,
+        **({"answer_json": parsed_json({"text": answer, "finish_reason": "stop"})}
+           if structured else {}),
         "num_tokens": len(doc_ids), "chunk_tokens": chunk_tokens,
         "overlap_tokens": overlap_tokens, "num_chunks": len(spans), "chunks": chunks,
         "reduce": {"levels": max((r["level"] for r in reduces), default=0), "requests": reduces},
@@ -280,6 +287,17 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
                  "requests_sent": sent},
         "timings": _timings(marks, started_at),
     }
+
+
+def parsed_json(result: Mapping[str, Any]) -> Any:
+    """A structured result's value: its text parsed, or None where it was cut short
+    (``length``: the grammar's JSON not closed) or does not parse."""
+    if result.get("finish_reason") != "stop":
+        return None
+    try:
+        return json.loads(result["text"])
+    except ValueError:
+        return None
 
 
 def check_wait(seconds: object) -> float:

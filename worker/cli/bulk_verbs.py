@@ -21,7 +21,7 @@ from producer.bulk.queue import bulk_queue, enqueue_analyze, fetch_job, job_prog
 from producer.bulk.requests import RetryPolicy
 from producer.client.client import Client
 from producer.client.models import pick_default_model
-from worker.cli.client_verbs import resolve_model
+from worker.cli.client_verbs import resolve_model, schema_format
 from worker.cli.redis_verbs import add_connection_args
 
 # Seconds between two looks at a followed job.
@@ -75,6 +75,9 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="of every chunk and reduce answer (greedy by default: the same "
                    "document gives the same analysis)")
+    p.add_argument("--json-schema", type=Path, metavar="PATH", default=None,
+                   help="a JSON Schema file: each chunk's answer and the reduced answer are "
+                   "JSON valid against it (default: free text)")
     p.add_argument("--model-wait", type=float, default=defaults.MODEL_WAIT_S, metavar="S",
                    help="seconds the job waits for the model to be registered and served "
                    "by a live worker before it fails")
@@ -176,7 +179,9 @@ def _analyze(client: Client, args: argparse.Namespace) -> int:
         "chunk_tokens": args.chunk_tokens, "overlap_tokens": args.overlap_tokens,
         "reduce_instruction": args.reduce_instruction, "max_tokens": args.max_tokens,
         "reduce_max_tokens": args.reduce_max_tokens,
-        "sampling": {"temperature": args.temperature},
+        "sampling": {"temperature": args.temperature,
+                     **({"response_format": schema_format(args.json_schema)}
+                        if args.json_schema is not None else {})},
         "request_timeout": args.request_timeout, "max_attempts": args.max_attempts,
         "priority": args.priority, "namespace": args.namespace,
         "model_wait_timeout": args.model_wait,

@@ -12,6 +12,7 @@ import openai
 import pydantic
 import pytest
 from fleet_fixtures import MODEL
+from structured_schemas import SCHEMAS
 
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]
 
@@ -36,25 +37,7 @@ def oai(gateway):
 
 
 # Nesting, maxItems, maxLength and pattern, enum, anyOf, $ref and optional fields.
-NESTED = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "kind": {"enum": ["cat", "dog", "fish"]},
-        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"},
-                 "maxItems": 3},
-        "owner": {"$ref": "#/$defs/person"},
-        "size": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
-                           {"type": "null"}]},
-    },
-    "required": ["name", "kind", "owner"],
-    "additionalProperties": False,
-    "$defs": {"person": {"type": "object",
-                         "properties": {"first": {"type": "string", "maxLength": 8},
-                                        "age": {"type": "integer", "minimum": 0,
-                                                "maximum": 120}},
-                         "required": ["first"], "additionalProperties": False}},
-}
+NESTED = SCHEMAS["nested"]
 
 
 def test_a_hundred_answers_parse_and_validate(start_worker, oai):

@@ -11,32 +11,9 @@ import re
 
 import jsonschema
 import pytest
+from structured_schemas import SCHEMAS
 
 from worker import Engine, FinishReason, SamplingParams
-
-SCHEMAS = {
-    "nested": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "kind": {"enum": ["cat", "dog", "fish"]},
-            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"},
-                     "maxItems": 3},
-            "owner": {"$ref": "#/$defs/person"},
-            "size": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
-                               {"type": "null"}]},
-        },
-        "required": ["name", "kind", "owner"],
-        "additionalProperties": False,
-        "$defs": {"person": {"type": "object",
-                             "properties": {"first": {"type": "string", "maxLength": 8},
-                                            "age": {"type": "integer", "minimum": 0,
-                                                    "maximum": 120}},
-                             "required": ["first"], "additionalProperties": False}},
-    },
-    "flat": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-             "additionalProperties": False},
-}
 
 
 @pytest.fixture(scope="module")

@@ -71,17 +71,23 @@ def test_past_max_concurrent_a_request_gets_429_gateway_busy_with_retry_after(
             holding.append(resp)
         eventually(lambda: gateway.app.state.gateway.active == 2, "both slots taken")
         busy = http.post(f"{gateway.api}/completions", json=BODY)
+        tokenize = {"model": BODY["model"], "prompt": "The river"}
+        busy_tokenizing = http.post(f"{gateway.url}/tokenize", json=tokenize)
         health = http.get(f"{gateway.url}/health")  # busy is not unhealthy
         for resp in holding:
             assert resp.status_code == 200 and list(resp.iter_lines())[-2] == "data: [DONE]"
             resp.close()
         eventually(lambda: gateway.app.state.gateway.active == 0, "the slots given back")
         after = http.post(f"{gateway.api}/completions", json=BODY)
+        tokenized = http.post(f"{gateway.url}/tokenize", json=tokenize)
     assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    # Tokenizing takes a slot too (its work is the gateway's own).
+    assert busy_tokenizing.status_code == 429 and tokenized.status_code == 200
+    assert gateway.app.state.gateway.active == 0
     assert health.status_code == 200 and health.json() == {"status": "ok", "in_flight": 2,
                                                            "busy": True}
     assert busy.json()["error"]["code"] == "gateway_busy"
-    assert _metric(gateway, "conveyor_gateway_refused_total", reason="gateway_busy") == 1
+    assert _metric(gateway, "conveyor_gateway_refused_total", reason="gateway_busy") == 2
     assert after.status_code == 200
 
 

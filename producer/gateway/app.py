@@ -218,8 +218,12 @@ class Gateway:
                                  answer: Any) -> Response:
         if (refused := self._authorize(request)) is not None:
             return refused
+        slot = False
         try:
             body = await self._body(request)
+            # Tokenizing is the gateway's own work: it takes a slot like a generation.
+            self._take_slot()
+            slot = True
             if not isinstance(body, dict) or not isinstance(body.get("model"), str):
                 raise ApiError("'model' is required: a model name (GET /v1/models lists "
                                "them)", param="model")
@@ -236,6 +240,18 @@ class Gateway:
             return _error(exc)
         except UNREACHABLE as exc:
             return _unreachable(exc)
+        finally:
+            if slot:
+                self.active -= 1
+
+    def _take_slot(self) -> None:
+        """One of the --max-concurrent slots, or ApiError 429 gateway_busy (Retry-After)."""
+        if self.active >= self.settings.max_concurrent:
+            self.metrics.refused.labels("gateway_busy").inc()
+            raise ApiError(f"this gateway is answering {self.settings.max_concurrent} requests "
+                           "already: try again shortly", status=429,
+                           kind="rate_limit_exceeded", code="gateway_busy")
+        self.active += 1
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": conveyor_version()})
@@ -294,12 +310,7 @@ class Gateway:
             return refused
         body = await self._body(request)
         # The slot is taken once the body is in: a client that sends it slowly holds none.
-        if self.active >= self.settings.max_concurrent:
-            self.metrics.refused.labels("gateway_busy").inc()
-            raise ApiError(f"this gateway is answering {self.settings.max_concurrent} requests "
-                           "already: try again shortly", status=429,
-                           kind="rate_limit_exceeded", code="gateway_busy")
-        self.active += 1
+        self._take_slot()
         request.state.slot = True
         api = parse_body(url, body)
         if api.priority < self.settings.min_priority:

@@ -9,6 +9,7 @@ request's deadline) pass through as they are (docs/gateway.md). A request that f
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from producer.wire.completion import Completion, TokenLogprob, Usage
@@ -139,13 +140,14 @@ def completion_body(request: ApiRequest, choices: list[Completion], created: int
     return {"id": response_id(request, first.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
             "created": created, "model": request.model, "choices": bodies,
-            "usage": usage_body(choices_usage(choices))}
+            "usage": usage_body(choices_usage([c.usage for c in choices]))}
 
 
-def choices_usage(choices: list[Completion]) -> Usage:
-    """A request's usage over its choices: its prompt once, every choice's tokens."""
-    first = choices[0].usage
-    return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in choices),
+def choices_usage(usages: list[Usage]) -> Usage:
+    """A request's usage over its choices' (choice 0 first): its prompt once, every
+    choice's tokens."""
+    first = usages[0]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages),
                  first.cached_tokens, first.kv_transferred_tokens)
 
 
@@ -248,10 +250,7 @@ def logprobs_body(request: ApiRequest, logprobs: list[TokenLogprob] | None,
              "top_logprobs": [{"token": speller.alone(t), "logprob": a,
                                "bytes": list(speller.alone(t).encode())} for t, a in lp.top]}
             for (text, _, own), lp in zip(spelled, logprobs, strict=True)]}
-    return {"tokens": [text for text, _, _ in spelled],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{speller.alone(t): a for t, a in lp.top} for lp in logprobs],
-            "text_offset": [offset for _, offset, _ in spelled]}
+    return _four_lists(spelled, logprobs, speller)
 
 
 def prompt_logprobs_body(request: ApiRequest, prompt_ids: list[int] | None,
@@ -261,7 +260,14 @@ def prompt_logprobs_body(request: ApiRequest, prompt_ids: list[int] | None,
     no logprob (null), as OpenAI answers; spelled before the answer's own tokens."""
     if not request.logprobs or prompt_ids is None or logprobs is None:
         return None
-    spelled = [speller.spell(t) for t in prompt_ids]
+    return _four_lists([speller.spell(t) for t in prompt_ids], logprobs, speller)
+
+
+def _four_lists(spelled: list[tuple[str, int, list[int]]],
+                logprobs: Sequence[TokenLogprob | None], speller: TokenSpeller
+                ) -> dict[str, Any]:
+    """Completions' logprobs: tokens, their logprobs, the alternatives, the offsets (null
+    logprob and alternatives for a token without them: a prompt's first)."""
     return {"tokens": [text for text, _, _ in spelled],
             "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
             "top_logprobs": [None if lp is None else {speller.alone(t): a for t, a in lp.top}

@@ -41,6 +41,7 @@ from producer.client.stream_events import ChunkEvent
 from producer.gateway.answers import (
     ChunkWriter,
     TokenSpeller,
+    choices_usage,
     completion_body,
     echo_text,
     running_usage,
@@ -590,9 +591,7 @@ class Gateway:
                     yield sse(writer.last(event.finish_reason, event.text,
                                           usage_body(done) if api.continuous_usage else None))
                     if finished and api.include_usage:
-                        yield sse(writer.usage(Usage(
-                            done.prompt_tokens, sum(u.completion_tokens for u in finals),
-                            finals[0].cached_tokens, finals[0].kv_transferred_tokens)))
+                        yield sse(writer.usage(choices_usage(finals)))
             yield "data: [DONE]\n\n"
         except RequestLost as exc:
             finished = True  # nothing to cancel: nothing holds it (but its other choices)

@@ -82,9 +82,12 @@ class AdmissionChecks:
         ``preloaded``: its first tokens' KV comes from another engine."""
         self.check_params(params)
         prompt_ids = self.prompt_ids(prompt)
-        if params.response_format is not None:  # (compiled once; refused here, not later)
-            self.grammars.matcher(params.response_format,  # type: ignore[union-attr]
-                                  self.generated_ids(generated))
+        if params.response_format is not None:  # (refused here, never by the runner)
+            assert self.grammars is not None  # (check_params refused it otherwise)
+            if generated:  # a resumed request: its tokens must replay in the grammar
+                self.grammars.matcher(params.response_format, self.generated_ids(generated))
+            else:
+                self.grammars.compile(params.response_format)
         if params.prompt_logprobs is not None and not generated:
             self.check_prompt_logprobs(len(prompt_ids), params.prompt_logprobs, preloaded)
         self.check_logit_bias(params)

@@ -65,9 +65,24 @@ class Grammars:
             return None
         return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
 
+    def compile(self, form: str) -> None:
+        """Compile ``form`` (a canonical response_format) unless it is compiled already;
+        ValueError where the grammar cannot be served."""
+        self._compiled_matcher(form)
+
     def matcher(self, form: str, tokens: Sequence[int] = ()):
-        """A fresh matcher of ``form`` (a canonical response_format) that has taken in
-        ``tokens``; ValueError where the grammar cannot be served or the tokens leave it."""
+        """A fresh matcher of ``form`` that has taken in ``tokens``; ValueError where the
+        grammar cannot be served or the tokens leave it."""
+        compiled = self._compiled_matcher(form)
+        with self._lock:
+            matcher = compiled.deep_copy()
+        if tokens and not matcher.consume_tokens(list(tokens)):
+            raise ValueError(f"the request's tokens leave its response_format: "
+                             f"{matcher.get_error()[:500]}")
+        return matcher
+
+    def _compiled_matcher(self, form: str):
+        """The compiled matcher of ``form`` (not to be advanced: ``matcher`` copies it)."""
         from llguidance import LLMatcher
 
         key = grammar_key(form)
@@ -87,11 +102,7 @@ class Grammars:
             else:
                 self._compiled.move_to_end(key)
                 self.hits += 1
-            matcher = compiled.deep_copy()
-        if tokens and not matcher.consume_tokens(list(tokens)):
-            raise ValueError(f"the request's tokens leave its response_format: "
-                             f"{matcher.get_error()[:500]}")
-        return matcher
+            return compiled
 
     def masks(self, matchers: Sequence, upload: StepUpload) -> tuple[Staged, np.ndarray]:
         """The next-token masks of ``matchers`` (one row each, ``words`` int32 a row),

@@ -296,7 +296,7 @@ class Intake(SupervisedThread):
                                  message=raw if self.role == "prefill" else None,
                                  watch=req.watch)
                  for adm in admissions]
-        if len(items) > 1 or req.params.n > 1:
+        if req.params.n > 1:
             pending = {item.request_id for item in items}  # shared: see last_choice
             for item in items:
                 item.choices = pending
@@ -357,7 +357,7 @@ class Intake(SupervisedThread):
         if form is None or self.grammars is None:
             return  # (none to compile, or the engine refuses it with its reason)
         try:
-            self.grammars.matcher(form)
+            self.grammars.compile(form)
         except ValueError as exc:
             raise ProtocolError(str(exc), req.request_id) from None
 

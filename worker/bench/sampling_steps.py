@@ -3,11 +3,11 @@
     python -m worker.bench.sampling_steps [--vocab 8192|32000] [--batch 64] [--threads 2]
 
 One engine per mode, each with ``batch`` requests of 128-token prompts decoding on the
-small preset (random weights; another vocabulary size gets its own checkpoint, without a
-tokenizer); the steps of all modes are interleaved, so a slower moment of the machine
-weighs on every mode alike, and each mode's median is printed with its ratio to greedy.
-The engines' objects are kept off the garbage collector meanwhile, as a worker process
-keeps them (producer/long_lived.py).
+small preset (random weights; another vocabulary size gets its own checkpoint, with the
+shipped tokenizer of that size where one ships: 1,024, 8,192, 32,000); the steps of all
+modes are interleaved, so a slower moment of the machine weighs on every mode alike, and
+each mode's median is printed with its ratio to greedy. The engines' objects are kept off
+the garbage collector meanwhile, as a worker process keeps them (producer/long_lived.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from producer.long_lived import long_lived_frozen
 from worker import Engine, SamplingParams
 from worker.modelgen import make_model
+from worker.modelgen.presets import TOKENIZER_SHA256
 
 MODES: dict[str, dict[str, object]] = {
     "greedy": {"temperature": 0.0},
@@ -36,7 +37,7 @@ MODES: dict[str, dict[str, object]] = {
                   "repetition_penalty": 1.2},
     # Structured outputs: a JSON object with one long string (at least 5,000 characters:
     # no request can close it within a run, so the batch stays whole); its masks' time is
-    # reported on its own. Needs the model's tokenizer (vocab 8,192 here).
+    # reported on its own. Needs the model's tokenizer (a shipped vocabulary size).
     "json_schema": {"temperature": 1.0, "response_format": {
         "type": "json_schema", "json_schema": {"name": "bench", "schema": {
             "type": "object", "properties": {"text": {"type": "string", "minLength": 5000}},
@@ -69,7 +70,8 @@ def model_with_vocab(vocab: int, folder: Path) -> Path:
     """The small preset with ``vocab`` tokens (made once in ``folder``)."""
     out = folder / f"small-vocab-{vocab}"
     if not (out / "config.json").is_file():
-        make_model(out, preset="small", with_tokenizer=vocab == 8192, vocab_size=vocab)
+        make_model(out, preset="small", with_tokenizer=vocab in TOKENIZER_SHA256,
+                   vocab_size=vocab)
     return out
 
 

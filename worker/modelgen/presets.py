@@ -90,4 +90,6 @@ SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trainer order fixes their ids
 TOKENIZER_SHA256: dict[int, str] = {
     1024: "8ed349bb8026fc87fbc3d6ca0252e1b4fce9517ffb227f3136e305d6d71a52a7",
     8192: "9bf39660ebbc2fe21057cec860be042472a0ef382d7d77d3af31609fcc3f090c",
+    # No preset's: a Llama-2-sized vocabulary for benchmarks (make-model --vocab-size 32000).
+    32000: "9dd913b875a5dd10a8bf4542dd5fbc80bcc796ec16043bee442b0056dbc66633",
 }

@@ -5,6 +5,11 @@ parsed from the source of a fixed list of pure-Python standard-library modules, 
 nothing is downloaded. Docstrings change between Python releases, so byte-identical
 output needs the Python and tokenizers versions the shipped files were made with
 (3.11.7, 0.23.3); the shipped files, not this script, are what checkpoints copy.
+
+Docstrings hold about 10,000 tokens' worth of merges: the 32,000-token tokenizer (no
+preset's; benchmarks of a Llama-2-sized vocabulary) is trained on them and on the whole
+source of the standard library (every ``.py`` outside its tests and site-packages, in
+path order), 13 MB of text.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ CORPUS_MODULES = tuple(
 
 # SHA-256 of the NUL-joined corpus the shipped tokenizers were trained on (Python 3.11.7).
 CORPUS_SHA256 = "b191d168c47e0628a3e157c6dd8baf7ac93fcf7fe50e539358b92417446b62e8"
+# Vocabularies trained on the larger corpus (docstrings and the standard library's source).
+LARGE_VOCABS = (32000,)
+LARGE_CORPUS_SHA256 = "f580ecfb923bcc93f30596ad60ed1bb93febdc52347d911676e6b40f57238e3a"
+# Folders of the standard library left out of the larger corpus.
+NOT_CORPUS = frozenset({"test", "tests", "idle_test", "site-packages"})
 
 
 def iter_docstrings(module_name: str) -> Iterator[str]:
@@ -67,6 +77,16 @@ def build_corpus() -> list[str]:
     for name in CORPUS_MODULES:
         texts.extend(iter_docstrings(name))
     return texts
+
+
+def build_large_corpus() -> list[str]:
+    """The larger corpus: every docstring, then every standard-library source file outside
+    NOT_CORPUS, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not NOT_CORPUS & set(p.relative_to(root).parts))
+    return [*build_corpus(), *(p.read_text(encoding="utf-8", errors="replace")
+                               for p in files)]
 
 
 def train(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -98,13 +118,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR)
     args = parser.parse_args()
-    texts = build_corpus()
-    corpus_digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
-    # A corpus mismatch means another Python release; a tokenizer-only one, another trainer.
-    status = "matches" if corpus_digest == CORPUS_SHA256 else "DIFFERS from"
-    print(f"corpus: {len(texts)} docstrings, sha256 {corpus_digest} ({status} CORPUS_SHA256)")
+    corpora = {}
+    for name, texts, expected in (("corpus", build_corpus(), CORPUS_SHA256),
+                                  ("large corpus", build_large_corpus(), LARGE_CORPUS_SHA256)):
+        digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
+        # A corpus mismatch means another Python release; a tokenizer-only one, another
+        # trainer.
+        status = "matches" if digest == expected else "DIFFERS from"
+        print(f"{name}: {len(texts)} texts, sha256 {digest} ({status} the recorded one)")
+        corpora[name] = texts
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for vocab_size in sorted({p.vocab_size for p in PRESETS.values()}):
+    for vocab_size in sorted({p.vocab_size for p in PRESETS.values()} | set(LARGE_VOCABS)):
+        texts = corpora["large corpus" if vocab_size in LARGE_VOCABS else "corpus"]
         data = train(texts, vocab_size).to_str(pretty=False).encode()
         path = args.out_dir / shipped_tokenizer_path(vocab_size).name
         path.write_bytes(data)

@@ -106,11 +106,13 @@ class ChatTemplate:
         tokens = info.get("chat_special_tokens") or "{}"
         return cls(source, json.loads(tokens) if isinstance(tokens, str) else tokens)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for ``messages``; ChatTemplateError when the template refuses them.
         ``extra``: a request's chat_template_kwargs, more variables for the template (their
-        names never the renderer's own: producer.wire.messages.validate_template_kwargs)."""
+        names never the renderer's own: producer.wire.messages.validate_template_kwargs).
+        ``tools``: the functions offered (OpenAI's form, as transformers passes them)."""
         # OpenAI's "developer" role is its newer name for "system"; templates know only
         # the older one.
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
@@ -119,7 +121,7 @@ class ChatTemplate:
             # One mapping, not keywords: a variable may be called anything (even "self").
             return self._template.render({
                 **(extra or {}), "messages": messages,
-                "add_generation_prompt": add_generation_prompt, "tools": None,
+                "add_generation_prompt": add_generation_prompt, "tools": tools or None,
                 "documents": None, "strftime_now": self._strftime_now,
                 **self.special_tokens})
         except jinja2.TemplateError as exc:

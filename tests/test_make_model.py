@@ -305,11 +305,25 @@ def test_tokenizer_round_trips_text_and_prepends_bos(tiny: dict[str, Path]) -> N
 def test_shipped_tokenizers_match_their_hashes_and_vocab(vocab_size: int) -> None:
     data = tokenizer_files.read_shipped_tokenizer(vocab_size)
     assert hashlib.sha256(data).hexdigest() == TOKENIZER_SHA256[vocab_size]
-    assert len(data) < 1_000_000
+    assert len(data) < 2**20  # (the 32,000-token one is the largest, just under 1 MiB)
     tokenizer = Tokenizer.from_str(data.decode())
     assert tokenizer.get_vocab_size() == vocab_size
     assert tokenizer.decode(tokenizer.encode(TEXT).ids) == TEXT
     assert {p.vocab_size for p in PRESETS.values()} <= set(TOKENIZER_SHA256)
+
+
+def test_a_shipped_vocabulary_other_than_the_presets_gets_its_tokenizer(
+        tmp_path: Path) -> None:
+    folder = make_model(tmp_path / "m", preset="tiny", vocab_size=32000, chat_template="qwen")
+    assert (folder / "tokenizer.json").read_bytes() == \
+        tokenizer_files.read_shipped_tokenizer(32000)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 32000
+    assert "<tool_call>" in json.loads(
+        (folder / "tokenizer_config.json").read_text())["chat_template"]
+    with pytest.raises(ValueError, match="no tokenizer ships for a vocabulary of 4096"):
+        make_model(tmp_path / "n", preset="tiny", vocab_size=4096)
+    with pytest.raises(ValueError, match="unknown chat template"):
+        make_model(tmp_path / "o", preset="tiny", chat_template="mistral")
 
 
 def test_checkpoint_tokenizer_is_a_byte_copy_of_the_shipped_one(tiny: dict[str, Path]) -> None:

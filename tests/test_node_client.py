@@ -160,16 +160,24 @@ def test_node_client_sends_chat_messages_a_stop_string_and_a_refused_request_as_
     assert chat.finish_reason == got_chat["finish_reason"] == "length", chat.error
     assert (got_chat["token_ids"], got_chat["text"]) == (chat.token_ids, chat.text)
     assert got_chat["usage"]["prompt_tokens"] == chat.usage.prompt_tokens
-    # The optional fields a newer producer sends: a name, template kwargs, later params.
-    named = [{**CHAT[0], "name": "ann"}, *CHAT[1:]]
+    # The optional fields a newer producer sends: a name, template kwargs, later params,
+    # tools and a tool-call history.
+    named = [{**CHAT[0], "name": "ann"}, *CHAT[1:],
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "look", "arguments": '{"q": "library"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "north wing"}]
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
     later = {**GREEDY, "skip_special_tokens": False, "include_stop_str_in_output": True,
              "min_tokens": 2}
     with Client(redis_url) as client:
         want_named = client.result(client.submit(
             messages=named, model=MODEL, chat_template_kwargs={"enable_thinking": False},
-            **later), timeout=60)
+            tools=tools, **later), timeout=60)
     got_named = run_node(node, redis_url, "--messages", json.dumps(named),
                          "--chat-template-kwargs", '{"enable_thinking": false}',
+                         "--tools", json.dumps(tools),
                          "--params", json.dumps(later))
     assert want_named.finish_reason == got_named["finish_reason"] == "length"
     assert (got_named["token_ids"], got_named["text"]) \

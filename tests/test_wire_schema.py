@@ -37,6 +37,7 @@ from producer.wire.protocol import (
     decode_output,
     error_final,
 )
+from producer.wire.tools import spec as tool_spec
 from producer.wire.validation import MAX_TOKEN_ID, REQUEST_ID_PATTERN
 
 
@@ -148,8 +149,10 @@ def test_enums_and_constants_are_the_code_ones():
     assert tuple(at(REQUEST_SCHEMA, "/properties/lane/enum")) == LANES
     assert (tuple(at(REQUEST_SCHEMA, "/$defs/message/properties/role/enum"))
             == wire_messages.ROLES)
-    assert set(at(REQUEST_SCHEMA, "/$defs/message/properties")) == {"role", "content",
-                                                                     "name"}
+    assert set(at(REQUEST_SCHEMA, "/$defs/message/properties")) == {
+        "role", "content", "name", *set().union(*wire_messages.ROLE_FIELDS.values())}
+    assert at(REQUEST_SCHEMA, "/$defs/tool/properties/function/properties/name/pattern") \
+        == f"^{tool_spec.NAME_PATTERN.pattern}$"
     assert at(REQUEST_SCHEMA, "/$defs/message/properties/name/maxLength") \
         == wire_messages.MAX_NAME_CHARS
     kwargs = at(REQUEST_SCHEMA, "/properties/chat_template_kwargs")
@@ -195,6 +198,13 @@ LIMITS = [
     (f"{P}/prompt_logprobs/maximum", wire_params.MAX_LOGPROBS),
     (f"{P}/n/maximum", wire_params.MAX_CHOICES),
     (f"{P}/response_format/properties/regex/maxLength", response_format.MAX_REGEX_CHARS),
+    (f"{P}/response_format/properties/grammar/maxLength", response_format.MAX_GRAMMAR_CHARS),
+    ("/properties/tools/maxItems", tool_spec.MAX_TOOLS),
+    ("/properties/tools/x-max-json-chars", tool_spec.MAX_TOOLS_CHARS),
+    ("/$defs/message/properties/tool_calls/maxItems", tool_spec.MAX_TOOL_CALLS),
+    ("/$defs/message/properties/tool_call_id/maxLength", tool_spec.MAX_CALL_ID_CHARS),
+    ("/$defs/tool/properties/function/properties/description/maxLength",
+     tool_spec.MAX_DESCRIPTION_CHARS),
     (f"{P}/response_format/properties/choices/maxItems", response_format.MAX_CHOICES),
     (f"{P}/response_format/properties/choices/items/maxLength",
      response_format.MAX_CHOICE_CHARS),
@@ -279,8 +289,19 @@ SAMPLING = st.fixed_dictionaries({}, optional={
         lambda bias: {str(t) if t % 2 else t: b for t, b in bias.items()}),
 })
 PROMPT = st.text(min_size=1, max_size=200) | st.lists(TOKEN, min_size=1, max_size=64)
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(wire_messages.ROLES),
-                                           "content": st.text(max_size=80)}),
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(wire_messages.ROLES[:-1]),
+                                           "content": st.text(max_size=80)})
+                    | st.fixed_dictionaries({"role": st.just("tool"),
+                                             "content": st.text(max_size=80),
+                                             "tool_call_id": st.text(min_size=1, max_size=9)})
+                    | st.fixed_dictionaries({
+                        "role": st.just("assistant"), "content": st.none() | st.text(max_size=9),
+                        "tool_calls": st.lists(st.fixed_dictionaries({
+                            "id": st.text(max_size=9), "type": st.just("function"),
+                            "function": st.fixed_dictionaries({
+                                "name": st.text(min_size=1, max_size=9),
+                                "arguments": st.just('{"a": [1, "b"]}') | st.just({})})}),
+                            min_size=1, max_size=3)}),
                     min_size=1, max_size=6)
 TIMING = st.one_of(
     st.fixed_dictionaries({"deadline_ms": st.none() | st.integers(0, protocol.MAX_UNIX_MS),
@@ -318,6 +339,13 @@ FOREIGN = [
     {"v": 1, "id": "a", "model": "tiny", "messages": [{"role": "user", "content": "x",
                                                         "name": "bob"}],
      "chat_template_kwargs": {"enable_thinking": False, "depth": [1, {"a": None}]}},
+    {"v": 1, "id": "a", "model": "tiny",
+     "messages": [{"role": "user", "content": "x"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"function": {"name": "f", "arguments": "{\"q\": 1}"}}]},
+                  {"role": "tool", "content": "2", "tool_call_id": "c"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object"}}}]},
     {"v": 1, "id": "a", "model": "tiny", "prompt": "x", "prompt_token_ids": None,
      "messages": None, "deadline_ms": None, "lane": "batch", "priority": -1000},
     {"v": 1, "id": "a", "model": "tiny", "prompt": "x",

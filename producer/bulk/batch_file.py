@@ -103,6 +103,10 @@ def parse_line(text: str, line: int, model: str | None = None,
         if req.chat_template_kwargs is not None:
             raise ValueError("chat_template_kwargs is not supported in a batch file yet (the "
                              "gateway takes it)")
+        if req.tools:
+            raise ValueError("tools are not supported in a batch file yet (the gateway "
+                             "serves them: it reads the model's tool-call format from its "
+                             "chat template)")
         if req.n != 1:
             raise ValueError("n > 1 is not supported in a batch file yet (the gateway "
                              "serves it): one line a choice, with its own seed")

@@ -90,7 +90,8 @@ class AsyncClient(ClientBase):
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.asyncio.client.Pipeline | None = None,
         max_queue: int | None = None, allow_unregistered: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
@@ -103,7 +104,7 @@ class AsyncClient(ClientBase):
             prompt, max_queue, pipeline is not None, await self._watch_id(), model=model,
             messages=messages, lane=lane, request_id=request_id, priority=priority,
             deadline_ms=deadline_ms, timeout=timeout, sampling=sampling,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, tools=tools)
         if allow_unregistered:
             if sub.model not in self._requested:  # so that `conveyor top` shows its lane
                 await self.redis.sadd(self.keys.requested, sub.model)

@@ -104,6 +104,7 @@ def build_request(
     clock: Clock = SYSTEM_CLOCK,
     watch: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> GenerationRequest:
     """A validated GenerationRequest from ``submit``'s arguments; ValueError when invalid.
 
@@ -142,6 +143,7 @@ def build_request(
         deadline_ms=deadline_ms,
         watch=watch,
         chat_template_kwargs=chat_template_kwargs,
+        tools=tools,
     )
 
 
@@ -354,14 +356,17 @@ class Client(ClientBase):
         request_id: str | None = None, priority: int = 0, deadline_ms: int | None = None,
         timeout: float | None = None, pipeline: redis.client.Pipeline | None = None,
         max_queue: int | None = None, allow_unregistered: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None, **sampling: Any,
     ) -> str:
         """Enqueue one request and return its id; ValueError (nothing written) when invalid.
 
         ``prompt`` is text or token ids; or, instead of it, ``messages`` (chat turns, each
         ``{"role", "content"}``) are rendered by the model's chat template on the worker
         (a model without one refuses them on the request's stream), with
-        ``chat_template_kwargs`` as more variables for it. ``timeout`` (seconds
+        ``chat_template_kwargs`` as more variables for it and ``tools`` (OpenAI's function
+        tools) rendered for the model; the answer is text (the gateway reads calls out of
+        it, producer/wire/tools/). ``timeout`` (seconds
         from now on the client's clock) sets ``deadline_ms``, the server-side deadline; other
         keywords are SamplingParams fields (``n``: several choices, one stream each:
         :meth:`choices`). With ``pipeline`` the XADD is only queued (the model check below
@@ -384,7 +389,7 @@ class Client(ClientBase):
             prompt, max_queue, pipeline is not None, self._watch_id(), model=model,
             messages=messages, lane=lane, request_id=request_id, priority=priority,
             deadline_ms=deadline_ms, timeout=timeout, sampling=sampling,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, tools=tools)
         if allow_unregistered:
             if sub.model not in self._requested:  # so that `conveyor top` shows its lane
                 self.redis.sadd(self.keys.requested, sub.model)

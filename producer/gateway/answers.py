@@ -14,6 +14,7 @@ from typing import Any
 
 from producer.wire.completion import Completion, TokenLogprob, Usage
 from producer.wire.openai_api import ApiRequest, choice_body
+from producer.wire.tools.formats import ParsedAnswer, call_deltas
 
 
 class TokenSpeller:
@@ -136,7 +137,8 @@ def completion_body(request: ApiRequest, choices: list[Completion], created: int
                                        speller) if request.echo else None)
         logprobs = joined_logprobs(prompt, logprobs_body(request, done.logprobs, speller))
         bodies.append({**choice_body(request.chat, echoed + done.text, str(done.finish_reason),
-                                     logprobs), "index": index})
+                                     logprobs, request.reads_calls, f"{first.request_id}.{index}"),
+                       "index": index})
     return {"id": response_id(request, first.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
             "created": created, "model": request.model, "choices": bodies,
@@ -170,6 +172,7 @@ class ChunkWriter:
         self.id = response_id(request, request_id)
         self.created = created
         self.speller = speller
+        self.calls = 0  # tool calls sent (read_calls)
         # A text chunk's event around its text, made once: a stream's chunks differ in
         # nothing else, and the whole chunk through json.dumps cost ~6 µs an event.
         shape = sse(self.text(_TEXT_MARK, None))
@@ -221,6 +224,21 @@ class ChunkWriter:
             choice = {"index": self.index, "text": text, "logprobs": None,
                       "finish_reason": finish_reason}
         return self._chunk([choice], **_usage(usage))
+
+    def read_calls(self, parsed: ParsedAnswer,
+                   logprobs: list[TokenLogprob] | None = None) -> list[str]:
+        """The events of what a tool-call reader (producer/wire/tools/stream.py) let
+        through: content (with the delta's logprobs, where asked), then each whole call as
+        deltas a client joins by index."""
+        events = []
+        if parsed.content or logprobs:
+            events.append(sse(self.text(parsed.content or "", logprobs)))
+        seed = f"{self.id.removeprefix('chatcmpl-')}.{self.index}"
+        for delta in call_deltas(parsed.calls, seed, self.calls):
+            events.append(sse(self._chunk([{"index": self.index, "delta": {"tool_calls": delta},
+                                            "logprobs": None, "finish_reason": None}])))
+        self.calls += len(parsed.calls)
+        return events
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with the usage and no choices."""

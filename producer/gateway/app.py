@@ -58,6 +58,7 @@ from producer.version import conveyor_version
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
+from producer.wire.tools.stream import ToolCallStream
 
 log = structlog.get_logger(__name__)
 
@@ -206,7 +207,7 @@ class Gateway:
 
     async def tokenize(self, request: Request) -> Response:
         """``{"model", "prompt", "add_special_tokens"?}`` or ``{"model", "messages",
-        "chat_template_kwargs"?, "add_generation_prompt"?}``: the token ids the model's
+        "chat_template_kwargs"?, "tools"?, "add_generation_prompt"?}``: the token ids the model's
         workers would read (its registered tokenizer and template; no worker asked)."""
         return await self._through_tokenizer(request, ("prompt", "messages"), tokenized)
 
@@ -322,6 +323,7 @@ class Gateway:
         # What can be decided before the request is queued is answered with its status,
         # streamed or not: a prompt over the context, messages the template refuses.
         facts = await self._facts(api.model)
+        facts.use_tools(api)
         prompt_tokens = await facts.prompt_tokens(api)
         facts.check_context(api, prompt_tokens)
         request_id = await self._submit(api)
@@ -440,7 +442,8 @@ class Gateway:
             return await self.client.submit(
                 api.prompt, messages=api.messages, model=api.model, lane=self.settings.lane,
                 max_queue=self.settings.max_queue, priority=api.priority,
-                chat_template_kwargs=api.chat_template_kwargs, **api.sampling)
+                chat_template_kwargs=api.chat_template_kwargs, tools=api.tools,
+                **api.sampling)
         except QueueFull as exc:
             # The stream's key is the fleet's business, not the API caller's.
             raise ApiError(f"model {api.model!r} has {exc.count} requests waiting, the most "
@@ -533,6 +536,8 @@ class Gateway:
         writers = [ChunkWriter(api, request_id, created, TokenSpeller(spelling), index=i)
                    for i in range(n)]
         writer = writers[0]
+        fmt = api.reads_calls
+        readers = [None if fmt is None else ToolCallStream(fmt) for _ in range(n)]
         echoing = [echoed is not None] * n
         finals: list[Usage] = []
         finished = False
@@ -564,6 +569,12 @@ class Gateway:
                     index, event = (0, item) if n == 1 else item
                     writer = writers[index]
                     if isinstance(event, ChunkEvent):
+                        if readers[index] is not None:  # (the answer read for tool calls)
+                            for chunk in writer.read_calls(
+                                    readers[index].feed(event.text),
+                                    event.logprobs if api.logprobs else None):
+                                yield chunk
+                            continue
                         if echoing[index]:  # (its first chunk: with the prompt's logprobs)
                             yield sse(writer.echo(echoed or "", event.prompt_token_ids,
                                                   event.prompt_logprobs))
@@ -588,7 +599,15 @@ class Gateway:
                     done = _usage(event.usage, event.num_tokens)
                     finals.append(done)
                     finished = len(finals) == n
-                    yield sse(writer.last(event.finish_reason, event.text,
+                    reason, text = event.finish_reason, event.text
+                    if readers[index] is not None:  # what it held, read now the answer ended
+                        reader = readers[index]
+                        for chunk in [*writer.read_calls(reader.feed(text)),
+                                      *writer.read_calls(reader.finish())]:
+                            yield chunk
+                        text = ""
+                        reason = "tool_calls" if writer.calls and reason == "stop" else reason
+                    yield sse(writer.last(reason, text,
                                           usage_body(done) if api.continuous_usage else None))
                     if finished and api.include_usage:
                         yield sse(writer.usage(choices_usage(finals)))

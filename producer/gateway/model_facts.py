@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import structlog
@@ -16,6 +17,7 @@ from producer.chat_template import ChatTemplate
 from producer.client.client import tokenizer_from
 from producer.wire.openai_api import ApiError, ApiRequest
 from producer.wire.protocol import check_prompt_logprobs_size
+from producer.wire.tools.formats import ToolFormat, format_of_template
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +37,35 @@ class ModelFacts:
     max_model_len: int | None = None
     # The model registered no chat template (not: one this process could not read).
     no_template: bool = False
+
+    @cached_property
+    def tool_format(self) -> ToolFormat | None:
+        """The tool-call format the model's chat template teaches (None: it renders none)."""
+        return format_of_template(self.template.source if self.template else None)
+
+    def use_tools(self, api: ApiRequest) -> None:
+        """Set ``api``'s tool-call format from the model's template and, for a forced call
+        (tool_choice required or named), the grammar that writes it; ApiError (400) where
+        the template renders no tools in a format conveyor reads, or the answer is already
+        held to a response_format."""
+        if not api.tools:
+            return
+        fmt = self.tool_format
+        if fmt is None:
+            raise ApiError(f"model {api.model!r} has no chat template that renders tools in a "
+                           "tool-call format conveyor reads (Hermes/Qwen <tool_call> blocks, "
+                           "Llama 3.1 JSON calls): send the request without tools",
+                           param="tools", code="tools_not_supported")
+        api.tool_format = fmt
+        if not api.tool_choice.forced:
+            return
+        if "response_format" in api.sampling:
+            raise ApiError("response_format cannot be given with a forced tool call "
+                           "(tool_choice required or a named function): the call's grammar "
+                           "holds the answer", param="response_format")
+        api.sampling["response_format"] = {
+            "type": "grammar",
+            "grammar": fmt.grammar(api.tools, api.tool_choice, api.parallel_tool_calls)}
 
     async def prompt_tokens(self, api: ApiRequest) -> int | None:
         """How many tokens the model's workers will read for ``api``'s prompt; None where
@@ -65,7 +96,8 @@ class ModelFacts:
                 # (off the event loop: a template is a checkpoint's code, however slow)
                 text = await asyncio.to_thread(
                     self.template.render,  # type: ignore[union-attr]
-                    api.messages, add_generation_prompt, extra=api.chat_template_kwargs)
+                    api.messages, add_generation_prompt, extra=api.chat_template_kwargs,
+                    tools=api.tools)
             except ValueError as exc:  # ChatTemplateError
                 raise ApiError(str(exc), param="messages", code="chat_template") from None
             special = False  # the template writes them

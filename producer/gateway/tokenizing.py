@@ -17,14 +17,15 @@ INLINE_IDS = 4096
 async def tokenized(facts: ModelFacts, body: dict[str, Any]) -> dict[str, Any]:
     """/tokenize's answer (vLLM's shape): the ids a worker reads for ``prompt`` (text, with
     the tokenizer's special tokens unless ``add_special_tokens`` is false) or for
-    ``messages`` (rendered by the chat template with ``chat_template_kwargs``, with the
-    generation prompt unless ``add_generation_prompt`` is false)."""
+    ``messages`` (rendered by the chat template with ``chat_template_kwargs`` and
+    ``tools``, with the generation prompt unless ``add_generation_prompt`` is false)."""
     chat = "messages" in body
     flag = "add_generation_prompt" if chat else "add_special_tokens"
     on = True if body.get(flag) is None else body[flag]
     if not isinstance(on, bool):
         raise ApiError(f"{flag} must be true or false", param=flag)
-    fields = ("model", "messages", "chat_template_kwargs") if chat else ("model", "prompt")
+    fields = (("model", "messages", "chat_template_kwargs", "tools") if chat
+              else ("model", "prompt"))
     api = parse_body(CHAT_URL if chat else COMPLETIONS_URL,
                      {k: body[k] for k in fields if k in body})
     ids = await facts.prompt_ids(api, **{flag: on})

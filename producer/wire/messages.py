@@ -1,9 +1,12 @@
 """Chat messages as a request carries them: ``[{"role": ..., "content": "...", "name":
-...}]`` (``name`` optional, passed to the chat template, which may use it or not).
+...}]`` (``name`` optional, passed to the chat template, which may use it or not), and the
+tool-call history: an assistant message's ``tool_calls`` (its content then may be null:
+kept as ""), a ``tool`` message's result with its ``tool_call_id``
+(producer/wire/tools/spec.py).
 
-Only what every chat template understands: a role, a string content and a name. Anything
-richer (images, tool calls) is refused at the edge with a message naming it, never dropped
-silently; the gateway joins OpenAI's text parts into one string before they get here.
+Anything richer (images, audio) is refused at the edge with a message naming it, never
+dropped silently; the gateway joins OpenAI's text parts into one string before they get
+here.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from producer.wire.tools.spec import validate_call_id, validate_tool_calls
 from producer.wire.validation import brief
 
-# The roles chat templates know; "developer" is OpenAI's newer name for "system".
-ROLES = ("system", "developer", "user", "assistant")
+# The roles chat templates know; "developer" is OpenAI's newer name for "system"; "tool"
+# carries a tool call's result.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields beyond role, content and name, by the role that may carry them.
+ROLE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 MAX_MESSAGES = 1024
 # All contents together: the same bound as a text prompt.
 MAX_MESSAGES_CHARS = 1_000_000
@@ -32,7 +39,7 @@ RESERVED_TEMPLATE_NAMES = frozenset({
 MAX_NAME_CHARS = 256
 
 
-def validate_messages(value: Any) -> list[dict[str, str]]:
+def validate_messages(value: Any) -> list[dict[str, Any]]:
     """``value`` as a list of ``{"role", "content"}`` maps, or a ValueError saying what is
     wrong with it."""
     if not isinstance(value, list | tuple):
@@ -41,25 +48,34 @@ def validate_messages(value: Any) -> list[dict[str, str]]:
         raise ValueError("messages must be a non-empty list, got an empty list")
     if len(value) > MAX_MESSAGES:
         raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(value)}")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     total = 0
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a map with role and content, "
                              f"got {brief(message)}")
-        if extra := sorted(brief(k) for k in set(message) - {"role", "content", "name"}):
-            raise ValueError(f"messages[{i}] has unsupported field(s): {', '.join(extra[:4])} "
-                             "(only role, content and name)")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, "
                              f"got {brief(role)}")
+        fields = {"role", "content", "name"} | ROLE_FIELDS.get(role, set())
+        if extra := sorted(brief(k) for k in set(message) - fields):
+            raise ValueError(f"messages[{i}] has unsupported field(s): {', '.join(extra[:4])} "
+                             f"(a {role} message holds {', '.join(sorted(fields))})")
+        calls = None
+        if message.get("tool_calls") is not None:
+            calls = validate_tool_calls(f"messages[{i}].tool_calls", message["tool_calls"])
+            content = "" if content is None else content  # (OpenAI's null beside calls)
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {brief(content)}")
         total += len(content)
         if total > MAX_MESSAGES_CHARS:
             raise ValueError(f"messages longer than {MAX_MESSAGES_CHARS} characters in all")
-        kept = {"role": role, "content": content}
+        kept: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            kept["tool_calls"] = calls
+        if role == "tool":
+            kept["tool_call_id"] = validate_call_id(f"messages[{i}]", message.get("tool_call_id"))
         if "name" in message:
             name = message["name"]
             if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:

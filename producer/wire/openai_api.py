@@ -3,11 +3,11 @@ requests, for the gateway and for batch files alike.
 
 A field set to null is absent (clients serialise unset fields so). Every other field is
 implemented (completions' ``echo``: the prompt first, with its logprobs where asked, which
-``params.prompt_logprobs`` makes in the prefill), accepted only at the value that means
+``params.prompt_logprobs`` makes in the prefill; chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls``: producer/wire/tools/), accepted only at the value that means
 "nothing special" (``best_of: 1``, chat's ``echo: false``, ...), accepted and ignored because it
 changes nothing in the answer (IGNORED: ``user``, ``store``, ``metadata``, ...), or refused
-with an error naming it: a client that asks for tools, a JSON response format or several
-choices must hear that it did not get them.
+with an error naming it: a client that asks for what it would not get must hear so.
 conveyor's own sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``) are accepted as extensions, as vLLM accepts them (``top_k: -1``, vLLM's
 "off", is conveyor's 0). Chat content may be a list of text parts (joined by newlines, as
@@ -23,6 +23,8 @@ from typing import Any
 from producer.wire.messages import validate_messages, validate_template_kwargs
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import PRIORITY_RANGE
+from producer.wire.tools.formats import ToolFormat, openai_calls
+from producer.wire.tools.spec import ToolChoice, validate_tool_choice, validate_tools
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -41,13 +43,13 @@ SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop
                              # structured outputs (producer/wire/response_format.py)
                              "response_format"})
 # Fields accepted only at the value that asks for nothing special.
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "tool_choice": "none",
-           "tools": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None}
 # Fields that change nothing in the answer: the caller's end-user ids, OpenAI's storage,
-# tags and billing tier, its prompt cache's routing key, and parallel_tool_calls (no tools:
-# "tools" is refused unless empty).
+# tags and billing tier, its prompt cache's routing key.
 IGNORED = frozenset({"user", "safety_identifier", "store", "metadata", "service_tier",
-                     "prompt_cache_key", "parallel_tool_calls"})
+                     "prompt_cache_key"})
+# Chat's tool fields (producer/wire/tools/spec.py).
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 # Chat content parts: text is read; these are named in a refusal (no model input for them).
 TEXT_PART = "text"
 # stream_options' fields: OpenAI's include_usage, vLLM's continuous_usage_stats.
@@ -97,6 +99,19 @@ class ApiRequest:
     priority: int = 0
     # vLLM's chat_template_kwargs: more variables for the chat template (chat only).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Chat's functions for the model, what it may do with them, and whether it may call
+    # several at once.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+    # The model's tool-call format (the gateway sets it from the chat template; None: the
+    # answer is read as text).
+    tool_format: ToolFormat | None = None
+    @property
+    def reads_calls(self) -> ToolFormat | None:
+        """The format its answer's calls are read in (None: the answer is text)."""
+        return self.tool_format if self.tool_choice.mode != "none" else None
+
     @property
     def n(self) -> int:
         """Choices asked for (OpenAI's ``n``)."""
@@ -122,7 +137,7 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
     known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options",
                                                         "priority"}
     known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-               "chat_template_kwargs"} if chat else {"prompt", "logprobs"})
+               "chat_template_kwargs", *TOOL_FIELDS} if chat else {"prompt", "logprobs"})
     for name, value in body.items():
         if name not in known:
             raise ApiError(f"{name!r} is not supported by conveyor", param=name,
@@ -194,6 +209,17 @@ def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
         req.logprobs = True
     elif body.get("top_logprobs") is not None:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    try:
+        req.tools = validate_tools(body.get("tools"))
+    except ValueError as exc:
+        raise ApiError(str(exc), param="tools") from None
+    try:
+        req.tool_choice = validate_tool_choice(body.get("tool_choice"), req.tools)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="tool_choice") from None
+    req.parallel_tool_calls = body.get("parallel_tool_calls", True) is not False
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise ApiError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
 
 
 def _with_text_content(i: int, message: Any) -> Any:
@@ -243,12 +269,21 @@ def _completion_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
 
 
 def choice_body(chat: bool, text: str, finish_reason: str,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None = None, tools: ToolFormat | None = None,
+                call_seed: str = "") -> dict[str, Any]:
     """The one choice of a whole answer: a chat ``message``, or a completion's ``text``
-    (the gateway's answers and batch files' output lines alike)."""
+    (the gateway's answers and batch files' output lines alike). ``tools``: the text is
+    read for calls in that format (their ids made from ``call_seed``); an answer that
+    made calls finished with ``tool_calls``."""
     if chat:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        parsed = tools.parse(text) if tools is not None else None
+        if parsed is not None and parsed.calls:
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": openai_calls(parsed.calls, call_seed)}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": 0, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

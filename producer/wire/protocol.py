@@ -21,6 +21,7 @@ import msgpack
 from producer.wire.keys import validate_lane, validate_name
 from producer.wire.messages import validate_messages, validate_template_kwargs
 from producer.wire.params import MAX_CHOICES, SamplingParams
+from producer.wire.tools.spec import validate_tools
 from producer.wire.validation import MAX_TOKEN_ID, brief, validate_request_id
 
 SCHEMA_VERSION = 1
@@ -61,7 +62,7 @@ MAX_UNIX_MS = 253_402_300_799_999
 # Fields a request map may hold; any other is an error (a typo must not pass silently).
 REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
                             "params", "priority", "lane", "created_ms", "deadline_ms", "watch",
-                            "chat_template_kwargs"})
+                            "chat_template_kwargs", "tools"})
 
 
 class ProtocolError(ValueError):
@@ -99,6 +100,9 @@ class GenerationRequest:
     watch: str | None = None
     # Extra variables for the chat template (only with messages); None: none.
     chat_template_kwargs: dict[str, Any] | None = None
+    # The functions the chat template renders for the model (producer/wire/tools/spec.py;
+    # only with messages); None: none.
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         validate_request_id(self.request_id)
@@ -117,6 +121,9 @@ class GenerationRequest:
             self.chat_template_kwargs = validate_template_kwargs(self.chat_template_kwargs)
             if self.chat_template_kwargs is not None and self.messages is None:
                 raise ValueError("chat_template_kwargs needs messages (a chat request)")
+        self.tools = validate_tools(self.tools)
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat request)")
         if self.messages is not None:
             self.messages = validate_messages(self.messages)
         elif self.prompt is not None:
@@ -163,6 +170,8 @@ class GenerationRequest:
             m["watch"] = self.watch
         if self.chat_template_kwargs is not None:  # the same
             m["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.tools is not None:  # the same
+            m["tools"] = self.tools
         try:
             data = _pack(m)
         except (OverflowError, ValueError, TypeError) as exc:  # a number msgpack cannot hold
@@ -202,6 +211,7 @@ class GenerationRequest:
                 deadline_ms=m.get("deadline_ms"),
                 watch=m.get("watch"),
                 chat_template_kwargs=m.get("chat_template_kwargs"),
+                tools=m.get("tools"),
             )
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc), rid) from None

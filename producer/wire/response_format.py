@@ -13,6 +13,9 @@ Forms (OpenAI's first, then conveyor's):
 - ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``:
   a JSON value valid against the schema.
 - ``{"type": "regex", "regex": "..."}`` and ``{"type": "choice", "choices": ["a", "b"]}``.
+- ``{"type": "grammar", "grammar": "..."}``: a grammar in llguidance's lark dialect (vLLM's
+  ``guided_grammar``); the gateway writes one for a forced tool call
+  (producer/wire/tools/formats.py).
 
 JSON is compact unless the request asks otherwise (``"whitespace": "flexible"`` beside the
 type): free whitespace between tokens lets a weak model wander without closing.
@@ -27,13 +30,16 @@ from typing import Any
 
 from producer.wire.validation import brief
 
-KINDS = ("json_object", "json_schema", "regex", "choice")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # Limits on what one request may ask the grammar compiler for (docs/security.md).
 MAX_SCHEMA_CHARS = 32_768
 MAX_SCHEMA_DEPTH = 32
 MAX_REGEX_CHARS = 4_096
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1_024
+# A lark grammar: room for a forced call of every tool a request may offer (MAX_TOOLS_CHARS
+# of tools, in producer/wire/tools/spec.py) and the rules around them.
+MAX_GRAMMAR_CHARS = 131_072
 
 
 def canonical(value: Any) -> str | None:
@@ -67,6 +73,13 @@ def canonical(value: Any) -> str | None:
     elif kind == "choice":
         known.add("choices")
         form["choices"] = _choices(value.get("choices"))
+    elif kind == "grammar":
+        known.add("grammar")
+        grammar = value.get("grammar")
+        if not isinstance(grammar, str) or not grammar.strip() or len(grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"response_format grammar must be a non-empty lark grammar of at "
+                             f"most {MAX_GRAMMAR_CHARS} characters")
+        form["grammar"] = grammar
     unknown = sorted(brief(k) for k in set(value) - known)
     if unknown:
         raise ValueError(f"response_format has unknown field(s): {', '.join(unknown)}")
@@ -89,6 +102,8 @@ def grammar_of(form: str) -> str:
     kind = value["type"]
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value["regex"])
+    if kind == "grammar":
+        return LLMatcher.grammar_from_lark(value["grammar"])
     if kind == "choice":
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value["choices"]))
@@ -122,7 +137,7 @@ def _json_schema(spec: Any) -> dict[str, Any]:
     schema = spec.get("schema")
     if not isinstance(schema, Mapping):
         raise ValueError("response_format json_schema.schema must be a JSON Schema object")
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
+    if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"response_format schema nests deeper than {MAX_SCHEMA_DEPTH}")
     text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
     if len(text) > MAX_SCHEMA_CHARS:
@@ -151,13 +166,15 @@ def _choices(choices: Any) -> list[str]:
     return list(choices)
 
 
-def _depth(value: Any, level: int = 1) -> int:
+def nesting_depth(value: Any, level: int = 1) -> int:
+    """How deep ``value`` nests, counted no further than one past MAX_SCHEMA_DEPTH (a
+    hostile schema may nest beyond any recursion limit)."""
     if level > MAX_SCHEMA_DEPTH:
         return level
     if isinstance(value, Mapping):
-        return max((_depth(v, level + 1) for v in value.values()), default=level)
+        return max((nesting_depth(v, level + 1) for v in value.values()), default=level)
     if isinstance(value, list):
-        return max((_depth(v, level + 1) for v in value), default=level)
+        return max((nesting_depth(v, level + 1) for v in value), default=level)
     return level
 
 

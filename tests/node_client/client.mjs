@@ -42,6 +42,7 @@ function options() {
       'prompt-token-ids': { type: 'string' }, // comma-separated
       messages: { type: 'string' }, // JSON: [{"role": "user", "content": "...", "name"?: ...}]
       'chat-template-kwargs': { type: 'string' }, // JSON: {"enable_thinking": false}
+      tools: { type: 'string' }, // JSON: [{"type": "function", "function": {"name": ...}}]
       params: { type: 'string', default: '{}' }, // JSON: SamplingParams fields
       priority: { type: 'string', default: '0' },
       'timeout-ms': { type: 'string' }, // sets deadline_ms, enforced by the worker
@@ -91,6 +92,7 @@ function requestMessage(opts) {
   if (opts['chat-template-kwargs'] !== undefined) {
     message.chat_template_kwargs = JSON.parse(opts['chat-template-kwargs']);
   }
+  if (opts.tools !== undefined) message.tools = JSON.parse(opts.tools);
   if (opts['timeout-ms'] !== undefined) {
     message.deadline_ms = message.created_ms + Number(opts['timeout-ms']);
   }

@@ -32,6 +32,12 @@ def add_worker_parsers(subparsers: Any) -> None:
                    help="architecture written to config.json")
     p.add_argument("--seed", type=int, default=0,
                    help="weight seed: the same arguments always give the same files")
+    p.add_argument("--vocab-size", type=int, choices=[1024, 8192, 32000],
+                   help="the vocabulary (default: the preset's; each has a shipped tokenizer, "
+                   "32000 a Llama-2-sized one for benchmarks)")
+    p.add_argument("--chat-template", choices=["plain", "qwen", "llama3"], default="plain",
+                   help="the tokenizer's chat template: plain role lines, or one with tools "
+                   "support (qwen: Hermes <tool_call> blocks; llama3: Llama 3.1 JSON calls)")
     p.add_argument("--force", action="store_true",
                    help="delete and make again a folder make-model made (it holds "
                    ".conveyor-model); any other folder is refused")
@@ -196,7 +202,8 @@ def make_model_cmd(args: argparse.Namespace) -> int:
                                   f"{MARKER_FILE}): --force deletes only those; pick another "
                                   "folder, or delete this one yourself")
         shutil.rmtree(out)
-    make_marked(out, preset=args.preset, arch=args.arch, seed=args.seed)
+    make_marked(out, preset=args.preset, arch=args.arch, seed=args.seed,
+                chat_template=args.chat_template, vocab_size=args.vocab_size)
     print(out)
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.modelgen.config_json import build_config, build_generation_config, dump_json
-from worker.modelgen.presets import ARCHS, PRESETS
+from worker.modelgen.presets import ARCHS, PRESETS, TOKENIZER_SHA256
 from worker.modelgen.safetensors_io import INDEX_FILE, write_weights
 from worker.modelgen.tokenizer_files import write_tokenizer
 from worker.modelgen.weights import init_weights
@@ -51,6 +51,7 @@ def make_model(
     num_shards: int = 1,
     with_tokenizer: bool = True,
     vocab_size: int | None = None,
+    chat_template: str = "plain",
 ) -> Path:
     """Write a random-weight float32 checkpoint that transformers can load; return its folder.
 
@@ -72,7 +73,10 @@ def make_model(
         num_shards: 1 writes model.safetensors; more writes HF-style shards and an index.
         with_tokenizer: also write the shipped byte-level BPE tokenizer.
         vocab_size: override the preset's vocabulary (benchmarks of a 32,000-token head);
-            no tokenizer ships for other sizes, so it needs ``with_tokenizer=False``.
+            tokenizers ship for 1,024, 8,192 and 32,000 tokens, any other size needs
+            ``with_tokenizer=False``.
+        chat_template: the tokenizer's chat template, a key of chat_templates.TEMPLATES:
+            "plain" (role lines), or "qwen" / "llama3" (with tools support).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -80,9 +84,10 @@ def make_model(
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
     shape, spec = PRESETS[preset], ARCHS[arch]
     if vocab_size is not None and vocab_size != shape.vocab_size:
-        if with_tokenizer:
-            raise ValueError(f"no tokenizer ships for a vocabulary of {vocab_size}: "
-                             "pass with_tokenizer=False")
+        if with_tokenizer and vocab_size not in TOKENIZER_SHA256:
+            raise ValueError(f"no tokenizer ships for a vocabulary of {vocab_size} (they do "
+                             f"for {', '.join(map(str, sorted(TOKENIZER_SHA256)))}): pass "
+                             "with_tokenizer=False")
         shape = dataclasses.replace(shape, vocab_size=vocab_size)
     kv_heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     if kv_heads < 1 or shape.num_heads % kv_heads:
@@ -103,5 +108,5 @@ def make_model(
     (out / "generation_config.json").write_bytes(dump_json(build_generation_config()))
     write_weights(weights, out, num_shards)
     if with_tokenizer:
-        write_tokenizer(out, shape.vocab_size, shape.max_position_embeddings)
+        write_tokenizer(out, shape.vocab_size, shape.max_position_embeddings, chat_template)
     return out

@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from worker.modelgen.chat_templates import TEMPLATES
 from worker.modelgen.config_json import dump_json
 from worker.modelgen.presets import BOS_TOKEN, EOS_TOKEN, TOKENIZER_SHA256
 
@@ -31,25 +32,17 @@ def read_shipped_tokenizer(vocab_size: int) -> bytes:
     return data
 
 
-# The made models' chat template: each turn a role line, its content and the EOS token,
-# then the assistant's role line to answer after. Plain text markers: the shipped tokenizers
-# have no chat tokens, and a random model has no format to match anyway.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-
-def tokenizer_config(model_max_length: int) -> dict[str, Any]:
+def tokenizer_config(model_max_length: int, chat_template: str = "plain") -> dict[str, Any]:
     """tokenizer_config.json: load tokenizer.json verbatim as a fast tokenizer.
 
     tokenizer_class is the generic fast class so transformers never swaps in a
     model-specific tokenizer (v5's LlamaTokenizer would rebuild a Metaspace one).
-    add_bos_token mirrors the BOS template already in tokenizer.json.
+    add_bos_token mirrors the BOS template already in tokenizer.json. ``chat_template``: a
+    key of chat_templates.TEMPLATES.
     """
+    if chat_template not in TEMPLATES:
+        raise ValueError(f"unknown chat template {chat_template!r}; choose from "
+                         f"{', '.join(TEMPLATES)}")
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -59,14 +52,15 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TEMPLATES[chat_template],
     }
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> list[Path]:
+def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int,
+                    chat_template: str = "plain") -> list[Path]:
     """Write tokenizer.json (a byte copy of the shipped file) and tokenizer_config.json."""
     tok_path = out_dir / "tokenizer.json"
     tok_path.write_bytes(read_shipped_tokenizer(vocab_size))
     cfg_path = out_dir / "tokenizer_config.json"
-    cfg_path.write_bytes(dump_json(tokenizer_config(model_max_length)))
+    cfg_path.write_bytes(dump_json(tokenizer_config(model_max_length, chat_template)))
     return [tok_path, cfg_path]

@@ -380,7 +380,8 @@ class Intake(SupervisedThread):
             raise ProtocolError(f"model {self.model!r} has no chat template: send a prompt or "
                                 "prompt_token_ids instead of messages", req.request_id)
         try:
-            text = self.chat_template.render(req.messages, extra=req.chat_template_kwargs)
+            text = self.chat_template.render(req.messages, extra=req.chat_template_kwargs,
+                                             tools=req.tools)
         except Exception as exc:  # noqa: BLE001 (a template is untrusted code: see render)
             raise ProtocolError(str(exc), req.request_id) from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,214 @@
+"""Tools at the edge and in the formats: OpenAI's tools, tool_choice and tool-call history
+checked; the made models' tools templates rendered as transformers renders them; calls read
+from whole answers and from streamed ones alike; forced calls' grammars."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+from tokenizers import Tokenizer
+
+from producer.chat_template import ChatTemplate
+from producer.wire.messages import validate_messages
+from producer.wire.openai_api import ApiError, choice_body, parse_body
+from producer.wire.response_format import canonical
+from producer.wire.tools.formats import FORMATS, call_deltas, format_of_template
+from producer.wire.tools.spec import ToolChoice, validate_tool_choice, validate_tools
+from producer.wire.tools.stream import ToolCallStream
+from worker.modelgen.chat_templates import TEMPLATES
+from worker.modelgen.tokenizer_files import read_shipped_tokenizer
+from worker.sampling.grammar import Grammars
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now"}}]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "assistant", "content": "It is 18C."},
+    {"role": "user", "content": "And now?"},
+]
+
+
+def test_tools_are_checked_and_kept_in_one_form():
+    assert validate_tools(None) is None and validate_tools([]) is None
+    assert validate_tools(TOOLS) == TOOLS
+    for bad, words in [
+            ({"type": "function"}, "must be a list"),
+            ([{"type": "retrieval"}], "function tools only"),
+            ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
+            ([TOOLS[1], TOOLS[1]], "given twice"),
+            ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+             "JSON Schema of an object"),
+            ([{"type": "function", "function": {"name": "f", "extra": 1}}], "unknown field"),
+            ([{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"description": "x" * 70_000}}}}}],
+             "more than 65536"),
+            ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+             "at most 128")]:
+        with pytest.raises(ValueError, match=words):
+            validate_tools(bad)
+
+
+def test_tool_choice_defaults_and_names():
+    tools = validate_tools(TOOLS)
+    assert validate_tool_choice(None, tools) == ToolChoice("auto")
+    assert validate_tool_choice(None, None) == ToolChoice("none")
+    assert validate_tool_choice("required", tools).forced
+    named = validate_tool_choice({"type": "function", "function": {"name": "now"}}, tools)
+    assert named == ToolChoice("named", "now") and named.forced
+    for bad, words in [("sometimes", "must be one of"), ("required", "needs tools"),
+                       ({"type": "function", "function": {"name": "later"}}, "not one of"),
+                       ({"function": {"name": "now"}}, "must be none")]:
+        with pytest.raises(ValueError, match=words):
+            validate_tool_choice(bad, tools if bad != "required" else None)
+
+
+def test_the_tool_call_history_is_checked_and_its_arguments_parsed():
+    kept = validate_messages(HISTORY)
+    assert kept[2] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert kept[3] == {"role": "tool", "content": "18C", "tool_call_id": "c1"}
+    for bad, words in [
+            ({"role": "tool", "content": "x"}, "tool_call_id"),
+            ({"role": "user", "content": "x", "tool_calls": []}, "unsupported field"),
+            ({"role": "assistant", "content": None}, "content must be a string"),
+            ({"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                "arguments": "[1]"}}]},
+             "JSON object"),
+            ({"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                "arguments": "{"}}]},
+             "JSON object's text")]:
+        with pytest.raises(ValueError, match=words):
+            validate_messages([bad])
+
+
+def test_the_api_reads_tool_fields_only_for_chat():
+    api = parse_body("/v1/chat/completions", {
+        "model": "m", "messages": HISTORY, "tools": TOOLS, "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "now"}}})
+    assert api.tools == TOOLS and api.tool_choice == ToolChoice("named", "now")
+    assert api.parallel_tool_calls is False and api.reads_calls is None  # (no format yet)
+    with pytest.raises(ApiError) as refused:
+        parse_body("/v1/completions", {"model": "m", "prompt": "x", "tools": TOOLS})
+    assert refused.value.param == "tools"
+    with pytest.raises(ApiError) as refused:
+        parse_body("/v1/chat/completions", {"model": "m", "messages": HISTORY,
+                                            "tools": TOOLS, "parallel_tool_calls": "no"})
+    assert refused.value.param == "parallel_tool_calls"
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama3", "plain"])
+def test_made_templates_render_tools_as_transformers_does(style, model_factory):
+    """The made model's template through conveyor's renderer and transformers'
+    apply_chat_template(tools=...): the same text, history and all."""
+    transformers = pytest.importorskip("transformers")
+    folder = model_factory(f"tools-{style}", preset="tiny", arch="llama", chat_template=style)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = validate_messages(HISTORY if style != "plain" else HISTORY[:2])
+    tools = validate_tools(TOOLS) if style != "plain" else None
+    ours = ChatTemplate.from_model_dir(folder).render(messages, tools=tools)
+    theirs = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
+    assert ours == theirs
+    fmt = format_of_template(TEMPLATES[style])
+    assert (fmt.name if fmt else None) == {"qwen": "hermes", "llama3": "llama3_json",
+                                           "plain": None}[style]
+    if tools:
+        assert "get_weather" in ours and "Paris" in ours and "18C" in ours
+
+
+ANSWERS = {
+    "hermes": [
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        "No call here, just < and <tool text.",
+        '<tool_call>\nnot json\n</tool_call> and after',
+        '<tool_call>\n{"name": "now", "arguments": {}}',  # the closing tag never came
+    ],
+    "llama3_json": [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "parameters": {}}',
+        "Plain words {not a call}",
+        '{"name": "now", "parameters": [1]}',
+    ],
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_a_streamed_answer_reads_as_the_whole_one(fmt):
+    """At every split into two deltas and at one character a delta: the calls are the whole
+    answer's, and the content the same but for the blank text around calls."""
+    reader_format = FORMATS[fmt]
+    for text in ANSWERS[fmt]:
+        whole = reader_format.parse(text)
+        for cuts in [[k] for k in range(len(text) + 1)] + [list(range(len(text) + 1))]:
+            stream, content, calls = ToolCallStream(reader_format), [], []
+            for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+                got = stream.feed(text[a:b])
+                content.append(got.content or "")
+                calls += got.calls
+            got = stream.finish()
+            content.append(got.content or "")
+            calls += got.calls
+            assert calls == whole.calls, (text, cuts)
+            assert "".join(content).strip() == (whole.content or "").strip(), (text, cuts)
+
+
+def test_parsed_calls_and_the_choice_they_make():
+    whole = FORMATS["hermes"].parse(ANSWERS["hermes"][0])
+    assert whole.content == "Let me look."
+    assert whole.calls == [{"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                           {"name": "now", "arguments": "{}"}]
+    body = choice_body(True, ANSWERS["hermes"][0], "stop", tools=FORMATS["hermes"],
+                       call_seed="r.0")
+    assert body["finish_reason"] == "tool_calls"
+    ids = [c["id"] for c in body["message"]["tool_calls"]]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    assert choice_body(True, ANSWERS["hermes"][0], "stop", tools=FORMATS["hermes"],
+                       call_seed="r.0") == body  # the same ids for the same request
+    plain = choice_body(True, "No call", "stop", tools=FORMATS["hermes"], call_seed="r.0")
+    assert plain["message"] == {"role": "assistant", "content": "No call"}
+    assert plain["finish_reason"] == "stop"
+    deltas = call_deltas(whole.calls, "r.0")
+    assert [d[0]["index"] for d in deltas] == [0, 0, 1, 1]
+    assert deltas[0][0]["id"] == ids[0] and deltas[1][0]["function"]["arguments"] == \
+        whole.calls[0]["arguments"]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_call_grammars_compile_and_accept_a_call(fmt, parallel):
+    """The grammar of a required call (a $ref in a schema resolves in its own document)
+    compiles, and accepts the text of a call the format's parser reads."""
+    tools = validate_tools([*TOOLS, {"type": "function", "function": {
+        "name": "pick", "parameters": {"type": "object", "properties": {
+            "c": {"$ref": "#/$defs/colour"}}, "required": ["c"],
+            "$defs": {"colour": {"enum": ["red", "blue"]}}}}}])
+    grammar = FORMATS[fmt].grammar(tools, ToolChoice("required"), parallel)
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
+    named = FORMATS[fmt].grammar(tools, ToolChoice("named", "pick"), parallel)
+    assert '"name\\":\\"pick' in named and "get_weather" not in named
+    key = FORMATS[fmt].arguments_key
+    call = json.dumps({"name": "pick", key: {"c": "blue"}}, separators=(",", ":"))
+    text = f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call
+    assert FORMATS[fmt].parse(text).calls == [{"name": "pick", "arguments": '{"c":"blue"}'}]
+    # The grammar, compiled for a shipped tokenizer as a worker compiles it, takes the
+    # call's tokens and is complete after them; a call of another colour it refuses.
+    grammars = Grammars(read_shipped_tokenizer(1024).decode(), 1024, [1])
+    tokenizer = Tokenizer.from_str(read_shipped_tokenizer(1024).decode())
+    form = canonical({"type": "grammar", "grammar": grammar})
+    matcher = grammars.matcher(form, tokenizer.encode(text, add_special_tokens=False).ids)
+    assert matcher.is_accepting()
+    with pytest.raises(ValueError, match="leave its response_format"):
+        grammars.matcher(form, tokenizer.encode(text.replace("blue", "green"),
+                                                add_special_tokens=False).ids)

@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from structured_schemas import SCHEMAS
 
 from worker import Engine, FinishReason, SamplingParams
@@ -191,3 +192,32 @@ def test_a_worker_compiles_each_format_once_off_its_engine_thread(start_worker, 
     assert stats["grammar_cache_hits"] >= 4  # the second read, and every admission
     assert stats["grammar_mask_rows"] >= sum(len(c.token_ids) for c in done)
     assert stats["grammar_compile_seconds"] > 0 and stats["grammar_mask_seconds"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 1024, 8191])
+def test_the_mask_blocks_exactly_the_clear_bits(dtype, vocab, kernels_built):
+    """apply_grammar (the mask_rows kernel for float32, else a bias: numpy's unpacked bits
+    on a CPU, the byte table on a device) leaves the tokens whose bit is set and makes the
+    others -inf, in the rows named only, as a masked fill of the unpacked bits would."""
+    from worker.sampling.grammar import _bias, _byte_bias, apply_grammar
+
+    words = 2 * ((vocab + 63) // 64)
+    mask = torch.randint(-2**31, 2**31 - 1, (4, words), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(vocab))
+    mask[:, ::3] = -1  # (words of every token allowed, and of none: the kernel's shortcuts)
+    mask[:, 1::5] = 0
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
+    rows = torch.tensor([0, 2, 5, 6])
+    bits = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1)
+    allowed = bits.reshape(4, -1)[:, :vocab].bool()
+    want = logits.clone()
+    want[rows] = want[rows].masked_fill(~allowed, float("-inf"))
+    got = logits.clone()
+    apply_grammar(got, rows, mask)
+    assert torch.equal(got, want)
+    table = _byte_bias(torch.device("cpu"), dtype)  # the device path's table
+    on_device = logits.clone().index_add_(
+        0, rows, table[mask.view(torch.uint8).long()].view(4, -1)[:, :vocab])
+    assert torch.equal(on_device, want)
+    assert torch.equal(logits.clone().index_add_(0, rows, _bias(mask, vocab, dtype)), want)

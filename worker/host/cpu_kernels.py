@@ -54,7 +54,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "decode_layers.cpp",
                                          "skinny_linear.cpp", "packed_linear.cpp", "linear.cpp",
                                          "sample_rows.cpp", "argmax_rows.cpp", "penalize.cpp",
-                                         "thread_placement.cpp", "step_team.cpp", "bindings.cpp")]
+                                         "mask_rows.cpp", "thread_placement.cpp",
+                                         "step_team.cpp", "bindings.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "paged_attention.h", "skinny_linear.h",
                                          "packed_linear.h", "linear.h", "vec.h",
                                          "each_task.h", "step_team.h", "tensor_api.h")]
@@ -108,6 +109,13 @@ def penalize_kernel() -> Any | None:
     built."""
     module = cpu_kernels()
     return None if module is None else module.penalize
+
+
+def mask_rows_kernel() -> Any | None:
+    """The compiled ``mask_rows`` function (structured outputs' token masks in place on
+    float32 CPU logits), or None where the kernels are switched off or cannot be built."""
+    module = cpu_kernels()
+    return None if module is None else module.mask_rows
 
 
 def cpu_kernels() -> Any | None:

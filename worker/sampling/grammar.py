@@ -15,6 +15,7 @@ model's EOS is allowed: the request ends ``stop``.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,7 @@ import torch
 
 from producer.wire.params import SamplingParams
 from producer.wire.response_format import grammar_key, grammar_of
+from worker.host.cpu_kernels import mask_rows_kernel
 from worker.host.step_upload import Staged, StepUpload
 
 # Compiled grammars kept by a worker (the least recently used go first).
@@ -131,12 +133,46 @@ def constrained(params: SamplingParams) -> bool:
 def apply_grammar(logits: torch.Tensor, rows: torch.Tensor | None,
                   mask: torch.Tensor | None) -> None:
     """Set to -inf, in place, every logit of the batch rows ``rows`` whose bit in that row's
-    ``mask`` (int32 words, bit j of word w: token 32w + j) is clear."""
+    ``mask`` (int32 words, bit j of word w: token 32w + j) is clear.
+
+    Float32 logits on the CPU: the mask_rows kernel (worker/host/csrc/mask_rows.cpp).
+    Others take a bias of 0 or -inf with one index_add (a masked fill walks the logits
+    element by element: at batch 64 and vocab 32,000 on this CPU, bits unpacked and
+    masked_fill cost 7.3 ms, the bias 1.3 ms)."""
     if rows is None or mask is None:
         return
-    bits = torch.arange(32, dtype=torch.int32, device=mask.device)
-    allowed = ((mask.unsqueeze(-1) >> bits) & 1).reshape(mask.shape[0], -1)
-    allowed = allowed[:, :logits.shape[-1]].to(torch.bool)
-    picked = logits.index_select(0, rows)
-    picked.masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, rows, picked)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+            logits.is_contiguous() and (kernel := mask_rows_kernel()) is not None:
+        kernel(logits, rows, mask)  # (reads the mask word by word: no temporaries)
+        return
+    logits.index_add_(0, rows, _bias(mask, logits.shape[-1], logits.dtype))
+
+
+def _bias(mask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's bias: 0 for a token whose bit is set, -inf for one whose bit is clear."""
+    if mask.device.type == "cpu":
+        # numpy unpacks bits with SIMD (little-endian words: byte b holds tokens 8b to
+        # 8b + 7, bit k token 8b + k); a bit b becomes (b - 1) * -(-inf's bit pattern):
+        # 0, or the pattern itself, read as the float.
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+        ints, pattern = _NEG_INF_BITS[dtype]
+        return torch.from_numpy(bits)[:, :vocab].to(ints).sub_(1).mul_(-pattern).view(dtype)
+    table = _byte_bias(mask.device, dtype)  # (a device gathers: one lookup a byte)
+    return table[mask.view(torch.uint8).long()].view(mask.shape[0], -1)[:, :vocab]
+
+
+def _neg_inf_bits(dtype: torch.dtype, ints: torch.dtype) -> tuple[torch.dtype, int]:
+    return ints, int(torch.tensor(float("-inf"), dtype=dtype).view(ints).item())
+
+
+# -inf's bits as the signed integer of its width, by float dtype.
+_NEG_INF_BITS = {dtype: _neg_inf_bits(dtype, ints) for dtype, ints in (
+    (torch.float64, torch.int64), (torch.float32, torch.int32),
+    (torch.float16, torch.int16), (torch.bfloat16, torch.int16))}
+
+
+@functools.cache
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """For each byte value, its eight tokens' bias: 0 where the bit is set, -inf where not."""
+    clear = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).eq(0)
+    return torch.zeros(256, 8, dtype=dtype).masked_fill_(clear, float("-inf")).to(device)

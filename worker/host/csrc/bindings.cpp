@@ -33,6 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("penalize", &conveyor::penalize,
         "repetition, presence and frequency penalties in place, float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("mask_rows", &conveyor::mask_rows,
+        "structured outputs' token masks in place: -inf where a row's bit is clear, "
+        "float32 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &conveyor::packed_linear,
         "x @ weight.T (+ bias) from pack_weight(weight), float32 (CPU)",
         py::call_guard<py::gil_scoped_release>());

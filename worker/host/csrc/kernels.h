@@ -56,6 +56,11 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 void penalize(torch::Tensor logits, torch::Tensor context, torch::Tensor context_factors,
               torch::Tensor outputs, torch::Tensor output_deltas);
 
+// Token masks in place (mask_rows.cpp): logits [rows, vocab] float32; rows [n] int64;
+// mask [n, words] int32, bit j of word w of row i for token 32w + j of logits row rows[i]:
+// a clear bit makes that logit -inf.
+void mask_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor mask);
+
 // Pins thread i of the calling thread's OpenMP team (torch's threads) to cpus[i], where the
 // team has one thread per CPU given (thread_placement.cpp); returns how many threads took
 // their CPU (0 off Linux, or where the team is of another size).

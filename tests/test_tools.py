@@ -5,6 +5,7 @@ from whole answers and from streamed ones alike; forced calls' grammars."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from llguidance import LLMatcher
@@ -87,7 +88,17 @@ def test_the_tool_call_history_is_checked_and_its_arguments_parsed():
              "JSON object"),
             ({"role": "assistant", "tool_calls": [{"function": {"name": "f",
                                                                 "arguments": "{"}}]},
-             "JSON object's text")]:
+             "JSON object's text"),
+            ({"role": "assistant", "tool_calls": [{"function": {
+                "name": "f", "arguments": "[" * 100_000}}]}, "JSON object's text"),
+            ({"role": "assistant", "tool_calls": [{"function": {
+                "name": "f", "arguments": {"a": json.loads("[" * 40 + "]" * 40)}}}]},
+             "nest deeper"),
+            ({"role": "assistant", "tool_calls": [{"function": {"name": 'f"',
+                                                                "arguments": {}}}]},
+             "letters, digits"),
+            ({"role": "assistant", "tool_calls": [{"function": {
+                "name": "f", "arguments": {"a": "x" * 1_000_001}}}]}, "in all")]:
         with pytest.raises(ValueError, match=words):
             validate_messages([bad])
 
@@ -101,6 +112,11 @@ def test_the_api_reads_tool_fields_only_for_chat():
     with pytest.raises(ApiError) as refused:
         parse_body("/v1/completions", {"model": "m", "prompt": "x", "tools": TOOLS})
     assert refused.value.param == "tools"
+    # (a completion may send them as "none", as clients that always send them do)
+    neutral = parse_body("/v1/completions", {"model": "m", "prompt": "x", "tools": [],
+                                             "tool_choice": "none",
+                                             "parallel_tool_calls": True})
+    assert neutral.tools is None and neutral.reads_calls is None
     with pytest.raises(ApiError) as refused:
         parse_body("/v1/chat/completions", {"model": "m", "messages": HISTORY,
                                             "tools": TOOLS, "parallel_tool_calls": "no"})
@@ -140,18 +156,31 @@ ANSWERS = {
         '<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "parameters": {}}',
         "Plain words {not a call}",
         '{"name": "now", "parameters": [1]}',
+        '  {"name": "Alice", "age": 30}\n',  # an answer's JSON, named: no call
     ],
 }
+HERMES_CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+ANSWERS["hermes"] += [
+    f"<tool_call>not json</tool_call> then {HERMES_CALL}",  # no call after a broken block
+    f"pre {HERMES_CALL} mid {HERMES_CALL} post\n",
+    f"  lead {HERMES_CALL}",
+    f"\n{HERMES_CALL}\n{HERMES_CALL}\n",
+    "Hello\n\n",
+    HERMES_CALL[:20] + "z" * 3000 + HERMES_CALL[20:],
+]
 
 
 @pytest.mark.parametrize("fmt", sorted(ANSWERS))
 def test_a_streamed_answer_reads_as_the_whole_one(fmt):
-    """At every split into two deltas and at one character a delta: the calls are the whole
-    answer's, and the content the same but for the blank text around calls."""
+    """At every split into two deltas, at one character a delta and at random splits: the
+    calls and the content are the whole answer's."""
+    rng = random.Random(0)
     reader_format = FORMATS[fmt]
     for text in ANSWERS[fmt]:
         whole = reader_format.parse(text)
-        for cuts in [[k] for k in range(len(text) + 1)] + [list(range(len(text) + 1))]:
+        every = range(len(text) + 1)
+        for cuts in [*([k] for k in every), list(every),
+                     *(sorted(rng.sample(every, min(len(text), 30))) for _ in range(50))]:
             stream, content, calls = ToolCallStream(reader_format), [], []
             for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
                 got = stream.feed(text[a:b])
@@ -161,7 +190,21 @@ def test_a_streamed_answer_reads_as_the_whole_one(fmt):
             content.append(got.content or "")
             calls += got.calls
             assert calls == whole.calls, (text, cuts)
-            assert "".join(content).strip() == (whole.content or "").strip(), (text, cuts)
+            assert ("".join(content) or None) == whole.content, (text, cuts)
+
+
+def test_a_long_call_streamed_in_small_deltas_is_read_once():
+    """A call's text is joined once, when its closing marker arrives: thousands of deltas
+    held are not searched again each time (the answer would cost the square of its length)."""
+    stream = ToolCallStream(FORMATS["hermes"])
+    assert stream.feed('<tool_call>\n{"name": "now", "arguments": {"s": "') == \
+        stream.feed("abcd")
+    for _ in range(20_000):
+        assert stream.feed("abcd").calls == []
+    got = stream.feed('"}}\n</tool_call>')
+    assert got.calls == [{"name": "now", "arguments": json.dumps(
+        {"s": "abcd" * 20_001}, separators=(",", ":"))}]
+    assert stream.finish().calls == []
 
 
 def test_parsed_calls_and_the_choice_they_make():

@@ -151,8 +151,9 @@ def test_enums_and_constants_are_the_code_ones():
             == wire_messages.ROLES)
     assert set(at(REQUEST_SCHEMA, "/$defs/message/properties")) == {
         "role", "content", "name", *set().union(*wire_messages.ROLE_FIELDS.values())}
-    assert at(REQUEST_SCHEMA, "/$defs/tool/properties/function/properties/name/pattern") \
-        == f"^{tool_spec.NAME_PATTERN.pattern}$"
+    for name in ("tool", "tool_call"):
+        assert at(REQUEST_SCHEMA, f"/$defs/{name}/properties/function/properties/name/pattern") \
+            == f"^{tool_spec.NAME_PATTERN.pattern}$"
     assert at(REQUEST_SCHEMA, "/$defs/message/properties/name/maxLength") \
         == wire_messages.MAX_NAME_CHARS
     kwargs = at(REQUEST_SCHEMA, "/properties/chat_template_kwargs")
@@ -299,7 +300,7 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(wire_messages
                         "tool_calls": st.lists(st.fixed_dictionaries({
                             "id": st.text(max_size=9), "type": st.just("function"),
                             "function": st.fixed_dictionaries({
-                                "name": st.text(min_size=1, max_size=9),
+                                "name": st.from_regex(tool_spec.NAME_PATTERN, fullmatch=True),
                                 "arguments": st.just('{"a": [1, "b"]}') | st.just({})})}),
                             min_size=1, max_size=3)}),
                     min_size=1, max_size=6)

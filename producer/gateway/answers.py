@@ -225,18 +225,19 @@ class ChunkWriter:
                       "finish_reason": finish_reason}
         return self._chunk([choice], **_usage(usage))
 
-    def read_calls(self, parsed: ParsedAnswer,
-                   logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def read_calls(self, parsed: ParsedAnswer, logprobs: list[TokenLogprob] | None = None,
+                   usage: dict[str, Any] | None = None) -> list[str]:
         """The events of what a tool-call reader (producer/wire/tools/stream.py) let
         through: content (with the delta's logprobs, where asked), then each whole call as
-        deltas a client joins by index."""
+        deltas a client joins by index; ``usage`` (continuous usage) on each."""
         events = []
         if parsed.content or logprobs:
-            events.append(sse(self.text(parsed.content or "", logprobs)))
+            events.append(sse(self.text(parsed.content or "", logprobs, usage)))
         seed = f"{self.id.removeprefix('chatcmpl-')}.{self.index}"
         for delta in call_deltas(parsed.calls, seed, self.calls):
             events.append(sse(self._chunk([{"index": self.index, "delta": {"tool_calls": delta},
-                                            "logprobs": None, "finish_reason": None}])))
+                                            "logprobs": None, "finish_reason": None}],
+                                          **_usage(usage))))
         self.calls += len(parsed.calls)
         return events
 

@@ -564,17 +564,25 @@ class Gateway:
                             spoke = time.monotonic()
                         await orphan.check()
                         continue
-                    spoke = time.monotonic()
                     orphan.heard()
                     index, event = (0, item) if n == 1 else item
                     writer = writers[index]
+                    if isinstance(event, ChunkEvent) and readers[index] is not None:
+                        # The answer read for tool calls: what may be a call is held, and
+                        # a keep-alive is due meanwhile as when the stream is quiet.
+                        chunks = writer.read_calls(
+                            readers[index].feed(event.text),
+                            event.logprobs if api.logprobs else None,
+                            running_usage(prompt_tokens, event.index + len(event.token_ids))
+                            if every else None)
+                        if not chunks and time.monotonic() - spoke >= keepalive_s:
+                            chunks = [KEEPALIVE]
+                        for chunk in chunks:
+                            yield chunk
+                        spoke = time.monotonic() if chunks else spoke
+                        continue
+                    spoke = time.monotonic()
                     if isinstance(event, ChunkEvent):
-                        if readers[index] is not None:  # (the answer read for tool calls)
-                            for chunk in writer.read_calls(
-                                    readers[index].feed(event.text),
-                                    event.logprobs if api.logprobs else None):
-                                yield chunk
-                            continue
                         if echoing[index]:  # (its first chunk: with the prompt's logprobs)
                             yield sse(writer.echo(echoed or "", event.prompt_token_ids,
                                                   event.prompt_logprobs))

@@ -17,6 +17,7 @@ from producer.chat_template import ChatTemplate
 from producer.client.client import tokenizer_from
 from producer.wire.openai_api import ApiError, ApiRequest
 from producer.wire.protocol import check_prompt_logprobs_size
+from producer.wire.response_format import canonical
 from producer.wire.tools.formats import ToolFormat, format_of_template
 
 log = structlog.get_logger(__name__)
@@ -63,9 +64,13 @@ class ModelFacts:
             raise ApiError("response_format cannot be given with a forced tool call "
                            "(tool_choice required or a named function): the call's grammar "
                            "holds the answer", param="response_format")
-        api.sampling["response_format"] = {
-            "type": "grammar",
-            "grammar": fmt.grammar(api.tools, api.tool_choice, api.parallel_tool_calls)}
+        form = {"type": "grammar",
+                "grammar": fmt.grammar(api.tools, api.tool_choice, api.parallel_tool_calls)}
+        try:
+            canonical(form)  # (a parameters schema the grammar compiler cannot serve)
+        except ValueError as exc:
+            raise ApiError(f"the tools cannot be forced: {exc}", param="tools") from None
+        api.sampling["response_format"] = form
 
     async def prompt_tokens(self, api: ApiRequest) -> int | None:
         """How many tokens the model's workers will read for ``api``'s prompt; None where

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from producer.wire.tools.spec import validate_call_id, validate_tool_calls
+from producer.wire.tools.spec import calls_chars, validate_call_id, validate_tool_calls
 from producer.wire.validation import brief
 
 # The roles chat templates know; "developer" is OpenAI's newer name for "system"; "tool"
@@ -23,7 +23,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields beyond role, content and name, by the role that may carry them.
 ROLE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 MAX_MESSAGES = 1024
-# All contents together: the same bound as a text prompt.
+# All contents (and tool calls' names and arguments) together: the same bound as a text
+# prompt.
 MAX_MESSAGES_CHARS = 1_000_000
 # chat_template_kwargs: extra variables for the chat template (e.g. a Qwen-style
 # enable_thinking), as JSON at most this long, and never one of the names the renderer sets.
@@ -65,12 +66,14 @@ def validate_messages(value: Any) -> list[dict[str, Any]]:
         calls = None
         if message.get("tool_calls") is not None:
             calls = validate_tool_calls(f"messages[{i}].tool_calls", message["tool_calls"])
+            total += calls_chars(calls)
             content = "" if content is None else content  # (OpenAI's null beside calls)
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {brief(content)}")
         total += len(content)
         if total > MAX_MESSAGES_CHARS:
-            raise ValueError(f"messages longer than {MAX_MESSAGES_CHARS} characters in all")
+            raise ValueError(f"messages longer than {MAX_MESSAGES_CHARS} characters in all "
+                             "(contents and tool calls' arguments)")
         kept: dict[str, Any] = {"role": role, "content": content}
         if calls is not None:
             kept["tool_calls"] = calls

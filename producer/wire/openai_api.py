@@ -134,6 +134,12 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
     if body.get("top_k") == -1:  # vLLM's "off"
         del body["top_k"]
     chat = url == CHAT_URL
+    if not chat:  # (tools are chat's; a completion may send them only as "none")
+        for name in TOOL_FIELDS & set(body):
+            if name != "parallel_tool_calls" and body[name] not in ([], "none"):
+                raise ApiError(f"{name} is for chat completions ({CHAT_URL}) only",
+                               param=name, code="unsupported_parameter")
+        body = {k: v for k, v in body.items() if k not in TOOL_FIELDS}
     known = SAMPLING_FIELDS | IGNORED | set(NEUTRAL) | {"model", "stream", "stream_options",
                                                         "priority"}
     known |= ({"messages", "max_completion_tokens", "logprobs", "top_logprobs",

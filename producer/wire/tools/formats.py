@@ -97,8 +97,14 @@ class Hermes(ToolFormat):
             calls.append(call)
             at = len(text) if end < 0 else end + len(self.CLOSE)
         kept.append(text[at:])
-        content = "".join(kept).strip()
-        return ParsedAnswer(content or None if calls else text, calls)
+        if not calls:
+            return ParsedAnswer(text)
+        # The text around the calls, less the blank text at its end (and at its start where
+        # a call opens the answer): what a stream of it sends (stream.ToolCallStream).
+        content = "".join(kept).rstrip()
+        if not kept[0].strip():
+            content = content.lstrip()
+        return ParsedAnswer(content or None, calls)
 
     def call_start(self, text):
         begin = text.find(self.OPEN)
@@ -173,11 +179,12 @@ def _call_of(body: str, key: str) -> dict[str, str] | None:
 
 
 def _call_from(value: Any, key: str) -> dict[str, str] | None:
-    """``{"name", "arguments"}`` (arguments as compact JSON text) of a parsed call; either
-    key a format may use is read."""
+    """``{"name", "arguments"}`` (arguments as compact JSON text) of a parsed call: an object
+    with a name and its arguments under either key a format may use (an object with a name
+    alone is an answer's JSON, no call)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
+    arguments = value.get(key, value.get("arguments", value.get("parameters")))
     if not isinstance(arguments, dict):
         return None
     return {"name": value["name"],

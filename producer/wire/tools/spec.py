@@ -122,6 +122,9 @@ def validate_tool_calls(where: str, value: Any) -> list[dict[str, Any]]:
         fn = call.get("function")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{at}.function must be a map with a name and arguments")
+        if not NAME_PATTERN.fullmatch(fn["name"]):
+            raise ValueError(f"{at}.function.name must be 1 to 64 letters, digits, '_', '-' "
+                             f"or '.', got {brief(fn['name'])}")
         kept = {"type": "function",
                 "function": {"name": fn["name"], "arguments": _arguments(at, fn.get("arguments"))}}
         if call.get("id") is not None:
@@ -177,10 +180,24 @@ def _arguments(where: str, value: Any) -> dict[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # (bad JSON, or nesting past the parser)
             raise ValueError(f"{where}.function.arguments must be a JSON object's text") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where}.function.arguments must be a JSON object, got "
                          f"{brief(value)}")
+    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where}.function.arguments nest deeper than {MAX_SCHEMA_DEPTH}")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.function.arguments must be JSON (strings, numbers, "
+                         "booleans, null, lists and maps)") from None
     return value
+
+
+def calls_chars(calls: list[dict[str, Any]]) -> int:
+    """What a message's checked ``tool_calls`` add to the messages' size: their names and
+    arguments as JSON (counted with the contents against MAX_MESSAGES_CHARS)."""
+    return sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"]))
+               for c in calls)
 

@@ -221,3 +221,24 @@ def test_the_mask_blocks_exactly_the_clear_bits(dtype, vocab, kernels_built):
         0, rows, table[mask.view(torch.uint8).long()].view(4, -1)[:, :vocab])
     assert torch.equal(on_device, want)
     assert torch.equal(logits.clone().index_add_(0, rows, _bias(mask, vocab, dtype)), want)
+
+
+def test_the_compilers_budgets_are_ours(monkeypatch, tiny_llama):
+    """The grammar compiler works within conveyor's budgets (response_format's COMPILE_FUEL
+    and the rest), at the edge and in a worker's compile alike: one past them is refused."""
+    from producer.wire import response_format
+    from worker.sampling.grammar import Grammars
+
+    form = {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"mail": {"type": "string",
+                                                  "pattern": "^[a-z]{3,9}@[a-z]+$"}}}}}
+    text = response_format.canonical(form)
+    limits = response_format.grammar_limits()
+    assert (limits.initial_lexer_fuel, limits.step_lexer_fuel) == (
+        response_format.COMPILE_FUEL, response_format.STEP_FUEL)
+    monkeypatch.setattr(response_format, "COMPILE_FUEL", 100)
+    with pytest.raises(ValueError, match="too big"):
+        response_format.canonical(form)
+    grammars = Grammars.for_model(tiny_llama, 1024, [0])
+    with pytest.raises(ValueError, match="cannot be served"):
+        grammars.compile(text)

@@ -37,6 +37,14 @@ MAX_SCHEMA_DEPTH = 32
 MAX_REGEX_CHARS = 4_096
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1_024
+# The grammar compiler's budgets, ours (pinned, not whatever a llguidance release defaults
+# to): "fuel" is its unit of work, about 50,000 a ms building a grammar's lexer and 14,000 a
+# ms making one row's mask. A grammar past them is refused, at the edge or as the
+# request's error; a step's mask past its fuel ends the request with an error.
+COMPILE_FUEL = 1_000_000  # ~20 ms to build a grammar's lexer
+STEP_FUEL = 200_000  # ~14 ms for one row's mask in a step
+MAX_LEXER_STATES = 250_000  # ~1-2 KB each
+MAX_GRAMMAR_SYMBOLS = 500_000
 # A lark grammar: room for a forced call of every tool a request may offer (MAX_TOOLS_CHARS
 # of tools, in producer/wire/tools/spec.py) and the rules around them.
 MAX_GRAMMAR_CHARS = 131_072
@@ -113,11 +121,21 @@ def grammar_of(form: str) -> str:
         schema, defaults={"whitespace_flexible": flexible})
 
 
+def grammar_limits():
+    """The compiler's budgets (llguidance's LLParserLimits), with terse errors: a verbose
+    one quotes the grammar's insides, a client's schema, into logs and dead letters."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(initial_lexer_fuel=COMPILE_FUEL, step_lexer_fuel=STEP_FUEL,
+                          max_lexer_states=MAX_LEXER_STATES,
+                          max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
+
+
 def check_grammar(grammar: str) -> None:
     """ValueError with the compiler's words where the grammar cannot be served."""
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, limits=grammar_limits())
     if error:
         raise ValueError(f"response_format cannot be served: {error[:500]}")
 

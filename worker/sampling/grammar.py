@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from producer.wire.params import SamplingParams
-from producer.wire.response_format import grammar_key, grammar_of
+from producer.wire.response_format import grammar_key, grammar_limits, grammar_of
 from worker.host.cpu_kernels import mask_rows_kernel
 from worker.host.step_upload import Staged, StepUpload
 
@@ -92,7 +92,8 @@ class Grammars:
             compiled = self._compiled.get(key)
             if compiled is None:
                 began = time.perf_counter()
-                compiled = LLMatcher(self.tokenizer, grammar_of(form), log_level=0)
+                compiled = LLMatcher(self.tokenizer, grammar_of(form), log_level=0,
+                                     limits=grammar_limits())
                 self.compile_seconds += time.perf_counter() - began
                 if compiled.is_error():
                     raise ValueError(f"response_format cannot be served: "

@@ -175,3 +175,27 @@ def test_decode_steps_run_a_fused_attention_kernel_but_cudnns(tiny_llama):
     assert not any("cudnn_attention" in op or "attention_math" in op for op in ops), sorted(ops)
     assert any("efficient_attention" in op or "flash_attention" in op for op in ops), sorted(ops)
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constrained_answers_validate_on_the_device(tiny_llama, dtype):
+    """A JSON schema held on CUDA: the masks made while the forward runs, copied after it,
+    applied by the byte table's bias: every answer parses against the schema and ends
+    stop."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "maximum": 99},
+        "kind": {"enum": ["a", "b", "c"]}}, "required": ["name", "n", "kind"],
+        "additionalProperties": False}
+    form = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    params = [SamplingParams(max_tokens=128, temperature=1.0, seed=i, response_format=form)
+              for i in range(8)]
+    engine = Engine(tiny_llama, device="cuda", dtype=dtype)
+    done = engine.generate(prompts(1024, 8), params)
+    for c in done:
+        assert str(c.finish_reason) == "stop", c
+        jsonschema.validate(json.loads(c.text), schema)
+    engine.close()

@@ -127,6 +127,8 @@ class ModelRunner:
             logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
                                        None if picked is None else picked.tensor)
             self._computed(len(ids))
+        # The grammars' masks while the device runs the forward (a CPU's is done by now).
+        self.sampling_rows.make_masks(step, self.device)
         if self.device.type == "cuda":
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.

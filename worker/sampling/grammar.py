@@ -28,7 +28,6 @@ import torch
 from producer.wire.params import SamplingParams
 from producer.wire.response_format import grammar_key, grammar_limits, grammar_of
 from worker.host.cpu_kernels import mask_rows_kernel
-from worker.host.step_upload import Staged, StepUpload
 
 # Compiled grammars kept by a worker (the least recently used go first).
 MAX_CACHED_GRAMMARS = 256
@@ -107,10 +106,10 @@ class Grammars:
                 self.hits += 1
             return compiled
 
-    def masks(self, matchers: Sequence, upload: StepUpload) -> tuple[Staged, np.ndarray]:
-        """The next-token masks of ``matchers`` (one row each, ``words`` int32 a row),
-        staged as int64 pairs of words (read them with ``view(torch.int32)``); the host
-        array with them."""
+    def masks(self, matchers: Sequence, device: torch.device) -> torch.Tensor:
+        """The next-token masks of ``matchers`` (one row each, ``words`` int32 a row) on
+        ``device``: the model runner makes them once the step's forward is under way, so a
+        device's forward runs meanwhile (the copy is queued behind it)."""
         began = time.perf_counter()
         mask = np.zeros((len(matchers), self.words), dtype=np.int32)
         row_bytes = self.words * 4
@@ -118,7 +117,8 @@ class Grammars:
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
         self.mask_rows += len(matchers)
         self.mask_seconds += time.perf_counter() - began
-        return upload.add(mask.view(np.int64)), mask
+        host = torch.from_numpy(mask)
+        return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
     def stats(self) -> dict[str, float]:
         """The counters, for the worker's metrics."""

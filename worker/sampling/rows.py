@@ -153,11 +153,11 @@ class BatchLayout:
 class StepRows:
     """What one step samples with, row i for the batch's row i. Made before the forward,
     its tensors staged in the step's upload: ``values`` and ``penalties`` are read once the
-    upload is sent."""
+    upload is sent; the grammars' ``masks`` are made once the forward is under way."""
 
     def __init__(self, batch: BatchLayout, values: Staged | None,
                  penalties: tuple[Staged, Staged, Staged, Staged] | None,
-                 bans: Staged | None = None, masks: Staged | None = None) -> None:
+                 bans: Staged | None = None) -> None:
         self.params = batch.params
         self.subsets = batch.subsets
         self.penalised = batch.penalised
@@ -166,7 +166,8 @@ class StepRows:
         self._penalties = penalties
         self._bans = bans
         self._matcher_rows = batch.matcher_rows
-        self._masks = masks
+        # The constrained rows' masks, int32 on the logits' device (SamplingRows.make_masks).
+        self.masks: torch.Tensor | None = None
 
     @property
     def values(self) -> torch.Tensor:
@@ -183,9 +184,9 @@ class StepRows:
     @property
     def grammar(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The constrained rows and their next-token masks (worker/sampling/grammar.py)."""
-        if self._masks is None or self._matcher_rows is None:
+        if self.masks is None or self._matcher_rows is None:
             return None, None
-        return self._matcher_rows.tensor, self._masks.tensor.view(torch.int32)
+        return self._matcher_rows.tensor, self.masks
 
     @property
     def bans(self) -> torch.Tensor | None:
@@ -268,17 +269,21 @@ class SamplingRows:
                                    f"{output_indices[k]} but its row has {state.num_outputs}")
         penalties = _penalty_tokens(batch.penalised, upload) if batch.penalised else None
         bans = stage_bans(batch.limited, output_indices, upload) if batch.limited else None
-        masks = None
-        if batch.constrained:
-            assert self.grammars is not None
-            masks, _ = self.grammars.masks([m for _, m in batch.constrained], upload)
         if batch.values is None or batch.seeds is None:
-            return StepRows(batch, None, penalties, bans, masks)
+            return StepRows(batch, None, penalties, bans)
         packed = np.empty((len(request_ids), 4), dtype=np.float64)
         packed[:, :3] = batch.values
         # Output indices are never negative: as uint64 they are the same numbers.
         packed[:, DRAW] = uniforms(batch.seeds, np.asarray(output_indices, dtype=np.uint64))
-        return StepRows(batch, upload.add(packed), penalties, bans, masks)
+        return StepRows(batch, upload.add(packed), penalties, bans)
+
+    def make_masks(self, step: StepRows, device: torch.device) -> None:
+        """The constrained rows' next-token masks for ``step``, made now: the model runner
+        asks once the step's forward is under way (on a device it runs meanwhile; on a CPU
+        it is done: the same work, after it), outside any captured graph."""
+        if step.constrained:
+            assert self.grammars is not None  # (admission refuses a format without them)
+            step.masks = self.grammars.masks([m for _, m in step.constrained], device)
 
     def record(self, step: StepRows, tokens: Sequence[int]) -> None:
         """Take in the tokens a step sampled (``tokens[i]``: batch row i's): its penalised

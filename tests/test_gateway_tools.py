@@ -105,6 +105,8 @@ def test_a_named_function_is_the_one_called(tools_worker, oai):
 
 
 def test_streamed_deltas_join_to_the_calls_of_the_whole_answer(tools_worker, oai):
+    """The same request streamed and not: the deltas join, by index, to the whole answer's
+    calls (one id and name each, arguments in pieces)."""
     asked = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                  max_tokens=256, temperature=1.0, seed=11)
     whole = oai.chat.completions.create(**asked).choices[0]
@@ -114,17 +116,23 @@ def test_streamed_deltas_join_to_the_calls_of_the_whole_answer(tools_worker, oai
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             for delta in choice.delta.tool_calls or []:
-                call = joined.setdefault(delta.index, {"name": "", "arguments": "", "ids": []})
+                call = joined.setdefault(delta.index, {"name": "", "arguments": "", "ids": [],
+                                                       "pieces": 0})
                 if delta.id:
                     call["ids"].append(delta.id)
                 if delta.function and delta.function.name:
                     call["name"] += delta.function.name
                 if delta.function and delta.function.arguments:
                     call["arguments"] += delta.function.arguments
+                    call["pieces"] += 1
     assert reasons[-1] == "tool_calls"
     assert [(c["name"], c["arguments"]) for _, c in sorted(joined.items())] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert all(len(c["ids"]) == 1 for c in joined.values())
+    # A Llama answer is read whole: one piece; Hermes calls send their arguments as they
+    # come, in as many pieces as chunks brought them (tests/test_tools.py shows each).
+    pieces = [c["pieces"] for c in joined.values()]
+    assert min(pieces) >= 1 if tools_worker == "qwen" else pieces == [1], pieces
 
 
 def test_langchain_bind_tools_required_and_structured_output(tools_worker, gateway):

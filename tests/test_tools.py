@@ -15,7 +15,7 @@ from producer.chat_template import ChatTemplate
 from producer.wire.messages import validate_messages
 from producer.wire.openai_api import ApiError, choice_body, parse_body
 from producer.wire.response_format import canonical
-from producer.wire.tools.formats import FORMATS, call_deltas, format_of_template
+from producer.wire.tools.formats import FORMATS, ParsedAnswer, call_deltas, format_of_template
 from producer.wire.tools.spec import ToolChoice, validate_tool_choice, validate_tools
 from producer.wire.tools.stream import ToolCallStream
 from worker.modelgen.chat_templates import TEMPLATES
@@ -167,7 +167,24 @@ ANSWERS["hermes"] += [
     f"\n{HERMES_CALL}\n{HERMES_CALL}\n",
     "Hello\n\n",
     HERMES_CALL[:20] + "z" * 3000 + HERMES_CALL[20:],
+    # Arguments sent as they come: strings holding braces, blanks and the marker's start.
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a} </tool_ca} \\"}", '
+    '"n": {"m": [1, {}]}}  }\n</tool_call>',
+    '<tool_call>{"arguments": {"x": 1}, "name": "now"}</tool_call>',  # not name first
+    '<tool_call>\n{"name": "now", "arguments": {"x": 1}}',  # cut before its marker
 ]
+
+
+def joined(deltas: list[dict]) -> list[dict]:
+    """Stream deltas joined by index, as a client joins them."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+        assert ("name" in d) == (call["name"] == "")  # a name once, on the first
+        call["name"] += d.get("name", "")
+        call["arguments"] += d["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[k] for k in sorted(calls)]
 
 
 @pytest.mark.parametrize("fmt", sorted(ANSWERS))
@@ -189,28 +206,30 @@ def test_a_streamed_answer_reads_as_the_whole_one(fmt):
             got = stream.finish()
             content.append(got.content or "")
             calls += got.calls
-            assert calls == whole.calls, (text, cuts)
+            assert joined(calls) == whole.calls, (text, cuts)
             assert ("".join(content) or None) == whole.content, (text, cuts)
 
 
-def test_a_long_call_streamed_in_small_deltas_is_read_once():
-    """A call's text is joined once, when its closing marker arrives: thousands of deltas
-    held are not searched again each time (the answer would cost the square of its length)."""
+def test_a_long_call_streams_its_arguments_as_they_come():
+    """A call that opens with its name sends its arguments delta by delta (less what may be
+    its end), and its text is joined once, when its closing marker arrives: thousands of
+    deltas are not searched again each time (the answer would cost the square of its
+    length)."""
     stream = ToolCallStream(FORMATS["hermes"])
-    assert stream.feed('<tool_call>\n{"name": "now", "arguments": {"s": "') == \
-        stream.feed("abcd")
+    assert stream.feed('<tool_call>\n{"name": "now", "arguments": {"s": "').calls == [
+        {"index": 0, "name": "now", "arguments": ""}, {"index": 0, "arguments": '{"s": "'}]
     for _ in range(20_000):
-        assert stream.feed("abcd").calls == []
-    got = stream.feed('"}}\n</tool_call>')
-    assert got.calls == [{"name": "now", "arguments": json.dumps(
-        {"s": "abcd" * 20_001}, separators=(",", ":"))}]
-    assert stream.finish().calls == []
+        assert stream.feed("abcd").calls == [{"index": 0, "arguments": "abcd"}]
+    assert stream.feed('"}').calls == [{"index": 0, "arguments": '"'}]  # ("}": may be the end)
+    assert stream.feed('}\n</tool_call>').calls == [{"index": 0, "arguments": "}"}]
+    assert stream.finish() == ParsedAnswer(None, [])
 
 
 def test_parsed_calls_and_the_choice_they_make():
     whole = FORMATS["hermes"].parse(ANSWERS["hermes"][0])
     assert whole.content == "Let me look."
-    assert whole.calls == [{"name": "get_weather", "arguments": '{"city":"Paris"}'},
+    # (the arguments as the model wrote them)
+    assert whole.calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
                            {"name": "now", "arguments": "{}"}]
     body = choice_body(True, ANSWERS["hermes"][0], "stop", tools=FORMATS["hermes"],
                        call_seed="r.0")
@@ -222,10 +241,11 @@ def test_parsed_calls_and_the_choice_they_make():
     plain = choice_body(True, "No call", "stop", tools=FORMATS["hermes"], call_seed="r.0")
     assert plain["message"] == {"role": "assistant", "content": "No call"}
     assert plain["finish_reason"] == "stop"
-    deltas = call_deltas(whole.calls, "r.0")
-    assert [d[0]["index"] for d in deltas] == [0, 0, 1, 1]
-    assert deltas[0][0]["id"] == ids[0] and deltas[1][0]["function"]["arguments"] == \
-        whole.calls[0]["arguments"]
+    deltas = call_deltas([{"index": 0, "name": "now", "arguments": ""},
+                          {"index": 0, "arguments": "{}"}], "r.0")
+    assert deltas == [[{"index": 0, "id": ids[0], "type": "function",
+                        "function": {"name": "now", "arguments": ""}}],
+                      [{"index": 0, "function": {"arguments": "{}"}}]]
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -172,7 +172,7 @@ class ChunkWriter:
         self.id = response_id(request, request_id)
         self.created = created
         self.speller = speller
-        self.calls = 0  # tool calls sent (read_calls)
+        self.calls = 0  # tool calls begun (read_calls)
         # A text chunk's event around its text, made once: a stream's chunks differ in
         # nothing else, and the whole chunk through json.dumps cost ~6 µs an event.
         shape = sse(self.text(_TEXT_MARK, None))
@@ -228,17 +228,18 @@ class ChunkWriter:
     def read_calls(self, parsed: ParsedAnswer, logprobs: list[TokenLogprob] | None = None,
                    usage: dict[str, Any] | None = None) -> list[str]:
         """The events of what a tool-call reader (producer/wire/tools/stream.py) let
-        through: content (with the delta's logprobs, where asked), then each whole call as
-        deltas a client joins by index; ``usage`` (continuous usage) on each."""
+        through: content (with the delta's logprobs, where asked), then the calls' deltas
+        (a call's name, pieces of its arguments), which a client joins by index; ``usage``
+        (continuous usage) on each."""
         events = []
         if parsed.content or logprobs:
             events.append(sse(self.text(parsed.content or "", logprobs, usage)))
         seed = f"{self.id.removeprefix('chatcmpl-')}.{self.index}"
-        for delta in call_deltas(parsed.calls, seed, self.calls):
+        for delta in call_deltas(parsed.calls, seed):
             events.append(sse(self._chunk([{"index": self.index, "delta": {"tool_calls": delta},
                                             "logprobs": None, "finish_reason": None}],
                                           **_usage(usage))))
-        self.calls += len(parsed.calls)
+        self.calls += sum("name" in d for d in parsed.calls)
         return events
 
     def usage(self, usage: Usage) -> dict[str, Any]:

@@ -131,10 +131,11 @@ class Llama3Json(ToolFormat):
         calls, decoder, at = [], json.JSONDecoder(), 0
         while at < len(body):
             try:
-                value, at = decoder.raw_decode(body, at)
-            except ValueError:
+                value, end = decoder.raw_decode(body, at)
+            except (ValueError, RecursionError):
                 return ParsedAnswer(text)
-            call = _call_from(value, self.arguments_key)
+            call = _call_from(value, self.arguments_key, body[at:end])
+            at = end
             if call is None:
                 return ParsedAnswer(text)
             calls.append(call)
@@ -173,22 +174,43 @@ def format_of_template(source: str | None) -> ToolFormat | None:
 def _call_of(body: str, key: str) -> dict[str, str] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return _call_from(value, key)
+    return _call_from(value, key, body)
 
 
-def _call_from(value: Any, key: str) -> dict[str, str] | None:
-    """``{"name", "arguments"}`` (arguments as compact JSON text) of a parsed call: an object
+def _call_from(value: Any, key: str, text: str) -> dict[str, str] | None:
+    """``{"name", "arguments"}`` of a parsed call (``text``: its JSON as written): an object
     with a name and its arguments under either key a format may use (an object with a name
-    alone is an answer's JSON, no call)."""
+    alone is an answer's JSON, no call). The arguments are the text the model wrote for
+    them, as OpenAI gives them, where the call opens with its name (CALL_HEADER: what a
+    stream sends as it comes); else the object written compactly."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(key, value.get("arguments", value.get("parameters")))
     if not isinstance(arguments, dict):
         return None
-    return {"name": value["name"],
-            "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}
+    return {"name": value["name"], "arguments": raw_arguments(text, value["name"]) or
+            json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}
+
+
+# A call's JSON up to its arguments' value, name first (as the formats' templates and
+# forced grammars write it; the value's first character seen): a stream sends the arguments
+# from there as they come.
+CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*'
+                         r'"(?:arguments|parameters)"\s*:\s*(?=\S)')
+
+
+def raw_arguments(text: str, name: str) -> str | None:
+    """The arguments' text of a call written name first (None: written otherwise)."""
+    header = CALL_HEADER.match(text)
+    if header is None or header.group(1) != name:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, header.end())
+    except (ValueError, RecursionError):
+        return None
+    return text[header.end():end]
 
 
 def _partial_marker(text: str, marker: str) -> int | None:
@@ -214,13 +236,16 @@ def openai_calls(calls: list[dict[str, str]], seed: str, first: int = 0) -> list
             for k, c in enumerate(calls)]
 
 
-def call_deltas(calls: list[dict[str, str]], seed: str, first: int = 0
-                ) -> list[list[dict[str, Any]]]:
-    """A streamed answer's deltas of whole calls: for each, its id and name with empty
-    arguments, then its arguments (a client joins a call's deltas by their ``index``)."""
+def call_deltas(deltas: list[dict[str, Any]], seed: str) -> list[list[dict[str, Any]]]:
+    """A streamed answer's call deltas (stream.ToolCallStream's) in OpenAI's shape: a call's
+    first carries its id, type and name, the others a piece of its arguments; a client
+    joins a call's deltas by their ``index``."""
     out = []
-    for k, c in enumerate(calls, start=first):
-        out.append([{"index": k, "id": call_id(seed, k), "type": "function",
-                     "function": {"name": c["name"], "arguments": ""}}])
-        out.append([{"index": k, "function": {"arguments": c["arguments"]}}])
+    for d in deltas:
+        function = {"arguments": d["arguments"]}
+        if "name" in d:
+            out.append([{"index": d["index"], "id": call_id(seed, d["index"]),
+                         "type": "function", "function": {"name": d["name"], **function}}])
+        else:
+            out.append([{"index": d["index"], "function": function}])
     return out

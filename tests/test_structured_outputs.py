@@ -242,3 +242,27 @@ def test_the_compilers_budgets_are_ours(monkeypatch, tiny_llama):
     grammars = Grammars.for_model(tiny_llama, 1024, [0])
     with pytest.raises(ValueError, match="cannot be served"):
         grammars.compile(text)
+
+
+def test_a_grammar_that_fails_mid_answer_ends_its_request_with_an_error(monkeypatch,
+                                                                        tiny_llama):
+    """A grammar past its budget mid-answer (a mask's fuel spent) allows only the end: the
+    request ends with an error saying so, never a cut answer as a stop; the others of the
+    batch go on."""
+    from producer.wire import response_format
+
+    schema = {"type": "object", "properties": {"mail": {
+        "type": "string", "pattern": "^[a-z]{3,9}@[a-z]{2,9}$"}}, "required": ["mail"],
+        "additionalProperties": False}
+    held = SamplingParams(max_tokens=64, temperature=1.0, seed=3,
+                          response_format=schema_format(schema))
+    free = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    whole = Engine(tiny_llama, dtype="float32", num_kv_blocks=256).generate([prompt(1)], held)
+    assert whole[0].finish_reason == FinishReason.STOP  # precondition: within the budgets
+    jsonschema.validate(json.loads(whole[0].text), schema)
+    monkeypatch.setattr(response_format, "STEP_FUEL", 20)  # (read when a grammar compiles)
+    failed, other = Engine(tiny_llama, dtype="float32", num_kv_blocks=256).generate(
+        [prompt(1), prompt(2)], [held, free])
+    assert failed.finish_reason == FinishReason.ERROR
+    assert "grammar failed" in failed.error
+    assert other.finish_reason == FinishReason.LENGTH and len(other.token_ids) == 8

@@ -40,11 +40,14 @@ MAX_CHOICE_CHARS = 1_024
 # The grammar compiler's budgets, ours (pinned, not whatever a llguidance release defaults
 # to): "fuel" is its unit of work, about 50,000 a ms building a grammar's lexer and 14,000 a
 # ms making one row's mask. A grammar past them is refused, at the edge or as the
-# request's error; a step's mask past its fuel ends the request with an error.
+# request's error; a step's mask past its fuel or items ends the request with an error
+# (worker/sampling/rows.py, make_masks).
 COMPILE_FUEL = 1_000_000  # ~20 ms to build a grammar's lexer
 STEP_FUEL = 200_000  # ~14 ms for one row's mask in a step
 MAX_LEXER_STATES = 250_000  # ~1-2 KB each
 MAX_GRAMMAR_SYMBOLS = 500_000
+STEP_MAX_ITEMS = 50_000  # parser items a mask may make (~20,000 a ms)
+MAX_ITEMS_IN_ROW = 2_000  # a grammar row's branching
 # A lark grammar: room for a forced call of every tool a request may offer (MAX_TOOLS_CHARS
 # of tools, in producer/wire/tools/spec.py) and the rules around them.
 MAX_GRAMMAR_CHARS = 131_072
@@ -128,7 +131,9 @@ def grammar_limits():
 
     return LLParserLimits(initial_lexer_fuel=COMPILE_FUEL, step_lexer_fuel=STEP_FUEL,
                           max_lexer_states=MAX_LEXER_STATES,
-                          max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
+                          max_grammar_size=MAX_GRAMMAR_SYMBOLS, step_max_items=STEP_MAX_ITEMS,
+                          max_items_in_row=MAX_ITEMS_IN_ROW, precompute_large_lexemes=True,
+                          verbose_errors=False)
 
 
 def check_grammar(grammar: str) -> None:

@@ -31,8 +31,7 @@ from worker.models import native_decode
 from worker.sampling import fresh_seed
 
 # Scheduler counters (since start) that stats() reports: preemptions by kind, blocks swapped,
-# prefix cache use, and prompt tokens computed (prefill, recompute) or whose KV came from
-# another engine instead (handoffs).
+# prefix cache use, prompt tokens computed or whose KV came from another engine (handoffs).
 REPORTED_COUNTERS = ("preemptions_swap", "preemptions_recompute", "swapped_out_blocks",
                      "swapped_in_blocks", "prefix_cache_queries", "prefix_cache_hit_tokens",
                      "prompt_tokens_computed", "kv_imported_tokens")
@@ -72,8 +71,8 @@ class Engine:
                                        self.clock) if self.simulated_cost is not None else
                        ModelRunner(self.model, self.kv_cache, self.device, self.host_cache,
                                    self.checks.grammars))
-        # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA only,
-        # and for a simulated engine, whose steps stand for a GPU's.
+        # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA and for a
+        # simulated engine, whose steps stand for a GPU's.
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda" or self.simulated)
         self._pipeline = (OverlappedSteps(self.runner, self.device, self.scheduler,
@@ -101,15 +100,15 @@ class Engine:
     ) -> str:
         """Queue a request; raises ValueError on bad input, leaving the engine untouched.
 
-        ``generated_token_ids`` resumes a request whose first tokens were already
-        produced (by a crashed worker or before a preemption): it continues
-        exactly as the uninterrupted request would have. ``deadline`` (unix seconds) ends
-        the request as ``expired`` at the first step after it, keeping what it produced.
+        ``generated_token_ids`` resumes a request whose first tokens were already produced
+        (by a crashed worker or before a preemption) exactly as the uninterrupted request
+        would have gone on. ``deadline`` (unix seconds) ends the request as ``expired`` at
+        the first step after it, keeping what it produced.
         ``preloaded``, the one hook for KV from another engine: held blocks that already
         hold the KV of the request's first tokens (worker/fleet/handoff/engine_kv.py fills
         them, after ``settle``); those tokens are not computed again, and
-        ``usage.kv_transferred_tokens`` counts them. The request owns the blocks once
-        added; when this raises, they are still the caller's to release.
+        ``usage.kv_transferred_tokens`` counts them. The request owns the blocks once added;
+        when this raises, they are still the caller's to release.
         """
         params = sampling_params(params)
         # (choice i > 0 of a request with several is served as "{id}.{i}")
@@ -235,6 +234,9 @@ class Engine:
             else:
                 state.add_tokens(new, lp)
             reason = FinishReason(upd.finish_reason) if upd.finished else None
+            if (failed := self.runner.grammar_failures.pop(request_id, None)) is not None:
+                self.scheduler.finish_request(request_id, FinishReason.ERROR)  # (if running)
+                reason, state.error = FinishReason.ERROR, failed
             if reason is None and state.hit_stop_string:
                 self.scheduler.finish_request(request_id, FinishReason.STOP)
                 reason = FinishReason.STOP
@@ -249,11 +251,8 @@ class Engine:
             results.append(out)
         return results
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None = None,
-    ) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Mapping[str, Any]
+                 | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Run prompts to completion; one Completion per prompt, in order."""
         ids = [self.add_request(p, sp) for p, sp in prompts_and_params(prompts, params)]
         done: dict[str, Completion] = {}
@@ -294,7 +293,6 @@ class Engine:
         self._deadlines.discard(request_id)
         state.finish_text()
         return StepOutput(request_id, new_ids, state.take_delta(final=True), True, reason,
-                          [logprob] if logprob else None,
-                          state.completion(reason, state.num_cached_tokens),
-                          state.num_cached_tokens)
+                          [logprob] if logprob else None, state.completion(
+                              reason, state.num_cached_tokens), state.num_cached_tokens)
 

@@ -50,6 +50,8 @@ class ModelRunner:
                                           grammars=grammars)
         # Requests that still want their prompt's logprobs (made in their prefill).
         self.prompt_logprobs = PromptLogprobs()
+        # Requests whose grammar failed in a step, and why (the engine ends them: error).
+        self.grammar_failures: dict[str, str] = {}
         # Counters that tests and stats read: forwards run and tokens fed to the model.
         self.num_forwards = 0
         self.num_computed_tokens = 0
@@ -128,7 +130,8 @@ class ModelRunner:
                                        None if picked is None else picked.tensor)
             self._computed(len(ids))
         # The grammars' masks while the device runs the forward (a CPU's is done by now).
-        self.sampling_rows.make_masks(step, self.device)
+        for k, why in self.sampling_rows.make_masks(step, self.device).items():
+            self.grammar_failures[ids_out[k]] = why
         if self.device.type == "cuda":
             # Wait for the forward here, where the wait lets go of the GIL (the sampler's
             # reads of its results would hold it): overlapped steps schedule meanwhile.

@@ -62,6 +62,8 @@ class RequestOutputState:
     # logprobs of its first len(prompt_logprobs) tokens so far (None for the first).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Why the request failed, of one that ends with an error.
+    error: str | None = None
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, seed: int, num_prompt_tokens: int,
@@ -137,6 +139,7 @@ class RequestOutputState:
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
+            error=self.error,
         )
 
     def _longest_stop(self) -> int:

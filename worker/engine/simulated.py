@@ -153,6 +153,7 @@ class SimulatedRunner:
         self._never = threading.Event()  # nothing sets it: each wait lasts its timeout
         self.num_forwards = 0
         self.num_computed_tokens = 0
+        self.grammar_failures: dict[str, str] = {}  # (none: constraints are refused)
         # Simulated milliseconds of every step so far (what a GPU would have been busy).
         self.simulated_ms = 0.0
         # When each step handed to the runner thread and not yet run was handed over (in

@@ -428,6 +428,7 @@ class EngineLoop(SupervisedThread):
                      "completion_tokens": usage.completion_tokens if usage else entry.next_index,
                      "cached_tokens": usage.cached_tokens if usage else 0,
                      "kv_transferred_tokens": usage.kv_transferred_tokens if usage else 0},
+                    error=out.completion.error if out.completion else None,
                     id_base=entry.id_base,
                 )
                 # (a choice of several: the entry is done with the last of them)

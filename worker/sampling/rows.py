@@ -277,13 +277,18 @@ class SamplingRows:
         packed[:, DRAW] = uniforms(batch.seeds, np.asarray(output_indices, dtype=np.uint64))
         return StepRows(batch, upload.add(packed), penalties, bans)
 
-    def make_masks(self, step: StepRows, device: torch.device) -> None:
+    def make_masks(self, step: StepRows, device: torch.device) -> dict[int, str]:
         """The constrained rows' next-token masks for ``step``, made now: the model runner
         asks once the step's forward is under way (on a device it runs meanwhile; on a CPU
-        it is done: the same work, after it), outside any captured graph."""
-        if step.constrained:
-            assert self.grammars is not None  # (admission refuses a format without them)
-            step.masks = self.grammars.masks([m for _, m in step.constrained], device)
+        it is done: the same work, after it), outside any captured graph. Returns the rows
+        whose grammar failed (past its budgets: it then allows only the end) and why: the
+        runner ends their requests with an error, never a cut answer as a stop."""
+        if not step.constrained:
+            return {}
+        assert self.grammars is not None  # (admission refuses a format without them)
+        step.masks = self.grammars.masks([m for _, m in step.constrained], device)
+        return {k: f"the response_format's grammar failed: {m.get_error()[:300]}"
+                for k, m in step.constrained if m.is_error()}
 
     def record(self, step: StepRows, tokens: Sequence[int]) -> None:
         """Take in the tokens a step sampled (``tokens[i]``: batch row i's): its penalised

@@ -85,13 +85,29 @@ def test_streamed_json_schema_and_refusals(start_worker, oai):
         assert refused.value.body["param"] == "response_format"
 
 
-def test_langchain_structured_output_in_json_schema_mode(start_worker, gateway):
+def test_langchain_structured_output_in_json_schema_and_json_modes(start_worker, gateway):
     """langchain-openai's with_structured_output in its json_schema mode: a Pydantic model
-    back. (Its json_mode asks for any JSON object, whose keys and strings a random model
-    need not close within max_tokens; function_calling needs tools, not served yet.)"""
+    back. In its json_mode (any JSON object, which a random model need not close within
+    max_tokens: about half its objects close within 2,048 tokens here), a parsed object
+    from the first of a few seeds whose answer closes, and a length error before it
+    (function_calling: tests/test_gateway_tools.py)."""
     langchain_openai = pytest.importorskip("langchain_openai")
     start_worker()
     chat = langchain_openai.ChatOpenAI(base_url=gateway.api, api_key="unused", model=MODEL,
                                        max_tokens=256, temperature=1.0, seed=3, max_retries=0)
     pet = chat.with_structured_output(Pet, method="json_schema").invoke("Describe a pet.")
     assert isinstance(pet, Pet)
+    schema = {"title": "Anything", "type": "object"}
+    for seed in range(8):
+        chat = langchain_openai.ChatOpenAI(base_url=gateway.api, api_key="unused", model=MODEL,
+                                           max_tokens=2048, temperature=1.0, seed=seed,
+                                           max_retries=0)
+        try:
+            parsed = chat.with_structured_output(schema, method="json_mode").invoke(
+                "Describe a pet, in JSON.")
+        except openai.LengthFinishReasonError:
+            continue  # (its object was still open at max_tokens)
+        assert isinstance(parsed, dict)
+        break
+    else:
+        pytest.fail("no json_mode answer closed its object in 8 seeds")

@@ -11,11 +11,10 @@ here.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from producer.wire.tools.spec import calls_chars, validate_call_id, validate_tool_calls
-from producer.wire.validation import brief
+from producer.wire.validation import brief, json_chars
 
 # The roles chat templates know; "developer" is OpenAI's newer name for "system"; "tool"
 # carries a tool call's result.
@@ -104,11 +103,7 @@ def validate_template_kwargs(value: Any) -> dict[str, Any] | None:
         if name in RESERVED_TEMPLATE_NAMES:
             raise ValueError(f"chat_template_kwargs may not set {name!r} (the renderer sets "
                              "it)")
-    try:
-        size = len(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError, RecursionError):
-        raise ValueError("chat_template_kwargs values must be JSON (strings, numbers, "
-                         "booleans, null, lists and maps)") from None
+    size = json_chars(value, "chat_template_kwargs values")
     if size > MAX_TEMPLATE_KWARGS_CHARS:
         raise ValueError(f"chat_template_kwargs larger than {MAX_TEMPLATE_KWARGS_CHARS} "
                          "characters of JSON")

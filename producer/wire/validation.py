@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 # Ids become parts of Redis keys: keep them short and free of separators.
@@ -70,3 +71,13 @@ def validate_token_ids(token_ids: object, vocab_size: int, what: str = "prompt")
             raise ValueError(f"{what} has token id {brief(t)} outside the vocabulary "
                              f"[0, {vocab_size})")
     return list(token_ids)
+
+
+def json_chars(value: object, what: str) -> int:
+    """How many characters ``value`` takes as JSON; ValueError naming ``what`` where it is
+    not JSON (a set, NaN, a nesting past the encoder)."""
+    try:
+        return len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError(f"{what} must be JSON (strings, numbers, booleans, null, lists and "
+                         "maps)") from None

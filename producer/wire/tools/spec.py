@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.wire.response_format import MAX_SCHEMA_DEPTH, nesting_depth
-from producer.wire.validation import brief
+from producer.wire.validation import brief, json_chars
 
 MAX_TOOLS = 128
 # All tools as JSON: each is rendered into the prompt and compiled into a forced call.
@@ -70,11 +70,7 @@ def validate_tools(value: Any) -> list[dict[str, Any]] | None:
             raise ValueError(f"{where}.function.name {fn['name']!r} is given twice")
         names.add(fn["name"])
         out.append({"type": "function", "function": fn})
-    try:
-        size = len(json.dumps(out, allow_nan=False))
-    except (TypeError, ValueError, RecursionError):
-        raise ValueError("tools must be JSON (a parameters schema holds a non-JSON "
-                         "value)") from None
+    size = json_chars(out, "tools")
     if size > MAX_TOOLS_CHARS:
         raise ValueError(f"tools are {size} characters of JSON, more than {MAX_TOOLS_CHARS}")
     return out
@@ -187,11 +183,7 @@ def _arguments(where: str, value: Any) -> dict[str, Any]:
                          f"{brief(value)}")
     if nesting_depth(value) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{where}.function.arguments nest deeper than {MAX_SCHEMA_DEPTH}")
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}.function.arguments must be JSON (strings, numbers, "
-                         "booleans, null, lists and maps)") from None
+    json_chars(value, f"{where}.function.arguments")
     return value
 
 

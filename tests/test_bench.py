@@ -426,6 +426,33 @@ def test_w5_puts_documents_at_their_rate_beside_interactive_requests():
     assert [i.group for i in items[:4]] == ["interactive"] * 4
 
 
+def test_w6_asks_each_document_its_questions_interleaved_and_counts_the_possible_hits():
+    from worker.bench.run.workloads import (
+        build_workload,
+        possible_prefix_hits,
+        w6_documents_by_questions,
+    )
+
+    items = w6_documents_by_questions(num_docs=4, questions=3, vocab=100, rate=2.0)
+    assert len(items) == 12 and sorted({i.prefix_id for i in items}) == [0, 1, 2, 3]
+    arrivals = [i.arrival_s for i in items]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0  # Poisson, in order
+    assert [i.prefix_id for i in items] != sorted(i.prefix_id for i in items)  # interleaved
+    for item in items:
+        assert 500 <= item.prefix_tokens <= 800 and 24 <= item.max_tokens <= 64
+        question = len(item.prompt_token_ids) - item.prefix_tokens
+        assert 8 <= question <= 20
+        same = [i for i in items if i.prefix_id == item.prefix_id]
+        assert all(i.prompt_token_ids[:i.prefix_tokens] == item.prompt_token_ids[
+            :item.prefix_tokens] for i in same)  # each question prefixed by its document
+    # Possible: every question after its document's first, the document's whole blocks.
+    want = sum(2 * (next(i.prefix_tokens for i in items if i.prefix_id == d) // 16 * 16)
+               for d in range(4))
+    assert possible_prefix_hits(items, 16) == want
+    assert possible_prefix_hits(build_workload("w1", 8, 100), 16) == 0
+    assert len(build_workload("w6", 2, 100, quick=True, documents=5)) == 10
+
+
 def test_the_w5_rate_summary_plots_runs_by_rate_and_refuses_other_runs(tmp_path):
     from worker.bench.results.rate_summary import rate_rows, write_rate_summary
 

@@ -37,16 +37,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "off and --offline measure alternatives on the same model and workload in the same run.",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=["w1", "w2", "w3", "w5", "w7"], default="w1",
+    w.add_argument("--workload", choices=["w1", "w2", "w3", "w5", "w6", "w7"], default="w1",
                    help="w1 heavy-tailed mix, w2 long-document burst, w3 shared document, "
-                   "w5 documents arriving beside interactive requests, w7 steady decode at a "
-                   "GPU's rate (4,000 requests of 150-300 output tokens; for "
-                   "--simulate-step-ms) (default: w1)")
+                   "w5 documents arriving beside interactive requests, w6 documents x "
+                   "questions (each question prefixed by its document, interleaved, Poisson "
+                   "at 4 req/s unless --rate; prefix hits reported against the possible), "
+                   "w7 steady decode at a GPU's rate (4,000 requests of 150-300 output "
+                   "tokens; for --simulate-step-ms) (default: w1)")
+    w.add_argument("--documents", type=int, default=None, metavar="D",
+                   help="w6: documents (default 12; 3 with --quick, of 8 questions each)")
     w.add_argument("--doc-rate", type=float, default=0.5, metavar="R",
                    help="w5: long documents arriving per second (default: %(default)s)")
     w.add_argument("--requests", type=int, default=None, metavar="N",
-                   help="requests (w1), steady requests (w2) or questions (w3); default: the "
-                   "workload's own (64, 48, 16)")
+                   help="requests (w1), steady requests (w2), questions (w3) or questions "
+                   "per document (w6); default: the workload's own (64, 48, 16, 6)")
     arrivals = w.add_mutually_exclusive_group()
     arrivals.add_argument("--rate", type=float, default=None, metavar="R",
                           help="Poisson arrivals at R requests/s (default: all at t=0)")
@@ -66,6 +70,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="prefix of every conveyor key: the fleet's namespace")
     s.add_argument("--threads", type=int, default=2,
                    help="torch threads of the worker, the offline engine and hf-static (default 2)")
+    s.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker processes of the fleet, each with --threads threads "
+                   "(default 1)")
     s.add_argument("--place-threads", action=argparse.BooleanOptionalAction, default=True,
                    help="a single worker pins its threads where its engine's fill the CPUs, and "
                    "the client and the bench's own Redis run on its I/O CPUs "
@@ -135,7 +142,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     model_dir = ensure_model(args.model, "tiny" if args.quick else "small")
     config = json.loads((model_dir / "config.json").read_text())
     items = workloads.build_workload(args.workload, args.requests, config["vocab_size"],
-                                     args.seed, args.quick, args.doc_rate)
+                                     args.seed, args.quick, args.doc_rate, args.documents)
     if args.rate:
         items = workloads.with_poisson_arrivals(items, args.rate, args.seed)
     out_dir = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
@@ -276,12 +283,16 @@ def _print(summaries: dict[str, Any], rows: list[dict[str, Any]], load_before: t
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("requests", "concurrency", "hf_batch_size", "threads", "repeat"):
+    for name in ("requests", "concurrency", "hf_batch_size", "threads", "repeat", "workers",
+                 "documents"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
+    if args.workers > 1 and getattr(args, "disaggregate", False):
+        raise ValueError("--workers and --disaggregate each choose the fleet's workers: "
+                         "give one")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file: give a folder for the results")
 

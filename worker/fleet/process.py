@@ -228,6 +228,8 @@ class Worker:
             # handoffs sent, received with KV, or recomputed (by cause).
             "role": self.config.role,
             "prompt_tokens_computed": stats.get("prompt_tokens_computed", 0),
+            # Prompt tokens its own prefix cache served (cache-aware pull's measure).
+            "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
             "kv_imported_tokens": stats.get("kv_imported_tokens", 0),
             "handed_on": self.publisher.hand_on.handed_on if self.publisher.hand_on else 0,
             "kv_imported": self.handoffs.imported if self.handoffs else 0,

@@ -170,6 +170,9 @@ def format_runs(summaries: dict[str, dict[str, Any]]) -> str:
         if "chunk_gap" in s["latency_ms"]:  # what --stream-interval-ms bounds
             lines.append(f"{name:<18} gaps between a request's chunks p50/p90/p99 ms: "
                          f"{_pcts(s['latency_ms']['chunk_gap'])}")
+    for name, s in summaries.items():  # (W6: prefix hits against the possible)
+        lines += [f"{name:<18} {note}" for note in s.get("notes", ())
+                  if note.startswith("prefix cache hits")]
     return "\n".join(lines)
 
 

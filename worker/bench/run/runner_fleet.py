@@ -17,7 +17,8 @@ from worker.bench.run import cpu
 from worker.bench.run.arrivals import ArrivalPlan
 from worker.bench.run.follower import StreamFollower
 from worker.bench.run.worker_process import HEARTBEAT_INTERVAL_S, WorkerProcess
-from worker.bench.run.workloads import WorkItem
+from worker.bench.run.workloads import WorkItem, possible_prefix_hits
+from worker.engine.config import EngineConfig, field_default
 from worker.host.cpu_placement import Placement
 
 # How often the worker's heartbeat hash is read for the KV plot.
@@ -85,9 +86,15 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
                    for k, v in _heartbeat_sums(client, workers).items()}
         taken = {"worker": int(counted.pop(TAKEOVERS))}
         busy_ms = counted.pop(SIMULATED_BUSY)
+        hits = int(counted.pop(PREFIX_HITS))
         moved = counted if len(workers) > 1 else {}
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     notes = [f"client in the bench process, {where}"]
+    possible = possible_prefix_hits(items, field_default(EngineConfig, "block_size"))
+    if possible:  # (a workload of shared prefixes: W6)
+        notes.append(f"prefix cache hits: {hits} prompt tokens of {possible} possible "
+                     f"({hits / possible:.2f}; possible: one shared cache that keeps every "
+                     "prefix)")
     if target.placement is not None:
         io = ",".join(map(str, sorted(target.placement.io)))
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
@@ -129,12 +136,14 @@ TRANSFER_FIELDS = ("kv_put_bytes", "kv_put_s", "kv_put_count", "kv_get_bytes", "
 TAKEOVERS = "step_team_takeovers"
 # A simulated engine's milliseconds of steps (worker/engine/simulated.py).
 SIMULATED_BUSY = "simulated_busy_ms"
+# Prompt tokens the workers' prefix caches served.
+PREFIX_HITS = "prefix_cache_hit_tokens"
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
-    """The workers' KV transfer counters, step take-overs and simulated steps' milliseconds
-    (their heartbeats), summed."""
-    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY), 0.0)
+    """The workers' KV transfer counters, step take-overs, simulated steps' milliseconds and
+    prefix cache hits (their heartbeats), summed."""
+    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY, PREFIX_HITS), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)
         for name in total:

@@ -37,7 +37,8 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
                        more=(tuple(flags),)),
                 _fleet("disaggregated", engine, args, model_dir, items, redis_url, out_dir,
                        roles=("prefill", "decode"))]
-    systems = [_fleet("fleet", engine, args, model_dir, items, redis_url, out_dir)]
+    more = (tuple(worker_flags(engine, args.threads)),) * (getattr(args, "workers", 1) - 1)
+    systems = [_fleet("fleet", engine, args, model_dir, items, redis_url, out_dir, more=more)]
     if args.chunked_prefill == "off":
         systems.append(_fleet("fleet-chunked-off", chunked_off(engine, config), args, model_dir,
                               items, redis_url, out_dir))

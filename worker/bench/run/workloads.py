@@ -20,6 +20,10 @@ class WorkItem:
     after_tokens: int = 0
     # Which part of the workload it belongs to; latency is also reported per group.
     group: str = "all"
+    # Requests with the same prefix_id open with the same prefix_tokens tokens (W6's
+    # documents): what a prefix cache can serve again.
+    prefix_id: int | None = None
+    prefix_tokens: int = 0
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -112,6 +116,44 @@ def w7_steady_decode(num_requests: int = 4000, vocab: int = 8192, seed: int = 0,
             for _ in range(num_requests)]
 
 
+def w6_documents_by_questions(num_docs: int = 12, questions: int = 6, vocab: int = 8192,
+                              seed: int = 0, rate: float = 4.0,
+                              doc_tokens: tuple[int, int] = (500, 800),
+                              question_tokens: tuple[int, int] = (8, 20),
+                              output: tuple[int, int] = (24, 64)) -> list[WorkItem]:
+    """W6 (cache-aware pull): ``num_docs`` documents, each asked ``questions`` questions
+    (each prompt the document, then the question), the questions of all documents in a
+    random interleaving, arriving as a Poisson process of ``rate`` requests per second."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    rng = random.Random(seed)
+    documents = [_tokens(rng, rng.randint(*doc_tokens), vocab) for _ in range(num_docs)]
+    asked = [d for d in range(num_docs) for _ in range(questions)]
+    rng.shuffle(asked)
+    items, t = [], 0.0
+    for d in asked:
+        t += rng.expovariate(rate)
+        prompt = documents[d] + _tokens(rng, rng.randint(*question_tokens), vocab)
+        items.append(WorkItem(prompt, rng.randint(*output), t, prefix_id=d,
+                              prefix_tokens=len(documents[d])))
+    return items
+
+
+def possible_prefix_hits(items: list[WorkItem], block_size: int) -> int:
+    """Prompt tokens one shared prefix cache, large enough for all, would serve: each
+    request after the first of its prefix (in arrival order) finds that prefix's whole
+    blocks."""
+    seen: set[int] = set()
+    hits = 0
+    for item in sorted(items, key=lambda i: i.arrival_s):
+        if item.prefix_id is None:
+            continue
+        if item.prefix_id in seen:
+            hits += item.prefix_tokens // block_size * block_size
+        seen.add(item.prefix_id)
+    return hits
+
+
 def kv_blocks_needed(items: list[WorkItem], block_size: int = 16) -> int:
     """Blocks all requests need at their longest, at once (W4 sizes the pool from this)."""
     return sum(math.ceil((len(i.prompt_token_ids) + i.max_tokens) / block_size) for i in items)
@@ -122,8 +164,10 @@ QUICK_REQUESTS = 8
 
 
 def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 0,
-                   quick: bool = False, doc_rate: float = 0.5) -> list[WorkItem]:
-    """The named reference workload (w1, w2, w3, w5, w7); ``quick`` shrinks it."""
+                   quick: bool = False, doc_rate: float = 0.5,
+                   documents: int | None = None) -> list[WorkItem]:
+    """The named reference workload (w1, w2, w3, w5, w6, w7); ``quick`` shrinks it (w6:
+    ``documents`` documents of ``num_requests`` questions each)."""
     n = num_requests or (QUICK_REQUESTS if quick else None)
     if name == "w1":
         if quick:
@@ -143,11 +187,16 @@ def build_workload(name: str, num_requests: int | None, vocab: int, seed: int = 
             return w5_documents_beside_chat(n, vocab, seed, doc_rate, num_docs=2,
                                             interactive_output=24, doc_tokens=300)
         return w5_documents_beside_chat(n or 16, vocab, seed, doc_rate)
+    if name == "w6":
+        if quick:
+            return w6_documents_by_questions(documents or 3, n or 3, vocab, seed,
+                                             doc_tokens=(64, 96), output=(4, 8))
+        return w6_documents_by_questions(documents or 12, n or 6, vocab, seed)
     if name == "w7":
         if quick:
             return w7_steady_decode(n, vocab, seed, prompt=(8, 32), output=(16, 32))
         return w7_steady_decode(n or 4000, vocab, seed)
-    raise ValueError(f"unknown workload {name!r}: w1, w2, w3, w5 or w7")
+    raise ValueError(f"unknown workload {name!r}: w1, w2, w3, w5, w6 or w7")
 
 
 def describe(items: list[WorkItem]) -> dict[str, int | float]:

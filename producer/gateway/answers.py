@@ -14,7 +14,7 @@ from typing import Any
 
 from producer.wire.completion import Completion, TokenLogprob, Usage
 from producer.wire.openai_api import ApiRequest, choice_body
-from producer.wire.tools.formats import ParsedAnswer, call_deltas
+from producer.wire.tools.formats import ParsedAnswer, call_deltas, call_seed
 
 
 class TokenSpeller:
@@ -137,7 +137,8 @@ def completion_body(request: ApiRequest, choices: list[Completion], created: int
                                        speller) if request.echo else None)
         logprobs = joined_logprobs(prompt, logprobs_body(request, done.logprobs, speller))
         bodies.append({**choice_body(request.chat, echoed + done.text, str(done.finish_reason),
-                                     logprobs, request.reads_calls, f"{first.request_id}.{index}"),
+                                     logprobs, request.reads_calls,
+                                     call_seed(first.request_id, index)),
                        "index": index})
     return {"id": response_id(request, first.request_id),
             "object": "chat.completion" if request.chat else "text_completion",
@@ -173,6 +174,7 @@ class ChunkWriter:
         self.created = created
         self.speller = speller
         self.calls = 0  # tool calls begun (read_calls)
+        self._call_seed = call_seed(request_id, index)
         # A text chunk's event around its text, made once: a stream's chunks differ in
         # nothing else, and the whole chunk through json.dumps cost ~6 µs an event.
         shape = sse(self.text(_TEXT_MARK, None))
@@ -234,8 +236,7 @@ class ChunkWriter:
         events = []
         if parsed.content or logprobs:
             events.append(sse(self.text(parsed.content or "", logprobs, usage)))
-        seed = f"{self.id.removeprefix('chatcmpl-')}.{self.index}"
-        for delta in call_deltas(parsed.calls, seed):
+        for delta in call_deltas(parsed.calls, self._call_seed):
             events.append(sse(self._chunk([{"index": self.index, "delta": {"tool_calls": delta},
                                             "logprobs": None, "finish_reason": None}],
                                           **_usage(usage))))

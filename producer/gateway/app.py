@@ -58,6 +58,7 @@ from producer.version import conveyor_version
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
 from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
+from producer.wire.tools.formats import ended_with_calls
 from producer.wire.tools.stream import ToolCallStream
 
 log = structlog.get_logger(__name__)
@@ -614,7 +615,7 @@ class Gateway:
                                       *writer.read_calls(reader.finish())]:
                             yield chunk
                         text = ""
-                        reason = "tool_calls" if writer.calls and reason == "stop" else reason
+                        reason = ended_with_calls(reason) if writer.calls else reason
                     yield sse(writer.last(reason, text,
                                           usage_body(done) if api.continuous_usage else None))
                     if finished and api.include_usage:

@@ -23,7 +23,7 @@ from typing import Any
 from producer.wire.messages import validate_messages, validate_template_kwargs
 from producer.wire.params import SamplingParams
 from producer.wire.protocol import PRIORITY_RANGE
-from producer.wire.tools.formats import ToolFormat, openai_calls
+from producer.wire.tools.formats import ToolFormat, ended_with_calls, openai_calls
 from producer.wire.tools.spec import ToolChoice, validate_tool_choice, validate_tools
 
 COMPLETIONS_URL = "/v1/completions"
@@ -223,9 +223,8 @@ def _chat_fields(body: Mapping[str, Any], req: ApiRequest) -> None:
         req.tool_choice = validate_tool_choice(body.get("tool_choice"), req.tools)
     except ValueError as exc:
         raise ApiError(str(exc), param="tool_choice") from None
-    req.parallel_tool_calls = body.get("parallel_tool_calls", True) is not False
-    if not isinstance(body.get("parallel_tool_calls", True), bool):
-        raise ApiError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    req.parallel_tool_calls = "parallel_tool_calls" not in body or _bool(body,
+                                                                       "parallel_tool_calls")
 
 
 def _with_text_content(i: int, message: Any) -> Any:
@@ -287,7 +286,7 @@ def choice_body(chat: bool, text: str, finish_reason: str,
         if parsed is not None and parsed.calls:
             message = {"role": "assistant", "content": parsed.content,
                        "tool_calls": openai_calls(parsed.calls, call_seed)}
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = ended_with_calls(finish_reason)
         return {"index": 0, "message": message, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

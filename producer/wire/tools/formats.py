@@ -221,6 +221,17 @@ def _partial_marker(text: str, marker: str) -> int | None:
     return None
 
 
+def ended_with_calls(finish_reason: str) -> str:
+    """The finish reason of an answer that made calls: OpenAI's ``tool_calls`` where it
+    ended by itself (``stop``); any other reason as it is."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def call_seed(request_id: str, choice: int) -> str:
+    """What a choice's call ids are made from (``call_id``): the request and the choice."""
+    return f"{request_id}.{choice}"
+
+
 def call_id(seed: str, index: int) -> str:
     """A call's id in an answer: the same for the same request, choice and call (a resumed
     stream reads the ids it read before)."""

@@ -52,23 +52,47 @@ def settled_pending(r, model: str = MODEL, patience_s: float = 30.0) -> int:
     """
     import time
 
-    from producer.wire.keys import GROUP, LANES, Keys
-
-    keys = Keys()
-
     def count() -> int:
-        total = 0
-        for lane in LANES:
-            try:
-                total += r.xpending(keys.requests(model, lane), GROUP)["pending"]
-            except Exception:  # no stream or group: nothing pending there
-                continue
-        return total
+        return pending_now(r, model)
 
     end = time.monotonic() + patience_s
     while (n := count()) and time.monotonic() < end:
         time.sleep(0.01)
     return n
+
+
+def request_lanes(r, model: str = MODEL, lane: str | None = None) -> list[str]:
+    """The model's shared lane(s) and every worker's affinity lanes of them (prefix
+    affinity puts a request on the lane of the worker that holds its prefix)."""
+    from producer.wire.keys import LANES, Keys
+
+    keys = Keys()
+    lanes = [lane] if lane else list(LANES)
+    found = sorted(k.decode() for k in r.keys(keys.affinity_lane_pattern(model)))
+    return [keys.requests(model, name) for name in lanes] + [
+        s for s in found if keys.lane_of(s) in lanes]
+
+
+def pending_now(r, model: str = MODEL) -> int:
+    """Pending entries of all of ``model``'s request lanes, now."""
+    from producer.wire.keys import GROUP
+
+    total = 0
+    for lane in request_lanes(r, model):
+        try:
+            total += r.xpending(lane, GROUP)["pending"]
+        except Exception:  # no stream or group: nothing pending there
+            continue
+    return total
+
+
+def sent_requests(r, model: str = MODEL, lane: str | None = None) -> list:
+    """Every request still on the model's lanes (shared and affinity), in entry-id order."""
+    from producer.wire.protocol import FIELD, GenerationRequest
+
+    entries = [(tuple(int(p) for p in e.decode().split("-")), f)
+               for stream in request_lanes(r, model, lane) for e, f in r.xrange(stream)]
+    return [GenerationRequest.decode(f[FIELD]) for _, f in sorted(entries, key=lambda x: x[0])]
 
 
 def output_entries(r, request_id: str) -> tuple[list[int], int]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
+from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL, sent_requests
 from rq import Worker
 from rq.job import Job, _current_job
 from rq.serializers import JSONSerializer
@@ -37,7 +37,7 @@ from producer.bulk.requests import RequestRunner, RetryPolicy, Work
 from producer.client.client import Client
 from producer.client.connection import connect
 from producer.wire.keys import Keys
-from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, decode_output
+from producer.wire.protocol import FIELD, FinalEntry, decode_output
 
 KEYS = Keys()
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +91,8 @@ def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
     # The undisturbed run, in this process (no RQ, so no journal): the expected result.
     expected = analyze_document(text, INSTRUCTION, model=MODEL, redis_url=redis_url,
                                 model_wait_timeout=0, **OPTIONS)
-    lane = KEYS.requests(MODEL, "batch")
-    sent_before = redis_client.xlen(lane)
+    # (the batch lane, and the workers' affinity lanes of it)
+    sent_before = len(sent_requests(redis_client, MODEL, "batch"))
 
     env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
     rq_workers = [subprocess.Popen(
@@ -172,8 +172,7 @@ def test_a_job_whose_rq_worker_and_work_horse_die_resumes_on_another_worker(
     requests = len(result["chunks"]) + len(result["reduce"]["requests"])
     assert runs["requests_sent"] == requests
     assert all(c["attempts"] == 1 and len(c["request_ids"]) == 1 for c in result["chunks"])
-    sent = [GenerationRequest.decode(f[FIELD]) for _, f in redis_client.xrange(lane)]
-    sent = sent[sent_before:]
+    sent = sent_requests(redis_client, MODEL, "batch")[sent_before:]
     assert len(sent) == requests
     assert {r.request_id for r in sent} == {
         rid for c in result["chunks"] + result["reduce"]["requests"] for rid in c["request_ids"]}

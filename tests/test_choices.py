@@ -128,9 +128,7 @@ def test_a_choice_a_stop_string_ends_leaves_the_others_to_finish(start_worker, c
                                                                  redis_client):
     """Choice 0 ends at a stop string found where the text is made; choice 1 runs on to its
     length, and the entry is acknowledged once both ended (not with choice 0)."""
-    from fleet_fixtures import settled_pending
-
-    from producer.wire.keys import GROUP
+    from fleet_fixtures import pending_now, settled_pending
 
     start_worker()
     params = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True, "seed": 5}
@@ -139,10 +137,9 @@ def test_a_choice_a_stop_string_ends_leaves_the_others_to_finish(start_worker, c
                 if free[0].text[i:i + 4] not in free[1].text and free[0].text[i:i + 4].strip())
     rid = client.submit(PROMPT, model=MODEL, n=2, stop=[stop], **params)
     first = client.result(rid, timeout=60)
-    lane = Keys().requests(MODEL, "interactive")
     last = client.last_event(choice_id(rid, 1))
     assert last is None or not hasattr(last, "finish_reason")  # precondition: 1 still runs
-    assert redis_client.xpending(lane, GROUP)["pending"] == 1  # ...and the entry is held
+    assert pending_now(redis_client) == 1  # ...and the entry is held
     assert first.finish_reason == "stop"
     assert first.text == free[0].text[:free[0].text.index(stop)]
     second = client.result(choice_id(rid, 1), timeout=60)

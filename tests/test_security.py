@@ -638,10 +638,30 @@ def test_a_worker_whose_user_predates_the_handoff_stream_still_serves(redis7_acl
     rules = [r for r in acl_rules("worker", version=7) if ":handoff:" not in r]
     admin7.execute_command("ACL", "SETUSER", "older-worker", "reset", "on", ">older", *rules)
     worker = start_worker(url=f"unix://older-worker:older@{redis7_acl_server.socket}")
-    assert worker.intake.streams == [KEYS.requests(MODEL, lane) for lane in LANES]  # only
+    assert worker.intake.streams == [s for lane in LANES for s in (  # no handoff stream
+        KEYS.affinity_lane(MODEL, "w0", lane), KEYS.requests(MODEL, lane))]
     with Client(user_url(redis7_acl_server, "producer")) as client:
         done = client.result(client.submit([1, 2], model=MODEL, max_tokens=2, ignore_eos=True),
                              timeout=60)
+    assert done.finish_reason == "length"
+
+
+def test_users_that_predate_prefix_affinity_serve_without_it(redis7_acl_server, admin7,
+                                                             start_worker):
+    """A worker user without ``{ns}:affinity:*`` reads the shared lanes only, and says so; a
+    producer user without it sends every request to the shared lane."""
+    for role in ("worker", "producer"):
+        rules = [r for r in acl_rules(role, version=7) if ":affinity:" not in r]
+        admin7.execute_command("ACL", "SETUSER", f"older-{role}", "reset", "on", ">older",
+                               *rules)
+    worker = start_worker(url=f"unix://older-worker:older@{redis7_acl_server.socket}")
+    assert worker.intake.streams == [*(KEYS.handoff(MODEL, lane) for lane in LANES),
+                                     *(KEYS.requests(MODEL, lane) for lane in LANES)]
+    assert worker.intake.advertiser is None
+    with Client(f"unix://older-producer:older@{redis7_acl_server.socket}") as client:
+        prompt = list(range(2, 700))  # long enough to carry affinity keys
+        done = client.result(client.submit(prompt, model=MODEL, max_tokens=2,
+                                           ignore_eos=True), timeout=60)
     assert done.finish_reason == "length"
 
 

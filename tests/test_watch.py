@@ -125,7 +125,9 @@ def test_a_request_whose_gateway_dies_mid_stream_is_cancelled_for_its_lapsed_wat
         # is held (SIGSTOP) until the gateway's watch is gone, runs until it has seen that,
         # and is held again for the grace a missing watch gets (real time passes for it).
         worker.send_signal(signal.SIGSTOP)
-        eventually(lambda: not client.redis.keys(KEYS.watch_pattern), "the watch lapsing")
+        # Its own watch: other tests' clients share this Redis and may hold theirs.
+        watch = KEYS.watch(_watch_of(client, got["id"]))
+        eventually(lambda: not client.redis.exists(watch), "the watch lapsing")
         assert isinstance(client.last_event(got["id"]), ChunkEvent)  # still running
         worker.send_signal(signal.SIGCONT)
         eventually(lambda: _heartbeat(client, "w").get("watches_missing") == "1",
@@ -147,6 +149,20 @@ def test_a_request_whose_gateway_dies_mid_stream_is_cancelled_for_its_lapsed_wat
         gateway.wait(10)
         stop_all([worker])
         client.close()
+
+
+def _watch_of(client: Client, request_id: str) -> str:
+    """The watch the gateway marked ``request_id`` with, read from the request lanes."""
+    for lane in client.redis.keys(KEYS.requests_pattern):
+        if client.redis.type(lane) != b"stream":
+            continue
+        for _, fields in client.redis.xrange(lane):
+            if FIELD in fields:
+                request = GenerationRequest.decode(fields[FIELD])
+                if request.request_id == request_id:
+                    assert request.watch is not None, "the gateway marks its requests"
+                    return request.watch
+    raise AssertionError(f"request {request_id} not on any lane")
 
 
 def _heartbeat(client: Client, worker_id: str) -> dict[str, str]:

@@ -290,7 +290,10 @@ class RequestRunner:
         task.deadline = now + self.policy.request_timeout
 
     def _sent(self, task: _Task, entry_id: str | None = None) -> Sent:
-        lane = self.client.keys.requests(task.work.model, self.lane)
+        # Where the client put it: the shared lane, or the affinity lane of the worker that
+        # holds its prompt's prefix (a later run looks for the entry there).
+        lane = (self.client.stream_of(task.request_id)
+                or self.client.keys.requests(task.work.model, self.lane))
         return Sent(task.request_id, lane, entry_id, list(task.request_ids), task.attempts)
 
     def _placed(self, submitted: list[_Task], replies: list[Any]) -> None:

@@ -71,9 +71,10 @@ class AsyncClient(ClientBase):
         watch_ttl_s: int = WATCH_TTL_S,
         watch_id: str | None = None,
         max_connections: int | None = None,
+        affinity: bool = True,
     ) -> None:
         super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
-                         watch_ttl_s, watch_id)
+                         watch_ttl_s, watch_id, affinity)
         self.redis = (connection if connection is not None
                       else connect_async(url, max_connections=max_connections))
         # Set by a server that answers many streams at once (the gateway's SharedReads,
@@ -111,6 +112,12 @@ class AsyncClient(ClientBase):
                 self._requested.add(sub.model)
         else:
             await self._check_model(sub.model, sub.request_id)
+        if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
+            try:
+                owners = await self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
+                sub = self._placed(sub, owners, await self._live_workers(sub.model))
+            except redis.exceptions.NoPermissionError:
+                self._no_affinity()
         try:
             if sub.limit is not None:
                 entry_id = await add_if_room_async(self.redis, sub.counted, FIELD, sub.payload,
@@ -138,6 +145,13 @@ class AsyncClient(ClientBase):
                 await keeper.start()
                 self._watch_keeper = keeper
             return self._watch_keeper.id
+
+    async def _live_workers(self, model: str) -> tuple[str, ...]:
+        """The live workers of ``model``, as the model check last read them (or now)."""
+        state = self._recent_state(model)
+        if state is None:
+            state = await self.model_state(model)
+        return state.live_workers
 
     async def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

@@ -13,12 +13,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import structlog
 
+from producer.affinity.prefix_keys import canonical_bytes, prefix_keys
+from producer.affinity.routing import lanes_counted, owner_of
 from producer.client.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
 from producer.client.connection import connect
 from producer.client.models import (
@@ -198,6 +200,9 @@ class Submission:
     model: str = ""
     # What ``limit`` counts: the lane (``key``) and its handoff stream.
     counted: tuple[str, ...] = ()
+    # The affinity keys to look owners up for, deepest last (none: the shared lane).
+    lookup: tuple[str, ...] = ()
+    lane: str = "interactive"
 
 
 def read_heartbeats(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
@@ -218,8 +223,11 @@ class ClientBase:
     def __init__(
         self, namespace: str, connection: Any, max_queue: int | None, clock: Clock | None,
         orphan_timeout: float | None = ORPHAN_TIMEOUT_S, watch: bool = False,
-        watch_ttl_s: int = WATCH_TTL_S, watch_id: str | None = None,
+        watch_ttl_s: int = WATCH_TTL_S, watch_id: str | None = None, affinity: bool = True,
     ) -> None:
+        # Prefix affinity (producer/affinity/): requests carry their prompt's keys and go to
+        # the worker that holds their prefix. False: every request to the shared lane.
+        self.affinity = affinity
         # Requests tied to this client's life (producer/client/watch.py): the keeper starts
         # with the first submit.
         self.watches = watch
@@ -254,9 +262,38 @@ class ClientBase:
         """Check a submit's arguments (``request``: build_request's keywords) and place it."""
         limit = queue_limit(max_queue, self.max_queue, pipelined)
         built = build_request(prompt, clock=self.clock, watch=watch, **request)
+        lookup: tuple[str, ...] = ()
+        if self.affinity:
+            found = prefix_keys(canonical_bytes(
+                built.prompt, built.prompt_token_ids, built.messages, built.tools,
+                built.chat_template_kwargs))
+            built.affinity = list(found.keys) or None
+            lookup = found.lookup()
         key = self.keys.requests(built.model, built.lane)
         counted = (key, self.keys.handoff(built.model, built.lane))
-        return Submission(built.request_id, key, built.encode(), limit, built.model, counted)
+        return Submission(built.request_id, key, built.encode(), limit, built.model, counted,
+                          lookup, built.lane)
+
+    def _placed(self, sub: Submission, owners: list[Any], live: tuple[str, ...]
+                ) -> Submission:
+        """``sub`` sent to the affinity lane of its prefix's live owner, if it has one
+        (``owners``: the MGET of its lookup keys); ``max_queue`` then counts every live
+        worker's affinity lane of its lane too."""
+        owner = owner_of(sub.lookup, owners, live)
+        lanes = lanes_counted(self.keys, sub.model, sub.lane, live)
+        if owner is None:
+            return replace(sub, counted=(*sub.counted, *lanes))
+        key = self.keys.affinity_lane(sub.model, owner, sub.lane)
+        return replace(sub, key=key, counted=(key, *sub.counted, *(k for k in lanes if k != key)))
+
+    def _no_affinity(self) -> None:
+        """A producer user from before affinity (no ``{ns}:affinity:*``): the shared lanes."""
+        log.warning("this producer's Redis user may not read prefix owners: its requests go "
+                    "to the shared lanes (grant %R~NS:affinity:* +mget)")
+        self.affinity = False
+
+    def _owner_keys(self, sub: Submission) -> list[str]:
+        return [self.keys.affinity_owner(sub.model, k) for k in sub.lookup]
 
     def _put_at(self, request_id: str, model: str, key: str, entry_id: Any) -> None:
         """Remember where a request went (``entry_id`` None: a pipelined XADD)."""
@@ -264,6 +301,12 @@ class ClientBase:
         self._submitted[request_id] = Submitted(model, key, eid)
         if len(self._submitted) > MAX_REMEMBERED:
             self._submitted.popitem(last=False)
+
+    def stream_of(self, request_id: str) -> str | None:
+        """The request stream this client added ``request_id`` to (a shared lane, or a
+        worker's affinity lane: producer/affinity/); None for one it does not remember."""
+        submitted = self._submitted.get(request_of(request_id))
+        return submitted.key if submitted is not None else None
 
     def _watch(self, request_id: str, orphan_timeout: float | None | object
                ) -> OrphanWatch | None:
@@ -329,6 +372,9 @@ class Client(ClientBase):
     worker cancels them once the client stopped renewing its watch key for ``watch_ttl_s``
     seconds (it died, or closed: producer/client/watch.py); ``watch_id`` keeps a given
     watch instead of a fresh one (a retried bulk job keeps the requests of its first run).
+    ``affinity`` (default True): requests carry their prompt's prefix keys and go to the
+    worker that holds that prefix, when one lives (docs/architecture.md, "Prefix
+    affinity"); False sends every request to its shared lane.
     """
 
     def __init__(
@@ -343,9 +389,10 @@ class Client(ClientBase):
         watch: bool = False,
         watch_ttl_s: int = WATCH_TTL_S,
         watch_id: str | None = None,
+        affinity: bool = True,
     ) -> None:
         super().__init__(namespace, connection, max_queue, clock, orphan_timeout, watch,
-                         watch_ttl_s, watch_id)
+                         watch_ttl_s, watch_id, affinity)
         self.redis = connection if connection is not None else connect(url)
         self._watch_keeper: WatchKeeper | None = None
         self._watch_lock = threading.Lock()  # threads' first submits start one keeper
@@ -396,6 +443,12 @@ class Client(ClientBase):
                 self._requested.add(sub.model)
         else:
             self._check_model(sub.model, sub.request_id)
+        if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
+            try:
+                owners = self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
+                sub = self._placed(sub, owners, self._live_workers(sub.model))
+            except redis.exceptions.NoPermissionError:
+                self._no_affinity()
         try:
             if sub.limit is not None:
                 entry_id = add_if_room(self.redis, sub.counted, FIELD, sub.payload, sub.limit)
@@ -427,6 +480,13 @@ class Client(ClientBase):
                 keeper.start()
                 self._watch_keeper = keeper
             return self._watch_keeper.id
+
+    def _live_workers(self, model: str) -> tuple[str, ...]:
+        """The live workers of ``model``, as the model check last read them (or now)."""
+        state = self._recent_state(model)
+        if state is None:
+            state = self.model_state(model)
+        return state.live_workers
 
     def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

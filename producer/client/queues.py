@@ -32,9 +32,33 @@ class LaneStats:
     length: int
 
 
-def lane_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:
-    """Depth, pending and consumers of each of ``model``'s lanes; zeros for a missing stream."""
-    return [_one_lane(client, keys.requests(model, lane), model, lane) for lane in LANES]
+def lane_stats(client: redis.Redis, keys: Keys, model: str,
+               also_workers: tuple[str, ...] = ()) -> list[LaneStats]:
+    """Depth, pending and consumers of each of ``model``'s lanes; zeros for a missing stream.
+
+    A lane's depth and pending count its workers' affinity lanes too (requests waiting for
+    the worker that holds their prefix, producer/affinity/): those of the workers listed in
+    ``{ns}:affinity:{{model}}:lanes`` where this user may read it, and of ``also_workers``.
+    """
+    workers = sorted(set(affinity_workers(client, keys, model)) | set(also_workers))
+    out = []
+    for lane in LANES:
+        stats = _one_lane(client, keys.requests(model, lane), model, lane)
+        for worker in workers:
+            more = _one_lane(client, keys.affinity_lane(model, worker, lane), model, lane)
+            stats = LaneStats(model, lane, stats.depth + more.depth,
+                              stats.pending + more.pending, stats.consumers,
+                              stats.length + more.length)
+        out.append(stats)
+    return out
+
+
+def affinity_workers(client: redis.Redis, keys: Keys, model: str) -> list[str]:
+    """The workers with affinity lanes of ``model``; none where this user may not ask."""
+    try:
+        return [as_text(m) for m in client.smembers(keys.affinity_lanes(model))]
+    except redis.exceptions.NoPermissionError:
+        return []
 
 
 def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats]:

@@ -142,7 +142,8 @@ class Gateway:
             self.client = AsyncClient(self.settings.redis_url, self.settings.namespace,
                                       orphan_timeout=None, watch=True,
                                       watch_ttl_s=self.settings.watch_ttl_s,
-                                      max_connections=self.settings.redis_connections)
+                                      max_connections=self.settings.redis_connections,
+                                      affinity=self.settings.affinity)
             self._reads = SharedReads(self.client.redis, count=READ_COUNT,
                                       max_readers=self.settings.read_connections)
             self._reads.on_read = self.metrics.shared_read.observe

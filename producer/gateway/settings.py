@@ -67,6 +67,9 @@ class GatewaySettings:
     watch_ttl_s: int = WATCH_TTL_S
     # None: wait for a worker however long it takes.
     orphan_timeout_s: float | None = ORPHAN_TIMEOUT_S
+    # Prefix affinity: requests go to the worker that holds their prompt's prefix
+    # (producer/affinity/); False sends every request to its model's shared lane.
+    affinity: bool = True
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)

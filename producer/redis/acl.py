@@ -43,6 +43,9 @@ def _producer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
         ([f"%R~{p}" for p in _fleet(k)], ["hget", "hgetall", "smembers", "exists"]),
         # A request for a model nobody registered (allow_unregistered): noted for `top`.
         ([f"%W~{k.requested}"], ["sadd"]),
+        # Prefix affinity: which worker holds a prompt's prefix, which workers have lanes
+        # (read only: a producer cannot name itself the owner of anything).
+        ([f"%R~{k.affinity_pattern}"], ["mget", "smembers"]),
     ]
 
 
@@ -52,6 +55,8 @@ def _observer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
         # Counts only, never an entry: of the lanes and of the handoff streams.
         ([f"~{k.requests_pattern}", f"~{k.handoff_pattern}"], ["xlen", "xinfo|groups"]),
         ([f"%R~{p}" for p in (*_fleet(k), k.requested)], ["hgetall", "smembers"]),
+        # The workers with affinity lanes: their depths count in their lane's.
+        ([f"%R~{k.affinity_pattern}"], ["smembers"]),
     ]
 
 
@@ -72,6 +77,7 @@ PRODUCER_COMMANDS_6 = (
     "set", "publish", "multi", "exec", "discard",  # cancel: marker and announcement at once
     "hget", "hgetall", "smembers",  # models, model_info, tokenizer; live workers (heartbeats)
     "sadd",  # a request for an unregistered model, noted for `conveyor top`
+    "mget",  # prefix affinity: the owners of a prompt's prefixes
 )
 
 # Commands a worker (worker/fleet) sends, and why. Workers are trusted with their
@@ -95,6 +101,9 @@ WORKER_COMMANDS = (
     "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), take-overs
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
     "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
+    # prefix affinity: owners set and read (SET, MGET), the lanes set (SADD, SMEMBERS),
+    # heartbeats of the workers with lanes (HMGET), TIME in the take-over script
+    "hmget", "time",
 )
 # Redis 7 only (6.2 refuses a rule naming a command it lacks): compare the server's
 # conveyor library with the worker's own. Not FUNCTION LOAD: functions are server-wide, and
@@ -124,13 +133,14 @@ def key_patterns(role: str, namespace: str = "conveyor") -> list[str]:
         # The handoff streams: submit(max_queue=...) counts them (their XADD stays open
         # on 6.2, where one key list serves every command).
         return [k.requests_pattern, k.handoff_pattern, k.output_pattern, k.cancelled_pattern,
-                k.watch_pattern, *_fleet(k), k.requested]
+                k.watch_pattern, *_fleet(k), k.requested, k.affinity_pattern]
     if role == "worker":
         # The fleet KV tier's keys are the workers' alone: KV reveals prompts, and a
         # planted block would poison every output computed from it.
         return [k.requests_pattern, k.output_pattern, k.cancelled_pattern, *_fleet(k), k.dead,
-                k.isolated_pattern, k.kv_pattern, k.handoff_pattern, k.watch_pattern]
-    return [k.requests_pattern, k.handoff_pattern, *_fleet(k), k.requested]
+                k.isolated_pattern, k.kv_pattern, k.handoff_pattern, k.watch_pattern,
+                k.affinity_pattern]
+    return [k.requests_pattern, k.handoff_pattern, *_fleet(k), k.requested, k.affinity_pattern]
 
 
 def acl_rules(role: str, namespace: str = "conveyor", version: int = 7) -> list[str]:

@@ -24,6 +24,7 @@ GROUP = "workers"
 LANES = ("interactive", "batch")
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_HEX_KEY = re.compile(r"[0-9a-f]{16}")
 
 
 def validate_name(kind: str, value: object) -> str:
@@ -52,6 +53,32 @@ class Keys:
         share one Redis Cluster slot, so a worker reads both in one XREADGROUP.
         """
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:{validate_lane(lane)}"
+
+    def affinity_lane(self, model: str, worker_id: str, lane: str) -> str:
+        """A worker's affinity lane of one model and lane (``conveyor:req:{tiny}:@w1:
+        interactive``): requests whose prompt prefix that worker holds, read by it first and
+        by any other worker once they waited past the affinity delay, or at once when the
+        worker is gone or draining (docs/architecture.md, "Prefix affinity"). Under the
+        model's hash tag and ``{ns}:req:*`` like the shared lanes: one XREADGROUP reads
+        both, and producers may add to it as to them."""
+        return (f"{self.ns}:req:{{{validate_name('model', model)}}}:"
+                f"@{validate_name('worker id', worker_id)}:{validate_lane(lane)}")
+
+    def affinity_lane_pattern(self, model: str) -> str:
+        """Glob of every worker's affinity lanes of ``model``."""
+        return f"{self.ns}:req:{{{validate_name('model', model)}}}:@*"
+
+    def affinity_owner(self, model: str, prefix_key: str) -> str:
+        """String naming the worker that holds the prompt prefix ``prefix_key`` (a hex
+        digest, producer/affinity/prefix_keys.py) in its cache; expires unless renewed."""
+        if not _HEX_KEY.fullmatch(prefix_key):
+            raise ValueError(f"an affinity key is 16 hex digits, got {brief(prefix_key)}")
+        return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:k:{prefix_key}"
+
+    def affinity_lanes(self, model: str) -> str:
+        """Set of the worker ids that have affinity lanes of ``model`` (dead ones too, until
+        their lanes are empty): where workers look for requests to take over."""
+        return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:lanes"
 
     def old_layout_requests(self, model: str, lane: str) -> str:
         """Where requests went before key layout 2 (``conveyor:req:tiny:interactive``, no hash
@@ -150,6 +177,11 @@ class Keys:
     def requests_pattern(self) -> str:
         """Every request lane, old layout included (``{ns}:req:*``)."""
         return f"{self.ns}:req:*"
+
+    @property
+    def affinity_pattern(self) -> str:
+        """Every affinity owner key and lanes set."""
+        return f"{self.ns}:affinity:*"
 
     @property
     def handoff_pattern(self) -> str:

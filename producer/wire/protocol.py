@@ -12,6 +12,7 @@ still sends can land, whatever tokens a chunk of that worker's holds.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,10 @@ MAX_UNIX_MS = 253_402_300_799_999
 # Fields a request map may hold; any other is an error (a typo must not pass silently).
 REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
                             "params", "priority", "lane", "created_ms", "deadline_ms", "watch",
-                            "chat_template_kwargs", "tools"})
+                            "chat_template_kwargs", "tools", "affinity"})
+# Affinity keys a request may carry (producer/affinity/prefix_keys.py carries 5).
+MAX_AFFINITY_KEYS = 8
+_AFFINITY_KEY = re.compile(r"[0-9a-f]{16}")
 
 
 class ProtocolError(ValueError):
@@ -103,9 +107,19 @@ class GenerationRequest:
     # The functions the chat template renders for the model (producer/wire/tools/spec.py;
     # only with messages); None: none.
     tools: list[dict[str, Any]] | None = None
+    # Digests of the prompt's leading bytes at growing lengths, deepest last
+    # (producer/affinity/prefix_keys.py): the worker that serves it advertises that it holds
+    # those prefixes, so that requests sharing one come to it. None: no affinity.
+    affinity: list[str] | None = None
 
     def __post_init__(self) -> None:
         validate_request_id(self.request_id)
+        if self.affinity is not None and not (
+                isinstance(self.affinity, list) and 1 <= len(self.affinity) <= MAX_AFFINITY_KEYS
+                and all(isinstance(k, str) and _AFFINITY_KEY.fullmatch(k)
+                        for k in self.affinity)):
+            raise ValueError(f"affinity must be a list of 1 to {MAX_AFFINITY_KEYS} keys of 16 "
+                             f"hex digits, got {brief(self.affinity)}")
         if self.watch is not None:
             try:
                 validate_request_id(self.watch)
@@ -172,6 +186,8 @@ class GenerationRequest:
             m["chat_template_kwargs"] = self.chat_template_kwargs
         if self.tools is not None:  # the same
             m["tools"] = self.tools
+        if self.affinity is not None:  # the same
+            m["affinity"] = self.affinity
         try:
             data = _pack(m)
         except (OverflowError, ValueError, TypeError) as exc:  # a number msgpack cannot hold
@@ -212,6 +228,7 @@ class GenerationRequest:
                 watch=m.get("watch"),
                 chat_template_kwargs=m.get("chat_template_kwargs"),
                 tools=m.get("tools"),
+                affinity=m.get("affinity"),
             )
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc), rid) from None

@@ -109,6 +109,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--baseline hf-static: requests per static batch")
     a.add_argument("--chunked-prefill", choices=["on", "off"], default="on",
                    help="off: also run the fleet with chunked prefill off, for comparison")
+    a.add_argument("--plain-pull", action="store_true",
+                   help="also run the fleet without prefix affinity (workers and client "
+                   "--no-affinity: whichever worker reads first serves), for comparison")
     a.add_argument("--offline", action="store_true",
                    help="also run the engine in this process without Redis")
     a.add_argument("--disaggregate", action="store_true",

@@ -107,6 +107,9 @@ def _add_submit_parser(subparsers: Any) -> None:
     p.add_argument("--model", metavar="NAME",
                    help="model name (default: the only model with a live worker, else the "
                    "only registered model)")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false",
+                   help="send the request to its model's shared lane (default: to the "
+                   "worker that holds its prompt's prefix, when one lives)")
     max_tokens = sampling_default("max_tokens")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="most tokens to generate (default: "
@@ -156,7 +159,8 @@ def run_client_cmd(args: argparse.Namespace) -> int:
     Redis connection errors pass to the caller (`conveyor`'s main says them in one line).
     """
     handler = {"submit": _submit, "tail": _tail, "cancel": _cancel}[args.command]
-    with Client(args.redis, args.namespace) as client:
+    with Client(args.redis, args.namespace,
+                affinity=getattr(args, "affinity", True)) as client:
         return handler(client, args)
 
 

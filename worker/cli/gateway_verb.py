@@ -58,6 +58,9 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--watch-ttl", type=int, default=WATCH_TTL_S, metavar="S",
                    help="this gateway's requests are cancelled S seconds after it dies (its "
                    "watch key lapses)")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false",
+                   help="send every request to its model's shared lane (default: to the "
+                   "worker that holds its prompt's prefix, when one lives)")
     p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT, metavar="N",
                    help="generation requests answered at once; more get 429 gateway_busy "
                    "with Retry-After until one ends")
@@ -103,6 +106,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
                                min_priority=args.min_priority,
                                orphan_timeout_s=args.orphan_timeout or None,
                                watch_ttl_s=args.watch_ttl, max_concurrent=args.max_concurrent,
+                               affinity=args.affinity,
                                redis_connections=args.redis_connections,
                                read_connections=args.read_connections,
                                max_connections=args.max_connections,

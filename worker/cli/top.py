@@ -106,7 +106,10 @@ def take_snapshot(client: Client) -> FleetSnapshot:
     models = registered | set(requested) | {
         w["model"] for w in workers if w.get("model")}
     lanes = [s for model in sorted(models)
-             for s in [*lane_stats(conn, keys, model), *handoff_stats(conn, keys, model)]]
+             for s in [*lane_stats(conn, keys, model, tuple(member_names(
+                 w["worker_id"] for w in workers if w.get("model") == model
+                 and w.get("affinity") and w.get("worker_id")))),
+                 *handoff_stats(conn, keys, model)]]
     return FleetSnapshot(now_ms(), workers, lanes, model_states(registered, workers, models))
 
 

@@ -178,6 +178,13 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--kv-share-prefixes", action="store_true",
                    help="put computed prompt blocks in the fleet KV tier and reuse other "
                    "workers' blocks on a local prefix-cache miss (default: off)")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false",
+                   help="no affinity lane of its own and no advertised prefixes: read the "
+                   "shared lanes only, as plain pull does (default: prefix affinity on; "
+                   "docs/architecture.md, 'Prefix affinity')")
+    p.add_argument("--affinity-delay-ms", type=int, default=worker("affinity_delay_ms"),
+                   metavar="MS", help="how long a request waits in a live worker's affinity "
+                   "lane before an idle worker takes it over (default: %(default)s)")
     p.set_defaults(handler=worker_cmd)
 
 
@@ -257,7 +264,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                           allow_eviction=args.allow_eviction, role=args.role,
                           place_threads=args.place_threads,
                           kv_redis_url=args.kv_redis, kv_share_prefixes=args.kv_share_prefixes,
-                          kv_timeout_s=args.kv_timeout,
+                          kv_timeout_s=args.kv_timeout, affinity=args.affinity,
+                          affinity_delay_ms=args.affinity_delay_ms,
                           handoff_max_waiting=args.handoff_max_waiting,
                           stream_interval=_deprecated_interval(args.stream_interval),
                           stream_interval_ms=args.stream_interval_ms,

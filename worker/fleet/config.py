@@ -117,6 +117,13 @@ class WorkerConfig:
     # Fleet-wide prefix reuse: put computed prompt blocks in the KV tier, and look a new
     # request's blocks up there when this worker's own prefix cache misses.
     kv_share_prefixes: bool = False
+    # Prefix affinity (worker/fleet/affinity/): read an affinity lane of its own and
+    # advertise the prefixes it serves, so requests sharing them come here. Off: it reads
+    # the shared lanes only (it still takes over other workers' waiting requests).
+    affinity: bool = True
+    # Milliseconds a request waits in a live worker's affinity lane before an idle worker
+    # takes it over (recomputing its prefix beats waiting for a busy owner).
+    affinity_delay_ms: int = 250
 
     @property
     def model_name(self) -> str:
@@ -138,6 +145,7 @@ class WorkerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         _at_least("prefetch", self.prefetch, 0)
+        _at_least("affinity_delay_ms", self.affinity_delay_ms, 0)
         if self.handoff_max_waiting is not None:
             _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)
         _at_least("output_ttl_s", self.output_ttl_s, 1)

@@ -230,6 +230,12 @@ class Worker:
             "prompt_tokens_computed": stats.get("prompt_tokens_computed", 0),
             # Prompt tokens its own prefix cache served (cache-aware pull's measure).
             "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
+            # Prefix affinity: "1" when on; requests taken from other workers' affinity
+            # lanes (waited past the delay, or their worker gone); prefixes advertised.
+            "affinity": "1" if self.intake.advertiser is not None else "",
+            "affinity_taken": self.intake.takeover.taken if self.intake.takeover else 0,
+            "affinity_advertised": (self.intake.advertiser.advertised
+                                    if self.intake.advertiser else 0),
             "kv_imported_tokens": stats.get("kv_imported_tokens", 0),
             "handed_on": self.publisher.hand_on.handed_on if self.publisher.hand_on else 0,
             "kv_imported": self.handoffs.imported if self.handoffs else 0,

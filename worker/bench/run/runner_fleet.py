@@ -46,6 +46,8 @@ class FleetTarget:
     # it is the bench's own, then run on its I/O CPUs for the measured run.
     placement: Placement | None = None
     own_redis: bool = False
+    # Prefix affinity in the client (the workers' flags say theirs).
+    affinity: bool = True
 
 
 def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
@@ -55,7 +57,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
     label = f"{name}-{repeat}"
     model = f"bench-{os.getpid()}-{label}"  # its own request stream: no other worker serves it
     flags = [list(target.worker_flags), *(list(f) for f in target.more_workers)]
-    with Client(target.redis_url, target.namespace) as client, ExitStack() as stack:
+    with Client(target.redis_url, target.namespace, affinity=target.affinity) as client, \
+            ExitStack() as stack:
         workers = [stack.enter_context(WorkerProcess(
             f"{label}-{i}" if i else label, target.model_dir, model, target.redis_url,
             target.namespace, f, target.log_dir / f"worker-{label}{f'-{i}' if i else ''}.log"))
@@ -67,6 +70,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         plan = ArrivalPlan(items, concurrency)
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
         counted_before = _heartbeat_sums(client, workers)
+        tokens_before = _per_worker(client, workers, "tokens_generated")
+        commands_before = _commands(client)
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
@@ -81,9 +86,13 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
+        commands = _commands(client) - commands_before
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
         counted = {k: v - counted_before[k]
                    for k, v in _heartbeat_sums(client, workers).items()}
+        tokens = [after - before for before, after in zip(
+            tokens_before, _per_worker(client, workers, "tokens_generated"), strict=True)]
+        affinity_taken = int(counted.pop(AFFINITY_TAKEN))
         taken = {"worker": int(counted.pop(TAKEOVERS))}
         busy_ms = counted.pop(SIMULATED_BUSY)
         hits = int(counted.pop(PREFIX_HITS))
@@ -95,6 +104,14 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         notes.append(f"prefix cache hits: {hits} prompt tokens of {possible} possible "
                      f"({hits / possible:.2f}; possible: one shared cache that keeps every "
                      "prefix)")
+    if len(workers) > 1:
+        mean = sum(tokens) / len(tokens)
+        notes.append(f"tokens per worker: {', '.join(str(int(t)) for t in tokens)} (the most "
+                     f"{max(tokens) / mean if mean else 0:.2f}x the mean); prefix affinity "
+                     f"{'on' if target.affinity else 'off'}, {affinity_taken} requests taken "
+                     "from another worker's affinity lane")
+    notes.append(f"Redis commands per request: {commands / len(items):.1f} (all clients, "
+                 "the workers' idle looks and heartbeats included)")
     if target.placement is not None:
         io = ",".join(map(str, sorted(target.placement.io)))
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
@@ -138,12 +155,26 @@ TAKEOVERS = "step_team_takeovers"
 SIMULATED_BUSY = "simulated_busy_ms"
 # Prompt tokens the workers' prefix caches served.
 PREFIX_HITS = "prefix_cache_hit_tokens"
+# Requests taken from another worker's affinity lane (worker/fleet/affinity/takeover.py).
+AFFINITY_TAKEN = "affinity_taken"
+
+
+def _per_worker(client: Client, workers: list[WorkerProcess], name: str) -> list[float]:
+    """One heartbeat field of each worker."""
+    return [float(client.redis.hget(w.key, name) or 0) for w in workers]
+
+
+def _commands(client: Client) -> int:
+    """Commands the Redis server has run (INFO commandstats), all clients together."""
+    stats = client.redis.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict))
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
     """The workers' KV transfer counters, step take-overs, simulated steps' milliseconds and
     prefix cache hits (their heartbeats), summed."""
-    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY, PREFIX_HITS), 0.0)
+    total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY, PREFIX_HITS,
+                           AFFINITY_TAKEN), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)
         for name in total:

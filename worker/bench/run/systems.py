@@ -39,6 +39,9 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
                        roles=("prefill", "decode"))]
     more = (tuple(worker_flags(engine, args.threads)),) * (getattr(args, "workers", 1) - 1)
     systems = [_fleet("fleet", engine, args, model_dir, items, redis_url, out_dir, more=more)]
+    if getattr(args, "plain_pull", False):
+        systems.append(_fleet("fleet-plain-pull", engine, args, model_dir, items, redis_url,
+                              out_dir, more=more, affinity=False))
     if args.chunked_prefill == "off":
         systems.append(_fleet("fleet-chunked-off", chunked_off(engine, config), args, model_dir,
                               items, redis_url, out_dir))
@@ -76,9 +79,14 @@ DEFAULT_INTERVAL_MS = field_default(WorkerConfig, "stream_interval_ms")
 
 def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_dir: Path,
            items: list[WorkItem], redis_url: str, out_dir: Path,
-           more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = ()) -> System:
-    """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role."""
+           more: tuple[tuple[str, ...], ...] = (), roles: tuple[str, ...] = (),
+           affinity: bool = True) -> System:
+    """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role;
+    ``affinity`` False: plain pull (workers and the client without prefix affinity)."""
     flags = worker_flags(engine, args.threads)
+    if not affinity:
+        flags.append("--no-affinity")
+        more = tuple((*f, "--no-affinity") for f in more)
     interval = getattr(args, "stream_interval_ms", DEFAULT_INTERVAL_MS)
     if interval != DEFAULT_INTERVAL_MS:
         flags += ["--stream-interval-ms", f"{interval:g}"]
@@ -102,7 +110,7 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
         describe = " + ".join(f"a {role} worker" for role in roles)
     else:
         target = FleetTarget(model_dir, redis_url, args.namespace, flags, out_dir, more,
-                             placement, args.redis is None)
+                             placement, args.redis is None, affinity)
         describe = (f"{1 + len(more)} worker processes" if more else "a worker process") \
             + ", this process the client"
     describe += f", each stream written at most every {interval:g} ms"

@@ -85,10 +85,14 @@ def tokens_hash(tokens: list[int]) -> str:
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
-def streams_for(keys: Keys, model: str, role: str) -> list[str]:
+def streams_for(keys: Keys, model: str, role: str, affinity_of: str | None = None
+                ) -> list[str]:
     """The streams a worker of ``role`` reads, in the order it reads them: handed-on
-    requests first (their KV waits in the tier), then the lanes."""
-    lanes = [keys.requests(model, lane) for lane in LANES]
+    requests first (their KV waits in the tier), then the lanes, each after the affinity
+    lane of that lane of worker ``affinity_of`` (None: no affinity lanes)."""
+    lanes = [stream for lane in LANES for stream in (
+        ([keys.affinity_lane(model, affinity_of, lane)] if affinity_of else [])
+        + [keys.requests(model, lane)])]
     handoffs = [keys.handoff(model, lane) for lane in LANES]  # interactive first here too
     if role == "prefill":
         return lanes

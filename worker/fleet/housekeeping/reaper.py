@@ -12,9 +12,10 @@ import redis
 import structlog
 
 from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
-from producer.wire.keys import GROUP, Keys, as_text
+from producer.wire.keys import GROUP, LANES, Keys, as_text
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
 from producer.wire.validation import choice_id
+from worker.fleet.affinity.fleet_view import FleetView
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release
 from worker.fleet.housekeeping.old_lanes import OldLanes
@@ -77,13 +78,24 @@ class Reaper(SupervisedThread):
         # Requests added to the model's lane keys of the old layout, answered (old_lanes.py).
         self.old_lanes = OldLanes(client, keys, intake.model, worker_id,
                                   intake.publisher.output_ttl_s)
+        # The model's workers with affinity lanes (worker/fleet/affinity/).
+        self.view = FleetView(client, keys, intake.model, worker_id, self.clock)
 
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
         # the supervisor retries it, like any other refusal.
         self._saw_suspect = False
+        # Other workers' affinity lanes too: a worker that took a request from one and died
+        # left it pending there, maybe after that lane's worker died too.
+        others = self.other_lanes()
         for stream in self.intake.streams:
             self.reap(stream)
+        for stream in others:
+            try:
+                self.reap(stream)
+            except redis.ResponseError as exc:  # a worker listed before its lanes exist
+                if "NOGROUP" not in str(exc):
+                    raise
         # A suspect waits for an empty worker: stop reading new work until one is taken.
         self.inflight.hold(self._saw_suspect and self.inflight.alone is None)
         if self.clock.monotonic() >= self._next_housekeeping:
@@ -91,9 +103,19 @@ class Reaper(SupervisedThread):
             for stream in self.intake.streams:
                 trim_request_stream(self.client, stream)
                 self.sweeper.sweep(stream)
+            for stream in others:  # (served entries of gone workers' lanes, too)
+                trim_request_stream(self.client, stream)
             prune_worker_set(self.client, self.keys)
             self.check_lanes()
             self.old_lanes.answer()
+
+    def other_lanes(self) -> list[str]:
+        """The affinity lanes of the model's other workers (none for a decode worker)."""
+        if self.intake.takeover is None:
+            return []
+        self.view.refresh()
+        return [self.keys.affinity_lane(self.intake.model, worker, lane)
+                for worker in self.view.others() for lane in LANES]
 
     def check_lanes(self) -> list[str]:
         """Note (and log, when it changes) the lanes that take no new request."""

@@ -25,6 +25,9 @@ from producer.wire.protocol import (
 )
 from producer.wire.validation import choice_id, request_of
 from worker.engine.tokenizer import Tokenizer
+from worker.fleet.affinity.advertise import Advertiser
+from worker.fleet.affinity.fleet_view import FleetView
+from worker.fleet.affinity.takeover import Takeover
 from worker.fleet.config import WorkerConfig
 from worker.fleet.handoff.handoff import KV_STORED_FIELD, HandoffReader, streams_for
 from worker.fleet.handoff.prefix_share import PrefixFinder
@@ -42,6 +45,9 @@ from worker.sampling.randomness import stable_seed
 log = structlog.get_logger(__name__)
 
 KV_STORED_BYTES = KV_STORED_FIELD.encode()
+# The shortest wait between two looks at other workers' affinity lanes (a delay of 0 would
+# otherwise make an idle worker look without pause).
+TAKEOVER_LOOK_MIN_MS = 20
 # How long a prefill worker whose hand-ons fill its room waits before it looks again.
 HAND_ONS_BEHIND_WAIT_S = 0.05
 
@@ -108,7 +114,15 @@ class Intake(SupervisedThread):
         self.on_cancel = parts.on_cancel
         self.lease_ms = config.lease_ms
         self.role = role = config.role
-        self.streams = streams_for(keys, model, role)
+        # Prefix affinity: its own affinity lanes (read first of each lane), the prefixes
+        # it advertises, and other workers' lanes it takes over (decode workers read no lane).
+        own = config.worker_id if config.affinity and role != "decode" else None
+        self.streams = streams_for(keys, model, role, affinity_of=own)
+        self.fleet_view = FleetView(client, keys, model, config.worker_id, self.clock)
+        self.advertiser = (Advertiser(client, keys, model, config.worker_id, self.fleet_view,
+                                      self.clock) if own else None)
+        self.takeover = (Takeover(client, keys, model, config.worker_id, self.fleet_view,
+                                  config.affinity_delay_ms) if role != "decode" else None)
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = parts.handoffs
         self.prefixes = parts.prefixes
@@ -160,6 +174,8 @@ class Intake(SupervisedThread):
             # Even when one entry's reads failed: those accepted before it are in the
             # in-flight table, and only the inbox gets them served.
             self.hand_over(admitted, self.client)
+        if self.advertiser is not None and admitted:
+            self.advertiser.advertise(adm.request for adm in admitted)
 
     def _handoff_room(self) -> int:
         """How many more requests a prefill worker may take before the handoff streams
@@ -182,6 +198,23 @@ class Intake(SupervisedThread):
                         streams=self.handoff_streams)
             self.streams[:] = [s for s in self.streams if s not in self.handoff_streams]
             ensure_groups(client, self.streams)
+        self._join_affinity(client)
+
+    def _join_affinity(self, client: redis.Redis) -> None:
+        """List this worker among those with affinity lanes, once their groups exist (and
+        before producers send to them: its heartbeat does not say serving yet). A worker
+        user from before affinity (no ``{ns}:affinity:*``) reads the shared lanes only, and
+        says so."""
+        if self.advertiser is None:
+            return
+        try:
+            client.sadd(self.keys.affinity_lanes(self.model), self.worker_id)
+        except redis.exceptions.NoPermissionError:
+            log.warning("this worker's Redis user may not use prefix affinity: it reads the "
+                        "shared lanes only (grant ~NS:affinity:* to join)")
+            own = {self.keys.affinity_lane(self.model, self.worker_id, lane) for lane in LANES}
+            self.streams[:] = [s for s in self.streams if s not in own]
+            self.advertiser = None
 
     def hand_over(self, admitted: list[Admission], client: redis.Redis) -> None:
         """Send accepted requests to the engine loop, those cancelled already marked so.
@@ -221,7 +254,14 @@ class Intake(SupervisedThread):
         got = self._read_waiting(room)
         if got:
             return got
-        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=self.read_block_ms)
+        block = self.read_block_ms
+        if self.takeover is not None:
+            got = self.takeover.take(room)
+            if got:
+                return got
+            if self.fleet_view.others():  # look again once a request there may be due
+                block = min(block, max(TAKEOVER_LOOK_MIN_MS, self.takeover.delay_ms))
+        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=block)
         if got and len(got) < room:
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it

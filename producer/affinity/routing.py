@@ -1,0 +1,34 @@
+"""Where a request with affinity keys goes: the affinity lane of the live worker that holds
+the deepest of its prefixes, else the shared lane (docs/architecture.md, "Prefix affinity").
+
+The producer reads the owners of the keys it looks up (one MGET, every key under the
+model's hash tag) and knows the live workers from the heartbeats it reads anyway (the
+model check, cached for seconds). An owner that is not live (gone, draining) counts as
+none: the request goes to the shared lane, and the worker that takes it from there
+becomes the owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from producer.wire.keys import Keys
+
+
+def owner_of(lookup: Sequence[str], owners: Sequence[bytes | str | None],
+             live: Collection[str]) -> str | None:
+    """The live owner of the deepest key in ``lookup`` (deepest last) that has one;
+    ``owners``: what Redis holds for each key (MGET's reply)."""
+    for owner in reversed(owners):
+        if owner is None:
+            continue
+        name = owner.decode() if isinstance(owner, bytes) else owner
+        if name in live:
+            return name
+    return None
+
+
+def lanes_counted(keys: Keys, model: str, lane: str, live: Collection[str]) -> tuple[str, ...]:
+    """What ``max_queue`` counts besides the shared lane and its handoff stream: the live
+    workers' affinity lanes of that lane (a dead worker's are being taken over)."""
+    return tuple(keys.affinity_lane(model, worker, lane) for worker in sorted(live))

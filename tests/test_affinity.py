@@ -1,0 +1,236 @@
+"""Prefix affinity (docs/architecture.md, "Prefix affinity"): requests that share a prompt
+prefix go to the worker that holds it, and never wait on it for long: a busy owner's
+requests are taken over after the delay, a dead or draining owner's at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fleet_fixtures import MODEL, settled_pending
+from waiting import eventually
+
+from producer.affinity.prefix_keys import (
+    CARRIED_LEVELS,
+    LEVELS,
+    MIN_SHARE,
+    canonical_bytes,
+    prefix_keys,
+)
+from producer.client.client import Client, QueueFull
+from producer.client.queues import lane_stats
+from producer.clock import ManualClock
+from producer.wire.keys import GROUP, Keys
+from producer.wire.protocol import FIELD, GenerationRequest
+
+KEYS = Keys()
+DOC = list(range(2, 402))  # 400 tokens (1,600 bytes): carries keys up to level 1,296
+# The tiny model's prefix cache keeps whole 16-token blocks of the document.
+DOC_HIT = len(DOC) // 16 * 16
+
+
+def ask(question: int) -> list[int]:
+    return [*DOC, 500 + question, 600 + question, 700 + question]
+
+
+# ----- the keys -----
+
+def test_prompts_that_share_an_opening_share_its_keys_and_kinds_never_collide():
+    a = prefix_keys(canonical_bytes(token_ids=ask(1)))
+    b = prefix_keys(canonical_bytes(token_ids=ask(2)))
+    assert a.keys and a.keys == b.keys  # the questions fall after the deepest level
+    assert len(a.keys) <= CARRIED_LEVELS
+    assert prefix_keys(canonical_bytes(token_ids=list(range(2, 60)))).keys == ()  # too short
+    text = "x" * 2000
+    as_text = prefix_keys(canonical_bytes(prompt=text)).keys
+    as_chat = prefix_keys(canonical_bytes(messages=[{"role": "user", "content": text}])).keys
+    assert as_text and as_chat and not set(as_text) & set(as_chat)
+    # Tools come first, as templates render them: other tools, other keys.
+    tool = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = [{"role": "user", "content": text}]
+    assert prefix_keys(canonical_bytes(messages=chat, tools=tool)).keys[-1] != as_chat[-1]
+
+
+def test_a_producer_follows_only_an_owner_of_most_of_its_prompt():
+    # A shared opening of a fifth of a prompt (a common system prompt) sends nowhere.
+    found = prefix_keys(b"y" * 10_000)
+    deepest = max(i for i, level in enumerate(LEVELS) if level <= 10_000)
+    looked = found.lookup()
+    assert looked and looked[-1] == found.keys[-1]
+    assert all(LEVELS[deepest - (len(found.keys) - 1 - found.keys.index(k))]
+               >= MIN_SHARE * 10_000 for k in looked)
+    assert len(looked) < len(found.keys)
+
+
+# ----- a fleet of two workers -----
+
+def _lane_of(r, request_id: str) -> str:
+    """The request lane (shared or a worker's affinity lane) holding ``request_id``."""
+    lanes = [k.decode() for k in r.keys(KEYS.affinity_lane_pattern(MODEL))]
+    for lane in [*lanes, KEYS.requests(MODEL, "interactive")]:
+        for _, fields in r.xrange(lane):
+            if GenerationRequest.decode(fields[FIELD]).request_id == request_id:
+                return lane
+    raise AssertionError(f"{request_id} on no lane")
+
+
+def _owner(r, prompt: list[int]) -> str | None:
+    key = prefix_keys(canonical_bytes(token_ids=prompt)).keys[-1]
+    value = r.get(KEYS.affinity_owner(MODEL, key))
+    return value.decode() if value else None
+
+
+def _hits(worker) -> int:
+    return worker.engine.stats()["prefix_cache_hit_tokens"]
+
+
+def _busy(owner, client: Client, question: int) -> str:
+    """Fill ``owner`` (one seat, no prefetch): a request sharing the prefix it holds, held
+    by its paused engine loop. Returns the request's id."""
+    owner.loop.pause()
+    rid = client.submit(ask(question), model=MODEL, max_tokens=4, temperature=0)
+    eventually(lambda: len(owner.inflight) == 1, "the owner holding a request")
+    assert owner.inflight.room() == 0  # the precondition: it reads nothing more
+    return rid
+
+
+@pytest.fixture
+def owned(start_worker, redis_url, redis_client):
+    """(the owner of DOC, a second worker, ask(0)'s greedy answer): the owner served ask(0)
+    alone before the second worker started. The owner has one seat and no prefetch, so one
+    request fills it; the second worker waits 600 s before taking a live worker's request,
+    and takes a dead or draining one's at once."""
+    redis_client.flushall()
+    owner = start_worker("wa", prefetch=0, max_num_seqs=1)
+    with Client(redis_url) as client:
+        answer = client.result(client.submit(ask(0), model=MODEL, max_tokens=6,
+                                             temperature=0), timeout=60).token_ids
+    eventually(lambda: _owner(redis_client, ask(0)) == "wa", "the prefix advertised")
+    other = start_worker("wb", config={"affinity_delay_ms": 600_000})
+    return owner, other, answer
+
+
+def test_requests_sharing_a_prefix_go_to_the_worker_that_holds_it(owned, redis_url,
+                                                                  redis_client):
+    owner, other, _ = owned
+    before = _hits(owner)
+    with Client(redis_url) as client:
+        for q in range(1, 5):
+            rid = client.submit(ask(q), model=MODEL, max_tokens=3, temperature=0)
+            assert _lane_of(redis_client, rid) == KEYS.affinity_lane(MODEL, "wa", "interactive")
+            client.result(rid, timeout=60)
+    assert _hits(owner) - before == 4 * DOC_HIT  # each found the document cached
+    assert _hits(other) == 0 and other.intake.takeover.taken == 0
+    assert settled_pending(redis_client) == 0
+
+
+def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis_url,
+                                                             redis_client):
+    redis_client.flushall()
+    owner = start_worker("wa", prefetch=0, max_num_seqs=1)
+    with Client(redis_url) as client:
+        answer = client.result(client.submit(ask(0), model=MODEL, max_tokens=6,
+                                             temperature=0), timeout=60).token_ids
+        eventually(lambda: _owner(redis_client, ask(0)) == "wa", "the prefix advertised")
+        taker = start_worker("wb", config={"affinity_delay_ms": 1500})
+        held = _busy(owner, client, 1)
+        rid = client.submit(ask(0), model=MODEL, max_tokens=6, temperature=0)
+        lane = KEYS.affinity_lane(MODEL, "wa", "interactive")
+        assert _lane_of(redis_client, rid) == lane  # the precondition: it waits for wa
+        time.sleep(0.5)  # (less than the delay: not taken yet, however slow this machine)
+        assert _undelivered(redis_client, lane) == 1
+        done = client.result(rid, timeout=60)
+        assert taker.intake.takeover.taken == 1
+        assert done.token_ids == answer  # the same greedy answer, its prefix computed again
+        assert _owner(redis_client, ask(0)) == "wa"  # still the live owner's
+        owner.loop.resume()
+        client.result(held, timeout=60)
+    assert settled_pending(redis_client) == 0
+
+
+def _undelivered(r, lane: str) -> int:
+    group = next(g for g in r.xinfo_groups(lane) if g["name"].decode() == GROUP)
+    return len(r.xrange(lane, min=f"({group['last-delivered-id'].decode()}"))
+
+
+def test_a_dead_owners_requests_are_taken_over_at_once(owned, redis_url, redis_client):
+    owner, taker, answer = owned
+    with Client(redis_url) as client:
+        held = _busy(owner, client, 1)
+        rid = client.submit(ask(0), model=MODEL, max_tokens=6, temperature=0)
+        lane = KEYS.affinity_lane(MODEL, "wa", "interactive")
+        assert _lane_of(redis_client, rid) == lane
+        time.sleep(0.3)
+        assert _undelivered(redis_client, lane) == 1  # the taker waits 600 s for a live owner
+        # It dies: its heartbeat lapses.
+        owner.heartbeat.stop()
+        redis_client.delete(KEYS.worker("wa"))
+        done = client.result(rid, timeout=60)
+        assert done.token_ids == answer
+        assert taker.intake.takeover.taken == 1
+        # The prefix is the taker's now: the next question goes to it.
+        eventually(lambda: _owner(redis_client, ask(0)) == "wb", "the prefix taken over")
+        owner.loop.resume()
+        client.result(held, timeout=60)
+
+
+def test_a_draining_owners_requests_are_taken_over_and_max_queue_counts_them(
+        owned, redis_url, redis_client):
+    owner, taker, _ = owned
+    clock = ManualClock()  # the producer's view of the live workers never goes stale here
+    with Client(redis_url, clock=clock) as client:
+        held = _busy(owner, client, 1)
+        with pytest.raises(QueueFull):  # what an affinity lane holds counts
+            client.submit([7, 8], model=MODEL, max_tokens=1, max_queue=1)
+        # ... and shows in `conveyor top` and the workers' lane metrics
+        assert lane_stats(redis_client, KEYS, MODEL)[0].pending == 1
+        draining = threading.Thread(target=owner.stop, kwargs={"drain_timeout_s": 60})
+        draining.start()
+        eventually(lambda: owner.state == "draining", "the owner draining")
+        rid = client.submit(ask(2), model=MODEL, max_tokens=4, temperature=0)
+        assert _lane_of(redis_client, rid) == KEYS.affinity_lane(MODEL, "wa", "interactive")
+        done = client.result(rid, timeout=60)
+        assert done.finish_reason == "length" and taker.intake.takeover.taken == 1
+        owner.loop.resume()
+        assert client.result(held, timeout=60).finish_reason == "length"
+        draining.join(60)
+    assert settled_pending(redis_client) == 0
+
+
+def test_plain_pull_sends_nothing_to_affinity_lanes(start_worker, redis_url, redis_client):
+    redis_client.flushall()
+    worker = start_worker("wa", config={"affinity": False})
+    assert KEYS.affinity_lane(MODEL, "wa", "interactive") not in worker.intake.streams
+    with Client(redis_url, affinity=False) as client:
+        rid = client.submit(ask(0), model=MODEL, max_tokens=2, temperature=0)
+        assert _lane_of(redis_client, rid) == KEYS.requests(MODEL, "interactive")
+        client.result(rid, timeout=60)
+    assert not redis_client.keys(KEYS.affinity_pattern)
+
+
+def test_the_take_script_takes_only_what_waited_long_enough_or_was_left(each_redis):
+    from producer.client.connection import connect
+    from worker.fleet.affinity.fleet_view import FleetView
+    from worker.fleet.affinity.takeover import Takeover
+    from worker.fleet.intake.intake import ensure_groups
+
+    r = connect(each_redis.url)
+    r.flushall()
+    lane = KEYS.affinity_lane(MODEL, "wa", "interactive")
+    ensure_groups(r, [lane])
+    r.sadd(KEYS.affinity_lanes(MODEL), "wa", "wb")
+    r.hset(KEYS.worker("wa"), mapping={"status": "serving", "model": MODEL})
+    ids = [r.xadd(lane, {FIELD: b"x%d" % i}).decode() for i in range(3)]
+    view = FleetView(r, KEYS, MODEL, "wb", clock=ManualClock())
+    patient = Takeover(r, KEYS, MODEL, "wb", view, delay_ms=600_000)
+    assert patient.take(8) == []  # a live worker's requests, not waiting that long
+    assert Takeover(r, KEYS, MODEL, "wb", view, delay_ms=0).take(1) == [
+        (lane, ids[0], {FIELD: b"x0"})]
+    r.hset(KEYS.worker("wa"), "status", "draining")  # now it takes no new request
+    view.refresh(force=True)
+    assert [entry for _, entry, _ in patient.take(8)] == ids[1:]  # at once, whatever waited
+    assert patient.take(8) == []
+    assert {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(lane, GROUP)} == {
+        "wb": 3}
+    r.close()

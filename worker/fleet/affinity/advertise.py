@@ -1,0 +1,66 @@
+"""Advertising the prefixes a worker holds: each affinity key of the requests it serves
+names it, unless another live worker holds that prefix already."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import redis
+
+from producer.clock import SYSTEM_CLOCK, Clock
+from producer.wire.keys import Keys, as_text
+from producer.wire.protocol import GenerationRequest
+from worker.fleet.affinity.fleet_view import FleetView
+
+# Seconds an advertisement lives unless renewed: about as long as a prefix nobody asks for
+# stays in a busy worker's cache. Renewed when a request with the key is served here and
+# half of that has passed.
+ADVERTISEMENT_TTL_S = 300
+# Keys this worker remembers having advertised (each renewed at most every TTL / 2).
+REMEMBERED_KEYS = 65_536
+
+
+class Advertiser:
+    """Names this worker as the owner of its requests' prefixes (``{ns}:affinity:{model}:
+    k:{key}``): a key nobody owns, or whose owner no longer takes requests, becomes this
+    worker's; one this worker owns is renewed; one a live worker owns is left to it (this
+    worker took the request over while that one was busy).
+
+    Costs one MGET and one pipeline of SETs for the keys of a read, and nothing for keys
+    it advertised less than TTL / 2 ago (a document's later questions).
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
+                 view: FleetView, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
+        self.view, self.clock = view, clock
+        self.advertised = 0  # keys set (new, renewed or taken over)
+        self._fresh: OrderedDict[str, float] = OrderedDict()  # key -> when set
+
+    def advertise(self, requests: Iterable[GenerationRequest]) -> None:
+        now = self.clock.monotonic()
+        wanted = list(dict.fromkeys(
+            key for req in requests for key in (req.affinity or ())
+            if now - self._fresh.get(key, -ADVERTISEMENT_TTL_S) >= ADVERTISEMENT_TTL_S / 2))
+        if not wanted:
+            return
+        names = [self.keys.affinity_owner(self.model, key) for key in wanted]
+        owners = self.client.mget(names)
+        self.view.refresh()
+        pipe = self.client.pipeline(transaction=False)
+        taken = []
+        for key, name, owner in zip(wanted, names, owners, strict=True):
+            holder = None if owner is None else as_text(owner)
+            if holder not in (None, self.worker_id) and self.view.is_live(holder):
+                continue
+            pipe.set(name, self.worker_id, ex=ADVERTISEMENT_TTL_S)
+            taken.append(key)
+        if taken:
+            pipe.execute()
+        for key in taken:
+            self._fresh[key] = now
+            self._fresh.move_to_end(key)
+        while len(self._fresh) > REMEMBERED_KEYS:
+            self._fresh.popitem(last=False)
+        self.advertised += len(taken)

@@ -1,0 +1,88 @@
+"""Taking requests from other workers' affinity lanes: those that waited past the affinity
+delay for a busy worker, and every one of a worker that is gone or draining."""
+
+from __future__ import annotations
+
+import redis
+
+from producer.wire.keys import GROUP, LANES, Keys, as_text
+from worker.fleet.affinity.fleet_view import FleetView
+
+# One round trip, atomic: per lane (in the order given), the entries not yet delivered whose
+# id is at least that lane's minimum age old by the server's clock (stream ids are its
+# milliseconds), read to this consumer; at most ARGV[3] in all. Returns {lane, entries}
+# pairs, entries as XREADGROUP gives them.
+TAKE_SCRIPT = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local left = tonumber(ARGV[3])
+local out = {}
+for i, lane in ipairs(KEYS) do
+  if left <= 0 then break end
+  if redis.call('EXISTS', lane) == 1 then
+    local delivered = nil
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', lane)) do
+      local info = {}
+      for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
+      if info['name'] == ARGV[1] then delivered = info['last-delivered-id'] end
+    end
+    if delivered then
+      local cutoff = now_ms - tonumber(ARGV[3 + i])
+      local n = 0
+      for _, e in ipairs(redis.call('XRANGE', lane, '(' .. delivered, '+', 'COUNT', left)) do
+        if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
+        n = n + 1
+      end
+      if n > 0 then
+        local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n,
+                               'STREAMS', lane, '>')
+        out[#out + 1] = {lane, got[1][2]}
+        left = left - #got[1][2]
+      end
+    end
+  end
+end
+return out
+"""
+
+
+class Takeover:
+    """An idle worker's look at the other workers' affinity lanes (interactive lanes first).
+
+    A live worker's requests are taken once they waited ``delay_ms``; a worker that is
+    gone (its heartbeat expired) or draining has its requests taken at once. Each look is
+    one script call over every other lane, and it happens only when this worker has room
+    and nothing waits for it in its own lanes.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
+                 view: FleetView, delay_ms: int) -> None:
+        self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
+        self.view, self.delay_ms = view, delay_ms
+        self.taken = 0  # requests taken from other workers' lanes
+        self._script = client.register_script(TAKE_SCRIPT)
+
+    def lanes(self) -> list[tuple[str, int]]:
+        """(lane, minimum age in ms) of every other worker's affinity lane, in look order."""
+        self.view.refresh()
+        others = self.view.others()
+        # Gone workers first (nobody else serves them), then the live ones.
+        others = sorted(others, key=lambda w: self.view.is_live(w))
+        return [(self.keys.affinity_lane(self.model, w, lane),
+                 self.delay_ms if self.view.is_live(w) else 0)
+                for lane in LANES for w in others]
+
+    def take(self, room: int) -> list[tuple[str, str, dict]]:
+        """Up to ``room`` entries from other workers' lanes, as (lane, entry id, fields)."""
+        lanes = self.lanes()
+        if not lanes or room <= 0:
+            return []
+        reply = self._script(keys=[lane for lane, _ in lanes],
+                             args=[GROUP, self.worker_id, room, *(age for _, age in lanes)])
+        out = []
+        for lane, entries in reply or []:
+            for entry_id, flat in entries:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+                out.append((as_text(lane), as_text(entry_id), fields))
+        self.taken += len(out)
+        return out

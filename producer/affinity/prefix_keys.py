@@ -9,7 +9,7 @@ inside a shared prefix covers at least two thirds of it.
 
 A request carries the keys of its ``CARRIED_LEVELS`` deepest levels, deepest last (the
 ``affinity`` field, docs/protocol.md): producers look the deepest ones up, workers advertise
-all of them, so a later prompt up to about twice as long that opens with this one finds it.
+all of them, so a later prompt up to twice as long that opens with this one finds it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ GROWTH = 1.5
 MAX_PROMPT_BYTES = 4_000_000
 LEVELS: tuple[int, ...] = tuple(int(FIRST_LEVEL * GROWTH ** i) for i in range(
     1 + int(math.log(MAX_PROMPT_BYTES / FIRST_LEVEL, GROWTH))))
-# Keys a request carries: its deepest levels (1.5^4 ~ 5: a prompt five times as long as the
-# shallowest of them still finds it).
-CARRIED_LEVELS = 5
+# Keys a request carries: its deepest levels (1.5^2: a prompt a conversation's next turn
+# made up to twice as long still finds it). Each is a SET for the worker that serves it.
+CARRIED_LEVELS = 3
 # A request follows an owner only for a prefix at least this share of its prompt: a short
 # common opening (a system prompt shared by every request) must not send every new
 # document to one worker.

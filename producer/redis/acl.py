@@ -101,9 +101,10 @@ WORKER_COMMANDS = (
     "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), take-overs
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
     "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
-    # prefix affinity: owners set and read (SET, MGET), the lanes set (SADD, SMEMBERS),
+    # prefix affinity: owners set and read (SET, MGET), the lanes set (SADD, SMEMBERS), owned
+    # counts (HGETALL, HSET, HINCRBY),
     # heartbeats of the workers with lanes (HMGET), TIME in the take-over script
-    "hmget", "time",
+    "hmget", "time", "hincrby",
 )
 # Redis 7 only (6.2 refuses a rule naming a command it lacks): compare the server's
 # conveyor library with the worker's own. Not FUNCTION LOAD: functions are server-wide, and

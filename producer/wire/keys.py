@@ -80,6 +80,11 @@ class Keys:
         their lanes are empty): where workers look for requests to take over."""
         return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:lanes"
 
+    def affinity_owned(self, model: str) -> str:
+        """Hash of worker id -> how many prefixes that worker became the owner of: a worker
+        that owns more than a peer with room leaves new prefixes to it."""
+        return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:owned"
+
     def old_layout_requests(self, model: str, lane: str) -> str:
         """Where requests went before key layout 2 (``conveyor:req:tiny:interactive``, no hash
         tag). No worker reads it: housekeeping answers what it finds there with an error

@@ -170,10 +170,15 @@ def format_runs(summaries: dict[str, dict[str, Any]]) -> str:
         if "chunk_gap" in s["latency_ms"]:  # what --stream-interval-ms bounds
             lines.append(f"{name:<18} gaps between a request's chunks p50/p90/p99 ms: "
                          f"{_pcts(s['latency_ms']['chunk_gap'])}")
-    for name, s in summaries.items():  # (W6: prefix hits against the possible)
+    for name, s in summaries.items():  # (W6: prefix hits against the possible; a fleet
+        # of several workers: their shares and prefix affinity; Redis commands a request)
         lines += [f"{name:<18} {note}" for note in s.get("notes", ())
-                  if note.startswith("prefix cache hits")]
+                  if note.startswith(FLEET_NOTES)]
     return "\n".join(lines)
+
+
+# The notes of a fleet run the summary table is followed by.
+FLEET_NOTES = ("prefix cache hits", "tokens per worker", "Redis commands per request")
 
 
 def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:

@@ -36,28 +36,50 @@ class Advertiser:
         self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
         self.view, self.clock = view, clock
         self.advertised = 0  # keys set (new, renewed or taken over)
+        # Prefixes this worker became the owner of (the deepest key of a request), counted
+        # in ``{ns}:affinity:{{model}}:owned`` too: new prefixes go to the workers with fewest.
+        self.owned = 0
         self._fresh: OrderedDict[str, float] = OrderedDict()  # key -> when set
 
+    def join(self) -> None:
+        """Start this worker's count of owned prefixes at the fewest a listed worker has (a
+        worker that joins late takes its share of new prefixes, not all of them until it
+        caught up); a worker's own count it keeps."""
+        counts = {as_text(k): int(v) for k, v in self.client.hgetall(
+            self.keys.affinity_owned(self.model)).items()}
+        if self.worker_id in counts:
+            self.owned = counts[self.worker_id]
+            return
+        self.owned = min(counts.values(), default=0)
+        self.client.hset(self.keys.affinity_owned(self.model), self.worker_id, self.owned)
+
     def advertise(self, requests: Iterable[GenerationRequest]) -> None:
+        requests = list(requests)
         now = self.clock.monotonic()
         wanted = list(dict.fromkeys(
             key for req in requests for key in (req.affinity or ())
             if now - self._fresh.get(key, -ADVERTISEMENT_TTL_S) >= ADVERTISEMENT_TTL_S / 2))
         if not wanted:
             return
+        deepest = {req.affinity[-1] for req in requests if req.affinity}
         names = [self.keys.affinity_owner(self.model, key) for key in wanted]
         owners = self.client.mget(names)
         self.view.refresh()
         pipe = self.client.pipeline(transaction=False)
-        taken = []
+        taken, new = [], 0
         for key, name, owner in zip(wanted, names, owners, strict=True):
             holder = None if owner is None else as_text(owner)
             if holder not in (None, self.worker_id) and self.view.is_live(holder):
                 continue
             pipe.set(name, self.worker_id, ex=ADVERTISEMENT_TTL_S)
             taken.append(key)
+            if key in deepest and holder != self.worker_id:  # a prefix new to this worker
+                new += 1
+        if new:
+            pipe.hincrby(self.keys.affinity_owned(self.model), self.worker_id, new)
         if taken:
             pipe.execute()
+        self.owned += new
         for key in taken:
             self._fresh[key] = now
             self._fresh.move_to_end(key)

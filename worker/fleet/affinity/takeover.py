@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.keys import GROUP, LANES, Keys, as_text
 from worker.fleet.affinity.fleet_view import FleetView
 
@@ -46,35 +47,65 @@ return out
 """
 
 
+# The shortest time between two looks (a delay of 0 would otherwise make an idle worker
+# look without pause).
+LOOK_MIN_S = 0.02
+LOOK_MAX_S = 1.0
+
+
 class Takeover:
     """An idle worker's look at the other workers' affinity lanes (interactive lanes first).
 
-    A live worker's requests are taken once they waited ``delay_ms``; a worker that is
-    gone (its heartbeat expired) or draining has its requests taken at once. Each look is
-    one script call over every other lane, and it happens only when this worker has room
-    and nothing waits for it in its own lanes.
+    A full worker's requests (its heartbeat says it has no room) are taken once they waited
+    ``delay_ms``; a worker that is gone (its heartbeat expired) or draining has its requests
+    taken at once; a live worker with room reads its own. Each look is one script call over
+    those lanes, at most one a look interval, and only when this worker has room and
+    nothing waits for it in its own lanes.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
-                 view: FleetView, delay_ms: int) -> None:
+                 view: FleetView, delay_ms: int, clock: Clock = SYSTEM_CLOCK) -> None:
         self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
-        self.view, self.delay_ms = view, delay_ms
-        self.taken = 0  # requests taken from other workers' lanes
+        self.view, self.delay_ms, self.clock = view, delay_ms, clock
+        self.taken = 0  # requests taken from other workers' lanes (or late from shared ones)
         self._script = client.register_script(TAKE_SCRIPT)
+        self._next_look = 0.0  # (clock.monotonic()) looks are at most one a look interval
 
-    def lanes(self) -> list[tuple[str, int]]:
-        """(lane, minimum age in ms) of every other worker's affinity lane, in look order."""
+    @property
+    def look_interval_s(self) -> float:
+        """Seconds between two looks: the delay (a request waits for a busy worker between
+        the delay and twice it), at most LOOK_MAX_S (what a gone worker left waits at most
+        that), at least LOOK_MIN_S."""
+        return max(LOOK_MIN_S, min(LOOK_MAX_S, self.delay_ms / 1000))
+
+    def lanes(self, shared_too: bool = False) -> list[tuple[str, int]]:
+        """(lane, minimum age in ms) of every other worker's affinity lane, in look order;
+        ``shared_too``: the shared lanes as well, after the delay (a worker that leaves new
+        prefixes to lighter ones still serves what they leave waiting)."""
         self.view.refresh()
-        others = self.view.others()
-        # Gone workers first (nobody else serves them), then the live ones.
-        others = sorted(others, key=lambda w: self.view.is_live(w))
-        return [(self.keys.affinity_lane(self.model, w, lane),
-                 self.delay_ms if self.view.is_live(w) else 0)
-                for lane in LANES for w in others]
+        # A live worker with room reads its own lane at once: nothing waits there for long.
+        # Gone workers first (nobody else serves them), then the live ones that are full.
+        others = sorted((w for w in self.view.others() if w not in self.view.with_room),
+                        key=lambda w: self.view.is_live(w))
+        return [(stream, age) for lane in LANES for stream, age in (
+            *((self.keys.affinity_lane(self.model, w, lane),
+               self.delay_ms if self.view.is_live(w) else 0) for w in others),
+            *([(self.keys.requests(self.model, lane), self.delay_ms)] if shared_too else []))]
 
-    def take(self, room: int) -> list[tuple[str, str, dict]]:
+    def worth_looking(self, shared_too: bool = False) -> bool:
+        """Whether any lane may hold a request this worker should take."""
+        self.view.refresh()
+        return shared_too or any(w not in self.view.with_room for w in self.view.others())
+
+    def due(self) -> bool:
+        """Whether a look is due (one a look interval at most: an idle worker's looks are
+        its only steady cost)."""
+        return self.clock.monotonic() >= self._next_look
+
+    def take(self, room: int, shared_too: bool = False) -> list[tuple[str, str, dict]]:
         """Up to ``room`` entries from other workers' lanes, as (lane, entry id, fields)."""
-        lanes = self.lanes()
+        self._next_look = self.clock.monotonic() + self.look_interval_s
+        lanes = self.lanes(shared_too)
         if not lanes or room <= 0:
             return []
         reply = self._script(keys=[lane for lane, _ in lanes],

@@ -15,7 +15,6 @@ from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stre
 from producer.wire.keys import GROUP, LANES, Keys, as_text
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
 from producer.wire.validation import choice_id
-from worker.fleet.affinity.fleet_view import FleetView
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release
 from worker.fleet.housekeeping.old_lanes import OldLanes
@@ -78,8 +77,12 @@ class Reaper(SupervisedThread):
         # Requests added to the model's lane keys of the old layout, answered (old_lanes.py).
         self.old_lanes = OldLanes(client, keys, intake.model, worker_id,
                                   intake.publisher.output_ttl_s)
-        # The model's workers with affinity lanes (worker/fleet/affinity/).
-        self.view = FleetView(client, keys, intake.model, worker_id, self.clock)
+        # The model's workers with affinity lanes (worker/fleet/affinity/), as the intake
+        # sees them; a live worker's lanes are looked at every lease / 3 (a request a taker
+        # died holding lapses a lease after), a gone or draining one's every tick (what it
+        # handed back is claimable at once).
+        self.view = intake.fleet_view
+        self._next_live_lanes = self.clock.monotonic()
 
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
@@ -110,12 +113,18 @@ class Reaper(SupervisedThread):
             self.old_lanes.answer()
 
     def other_lanes(self) -> list[str]:
-        """The affinity lanes of the model's other workers (none for a decode worker)."""
+        """The affinity lanes of the model's other workers to look at now (none for a
+        decode worker): a gone or draining worker's each tick, a live one's every lease / 3."""
         if self.intake.takeover is None:
             return []
         self.view.refresh()
+        now = self.clock.monotonic()
+        every = now >= self._next_live_lanes
+        if every:
+            self._next_live_lanes = now + self.lease_ms / 3000
         return [self.keys.affinity_lane(self.intake.model, worker, lane)
-                for worker in self.view.others() for lane in LANES]
+                for worker in self.view.others() if every or not self.view.is_live(worker)
+                for lane in LANES]
 
     def check_lanes(self) -> list[str]:
         """Note (and log, when it changes) the lanes that take no new request."""

@@ -45,9 +45,6 @@ from worker.sampling.randomness import stable_seed
 log = structlog.get_logger(__name__)
 
 KV_STORED_BYTES = KV_STORED_FIELD.encode()
-# The shortest wait between two looks at other workers' affinity lanes (a delay of 0 would
-# otherwise make an idle worker look without pause).
-TAKEOVER_LOOK_MIN_MS = 20
 # How long a prefill worker whose hand-ons fill its room waits before it looks again.
 HAND_ONS_BEHIND_WAIT_S = 0.05
 
@@ -122,7 +119,9 @@ class Intake(SupervisedThread):
         self.advertiser = (Advertiser(client, keys, model, config.worker_id, self.fleet_view,
                                       self.clock) if own else None)
         self.takeover = (Takeover(client, keys, model, config.worker_id, self.fleet_view,
-                                  config.affinity_delay_ms) if role != "decode" else None)
+                                  config.affinity_delay_ms, self.clock)
+                         if role != "decode" else None)
+        self.shared_lanes = {keys.requests(model, lane) for lane in LANES}
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = parts.handoffs
         self.prefixes = parts.prefixes
@@ -135,6 +134,7 @@ class Intake(SupervisedThread):
         self.handoff_backlog = 0
         self.num_read = 0
         self._groups_ready = False
+        self._said_full = False  # since the in-flight table last had room
 
     def tick(self) -> None:
         """Read what there is room for and hand it to the engine loop."""
@@ -143,8 +143,10 @@ class Intake(SupervisedThread):
             self._groups_ready = True
         room = self.inflight.room()
         if room == 0:
+            self._say_full()
             self.inflight.wait_for_room(timeout=0.2)
             return
+        self._said_full = False
         if self.hand_ons_waiting is not None:
             room -= self.hand_ons_waiting()
             if room <= 0:  # the tier writer is behind: look again in a moment
@@ -208,6 +210,7 @@ class Intake(SupervisedThread):
         if self.advertiser is None:
             return
         try:
+            self.advertiser.join()
             client.sadd(self.keys.affinity_lanes(self.model), self.worker_id)
         except redis.exceptions.NoPermissionError:
             log.warning("this worker's Redis user may not use prefix affinity: it reads the "
@@ -251,30 +254,53 @@ class Intake(SupervisedThread):
         return False
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
-        got = self._read_waiting(room)
+        defer = self._leaves_new_prefixes()
+        streams = [s for s in self.streams if not (defer and s in self.shared_lanes)]
+        got = self._read_waiting(room, streams)
         if got:
             return got
         block = self.read_block_ms
         if self.takeover is not None:
-            got = self.takeover.take(room)
-            if got:
-                return got
-            if self.fleet_view.others():  # look again once a request there may be due
-                block = min(block, max(TAKEOVER_LOOK_MIN_MS, self.takeover.delay_ms))
-        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=block)
+            if self.takeover.due():
+                got = self.takeover.take(room, shared_too=defer)
+                if got:
+                    return got
+            if self.takeover.worth_looking(defer):  # look again once a request may be due
+                block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
+        got = self._xreadgroup({s: ">" for s in streams}, room, block=block)
         if got and len(got) < room:
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it
             # with this read lets the engine's next step start with the whole burst, not
             # with its first request alone (an extra, nearly empty prefill step).
-            got += self._read_waiting(room - len(got))
+            got += self._read_waiting(room - len(got), streams)
         return got
 
-    def _read_waiting(self, room: int) -> list[tuple[str, str, dict]]:
+    def _say_full(self) -> None:
+        """Tell the fleet at once that this worker reads nothing now (its heartbeat's
+        ``room``, until the next beat says otherwise): the others take over what waits in
+        its affinity lanes after the delay, rather than after a heartbeat."""
+        if self._said_full or self.advertiser is None:
+            return
+        self.client.hset(self.keys.worker(self.worker_id), "room", 0)
+        self._said_full = True
+
+    def _leaves_new_prefixes(self) -> bool:
+        """Whether this worker leaves the shared lanes to a lighter one for now: another
+        live worker with room owns fewer prefixes (a new prefix read from the shared lane
+        makes its reader the owner; without this, whichever worker's read happens to be
+        first would take most of them). What the lighter ones leave waiting this worker
+        still takes, after the affinity delay."""
+        if self.advertiser is None:
+            return False
+        self.fleet_view.refresh()
+        return self.fleet_view.lighter_with_room(self.advertiser.owned)
+
+    def _read_waiting(self, room: int, streams: list[str]) -> list[tuple[str, str, dict]]:
         """Up to ``room`` entries already waiting, without blocking: interactive first,
         batch only gets the room left."""
         got: list[tuple[str, str, dict]] = []
-        for stream in self.streams:
+        for stream in streams:
             if len(got) < room:
                 got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
         return got

@@ -234,3 +234,20 @@ def test_the_take_script_takes_only_what_waited_long_enough_or_was_left(each_red
     assert {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(lane, GROUP)} == {
         "wb": 3}
     r.close()
+
+
+def test_new_prefixes_go_to_the_worker_that_owns_fewest(owned, redis_url, redis_client):
+    """A worker owning more prefixes than a peer with room leaves the shared lanes to it:
+    new documents alternate between the two, whichever reads first."""
+    owner, other, _ = owned
+    assert other.intake.advertiser.owned == owner.intake.advertiser.owned == 1  # joined even
+    with Client(redis_url) as client:
+        for doc in range(1, 5):
+            prompt = [(d * 7 + doc * 131) % 1000 + 2 for d in DOC[:300]] + [7]
+            done = client.result(client.submit(prompt, model=MODEL, max_tokens=2,
+                                               temperature=0), timeout=60)
+            assert done.finish_reason == "length"
+            eventually(lambda p=prompt: _owner(redis_client, p), "the prefix advertised")
+    assert owner.intake.advertiser.owned == other.intake.advertiser.owned == 3
+    assert {k.decode(): int(v) for k, v in redis_client.hgetall(
+        KEYS.affinity_owned(MODEL)).items()} == {"wa": 3, "wb": 3}

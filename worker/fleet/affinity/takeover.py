@@ -67,7 +67,7 @@ class Takeover:
                  view: FleetView, delay_ms: int, clock: Clock = SYSTEM_CLOCK) -> None:
         self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
         self.view, self.delay_ms, self.clock = view, delay_ms, clock
-        self.taken = 0  # requests taken from other workers' lanes (or late from shared ones)
+        self.taken = 0  # requests taken from other workers' lanes
         self._script = client.register_script(TAKE_SCRIPT)
         self._next_look = 0.0  # (clock.monotonic()) looks are at most one a look interval
 
@@ -78,34 +78,32 @@ class Takeover:
         that), at least LOOK_MIN_S."""
         return max(LOOK_MIN_S, min(LOOK_MAX_S, self.delay_ms / 1000))
 
-    def lanes(self, shared_too: bool = False) -> list[tuple[str, int]]:
-        """(lane, minimum age in ms) of every other worker's affinity lane, in look order;
-        ``shared_too``: the shared lanes as well, after the delay (a worker that leaves new
-        prefixes to lighter ones still serves what they leave waiting)."""
+    def lanes(self) -> list[tuple[str, int]]:
+        """(lane, minimum age in ms) of the other workers' affinity lanes to look at, in
+        look order."""
         self.view.refresh()
         # A live worker with room reads its own lane at once: nothing waits there for long.
         # Gone workers first (nobody else serves them), then the live ones that are full.
         others = sorted((w for w in self.view.others() if w not in self.view.with_room),
                         key=lambda w: self.view.is_live(w))
-        return [(stream, age) for lane in LANES for stream, age in (
-            *((self.keys.affinity_lane(self.model, w, lane),
-               self.delay_ms if self.view.is_live(w) else 0) for w in others),
-            *([(self.keys.requests(self.model, lane), self.delay_ms)] if shared_too else []))]
+        return [(self.keys.affinity_lane(self.model, w, lane),
+                 self.delay_ms if self.view.is_live(w) else 0)
+                for lane in LANES for w in others]
 
-    def worth_looking(self, shared_too: bool = False) -> bool:
+    def worth_looking(self) -> bool:
         """Whether any lane may hold a request this worker should take."""
         self.view.refresh()
-        return shared_too or any(w not in self.view.with_room for w in self.view.others())
+        return any(w not in self.view.with_room for w in self.view.others())
 
     def due(self) -> bool:
         """Whether a look is due (one a look interval at most: an idle worker's looks are
         its only steady cost)."""
         return self.clock.monotonic() >= self._next_look
 
-    def take(self, room: int, shared_too: bool = False) -> list[tuple[str, str, dict]]:
+    def take(self, room: int) -> list[tuple[str, str, dict]]:
         """Up to ``room`` entries from other workers' lanes, as (lane, entry id, fields)."""
         self._next_look = self.clock.monotonic() + self.look_interval_s
-        lanes = self.lanes(shared_too)
+        lanes = self.lanes()
         if not lanes or room <= 0:
             return []
         reply = self._script(keys=[lane for lane, _ in lanes],

@@ -262,10 +262,10 @@ class Intake(SupervisedThread):
         block = self.read_block_ms
         if self.takeover is not None:
             if self.takeover.due():
-                got = self.takeover.take(room, shared_too=defer)
+                got = self.takeover.take(room)
                 if got:
                     return got
-            if self.takeover.worth_looking(defer):  # look again once a request may be due
+            if defer or self.takeover.worth_looking():  # look again once one may be due
                 block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
         got = self._xreadgroup({s: ">" for s in streams}, room, block=block)
         if got and len(got) < room:
@@ -289,8 +289,9 @@ class Intake(SupervisedThread):
         """Whether this worker leaves the shared lanes to a lighter one for now: another
         live worker with room owns fewer prefixes (a new prefix read from the shared lane
         makes its reader the owner; without this, whichever worker's read happens to be
-        first would take most of them). What the lighter ones leave waiting this worker
-        still takes, after the affinity delay."""
+        first would take most of them). It looks again every look interval: once the
+        lighter one is full (it says so at once) or gone, the fleet view shows it within a
+        second and this worker reads the shared lanes again."""
         if self.advertiser is None:
             return False
         self.fleet_view.refresh()

@@ -22,6 +22,7 @@ class RequestRecord:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    request_id: str = ""
 
     @classmethod
     def for_item(cls, index: int, item: WorkItem, submit_s: float) -> RequestRecord:

@@ -97,6 +97,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         busy_ms = counted.pop(SIMULATED_BUSY)
         hits = int(counted.pop(PREFIX_HITS))
         moved = counted if len(workers) > 1 else {}
+    waits = {}
+    for w in workers:
+        waits.update(w.queue_waits())
+    run_waits = sorted(waits[r.request_id] for r in records if r.request_id in waits)
     where = "a worker process" if len(workers) == 1 else f"{len(workers)} worker processes"
     notes = [f"client in the bench process, {where}"]
     possible = possible_prefix_hits(items, field_default(EngineConfig, "block_size"))
@@ -112,6 +116,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
                      "from another worker's affinity lane")
     notes.append(f"Redis commands per request: {commands / len(items):.1f} (all clients, "
                  "the workers' idle looks and heartbeats included)")
+    if run_waits:
+        notes.append("queue wait (created to admitted) p50/p90/p99 ms: " + "/".join(
+            f"{run_waits[min(len(run_waits) - 1, int(q * len(run_waits)))]:.1f}"
+            for q in (0.5, 0.9, 0.99)))
     if target.placement is not None:
         io = ",".join(map(str, sorted(target.placement.io)))
         notes.append(f"client{' and Redis' if target.own_redis else ''} on CPU {io}, the "
@@ -256,6 +264,7 @@ def _drive(client: Client, model: str, items: list[WorkItem], plan: ArrivalPlan,
         if due:
             for rid, i in _submit(client, model, items, due):
                 records[rid] = RequestRecord.for_item(i, items[i], now)
+                records[rid].request_id = rid
                 follower.add(rid)
         if now >= next_check:
             worker.check_alive()

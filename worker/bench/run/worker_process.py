@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +29,9 @@ class WorkerProcess:
         self.worker_id = f"bench-{os.getpid()}-{label}"
         self.key = Keys(namespace).worker(self.worker_id)
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", str(model_dir),
+        # Debug logs: a line a request admitted, with its queue wait (read by queue_waits).
+        self.cmd = [sys.executable, "-m", "worker.cli", "--log-level", "debug", "worker",
+                    "--model", str(model_dir),
                     "--served-model-name", model_name, "--redis", redis_url,
                     "--namespace", namespace, "--name", self.worker_id,
                     "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S), *worker_flags]
@@ -48,6 +51,21 @@ class WorkerProcess:
                 raise RuntimeError(f"the bench worker did not start in {START_TIMEOUT_S:.0f} s"
                                    f"{self.log_tail()}")
             time.sleep(0.1)
+
+    def queue_waits(self) -> dict[str, float]:
+        """Milliseconds each request this worker admitted waited in Redis (created to
+        admitted), from its log."""
+        waits = {}
+        with open(self.log_path, "rb") as log:
+            for line in log:
+                if b'"request admitted"' not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                    waits[event["request_id"]] = float(event["queue_wait_ms"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return waits
 
     def check_alive(self) -> None:
         """RuntimeError with the worker's log tail when it has exited."""

@@ -237,8 +237,8 @@ def test_the_take_script_takes_only_what_waited_long_enough_or_was_left(each_red
 
 
 def test_new_prefixes_go_to_the_workers_that_own_fewest(owned, redis_url, redis_client):
-    """A worker owning more prefixes than a peer with room (beyond a margin) leaves the
-    shared lanes to it: new documents spread over the two, whichever reads first."""
+    """A worker owning more prefixes than a peer with room (beyond a margin) yields new
+    ones to it: new documents spread over the two."""
     from worker.fleet.affinity.fleet_view import OWNED_MARGIN
 
     owner, other, _ = owned

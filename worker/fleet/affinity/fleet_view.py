@@ -15,9 +15,8 @@ from producer.wire.keys import Keys, as_text
 # (producers see it within their model check's 5 s; requests they still send its way are
 # taken over as soon as this view sees it gone).
 VIEW_TTL_S = 1.0
-# Prefixes a worker may own beyond the fewest a peer with room owns and still read new
-# ones: within it every worker reads the shared lanes, so a burst of new prefixes is read
-# at once by whoever is free.
+# Prefixes a worker may own beyond the fewest a peer with room owns before it yields new
+# ones to that peer.
 OWNED_MARGIN = 1
 
 
@@ -80,17 +79,7 @@ class FleetView:
 
     def lighter_with_room(self, owned: int) -> bool:
         """Whether another live worker with room owns more than OWNED_MARGIN fewer prefixes
-        than ``owned``: a new prefix should go to it (its pull from the shared lane), not
-        here. The counts the view holds only lag (they grow), so a yes is checked against
-        the counts as they are now (one HGETALL): with those, the worker owning fewest
-        never leaves the shared lanes, nor does any within the margin of it, and someone
-        always reads them."""
-        if not self._lighter(owned):
-            return False
-        self.owned = {as_text(k): int(v) for k, v in self.client.hgetall(
-            self.keys.affinity_owned(self.model)).items()}
-        return self._lighter(owned)
-
-    def _lighter(self, owned: int) -> bool:
+        than ``owned``: a new prefix should rather go to it. (The counts lag by up to a
+        view: a wrong answer only changes who reads first.)"""
         return any(self.owned.get(w, 0) + OWNED_MARGIN < owned for w in self.with_room
                    if w != self.worker_id)

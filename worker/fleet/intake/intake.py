@@ -45,6 +45,9 @@ from worker.sampling.randomness import stable_seed
 log = structlog.get_logger(__name__)
 
 KV_STORED_BYTES = KV_STORED_FIELD.encode()
+# A worker that yields new prefixes to lighter ones blocks this long at a time (a worker
+# that serves reads for up to --read-block-ms).
+YIELDING_BLOCK_MS = 50
 # How long a prefill worker whose hand-ons fill its room waits before it looks again.
 HAND_ONS_BEHIND_WAIT_S = 0.05
 
@@ -254,8 +257,7 @@ class Intake(SupervisedThread):
         return False
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
-        defer = self._leaves_new_prefixes()
-        streams = [s for s in self.streams if not (defer and s in self.shared_lanes)]
+        streams = self.streams
         got = self._read_waiting(room, streams)
         if got:
             return got
@@ -265,8 +267,12 @@ class Intake(SupervisedThread):
                 got = self.takeover.take(room)
                 if got:
                     return got
-            if defer or self.takeover.worth_looking():  # look again once one may be due
+            if self.takeover.worth_looking():  # look again once one may be due
                 block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
+        if self._leaves_new_prefixes():
+            # Redis hands a new entry to the reader blocked longest: re-blocking often keeps
+            # this worker behind the lighter ones, never out (nothing waits for it).
+            block = min(block, YIELDING_BLOCK_MS)
         got = self._xreadgroup({s: ">" for s in streams}, room, block=block)
         if got and len(got) < room:
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
@@ -286,12 +292,10 @@ class Intake(SupervisedThread):
         self._said_full = True
 
     def _leaves_new_prefixes(self) -> bool:
-        """Whether this worker leaves the shared lanes to a lighter one for now: another
-        live worker with room owns fewer prefixes (a new prefix read from the shared lane
-        makes its reader the owner; without this, whichever worker's read happens to be
-        first would take most of them). It looks again every look interval: once the
-        lighter one is full (it says so at once) or gone, the fleet view shows it within a
-        second and this worker reads the shared lanes again."""
+        """Whether this worker yields new prefixes to a lighter one for now: another live
+        worker with room owns fewer prefixes (a new prefix read from the shared lane makes
+        its reader the owner; without this, whichever worker's read is first in Redis's
+        queue of blocked readers would take most of them)."""
         if self.advertiser is None:
             return False
         self.fleet_view.refresh()

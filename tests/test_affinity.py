@@ -1,4 +1,4 @@
-"""Prefix affinity (docs/architecture.md, "Prefix affinity"): requests that share a prompt
+"""Prefix affinity (docs/affinity.md): requests that share a prompt
 prefix go to the worker that holds it, and never wait on it for long: a busy owner's
 requests are taken over after the delay, a dead or draining owner's at once."""
 
@@ -95,20 +95,25 @@ def _busy(owner, client: Client, question: int) -> str:
     return rid
 
 
-@pytest.fixture
-def owned(start_worker, redis_url, redis_client):
+def _pair(start_worker, redis_url, redis_client, delay_ms: int):
     """(the owner of DOC, a second worker, ask(0)'s greedy answer): the owner served ask(0)
     alone before the second worker started. The owner has one seat and no prefetch, so one
-    request fills it; the second worker waits 600 s before taking a live worker's request,
-    and takes a dead or draining one's at once."""
+    request fills it; the second worker takes a full worker's request after ``delay_ms``,
+    a dead or draining one's at once."""
     redis_client.flushall()
     owner = start_worker("wa", prefetch=0, max_num_seqs=1)
     with Client(redis_url) as client:
         answer = client.result(client.submit(ask(0), model=MODEL, max_tokens=6,
                                              temperature=0), timeout=60).token_ids
     eventually(lambda: _owner(redis_client, ask(0)) == "wa", "the prefix advertised")
-    other = start_worker("wb", config={"affinity_delay_ms": 600_000})
+    other = start_worker("wb", config={"affinity_delay_ms": delay_ms})
     return owner, other, answer
+
+
+@pytest.fixture
+def owned(start_worker, redis_url, redis_client):
+    """_pair with a second worker that waits 600 s for a full one."""
+    return _pair(start_worker, redis_url, redis_client, 600_000)
 
 
 def test_requests_sharing_a_prefix_go_to_the_worker_that_holds_it(owned, redis_url,
@@ -127,13 +132,8 @@ def test_requests_sharing_a_prefix_go_to_the_worker_that_holds_it(owned, redis_u
 
 def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis_url,
                                                              redis_client):
-    redis_client.flushall()
-    owner = start_worker("wa", prefetch=0, max_num_seqs=1)
+    owner, taker, answer = _pair(start_worker, redis_url, redis_client, 1500)
     with Client(redis_url) as client:
-        answer = client.result(client.submit(ask(0), model=MODEL, max_tokens=6,
-                                             temperature=0), timeout=60).token_ids
-        eventually(lambda: _owner(redis_client, ask(0)) == "wa", "the prefix advertised")
-        taker = start_worker("wb", config={"affinity_delay_ms": 1500})
         held = _busy(owner, client, 1)
         rid = client.submit(ask(0), model=MODEL, max_tokens=6, temperature=0)
         lane = KEYS.affinity_lane(MODEL, "wa", "interactive")
@@ -220,19 +220,54 @@ def test_the_take_script_takes_only_what_waited_long_enough_or_was_left(each_red
     lane = KEYS.affinity_lane(MODEL, "wa", "interactive")
     ensure_groups(r, [lane])
     r.sadd(KEYS.affinity_lanes(MODEL), "wa", "wb")
-    r.hset(KEYS.worker("wa"), mapping={"status": "serving", "model": MODEL})
-    ids = [r.xadd(lane, {FIELD: b"x%d" % i}).decode() for i in range(3)]
+    r.hset(KEYS.worker("wa"), mapping={"status": "serving", "model": MODEL, "affinity": "1",
+                                       "room": "0"})  # a full worker
+    ids = [r.xadd(lane, {FIELD: b"x%d" % i}).decode() for i in range(4)]
     view = FleetView(r, KEYS, MODEL, "wb", clock=ManualClock())
     patient = Takeover(r, KEYS, MODEL, "wb", view, delay_ms=600_000)
     assert patient.take(8) == []  # a live worker's requests, not waiting that long
     assert Takeover(r, KEYS, MODEL, "wb", view, delay_ms=0).take(1) == [
         (lane, ids[0], {FIELD: b"x0"})]
-    r.hset(KEYS.worker("wa"), "status", "draining")  # now it takes no new request
+    r.hset(KEYS.worker("wa"), "affinity", "")  # restarted without affinity: its lane is left
     view.refresh(force=True)
-    assert [entry for _, entry, _ in patient.take(8)] == ids[1:]  # at once, whatever waited
+    assert [entry for _, entry, _ in patient.take(1)] == ids[1:2]  # at once
+    r.hset(KEYS.worker("wa"), mapping={"affinity": "1", "status": "draining"})
+    view.refresh(force=True)
+    assert [entry for _, entry, _ in patient.take(8)] == ids[2:]  # at once, whatever waited
     assert patient.take(8) == []
     assert {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(lane, GROUP)} == {
-        "wb": 3}
+        "wb": 4}
+    r.close()
+
+
+def test_a_gone_workers_lanes_are_forgotten_once_empty_and_long_gone(each_redis):
+    from producer.client.connection import connect
+    from producer.client.queues import trim_request_stream
+    from worker.fleet.affinity.fleet_view import FleetView
+    from worker.fleet.affinity.pruning import PRUNE_AFTER_S, LanePruner
+    from worker.fleet.intake.intake import ensure_groups
+
+    r = connect(each_redis.url)
+    r.flushall()
+    lanes = [KEYS.affinity_lane(MODEL, "wz", lane) for lane in ("interactive", "batch")]
+    ensure_groups(r, lanes)
+    r.sadd(KEYS.affinity_lanes(MODEL), "wz", "wb")
+    r.hset(KEYS.affinity_owned(MODEL), mapping={"wz": 4, "wb": 2})
+    entry = r.xadd(lanes[0], {FIELD: b"x"})  # one request still waits there
+    clock = ManualClock()
+    view = FleetView(r, KEYS, MODEL, "wb", clock=clock)
+    view.refresh(force=True)
+    pruner = LanePruner(r, KEYS, MODEL, view, clock)
+    assert pruner.prune() == 0  # gone (no heartbeat) from now on, as this reaper sees it
+    clock.advance(PRUNE_AFTER_S)
+    assert pruner.prune() == 0 and r.exists(lanes[0])  # ... but its lane is not empty
+    r.xreadgroup(GROUP, "wb", {lanes[0]: ">"})
+    r.xack(lanes[0], GROUP, entry)
+    trim_request_stream(r, lanes[0])
+    assert pruner.prune() == 1
+    assert not any(r.exists(lane) for lane in lanes)
+    assert r.smembers(KEYS.affinity_lanes(MODEL)) == {b"wb"}
+    assert r.hgetall(KEYS.affinity_owned(MODEL)) == {b"wb": b"2"}
     r.close()
 
 

@@ -55,6 +55,15 @@ def completions(engine: Engine, ps, params):
             for c in done]
 
 
+def assert_same(got, want) -> None:
+    """Tokens and finish reasons equal; logprobs equal to 1e-12: the two engines batch a
+    request's steps with other rows, and on some BLAS builds a float64 matmul's last bits
+    follow its row count (a wrong row or token is off in the first digits)."""
+    assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in want]
+    for (_, _, lps), (_, _, want_lps) in zip(got, want, strict=True):
+        assert lps == pytest.approx(want_lps, rel=1e-12, abs=1e-12)
+
+
 @pytest.mark.parametrize("penalties", [False, True])
 def test_sampled_seeded_and_stopped_requests_match_the_plain_engine(tiny_llama, penalties):
     ps, params = prompts(30), mixed_params(30, penalties=penalties)
@@ -62,7 +71,7 @@ def test_sampled_seeded_and_stopped_requests_match_the_plain_engine(tiny_llama, 
     overlapped = Engine(tiny_llama, dtype="float64", num_kv_blocks=400, async_scheduling=True)
     want = completions(plain, ps, params)
     got = completions(overlapped, ps, params)
-    assert got == want
+    assert_same(got, want)
     assert any(reason == FinishReason.STOP for _, reason, _ in want)  # stop tokens did stop
     assert overlapped.num_overlapped_steps > 0
     if not penalties:

@@ -1,5 +1,5 @@
 """Where a request with affinity keys goes: the affinity lane of the live worker that holds
-the deepest of its prefixes, else the shared lane (docs/architecture.md, "Prefix affinity").
+the deepest of its prefixes, else the shared lane (docs/affinity.md).
 
 The producer reads the owners of the keys it looks up (one MGET, every key under the
 model's hash tag) and knows the live workers from the heartbeats it reads anyway (the

@@ -115,7 +115,7 @@ class AsyncClient(ClientBase):
         if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
             try:
                 owners = await self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
-                sub = self._placed(sub, owners, await self._live_workers(sub.model))
+                sub = self._placed(sub, owners, await self._affinity_workers(sub.model))
             except redis.exceptions.NoPermissionError:
                 self._no_affinity()
         try:
@@ -146,12 +146,13 @@ class AsyncClient(ClientBase):
                 self._watch_keeper = keeper
             return self._watch_keeper.id
 
-    async def _live_workers(self, model: str) -> tuple[str, ...]:
-        """The live workers of ``model``, as the model check last read them (or now)."""
+    async def _affinity_workers(self, model: str) -> tuple[str, ...]:
+        """The live workers of ``model`` that read affinity lanes, as the model check last
+        read their heartbeats (or now)."""
         state = self._recent_state(model)
         if state is None:
             state = await self.model_state(model)
-        return state.live_workers
+        return state.affinity_workers
 
     async def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

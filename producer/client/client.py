@@ -373,8 +373,8 @@ class Client(ClientBase):
     seconds (it died, or closed: producer/client/watch.py); ``watch_id`` keeps a given
     watch instead of a fresh one (a retried bulk job keeps the requests of its first run).
     ``affinity`` (default True): requests carry their prompt's prefix keys and go to the
-    worker that holds that prefix, when one lives (docs/architecture.md, "Prefix
-    affinity"); False sends every request to its shared lane.
+    worker that holds that prefix, when one lives (docs/affinity.md); False sends every
+    request to its shared lane.
     """
 
     def __init__(
@@ -446,7 +446,7 @@ class Client(ClientBase):
         if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
             try:
                 owners = self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
-                sub = self._placed(sub, owners, self._live_workers(sub.model))
+                sub = self._placed(sub, owners, self._affinity_workers(sub.model))
             except redis.exceptions.NoPermissionError:
                 self._no_affinity()
         try:
@@ -481,12 +481,13 @@ class Client(ClientBase):
                 self._watch_keeper = keeper
             return self._watch_keeper.id
 
-    def _live_workers(self, model: str) -> tuple[str, ...]:
-        """The live workers of ``model``, as the model check last read them (or now)."""
+    def _affinity_workers(self, model: str) -> tuple[str, ...]:
+        """The live workers of ``model`` that read affinity lanes, as the model check last
+        read their heartbeats (or now)."""
         state = self._recent_state(model)
         if state is None:
             state = self.model_state(model)
-        return state.live_workers
+        return state.affinity_workers
 
     def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

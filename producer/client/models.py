@@ -43,6 +43,9 @@ class ModelState:
     registered: bool
     live_workers: tuple[str, ...] = ()
     liveness_known: bool = True
+    # Of the live workers, those that read an affinity lane of their own (prefix affinity:
+    # producer/affinity/); a request goes to no other's lane.
+    affinity_workers: tuple[str, ...] = ()
 
     @property
     def live(self) -> bool:
@@ -82,10 +85,13 @@ def model_states(
     registered = set(registered)
     live: dict[str, list[str]] = {}
     roles: dict[str, set[str]] = {}
+    affine: dict[str, list[str]] = {}
     for hb in heartbeats or []:
         if is_live(hb) and hb.get("model"):
             live.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
             roles.setdefault(hb["model"], set()).add(hb.get("role") or "both")
+            if hb.get("affinity") == "1":
+                affine.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
     # A request needs its prompt computed and its tokens generated: prefill workers alone
     # hand requests on to nobody, decode workers alone never read the request lanes.
     for model, present in roles.items():
@@ -93,7 +99,8 @@ def model_states(
             live.pop(model)
     names = registered | set(live) | set(also) | set(roles)
     return [ModelState(name, name in registered, tuple(sorted(live.get(name, []))),
-                       heartbeats is not None) for name in sorted(names)]
+                       heartbeats is not None, tuple(sorted(affine.get(name, []))))
+            for name in sorted(names)]
 
 
 def state_of(name: str, registered: bool,

@@ -58,7 +58,7 @@ class Keys:
         """A worker's affinity lane of one model and lane (``conveyor:req:{tiny}:@w1:
         interactive``): requests whose prompt prefix that worker holds, read by it first and
         by any other worker once they waited past the affinity delay, or at once when the
-        worker is gone or draining (docs/architecture.md, "Prefix affinity"). Under the
+        worker is gone or draining (docs/affinity.md). Under the
         model's hash tag and ``{ns}:req:*`` like the shared lanes: one XREADGROUP reads
         both, and producers may add to it as to them."""
         return (f"{self.ns}:req:{{{validate_name('model', model)}}}:"

@@ -64,7 +64,7 @@ MAX_UNIX_MS = 253_402_300_799_999
 REQUEST_FIELDS = frozenset({"v", "id", "model", "prompt", "prompt_token_ids", "messages",
                             "params", "priority", "lane", "created_ms", "deadline_ms", "watch",
                             "chat_template_kwargs", "tools", "affinity"})
-# Affinity keys a request may carry (producer/affinity/prefix_keys.py carries 5).
+# Affinity keys a request may carry (producer/affinity/prefix_keys.py carries 3).
 MAX_AFFINITY_KEYS = 8
 _AFFINITY_KEY = re.compile(r"[0-9a-f]{16}")
 

@@ -181,10 +181,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--no-affinity", dest="affinity", action="store_false",
                    help="no affinity lane of its own and no advertised prefixes: read the "
                    "shared lanes only, as plain pull does (default: prefix affinity on; "
-                   "docs/architecture.md, 'Prefix affinity')")
+                   "docs/affinity.md)")
     p.add_argument("--affinity-delay-ms", type=int, default=worker("affinity_delay_ms"),
-                   metavar="MS", help="how long a request waits in a live worker's affinity "
-                   "lane before an idle worker takes it over (default: %(default)s)")
+                   metavar="MS", help="how long a request waits in a full worker's affinity "
+                   "lane before an idle worker takes it over; a gone or draining worker's "
+                   "are taken at once (default: %(default)s)")
     p.set_defaults(handler=worker_cmd)
 
 

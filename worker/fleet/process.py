@@ -205,9 +205,9 @@ class Worker:
             "waiting": stats["waiting"],
             "swapped": stats.get("swapped", 0),
             "inflight": len(self.inflight),
-            # Requests the intake would read now ("0": full; prefix affinity's peers leave new
-            # prefixes to a worker with room).
-            "room": self.inflight.room(),
+            # Requests the intake would read now ("0": full, or its intake is failing: prefix
+            # affinity's peers take over what waits in its lanes).
+            "room": self.inflight.room() if self.intake.healthy else 0,
             "kv_blocks_used": stats["kv_blocks_used"],
             "kv_blocks_total": stats["kv_blocks_total"],
             "tokens_generated": self.loop.tokens_generated,

@@ -42,15 +42,11 @@ class Advertiser:
         self._fresh: OrderedDict[str, float] = OrderedDict()  # key -> when set
 
     def join(self) -> None:
-        """Start this worker's count of owned prefixes at the fewest a listed worker has (a
+        """Start this worker's count of owned prefixes at the fewest a live worker has (a
         worker that joins late takes its share of new prefixes, not all of them until it
-        caught up); a worker's own count it keeps."""
-        counts = {as_text(k): int(v) for k, v in self.client.hgetall(
-            self.keys.affinity_owned(self.model)).items()}
-        if self.worker_id in counts:
-            self.owned = counts[self.worker_id]
-            return
-        self.owned = min(counts.values(), default=0)
+        caught up)."""
+        self.view.refresh(force=True)
+        self.owned = self.view.fewest_owned()
         self.client.hset(self.keys.affinity_owned(self.model), self.worker_id, self.owned)
 
     def advertise(self, requests: Iterable[GenerationRequest]) -> None:

@@ -11,8 +11,8 @@ from worker.fleet.affinity.fleet_view import FleetView
 
 # One round trip, atomic: per lane (in the order given), the entries not yet delivered whose
 # id is at least that lane's minimum age old by the server's clock (stream ids are its
-# milliseconds), read to this consumer; at most ARGV[3] in all. Returns {lane, entries}
-# pairs, entries as XREADGROUP gives them.
+# milliseconds; age 0: all of them), read to this consumer; at most ARGV[3] in all.
+# Returns {lane, entries} pairs, entries as XREADGROUP gives them.
 TAKE_SCRIPT = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -27,11 +27,17 @@ for i, lane in ipairs(KEYS) do
       for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
       if info['name'] == ARGV[1] then delivered = info['last-delivered-id'] end
     end
-    if delivered then
-      local cutoff = now_ms - tonumber(ARGV[3 + i])
+    if delivered == nil then
+      -- a lane nobody made the group of (its stream was lost and added to again)
+      redis.call('XGROUP', 'CREATE', lane, ARGV[1], '0')
+      delivered = '0-0'
+    end
+    -- (a lane read up to an id in the far future is blocked: reopen_lane's to mend)
+    if tonumber(string.match(delivered, '^(%d+)')) < 1000000000000000 then
+      local age = tonumber(ARGV[3 + i])
       local n = 0
       for _, e in ipairs(redis.call('XRANGE', lane, '(' .. delivered, '+', 'COUNT', left)) do
-        if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
+        if age > 0 and tonumber(string.match(e[1], '^(%d+)')) > now_ms - age then break end
         n = n + 1
       end
       if n > 0 then
@@ -84,7 +90,7 @@ class Takeover:
         self.view.refresh()
         # A live worker with room reads its own lane at once: nothing waits there for long.
         # Gone workers first (nobody else serves them), then the live ones that are full.
-        others = sorted((w for w in self.view.others() if w not in self.view.with_room),
+        others = sorted((w for w in self.view.others() if not self.view.has_room(w)),
                         key=lambda w: self.view.is_live(w))
         return [(self.keys.affinity_lane(self.model, w, lane),
                  self.delay_ms if self.view.is_live(w) else 0)
@@ -93,7 +99,7 @@ class Takeover:
     def worth_looking(self) -> bool:
         """Whether any lane may hold a request this worker should take."""
         self.view.refresh()
-        return any(w not in self.view.with_room for w in self.view.others())
+        return any(not self.view.has_room(w) for w in self.view.others())
 
     def due(self) -> bool:
         """Whether a look is due (one a look interval at most: an idle worker's looks are

@@ -15,6 +15,7 @@ from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stre
 from producer.wire.keys import GROUP, LANES, Keys, as_text
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
 from producer.wire.validation import choice_id
+from worker.fleet.affinity.pruning import LanePruner
 from worker.fleet.housekeeping.consumers import ConsumerSweeper, prune_worker_set
 from worker.fleet.housekeeping.leases import release
 from worker.fleet.housekeeping.old_lanes import OldLanes
@@ -83,6 +84,7 @@ class Reaper(SupervisedThread):
         # handed back is claimable at once).
         self.view = intake.fleet_view
         self._next_live_lanes = self.clock.monotonic()
+        self.pruner = LanePruner(client, keys, intake.model, self.view, self.clock)
 
     def tick(self) -> None:
         # A lost group (NOGROUP) is the intake's to recreate; until then this tick fails and
@@ -108,6 +110,8 @@ class Reaper(SupervisedThread):
                 self.sweeper.sweep(stream)
             for stream in others:  # (served entries of gone workers' lanes, too)
                 trim_request_stream(self.client, stream)
+            if self.intake.takeover is not None:
+                self.pruner.prune()
             prune_worker_set(self.client, self.keys)
             self.check_lanes()
             self.old_lanes.answer()

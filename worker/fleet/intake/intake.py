@@ -138,6 +138,7 @@ class Intake(SupervisedThread):
         self.num_read = 0
         self._groups_ready = False
         self._said_full = False  # since the in-flight table last had room
+        self.heartbeat_ttl_s = max(1, int(3 * config.heartbeat_interval_s + 0.999))
 
     def tick(self) -> None:
         """Read what there is room for and hand it to the engine loop."""
@@ -258,17 +259,18 @@ class Intake(SupervisedThread):
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
         streams = self.streams
-        got = self._read_waiting(room, streams)
-        if got:
-            return got
         block = self.read_block_ms
-        if self.takeover is not None:
+        if self.takeover is not None and self.takeover.worth_looking():
+            # Before the shared lanes: a gone worker's requests must not wait behind a
+            # backlog there (at most one look a look interval).
             if self.takeover.due():
                 got = self.takeover.take(room)
                 if got:
                     return got
-            if self.takeover.worth_looking():  # look again once one may be due
-                block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
+            block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
+        got = self._read_waiting(room, streams)
+        if got:
+            return got
         if self._leaves_new_prefixes():
             # Redis hands a new entry to the reader blocked longest: re-blocking often keeps
             # this worker behind the lighter ones, never out (nothing waits for it).
@@ -288,7 +290,11 @@ class Intake(SupervisedThread):
         its affinity lanes after the delay, rather than after a heartbeat."""
         if self._said_full or self.advertiser is None:
             return
-        self.client.hset(self.keys.worker(self.worker_id), "room", 0)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.worker(self.worker_id), "room", 0)
+        # (as the heartbeat sets it: a hash written after it lapsed must lapse too)
+        pipe.expire(self.keys.worker(self.worker_id), self.heartbeat_ttl_s)
+        pipe.execute()
         self._said_full = True
 
     def _leaves_new_prefixes(self) -> bool:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from fleet_fixtures import MODEL, settled_pending
+from hf_reference import hf_greedy
 from waiting import eventually
 
 from producer.affinity.prefix_keys import (
@@ -117,21 +118,23 @@ def owned(start_worker, redis_url, redis_client):
 
 
 def test_requests_sharing_a_prefix_go_to_the_worker_that_holds_it(owned, redis_url,
-                                                                  redis_client):
+                                                                  redis_client, tiny_llama):
     owner, other, _ = owned
     before = _hits(owner)
     with Client(redis_url) as client:
         for q in range(1, 5):
             rid = client.submit(ask(q), model=MODEL, max_tokens=3, temperature=0)
             assert _lane_of(redis_client, rid) == KEYS.affinity_lane(MODEL, "wa", "interactive")
-            client.result(rid, timeout=60)
+            # exact, its prefix from the cache: transformers' greedy answer
+            assert client.result(rid, timeout=60).token_ids == hf_greedy(
+                tiny_llama, ask(q), 3).token_ids
     assert _hits(owner) - before == 4 * DOC_HIT  # each found the document cached
     assert _hits(other) == 0 and other.intake.takeover.taken == 0
     assert settled_pending(redis_client) == 0
 
 
 def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis_url,
-                                                             redis_client):
+                                                             redis_client, tiny_llama):
     owner, taker, answer = _pair(start_worker, redis_url, redis_client, 1500)
     with Client(redis_url) as client:
         held = _busy(owner, client, 1)
@@ -143,6 +146,7 @@ def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis
         done = client.result(rid, timeout=60)
         assert taker.intake.takeover.taken == 1
         assert done.token_ids == answer  # the same greedy answer, its prefix computed again
+        assert answer == hf_greedy(tiny_llama, ask(0), 6).token_ids
         assert _owner(redis_client, ask(0)) == "wa"  # still the live owner's
         owner.loop.resume()
         client.result(held, timeout=60)

@@ -109,6 +109,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--baseline hf-static: requests per static batch")
     a.add_argument("--chunked-prefill", choices=["on", "off"], default="on",
                    help="off: also run the fleet with chunked prefill off, for comparison")
+    s.add_argument("--kv-share-prefixes", action="store_true",
+                   help="the workers share prompt blocks through the fleet KV tier (their "
+                   "--kv-share-prefixes; a real engine only): the KV goes to the request "
+                   "where prefix affinity could not bring the request to the KV")
     a.add_argument("--plain-pull", action="store_true",
                    help="also run the fleet without prefix affinity (workers and client "
                    "--no-affinity: whichever worker reads first serves), for comparison")

@@ -93,6 +93,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         tokens = [after - before for before, after in zip(
             tokens_before, _per_worker(client, workers, "tokens_generated"), strict=True)]
         affinity_taken = int(counted.pop(AFFINITY_TAKEN))
+        tier_hits = int(counted.pop(TIER_PREFIX_HITS))
         taken = {"worker": int(counted.pop(TAKEOVERS))}
         busy_ms = counted.pop(SIMULATED_BUSY)
         hits = int(counted.pop(PREFIX_HITS))
@@ -107,7 +108,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
     if possible:  # (a workload of shared prefixes: W6)
         notes.append(f"prefix cache hits: {hits} prompt tokens of {possible} possible "
                      f"({hits / possible:.2f}; possible: one shared cache that keeps every "
-                     "prefix)")
+                     "prefix)" + (f"; {tier_hits} more fetched from the fleet KV tier"
+                                  if tier_hits else ""))
     if len(workers) > 1:
         mean = sum(tokens) / len(tokens)
         notes.append(f"tokens per worker: {', '.join(str(int(t)) for t in tokens)} (the most "
@@ -165,6 +167,8 @@ SIMULATED_BUSY = "simulated_busy_ms"
 PREFIX_HITS = "prefix_cache_hit_tokens"
 # Requests taken from another worker's affinity lane (worker/fleet/affinity/takeover.py).
 AFFINITY_TAKEN = "affinity_taken"
+# Prompt tokens whose KV a worker fetched from the fleet tier (--kv-share-prefixes).
+TIER_PREFIX_HITS = "kv_prefix_hit_tokens"
 
 
 def _per_worker(client: Client, workers: list[WorkerProcess], name: str) -> list[float]:
@@ -182,7 +186,7 @@ def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, f
     """The workers' KV transfer counters, step take-overs, simulated steps' milliseconds and
     prefix cache hits (their heartbeats), summed."""
     total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY, PREFIX_HITS,
-                           AFFINITY_TAKEN), 0.0)
+                           AFFINITY_TAKEN, TIER_PREFIX_HITS), 0.0)
     for w in workers:
         raw = client.redis.hgetall(w.key)
         for name in total:

@@ -84,6 +84,11 @@ def _fleet(name: str, engine: dict[str, Any], args: argparse.Namespace, model_di
     """A fleet of one worker, or of ``1 + len(more)`` workers, or one worker per role;
     ``affinity`` False: plain pull (workers and the client without prefix affinity)."""
     flags = worker_flags(engine, args.threads)
+    if getattr(args, "kv_share_prefixes", False):
+        if _simulated(engine):
+            raise ValueError("--kv-share-prefixes moves KV: a simulated engine holds none")
+        flags.append("--kv-share-prefixes")
+        more = tuple((*f, "--kv-share-prefixes") for f in more)
     if not affinity:
         flags.append("--no-affinity")
         more = tuple((*f, "--no-affinity") for f in more)

@@ -293,3 +293,30 @@ def test_new_prefixes_go_to_the_workers_that_own_fewest(owned, redis_url, redis_
         KEYS.affinity_owned(MODEL)).items()}
     assert counts == {"wa": owner.intake.advertiser.owned, "wb": other.intake.advertiser.owned}
     assert sum(counts.values()) == 8 and abs(counts["wa"] - counts["wb"]) <= OWNED_MARGIN + 1
+
+
+def test_the_async_client_places_and_counts_as_the_client_does(owned, redis_url,
+                                                               redis_client):
+    """The gateway's client: a request sharing the owner's prefix goes to its lane, and
+    max_queue counts what is held there."""
+    import asyncio
+
+    from producer.client.async_client import AsyncClient
+
+    owner, _, answer = owned
+
+    async def go():
+        async with AsyncClient(redis_url) as client:
+            rid = await client.submit(ask(0), model=MODEL, max_tokens=6, temperature=0)
+            done = await client.result(rid, timeout=60)
+            with Client(redis_url) as sync:
+                held = _busy(owner, sync, 1)  # it holds one request: its lane has it
+            with pytest.raises(QueueFull):
+                await client.submit([7, 8], model=MODEL, max_tokens=1, max_queue=1)
+            owner.loop.resume()
+            await client.result(held, timeout=60)
+            return rid, done
+
+    rid, done = asyncio.run(go())
+    assert _lane_of(redis_client, rid) == KEYS.affinity_lane(MODEL, "wa", "interactive")
+    assert done.token_ids == answer

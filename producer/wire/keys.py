@@ -64,6 +64,10 @@ class Keys:
         return (f"{self.ns}:req:{{{validate_name('model', model)}}}:"
                 f"@{validate_name('worker id', worker_id)}:{validate_lane(lane)}")
 
+    def affinity_lanes_of(self, model: str, worker_id: str) -> tuple[str, ...]:
+        """Worker ``worker_id``'s affinity lanes of ``model``, one a lane (LANES' order)."""
+        return tuple(self.affinity_lane(model, worker_id, lane) for lane in LANES)
+
     def affinity_lane_pattern(self, model: str) -> str:
         """Glob of every worker's affinity lanes of ``model``."""
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:@*"

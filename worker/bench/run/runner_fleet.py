@@ -69,8 +69,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         _warm_up(client, model, group)
         plan = ArrivalPlan(items, concurrency)
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
-        counted_before = _heartbeat_sums(client, workers)
-        tokens_before = _per_worker(client, workers, "tokens_generated")
+        counted_before, tokens_before = _heartbeat_sums(client, workers)
         commands_before = _commands(client)
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
@@ -88,10 +87,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
         commands = _commands(client) - commands_before
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
-        counted = {k: v - counted_before[k]
-                   for k, v in _heartbeat_sums(client, workers).items()}
-        tokens = [after - before for before, after in zip(
-            tokens_before, _per_worker(client, workers, "tokens_generated"), strict=True)]
+        counted_after, tokens_after = _heartbeat_sums(client, workers)
+        counted = {k: v - counted_before[k] for k, v in counted_after.items()}
+        tokens = [after - before for before, after in zip(tokens_before, tokens_after,
+                                                          strict=True)]
         affinity_taken = int(counted.pop(AFFINITY_TAKEN))
         tier_hits = int(counted.pop(TIER_PREFIX_HITS))
         taken = {"worker": int(counted.pop(TAKEOVERS))}
@@ -171,27 +170,26 @@ AFFINITY_TAKEN = "affinity_taken"
 TIER_PREFIX_HITS = "kv_prefix_hit_tokens"
 
 
-def _per_worker(client: Client, workers: list[WorkerProcess], name: str) -> list[float]:
-    """One heartbeat field of each worker."""
-    return [float(client.redis.hget(w.key, name) or 0) for w in workers]
-
-
 def _commands(client: Client) -> int:
     """Commands the Redis server has run (INFO commandstats), all clients together."""
     stats = client.redis.info("commandstats")
     return sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict))
 
 
-def _heartbeat_sums(client: Client, workers: list[WorkerProcess]) -> dict[str, float]:
-    """The workers' KV transfer counters, step take-overs, simulated steps' milliseconds and
-    prefix cache hits (their heartbeats), summed."""
+def _heartbeat_sums(client: Client, workers: list[WorkerProcess]
+                    ) -> tuple[dict[str, float], list[float]]:
+    """The workers' KV transfer counters, step take-overs, simulated steps' milliseconds,
+    prefix cache hits and affinity take-overs (their heartbeats), summed; and the tokens
+    each one generated, from the same read."""
     total = dict.fromkeys((*TRANSFER_FIELDS, TAKEOVERS, SIMULATED_BUSY, PREFIX_HITS,
                            AFFINITY_TAKEN, TIER_PREFIX_HITS), 0.0)
+    tokens = []
     for w in workers:
         raw = client.redis.hgetall(w.key)
         for name in total:
             total[name] += float(raw.get(name.encode(), b"0") or 0)
-    return total
+        tokens.append(float(raw.get(b"tokens_generated", b"0") or 0))
+    return total, tokens
 
 
 class _Group:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import redis
 
 from producer.clock import SYSTEM_CLOCK, Clock
-from producer.wire.keys import LANES, Keys
+from producer.wire.keys import Keys
 from worker.fleet.affinity.advertise import ADVERTISEMENT_TTL_S
 from worker.fleet.affinity.fleet_view import FleetView
 
@@ -55,7 +55,7 @@ class LanePruner:
         for worker, since in list(self._gone_since.items()):
             if now - since < PRUNE_AFTER_S:
                 continue
-            lanes = [self.keys.affinity_lane(self.model, worker, lane) for lane in LANES]
+            lanes = self.keys.affinity_lanes_of(self.model, worker)
             if self._script(keys=[*lanes, self.keys.affinity_lanes(self.model),
                                   self.keys.affinity_owned(self.model)], args=[worker]):
                 done += 1

@@ -23,6 +23,11 @@ from worker.fleet.supervised import SupervisedThread
 log = structlog.get_logger(__name__)
 
 
+def heartbeat_ttl_s(interval_s: float) -> int:
+    """Whole seconds a heartbeat hash lives unless renewed: three intervals."""
+    return max(1, int(3 * interval_s + 0.999))
+
+
 class Heartbeat(SupervisedThread):
     """Every interval, writes ``{ns}:worker:{id}`` with a TTL of three intervals."""
 
@@ -66,7 +71,7 @@ class Heartbeat(SupervisedThread):
         mapping = {**self.static, **self.status(), "updated_ms": now_ms()}
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.key, mapping={k: str(v) for k, v in mapping.items()})
-        pipe.expire(self.key, max(1, int(3 * self.interval_s + 0.999)))
+        pipe.expire(self.key, heartbeat_ttl_s(self.interval_s))
         pipe.sadd(self.keys.workers, self.worker_id)
         pipe.execute()
 

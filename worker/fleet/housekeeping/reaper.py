@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from producer.client.queues import BLOCKED_HINT, lane_blocked, trim_request_stream
-from producer.wire.keys import GROUP, LANES, Keys, as_text
+from producer.wire.keys import GROUP, Keys, as_text
 from producer.wire.protocol import FIELD, GenerationRequest, ProtocolError, declared_choices
 from producer.wire.validation import choice_id
 from worker.fleet.affinity.pruning import LanePruner
@@ -126,9 +126,9 @@ class Reaper(SupervisedThread):
         every = now >= self._next_live_lanes
         if every:
             self._next_live_lanes = now + self.lease_ms / 3000
-        return [self.keys.affinity_lane(self.intake.model, worker, lane)
-                for worker in self.view.others() if every or not self.view.is_live(worker)
-                for lane in LANES]
+        return [stream for worker in self.view.others()
+                if every or not self.view.is_live(worker)
+                for stream in self.keys.affinity_lanes_of(self.intake.model, worker)]
 
     def check_lanes(self) -> list[str]:
         """Note (and log, when it changes) the lanes that take no new request."""

@@ -32,6 +32,7 @@ from worker.fleet.config import WorkerConfig
 from worker.fleet.handoff.handoff import KV_STORED_FIELD, HandoffReader, streams_for
 from worker.fleet.handoff.prefix_share import PrefixFinder
 from worker.fleet.handoff.tier_io import TierReader, resolve
+from worker.fleet.housekeeping.heartbeat import heartbeat_ttl_s
 from worker.fleet.housekeeping.leases import hand_back
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.intake.cancellation import cancelled_ids
@@ -124,7 +125,6 @@ class Intake(SupervisedThread):
         self.takeover = (Takeover(client, keys, model, config.worker_id, self.fleet_view,
                                   config.affinity_delay_ms, self.clock)
                          if role != "decode" else None)
-        self.shared_lanes = {keys.requests(model, lane) for lane in LANES}
         self.handoff_streams = [keys.handoff(model, lane) for lane in LANES]
         self.handoffs = parts.handoffs
         self.prefixes = parts.prefixes
@@ -138,7 +138,7 @@ class Intake(SupervisedThread):
         self.num_read = 0
         self._groups_ready = False
         self._said_full = False  # since the in-flight table last had room
-        self.heartbeat_ttl_s = max(1, int(3 * config.heartbeat_interval_s + 0.999))
+        self.heartbeat_ttl_s = heartbeat_ttl_s(config.heartbeat_interval_s)
 
     def tick(self) -> None:
         """Read what there is room for and hand it to the engine loop."""
@@ -219,7 +219,7 @@ class Intake(SupervisedThread):
         except redis.exceptions.NoPermissionError:
             log.warning("this worker's Redis user may not use prefix affinity: it reads the "
                         "shared lanes only (grant ~NS:affinity:* to join)")
-            own = {self.keys.affinity_lane(self.model, self.worker_id, lane) for lane in LANES}
+            own = self.keys.affinity_lanes_of(self.model, self.worker_id)
             self.streams[:] = [s for s in self.streams if s not in own]
             self.advertiser = None
 
@@ -258,7 +258,6 @@ class Intake(SupervisedThread):
         return False
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
-        streams = self.streams
         block = self.read_block_ms
         if self.takeover is not None and self.takeover.worth_looking():
             # Before the shared lanes: a gone worker's requests must not wait behind a
@@ -268,20 +267,20 @@ class Intake(SupervisedThread):
                 if got:
                     return got
             block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
-        got = self._read_waiting(room, streams)
+        got = self._read_waiting(room)
         if got:
             return got
         if self._leaves_new_prefixes():
             # Redis hands a new entry to the reader blocked longest: re-blocking often keeps
             # this worker behind the lighter ones, never out (nothing waits for it).
             block = min(block, YIELDING_BLOCK_MS)
-        got = self._xreadgroup({s: ">" for s in streams}, room, block=block)
+        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=block)
         if got and len(got) < room:
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it
             # with this read lets the engine's next step start with the whole burst, not
             # with its first request alone (an extra, nearly empty prefill step).
-            got += self._read_waiting(room - len(got), streams)
+            got += self._read_waiting(room - len(got))
         return got
 
     def _say_full(self) -> None:
@@ -307,11 +306,11 @@ class Intake(SupervisedThread):
         self.fleet_view.refresh()
         return self.fleet_view.lighter_with_room(self.advertiser.owned)
 
-    def _read_waiting(self, room: int, streams: list[str]) -> list[tuple[str, str, dict]]:
+    def _read_waiting(self, room: int) -> list[tuple[str, str, dict]]:
         """Up to ``room`` entries already waiting, without blocking: interactive first,
         batch only gets the room left."""
         got: list[tuple[str, str, dict]] = []
-        for stream in streams:
+        for stream in self.streams:
             if len(got) < room:
                 got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
         return got

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
@@ -85,7 +86,8 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         preempted = {"worker": cpu.delta(preempted_before,
                                          _over_workers(cpu.process_preemptions, workers))}
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
-        commands = _commands(client) - commands_before
+        by_command = _commands(client) - commands_before
+        commands = sum(by_command.values())
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
         counted_after, tokens_after = _heartbeat_sums(client, workers)
         counted = {k: v - counted_before[k] for k, v in counted_after.items()}
@@ -115,8 +117,9 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
                      f"{max(tokens) / mean if mean else 0:.2f}x the mean); prefix affinity "
                      f"{'on' if target.affinity else 'off'}, {affinity_taken} requests taken "
                      "from another worker's affinity lane")
+    most = ", ".join(f"{name} {n / len(items):.2f}" for name, n in by_command.most_common(12))
     notes.append(f"Redis commands per request: {commands / len(items):.1f} (all clients, "
-                 "the workers' idle looks and heartbeats included)")
+                 f"the workers' idle looks and heartbeats included; most: {most})")
     if run_waits:
         notes.append("queue wait (created to admitted) p50/p90/p99 ms: " + "/".join(
             f"{run_waits[min(len(run_waits) - 1, int(q * len(run_waits)))]:.1f}"
@@ -170,10 +173,12 @@ AFFINITY_TAKEN = "affinity_taken"
 TIER_PREFIX_HITS = "kv_prefix_hit_tokens"
 
 
-def _commands(client: Client) -> int:
-    """Commands the Redis server has run (INFO commandstats), all clients together."""
+def _commands(client: Client) -> Counter[str]:
+    """Commands the Redis server has run (INFO commandstats), by name, all clients
+    together (calls inside scripts too)."""
     stats = client.redis.info("commandstats")
-    return sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict))
+    return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
+                    if isinstance(v, dict)})
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]

@@ -19,6 +19,7 @@ from producer.affinity.prefix_keys import (
     canonical_bytes,
     prefix_keys,
 )
+from producer.affinity.routing import OWNER_GENERATION_S, generation
 from producer.client.client import Client, QueueFull
 from producer.client.queues import lane_stats
 from producer.clock import ManualClock
@@ -26,7 +27,7 @@ from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, GenerationRequest
 
 KEYS = Keys()
-DOC = list(range(2, 402))  # 400 tokens (1,600 bytes): carries keys up to level 1,296
+DOC = list(range(2, 702))  # 700 tokens (2,800 bytes): carries keys up to level 2,304
 # The tiny model's prefix cache keeps whole 16-token blocks of the document.
 DOC_HIT = len(DOC) // 16 * 16
 
@@ -78,7 +79,7 @@ def _lane_of(r, request_id: str) -> str:
 
 def _owner(r, prompt: list[int]) -> str | None:
     key = prefix_keys(canonical_bytes(token_ids=prompt)).keys[-1]
-    value = r.get(KEYS.affinity_owner(MODEL, key))
+    value = r.hget(KEYS.affinity_owners(MODEL, generation(time.time())), key)
     return value.decode() if value else None
 
 
@@ -244,6 +245,70 @@ def test_the_take_script_takes_only_what_waited_long_enough_or_was_left(each_red
     r.close()
 
 
+def test_an_advertisement_is_one_write_a_generation_and_leaves_a_live_owners_keys(
+        each_redis):
+    """A read's new keys cost one HSET into now's owners' hash and one into the next's (each
+    hash set to expire once); the same keys again in that generation cost nothing, and are
+    written once more when it turns. A request taken from a live worker's lane leaves its
+    keys to that worker; one from a gone worker's lane names the taker."""
+    from producer.client.connection import connect
+    from producer.wire.protocol import SamplingParams
+    from worker.fleet.affinity.advertise import Advertiser
+    from worker.fleet.affinity.fleet_view import FleetView
+    from worker.fleet.messages import Admission
+
+    r = connect(each_redis.url)
+    r.flushall()
+    clock = ManualClock()
+    view = FleetView(r, KEYS, MODEL, "wb", clock=clock)
+    r.sadd(KEYS.affinity_lanes(MODEL), "wa", "wb")
+    r.hset(KEYS.worker("wa"), mapping={"status": "serving", "model": MODEL, "affinity": "1"})
+    advertiser = Advertiser(r, KEYS, MODEL, "wb", view, clock)
+
+    def admitted(prompt: list[int], stream: str) -> Admission:
+        found = prefix_keys(canonical_bytes(token_ids=prompt))
+        req = GenerationRequest(request_id=f"r{len(prompt)}-{stream[-3:]}", model=MODEL,
+                                prompt_token_ids=prompt, params=SamplingParams(max_tokens=1),
+                                affinity=list(found.keys))
+        return Admission(request=req, prompt_token_ids=prompt, stream=stream, entry_id="1-0")
+
+    def owners(at: float) -> dict[str, str]:
+        name = KEYS.affinity_owners(MODEL, generation(at))
+        return {k.decode(): v.decode() for k, v in r.hgetall(name).items()}
+
+    shared = KEYS.requests(MODEL, "interactive")
+    busy_owner = KEYS.affinity_lane(MODEL, "wa", "interactive")
+    r.config_resetstat()
+    advertiser.advertise([admitted(ask(0), shared), admitted(ask(1), shared),
+                          admitted([*range(3, 400), 9], busy_owner)])
+    stats = r.info("commandstats")
+    assert stats["cmdstat_hset"]["calls"] == 2 and stats["cmdstat_expire"]["calls"] == 2
+    keys = set(prefix_keys(canonical_bytes(token_ids=ask(0))).keys) | set(
+        prefix_keys(canonical_bytes(token_ids=ask(1))).keys)
+    now = clock.time()
+    assert owners(now) == owners(now + OWNER_GENERATION_S) == dict.fromkeys(keys, "wb")
+    assert 0 < r.ttl(KEYS.affinity_owners(MODEL, generation(now))) <= 2 * OWNER_GENERATION_S + 1
+    # (ask(0) and ask(1) open with one document: one prefix new to it)
+    assert advertiser.owned == 1 and r.hget(KEYS.affinity_owned(MODEL), "wb") == b"1"
+
+    r.config_resetstat()
+    advertiser.advertise([admitted(ask(0), KEYS.affinity_lane(MODEL, "wb", "interactive"))])
+    assert "cmdstat_hset" not in r.info("commandstats")  # written this generation already
+    clock.advance(OWNER_GENERATION_S)
+    advertiser.advertise([admitted(ask(0), shared)])
+    stats = r.info("commandstats")
+    assert stats["cmdstat_hset"]["calls"] == 2 and stats["cmdstat_expire"]["calls"] == 1
+    assert advertiser.owned == 1  # renewed, not new
+
+    r.delete(KEYS.worker("wa"))  # gone: what is taken from its lane becomes the taker's
+    clock.advance(1.0)
+    advertiser.advertise([admitted([*range(3, 400), 9], busy_owner)])
+    assert set(prefix_keys(canonical_bytes(token_ids=[*range(3, 400), 9])).keys) <= set(
+        owners(clock.time()))
+    assert advertiser.owned == 2
+    r.close()
+
+
 def test_a_gone_workers_lanes_are_forgotten_once_empty_and_long_gone(each_redis):
     from producer.client.connection import connect
     from producer.client.queues import trim_request_stream
@@ -284,7 +349,7 @@ def test_new_prefixes_go_to_the_workers_that_own_fewest(owned, redis_url, redis_
     assert other.intake.advertiser.owned == owner.intake.advertiser.owned == 1  # joined even
     with Client(redis_url) as client:
         for doc in range(1, 7):
-            prompt = [(d * 7 + doc * 131) % 1000 + 2 for d in DOC[:300]] + [7]
+            prompt = [(d * 7 + doc * 131) % 1000 + 2 for d in DOC[:500]] + [7]
             done = client.result(client.submit(prompt, model=MODEL, max_tokens=2,
                                                temperature=0), timeout=60)
             assert done.finish_reason == "length"

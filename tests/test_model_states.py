@@ -485,3 +485,21 @@ def test_model_states_from_registrations_and_heartbeats():
     # Heartbeats a producer may not read (an ACL without ~{ns}:worker:*): registered is live.
     [unknown] = model_states(["a"], None)
     assert not unknown.liveness_known and unknown.live and unknown.state == LIVE
+
+
+def test_the_affinity_generation_is_the_latest_a_live_affinity_worker_names():
+    """Producers read the owners' hash of the generation the workers' heartbeats name (the
+    latest of the live workers with affinity lanes), not one of their own clock."""
+    beats = [{"worker_id": "w1", "model": "a", "status": "serving", "affinity": "1",
+              "affinity_generation": "11994000"},
+             {"worker_id": "w2", "model": "a", "status": "serving", "affinity": "1",
+              "affinity_generation": "11994001"},
+             {"worker_id": "w3", "model": "a", "status": "draining", "affinity": "1",
+              "affinity_generation": "11994009"},  # not live
+             {"worker_id": "w4", "model": "a", "status": "serving", "affinity": "",
+              "affinity_generation": ""},  # --no-affinity
+             {"worker_id": "w5", "model": "b", "status": "serving", "affinity": "1"}]
+    states = {s.name: s for s in model_states(["a", "b"], beats)}
+    assert states["a"].affinity_workers == ("w1", "w2")
+    assert states["a"].affinity_generation == 11994001
+    assert states["b"].affinity_generation is None  # (a worker from before: the client's own)

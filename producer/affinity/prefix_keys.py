@@ -4,8 +4,8 @@ Two prompts that open with the same text share the keys of every level both reac
 worker that served one holds the KV of that prefix, so the other should go to it. The keys
 are made before tokenizing (producers load no tokenizer), from the prompt as the request
 carries it: text, token ids, or chat messages with their tools and template variables (what
-a chat template renders first). Levels grow by half each, from 256 bytes: the deepest level
-inside a shared prefix covers at least two thirds of it.
+a chat template renders first). Levels grow by half each, from 1,536 bytes: the deepest
+level inside a shared prefix covers at least two thirds of it.
 
 A request carries the keys of its ``CARRIED_LEVELS`` deepest levels, deepest last (the
 ``affinity`` field, docs/protocol.md): producers look the deepest ones up, workers advertise
@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Bytes of the shortest prefix worth a key: shorter shared openings (a greeting, a short
-# system prompt) save too little to route for.
-FIRST_LEVEL = 256
+# Bytes of the shortest prefix worth a key (~384 tokens of text or ids): a shorter shared
+# opening saves a GPU a few milliseconds of prefill, less than routing costs every prompt
+# that shares nothing (a lookup on submit, an advertisement: docs/affinity.md, "Cost").
+FIRST_LEVEL = 1536
 GROWTH = 1.5
 # Prompts are at most 1,000,000 characters (up to 4 bytes each) or 262,144 token ids (4
 # bytes each): levels reach past both.
@@ -30,7 +31,7 @@ MAX_PROMPT_BYTES = 4_000_000
 LEVELS: tuple[int, ...] = tuple(int(FIRST_LEVEL * GROWTH ** i) for i in range(
     1 + int(math.log(MAX_PROMPT_BYTES / FIRST_LEVEL, GROWTH))))
 # Keys a request carries: its deepest levels (1.5^2: a prompt a conversation's next turn
-# made up to twice as long still finds it). Each is a SET for the worker that serves it.
+# made up to twice as long still finds it). Each is a field its server writes.
 CARRIED_LEVELS = 3
 # A request follows an owner only for a prefix at least this share of its prompt: a short
 # common opening (a system prompt shared by every request) must not send every new

@@ -114,8 +114,11 @@ class AsyncClient(ClientBase):
             await self._check_model(sub.model, sub.request_id)
         if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
             try:
-                owners = await self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
-                sub = self._placed(sub, owners, await self._affinity_workers(sub.model))
+                state = await self._affinity_state(sub.model)
+                live = state.affinity_workers
+                owners = (await self.redis.hmget(self._owners_hash(sub, state), sub.lookup)
+                          if sub.lookup and live else [])
+                sub = self._placed(sub, owners, live)
             except redis.exceptions.NoPermissionError:
                 self._no_affinity()
         try:
@@ -146,13 +149,13 @@ class AsyncClient(ClientBase):
                 self._watch_keeper = keeper
             return self._watch_keeper.id
 
-    async def _affinity_workers(self, model: str) -> tuple[str, ...]:
-        """The live workers of ``model`` that read affinity lanes, as the model check last
-        read their heartbeats (or now)."""
+    async def _affinity_state(self, model: str) -> ModelState:
+        """What the model check last read of ``model``'s heartbeats (or now reads): its live
+        workers that read affinity lanes, and the generation of their owners' hashes."""
         state = self._recent_state(model)
         if state is None:
             state = await self.model_state(model)
-        return state.affinity_workers
+        return state
 
     async def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

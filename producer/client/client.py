@@ -20,7 +20,7 @@ import redis
 import structlog
 
 from producer.affinity.prefix_keys import canonical_bytes, prefix_keys
-from producer.affinity.routing import lanes_counted, owner_of
+from producer.affinity.routing import generation, lanes_counted, owner_of
 from producer.client.backpressure import QueueFull, add_if_room, check_max_queue  # noqa: F401 (re-export)
 from producer.client.connection import connect
 from producer.client.models import (
@@ -277,8 +277,8 @@ class ClientBase:
     def _placed(self, sub: Submission, owners: list[Any], live: tuple[str, ...]
                 ) -> Submission:
         """``sub`` sent to the affinity lane of its prefix's live owner, if it has one
-        (``owners``: the MGET of its lookup keys); ``max_queue`` then counts every live
-        worker's affinity lane of its lane too."""
+        (``owners``: what the owners' hash holds of its lookup keys); ``max_queue`` then
+        counts every live worker's affinity lane of its lane too."""
         owner = owner_of(sub.lookup, owners, live)
         lanes = lanes_counted(self.keys, sub.model, sub.lane, live)
         if owner is None:
@@ -289,11 +289,15 @@ class ClientBase:
     def _no_affinity(self) -> None:
         """A producer user from before affinity (no ``{ns}:affinity:*``): the shared lanes."""
         log.warning("this producer's Redis user may not read prefix owners: its requests go "
-                    "to the shared lanes (grant %R~NS:affinity:* +mget)")
+                    "to the shared lanes (grant %R~NS:affinity:* +hmget)")
         self.affinity = False
 
-    def _owner_keys(self, sub: Submission) -> list[str]:
-        return [self.keys.affinity_owner(sub.model, k) for k in sub.lookup]
+    def _owners_hash(self, sub: Submission, state: ModelState) -> str:
+        """The owners' hash to read: of the generation the workers' heartbeats name (this
+        client's clock's where none does)."""
+        gen = state.affinity_generation
+        return self.keys.affinity_owners(
+            sub.model, generation(self.clock.time()) if gen is None else gen)
 
     def _put_at(self, request_id: str, model: str, key: str, entry_id: Any) -> None:
         """Remember where a request went (``entry_id`` None: a pipelined XADD)."""
@@ -445,8 +449,11 @@ class Client(ClientBase):
             self._check_model(sub.model, sub.request_id)
         if sub.lookup or sub.limit is not None:  # (max_queue counts affinity lanes)
             try:
-                owners = self.redis.mget(self._owner_keys(sub)) if sub.lookup else []
-                sub = self._placed(sub, owners, self._affinity_workers(sub.model))
+                state = self._affinity_state(sub.model)
+                live = state.affinity_workers
+                owners = (self.redis.hmget(self._owners_hash(sub, state), sub.lookup)
+                          if sub.lookup and live else [])  # (no owner to find: no look)
+                sub = self._placed(sub, owners, live)
             except redis.exceptions.NoPermissionError:
                 self._no_affinity()
         try:
@@ -481,13 +488,13 @@ class Client(ClientBase):
                 self._watch_keeper = keeper
             return self._watch_keeper.id
 
-    def _affinity_workers(self, model: str) -> tuple[str, ...]:
-        """The live workers of ``model`` that read affinity lanes, as the model check last
-        read their heartbeats (or now)."""
+    def _affinity_state(self, model: str) -> ModelState:
+        """What the model check last read of ``model``'s heartbeats (or now reads): its live
+        workers that read affinity lanes, and the generation of their owners' hashes."""
         state = self._recent_state(model)
         if state is None:
             state = self.model_state(model)
-        return state.affinity_workers
+        return state
 
     def _check_model(self, model: str, request_id: str) -> None:
         state = self._recent_state(model)

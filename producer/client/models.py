@@ -46,6 +46,9 @@ class ModelState:
     # Of the live workers, those that read an affinity lane of their own (prefix affinity:
     # producer/affinity/); a request goes to no other's lane.
     affinity_workers: tuple[str, ...] = ()
+    # The generation of the owners' hashes those workers write (the latest their heartbeats
+    # name: producers read the workers' clocks, not their own); None: none said one.
+    affinity_generation: int | None = None
 
     @property
     def live(self) -> bool:
@@ -86,12 +89,16 @@ def model_states(
     live: dict[str, list[str]] = {}
     roles: dict[str, set[str]] = {}
     affine: dict[str, list[str]] = {}
+    generations: dict[str, int] = {}
     for hb in heartbeats or []:
         if is_live(hb) and hb.get("model"):
             live.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
             roles.setdefault(hb["model"], set()).add(hb.get("role") or "both")
             if hb.get("affinity") == "1":
                 affine.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
+                gen = hb.get("affinity_generation", "")
+                if gen.isdigit() and int(gen) > generations.get(hb["model"], -1):
+                    generations[hb["model"]] = int(gen)
     # A request needs its prompt computed and its tokens generated: prefill workers alone
     # hand requests on to nobody, decode workers alone never read the request lanes.
     for model, present in roles.items():
@@ -99,7 +106,8 @@ def model_states(
             live.pop(model)
     names = registered | set(live) | set(also) | set(roles)
     return [ModelState(name, name in registered, tuple(sorted(live.get(name, []))),
-                       heartbeats is not None, tuple(sorted(affine.get(name, []))))
+                       heartbeats is not None, tuple(sorted(affine.get(name, []))),
+                       generations.get(name))
             for name in sorted(names)]
 
 

@@ -45,7 +45,7 @@ def _producer_selectors(k: Keys) -> list[tuple[list[str], list[str]]]:
         ([f"%W~{k.requested}"], ["sadd"]),
         # Prefix affinity: which worker holds a prompt's prefix, which workers have lanes
         # (read only: a producer cannot name itself the owner of anything).
-        ([f"%R~{k.affinity_pattern}"], ["mget", "smembers"]),
+        ([f"%R~{k.affinity_pattern}"], ["hmget", "smembers"]),
     ]
 
 
@@ -77,7 +77,7 @@ PRODUCER_COMMANDS_6 = (
     "set", "publish", "multi", "exec", "discard",  # cancel: marker and announcement at once
     "hget", "hgetall", "smembers",  # models, model_info, tokenizer; live workers (heartbeats)
     "sadd",  # a request for an unregistered model, noted for `conveyor top`
-    "mget",  # prefix affinity: the owners of a prompt's prefixes
+    "hmget",  # prefix affinity: the owners of a prompt's prefixes
 )
 
 # Commands a worker (worker/fleet) sends, and why. Workers are trusted with their
@@ -101,8 +101,8 @@ WORKER_COMMANDS = (
     "evalsha", "eval", "script|load",  # lease renewal (reloaded on restart), take-overs
     "xinfo", "xlen", "xtrim", "multi", "exec", "discard",  # lane depths, trimming served requests
     "set", "mget", "incrby", "decrby", "pexpire",  # the fleet KV tier ({ns}:kv:*)
-    # prefix affinity: owners set and read (SET, MGET), the lanes set (SADD, SMEMBERS), owned
-    # counts (HGETALL, HSET, HINCRBY),
+    # prefix affinity: the owners' hashes (HSET, EXPIRE), the lanes set (SADD, SMEMBERS),
+    # owned counts (HGETALL, HSET, HINCRBY),
     # heartbeats of the workers with lanes (HMGET), TIME in the take-over script
     "hmget", "time", "hincrby",
 )

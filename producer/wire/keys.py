@@ -24,7 +24,6 @@ GROUP = "workers"
 LANES = ("interactive", "batch")
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_HEX_KEY = re.compile(r"[0-9a-f]{16}")
 
 
 def validate_name(kind: str, value: object) -> str:
@@ -72,12 +71,24 @@ class Keys:
         """Glob of every worker's affinity lanes of ``model``."""
         return f"{self.ns}:req:{{{validate_name('model', model)}}}:@*"
 
-    def affinity_owner(self, model: str, prefix_key: str) -> str:
-        """String naming the worker that holds the prompt prefix ``prefix_key`` (a hex
-        digest, producer/affinity/prefix_keys.py) in its cache; expires unless renewed."""
-        if not _HEX_KEY.fullmatch(prefix_key):
-            raise ValueError(f"an affinity key is 16 hex digits, got {brief(prefix_key)}")
-        return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:k:{prefix_key}"
+    def affinity_owners(self, model: str, generation: int) -> str:
+        """Hash of prefix key (16 hex digits: producer/affinity/prefix_keys.py) -> the
+        worker that holds that prompt prefix in its cache, for one generation of the owners
+        (``producer.affinity.routing.generation``: a span of the clock). A worker writes a
+        key into the generation of now and the next one; producers read now's; each hash
+        expires a generation after its own ends."""
+        if not isinstance(generation, int) or generation < 0:
+            raise ValueError(f"a generation is an int >= 0, got {generation!r}")
+        return f"{self.ns}:affinity:{{{validate_name('model', model)}}}:owners:{generation}"
+
+    def affinity_lane_worker(self, stream: str) -> str | None:
+        """The worker whose affinity lane ``stream`` is (:meth:`affinity_lane`); None for a
+        shared lane or any other stream."""
+        head, _, rest = stream.partition("}:@")
+        if not rest or not head.startswith(f"{self.ns}:req:{{"):
+            return None
+        worker, _, lane = rest.rpartition(":")
+        return worker or None
 
     def affinity_lanes(self, model: str) -> str:
         """Set of the worker ids that have affinity lanes of ``model`` (dead ones too, until

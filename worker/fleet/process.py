@@ -239,6 +239,10 @@ class Worker:
             "affinity_taken": self.intake.takeover.taken if self.intake.takeover else 0,
             "affinity_advertised": (self.intake.advertiser.advertised
                                     if self.intake.advertiser else 0),
+            # The generation of the owners' hashes it writes now (producers read the one
+            # the heartbeats name).
+            "affinity_generation": (self.intake.advertiser.generation()
+                                    if self.intake.advertiser else ""),
             "kv_imported_tokens": stats.get("kv_imported_tokens", 0),
             "handed_on": self.publisher.hand_on.handed_on if self.publisher.hand_on else 0,
             "kv_imported": self.handoffs.imported if self.handoffs else 0,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import redis
 
+from producer.affinity.routing import OWNER_GENERATION_S
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.keys import Keys
-from worker.fleet.affinity.advertise import ADVERTISEMENT_TTL_S
 from worker.fleet.affinity.fleet_view import FleetView
 
 # Seconds a worker's heartbeat must have been gone, as one reaper saw it, before its lanes
-# go: longer than its advertisements live and any producer trusts a heartbeat (5 s), so
-# nothing is added to a lane after it is removed.
-PRUNE_AFTER_S = ADVERTISEMENT_TTL_S + 60
+# go: longer than its advertisements are read (two generations) and any producer trusts a
+# heartbeat (5 s), so nothing is added to a lane after it is removed.
+PRUNE_AFTER_S = 2 * OWNER_GENERATION_S + 60
 # KEYS: the worker's lanes, then the lanes set and the owned hash (one hash slot: the
 # model's); ARGV[1]: the worker id. Removes them only when both lanes hold no entry (a
 # trimmed lane holds none once nothing in it waits or is pending).

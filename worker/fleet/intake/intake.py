@@ -181,7 +181,7 @@ class Intake(SupervisedThread):
             # in-flight table, and only the inbox gets them served.
             self.hand_over(admitted, self.client)
         if self.advertiser is not None and admitted:
-            self.advertiser.advertise(adm.request for adm in admitted)
+            self.advertiser.advertise(admitted)
 
     def _handoff_room(self) -> int:
         """How many more requests a prefill worker may take before the handoff streams
@@ -279,8 +279,10 @@ class Intake(SupervisedThread):
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it
             # with this read lets the engine's next step start with the whole burst, not
-            # with its first request alone (an extra, nearly empty prefill step).
-            got += self._read_waiting(room - len(got))
+            # with its first request alone (an extra, nearly empty prefill step). Only the
+            # streams that woke the read: the burst is there (the next read looks at all).
+            woke = {stream for stream, _, _ in got}
+            got += self._read_waiting(room - len(got), [s for s in self.streams if s in woke])
         return got
 
     def _say_full(self) -> None:
@@ -288,6 +290,14 @@ class Intake(SupervisedThread):
         ``room``, until the next beat says otherwise): the others take over what waits in
         its affinity lanes after the delay, rather than after a heartbeat."""
         if self._said_full or self.advertiser is None:
+            return
+        # Nothing goes to the lanes of a worker that owns nothing of late (what a restarted
+        # worker's earlier life owned is taken over once its heartbeat says it is full), and
+        # without a live peer nobody would take anything over.
+        if not self.advertiser.owns_lately():
+            return
+        self.fleet_view.refresh()
+        if not set(self.fleet_view.now.live) - {self.worker_id}:
             return
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.keys.worker(self.worker_id), "room", 0)
@@ -306,11 +316,12 @@ class Intake(SupervisedThread):
         self.fleet_view.refresh()
         return self.fleet_view.lighter_with_room(self.advertiser.owned)
 
-    def _read_waiting(self, room: int) -> list[tuple[str, str, dict]]:
-        """Up to ``room`` entries already waiting, without blocking: interactive first,
-        batch only gets the room left."""
+    def _read_waiting(self, room: int, streams: list[str] | None = None
+                      ) -> list[tuple[str, str, dict]]:
+        """Up to ``room`` entries already waiting in ``streams`` (default: all this worker
+        reads), without blocking: interactive first, batch only gets the room left."""
         got: list[tuple[str, str, dict]] = []
-        for stream in self.streams:
+        for stream in self.streams if streams is None else streams:
             if len(got) < room:
                 got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
         return got

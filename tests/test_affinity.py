@@ -154,6 +154,58 @@ def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis
     assert settled_pending(redis_client) == 0
 
 
+def test_a_worker_is_busy_once_a_step_or_a_wait_for_the_batch_lasts_half_the_delay():
+    from worker.fleet.affinity.busy import BusyOwner, EngineState
+
+    clock = ManualClock()
+    state = EngineState(None, None)
+    owner = BusyOwner(lambda: state, delay_ms=250, clock=clock)
+    assert not owner.check() and not owner.stepping  # idle
+    state = EngineState(clock.monotonic(), None)  # a step begins
+    clock.advance(0.124)
+    assert not owner.check() and owner.stepping
+    clock.advance(0.002)
+    assert owner.check() and owner.busy  # one step for half the delay: a long prefill
+    state = EngineState(None, clock.monotonic())  # it ended; a request waits for the batch
+    assert not owner.check()
+    clock.advance(0.2)
+    assert owner.check() and not owner.stepping  # waiting counts between steps too
+    state = EngineState(None, None)
+    assert not owner.check() and not owner.busy
+
+
+def test_a_busy_owners_own_lane_is_left_to_a_peer(start_worker, redis_url, redis_client,
+                                                  tiny_llama):
+    """An owner whose engine has a request waiting for its batch reads its affinity lane no
+    more and says it has no room: a peer takes the next question after the delay."""
+    redis_client.flushall()
+    owner = start_worker("wa", prefetch=4, max_num_seqs=1)
+    with Client(redis_url) as client:
+        client.result(client.submit(ask(0), model=MODEL, max_tokens=2, temperature=0),
+                      timeout=60)
+        eventually(lambda: _owner(redis_client, ask(0)) == "wa", "the prefix advertised")
+        taker = start_worker("wb", config={"affinity_delay_ms": 300})
+        eventually(lambda: "wb" in client.model_state(MODEL).affinity_workers, "wb live")
+        long = client.submit(ask(1), model=MODEL, max_tokens=1300, temperature=0,
+                             ignore_eos=True)
+        queued = client.submit(ask(2), model=MODEL, max_tokens=2, temperature=0)
+        eventually(lambda: owner.loop.engine_state().waiting_since is not None,
+                   "a request waiting for the owner's one seat")
+        owner.loop.pause()  # (it stays so: no step ends the wait)
+        eventually(lambda: owner.intake.busy, "the owner busy")
+        eventually(lambda: redis_client.hget(KEYS.worker("wa"), "room") == b"0",
+                   "the owner saying it has no room")
+        rid = client.submit(ask(3), model=MODEL, max_tokens=3, temperature=0)
+        assert _lane_of(redis_client, rid) == KEYS.affinity_lane(MODEL, "wa", "interactive")
+        done = client.result(rid, timeout=60)
+        assert taker.intake.takeover.taken == 1
+        assert done.token_ids == hf_greedy(tiny_llama, ask(3), 3).token_ids
+        client.cancel(long)
+        owner.loop.resume()
+        assert client.result(queued, timeout=60).finish_reason == "length"
+    assert settled_pending(redis_client) == 0
+
+
 def _undelivered(r, lane: str) -> int:
     group = next(g for g in r.xinfo_groups(lane) if g["name"].decode() == GROUP)
     return len(r.xrange(lane, min=f"({group['last-delivered-id'].decode()}"))

@@ -15,6 +15,7 @@ from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, 
 from producer.wire.stopping import stop_reason
 from worker.engine.engine import Engine
 from worker.engine.output_processor import StepOutput
+from worker.fleet.affinity.busy import EngineState
 from worker.fleet.faults import AdmissionHook
 from worker.fleet.handoff.engine_kv import (
     KVNotAdopted,
@@ -80,6 +81,10 @@ class EngineLoop(SupervisedThread):
         self._stepping = threading.Event()
         self._stepping.set()
         self.tokens_generated = 0
+        # Since when (the clock's monotonic seconds) a step has run, and requests have
+        # waited for room in the batch: prefix affinity's busy signal (fleet/affinity/busy.py).
+        self._step_began: float | None = None
+        self._waiting_since: float | None = None
         # A step's output waits here until the next step's forward starts (CPU, one step at
         # a time): the publisher's Python then runs while the engine's native step holds no
         # GIL, not beside the loop's own Python between steps, which it would make wait for
@@ -162,6 +167,8 @@ class EngineLoop(SupervisedThread):
         self._admit(block=not self.engine.has_unfinished() or hold)
         self._apply_cancels()
         if not self.engine.has_unfinished() or hold:
+            if not self.engine.has_unfinished():
+                self._waiting_since = None  # (what waited was cancelled)
             if not backlogged:
                 self._send_held()
         else:
@@ -185,11 +192,21 @@ class EngineLoop(SupervisedThread):
         for adm in pending:
             self._add(adm)
 
+    def engine_state(self) -> EngineState:
+        """Since when the current step has run and requests have waited (other threads)."""
+        return EngineState(self._step_began, self._waiting_since)
+
     def _step(self) -> list[StepOutput]:
         # The runner's counter, not engine.stats(): that builds a whole dict, twice a step.
         before = self.engine.runner.num_computed_tokens
         start = time.perf_counter()
+        self._step_began = self.clock.monotonic()
         outputs = self.engine.step()
+        self._step_began = None
+        if not self.engine.scheduler.num_waiting:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = self.clock.monotonic()
         elapsed = time.perf_counter() - start
         tokens = self.engine.runner.num_computed_tokens - before
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing

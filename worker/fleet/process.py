@@ -136,7 +136,7 @@ class Worker:
             self.chat_template, handoffs=self.handoffs, prefixes=self.prefix_finder,
             tier_reader=self.tier_reader,
             hand_ons_waiting=(lambda: self.tier_writer.waiting) if hand_on is not None else None,
-            grammars=self.engine.checks.grammars,
+            grammars=self.engine.checks.grammars, engine_state=self.loop.engine_state,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, keys=self.keys,
@@ -205,9 +205,10 @@ class Worker:
             "waiting": stats["waiting"],
             "swapped": stats.get("swapped", 0),
             "inflight": len(self.inflight),
-            # Requests the intake would read now ("0": full, or its intake is failing: prefix
-            # affinity's peers take over what waits in its lanes).
-            "room": self.inflight.room() if self.intake.healthy else 0,
+            # Requests the intake would read now ("0": full, busy (a long step, requests
+            # waiting for the batch) or its intake is failing: prefix affinity's peers take
+            # over what waits in its lanes).
+            "room": self.inflight.room() if self.intake.healthy and not self.intake.busy else 0,
             "kv_blocks_used": stats["kv_blocks_used"],
             "kv_blocks_total": stats["kv_blocks_total"],
             "tokens_generated": self.loop.tokens_generated,

@@ -26,6 +26,7 @@ from producer.wire.protocol import (
 from producer.wire.validation import choice_id, request_of
 from worker.engine.tokenizer import Tokenizer
 from worker.fleet.affinity.advertise import Advertiser
+from worker.fleet.affinity.busy import BusyOwner, EngineState
 from worker.fleet.affinity.fleet_view import FleetView
 from worker.fleet.affinity.takeover import Takeover
 from worker.fleet.config import WorkerConfig
@@ -94,6 +95,9 @@ class IntakeParts:
     # loop's thread (the engine then finds it compiled), and one that cannot be served is
     # refused here.
     grammars: Grammars | None = None
+    # Since when the engine loop's step has run and requests have waited: a worker busy
+    # that long leaves its own affinity lanes to its peers (None: it never does).
+    engine_state: Callable[[], EngineState] | None = None
 
 
 class Intake(SupervisedThread):
@@ -122,6 +126,9 @@ class Intake(SupervisedThread):
         self.fleet_view = FleetView(client, keys, model, config.worker_id, self.clock)
         self.advertiser = (Advertiser(client, keys, model, config.worker_id, self.fleet_view,
                                       self.clock) if own else None)
+        self.own_lanes = set(keys.affinity_lanes_of(model, own)) if own else set()
+        self.busy_owner = (BusyOwner(parts.engine_state, config.affinity_delay_ms, self.clock)
+                           if own and parts.engine_state is not None else None)
         self.takeover = (Takeover(client, keys, model, config.worker_id, self.fleet_view,
                                   config.affinity_delay_ms, self.clock)
                          if role != "decode" else None)
@@ -150,7 +157,8 @@ class Intake(SupervisedThread):
             self._say_full()
             self.inflight.wait_for_room(timeout=0.2)
             return
-        self._said_full = False
+        if self.busy_owner is None or not self.busy_owner.busy:
+            self._said_full = False
         if self.hand_ons_waiting is not None:
             room -= self.hand_ons_waiting()
             if room <= 0:  # the tier writer is behind: look again in a moment
@@ -259,6 +267,16 @@ class Intake(SupervisedThread):
 
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
         block = self.read_block_ms
+        streams = self.streams
+        if self.busy_owner is not None and self.advertiser is not None:
+            if self.busy_owner.check():
+                # Its own lanes wait for a peer (after the delay) or for it to be free.
+                streams = [s for s in streams if s not in self.own_lanes]
+                self._say_full()
+            if self.busy_owner.stepping and self.advertiser.owns_lately():
+                # A step that runs long makes it busy meanwhile: looked at again soon, so
+                # that a read blocked since before does not take its own lanes' requests.
+                block = min(block, YIELDING_BLOCK_MS)
         if self.takeover is not None and self.takeover.worth_looking():
             # Before the shared lanes: a gone worker's requests must not wait behind a
             # backlog there (at most one look a look interval).
@@ -267,14 +285,14 @@ class Intake(SupervisedThread):
                 if got:
                     return got
             block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
-        got = self._read_waiting(room)
+        got = self._read_waiting(room, streams)
         if got:
             return got
         if self._leaves_new_prefixes():
             # Redis hands a new entry to the reader blocked longest: re-blocking often keeps
             # this worker behind the lighter ones, never out (nothing waits for it).
             block = min(block, YIELDING_BLOCK_MS)
-        got = self._xreadgroup({s: ">" for s in self.streams}, room, block=block)
+        got = self._xreadgroup({s: ">" for s in streams}, room, block=block)
         if got and len(got) < room:
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it
@@ -282,8 +300,13 @@ class Intake(SupervisedThread):
             # with its first request alone (an extra, nearly empty prefill step). Only the
             # streams that woke the read: the burst is there (the next read looks at all).
             woke = {stream for stream, _, _ in got}
-            got += self._read_waiting(room - len(got), [s for s in self.streams if s in woke])
+            got += self._read_waiting(room - len(got), [s for s in streams if s in woke])
         return got
+
+    @property
+    def busy(self) -> bool:
+        """Whether it left its own affinity lanes to its peers at its last read."""
+        return self.busy_owner is not None and self.busy_owner.busy
 
     def _say_full(self) -> None:
         """Tell the fleet at once that this worker reads nothing now (its heartbeat's

@@ -192,7 +192,9 @@ def test_a_busy_owners_own_lane_is_left_to_a_peer(start_worker, redis_url, redis
         eventually(lambda: owner.loop.engine_state().waiting_since is not None,
                    "a request waiting for the owner's one seat")
         owner.loop.pause()  # (it stays so: no step ends the wait)
-        eventually(lambda: owner.intake.busy, "the owner busy")
+        # Busy, and seeing a peer with room (with none it reads its own lanes itself): its
+        # reads leave its own lanes to wb from now on.
+        eventually(lambda: owner.intake.leaving_own_lanes, "the owner leaving its lanes")
         eventually(lambda: redis_client.hget(KEYS.worker("wa"), "room") == b"0",
                    "the owner saying it has no room")
         rid = client.submit(ask(3), model=MODEL, max_tokens=3, temperature=0)

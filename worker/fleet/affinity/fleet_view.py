@@ -91,6 +91,10 @@ class FleetView:
     def has_room(self, worker_id: str) -> bool:
         return worker_id in self.now.with_room
 
+    def peer_with_room(self) -> bool:
+        """Whether another live worker had room (neither full nor busy) at its last word."""
+        return bool(self.now.with_room - {self.worker_id})
+
     def lighter_with_room(self, owned: int) -> bool:
         """Whether another live worker with room owns more than OWNED_MARGIN fewer prefixes
         than ``owned``: a new prefix should rather go to it. (The counts lag by up to a

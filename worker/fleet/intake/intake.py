@@ -127,6 +127,7 @@ class Intake(SupervisedThread):
         self.advertiser = (Advertiser(client, keys, model, config.worker_id, self.fleet_view,
                                       self.clock) if own else None)
         self.own_lanes = set(keys.affinity_lanes_of(model, own)) if own else set()
+        self.leaving_own_lanes = False  # its last read left them to its peers (busy)
         self.busy_owner = (BusyOwner(parts.engine_state, config.affinity_delay_ms, self.clock)
                            if own and parts.engine_state is not None else None)
         self.takeover = (Takeover(client, keys, model, config.worker_id, self.fleet_view,
@@ -268,16 +269,26 @@ class Intake(SupervisedThread):
     def _read(self, room: int) -> list[tuple[str, str, dict]]:
         block = self.read_block_ms
         streams = self.streams
+        busy = False
         if self.busy_owner is not None and self.advertiser is not None:
-            if self.busy_owner.check():
-                # Its own lanes wait for a peer (after the delay) or for it to be free.
-                streams = [s for s in streams if s not in self.own_lanes]
+            busy = self.busy_owner.check()
+            if busy:
                 self._say_full()
-            if self.busy_owner.stepping and self.advertiser.owns_lately():
-                # A step that runs long makes it busy meanwhile: looked at again soon, so
-                # that a read blocked since before does not take its own lanes' requests.
+                self.fleet_view.refresh()
+                if self.fleet_view.peer_with_room():
+                    # Its own lanes wait for that peer (after the delay) or for it to be
+                    # free. With every peer busy too they would wait anyway: here, where
+                    # their prefix is.
+                    streams = [s for s in streams if s not in self.own_lanes]
+            if (busy or self.busy_owner.stepping) and self.advertiser.owns_lately():
+                # Busy, or a step that may run long enough to make it so: looked at again
+                # soon, so that a read blocked since before the view changed does not take
+                # its own lanes' requests.
                 block = min(block, YIELDING_BLOCK_MS)
-        if self.takeover is not None and self.takeover.worth_looking():
+        # (set here, in the only thread that reads: no read of its own lanes is under way
+        # once this says so)
+        self.leaving_own_lanes = streams is not self.streams
+        if self.takeover is not None and not busy and self.takeover.worth_looking():
             # Before the shared lanes: a gone worker's requests must not wait behind a
             # backlog there (at most one look a look interval).
             if self.takeover.due():

@@ -238,6 +238,9 @@ def test_a_draining_owners_requests_are_taken_over_and_max_queue_counts_them(
         owned, redis_url, redis_client):
     owner, taker, _ = owned
     clock = ManualClock()  # the producer's view of the live workers never goes stale here
+    # ... and its clock names another generation of the owners than the workers': it reads
+    # the one their heartbeats name
+    assert generation(clock.time()) != generation(time.time())
     with Client(redis_url, clock=clock) as client:
         held = _busy(owner, client, 1)
         with pytest.raises(QueueFull):  # what an affinity lane holds counts

@@ -487,9 +487,10 @@ def test_model_states_from_registrations_and_heartbeats():
     assert not unknown.liveness_known and unknown.live and unknown.state == LIVE
 
 
-def test_the_affinity_generation_is_the_latest_a_live_affinity_worker_names():
+def test_the_affinity_generation_is_the_one_most_live_affinity_workers_name():
     """Producers read the owners' hash of the generation the workers' heartbeats name (the
-    latest of the live workers with affinity lanes), not one of their own clock."""
+    one most live workers with affinity lanes name, the latest of a tie), not one of their
+    own clock: one worker's clock running ahead sends nobody to a hash only it writes."""
     beats = [{"worker_id": "w1", "model": "a", "status": "serving", "affinity": "1",
               "affinity_generation": "11994000"},
              {"worker_id": "w2", "model": "a", "status": "serving", "affinity": "1",
@@ -501,5 +502,10 @@ def test_the_affinity_generation_is_the_latest_a_live_affinity_worker_names():
              {"worker_id": "w5", "model": "b", "status": "serving", "affinity": "1"}]
     states = {s.name: s for s in model_states(["a", "b"], beats)}
     assert states["a"].affinity_workers == ("w1", "w2")
-    assert states["a"].affinity_generation == 11994001
+    assert states["a"].affinity_generation == 11994001  # a tie: the latest
+    ahead = {"worker_id": "w6", "model": "a", "status": "serving", "affinity": "1",
+             "affinity_generation": "11994005"}
+    [a] = [s for s in model_states(["a"], [*beats, ahead, {**beats[0], "worker_id": "w7"}])
+           if s.name == "a"]
+    assert a.affinity_generation == 11994000  # two of four name it
     assert states["b"].affinity_generation is None  # (a worker from before: the client's own)

@@ -17,8 +17,9 @@ from producer.wire.keys import Keys
 # Seconds of one generation of the owners' hashes. A worker writes a key into the
 # generation of now and the next, so an advertisement is read for one to two generations
 # (150-300 s) after its last write: about as long as a prefix nobody asks for stays in a
-# busy worker's cache. Producers and workers read their own clocks: a skew between them
-# only shortens or lengthens that by the skew.
+# busy worker's cache. Workers read their own clocks and name their generation in their
+# heartbeats; producers read the one most of them name (a skew between workers shortens
+# or lengthens that span by the skew; a producer's view lags a turn by its model check).
 OWNER_GENERATION_S = 150
 
 

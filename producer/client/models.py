@@ -46,8 +46,9 @@ class ModelState:
     # Of the live workers, those that read an affinity lane of their own (prefix affinity:
     # producer/affinity/); a request goes to no other's lane.
     affinity_workers: tuple[str, ...] = ()
-    # The generation of the owners' hashes those workers write (the latest their heartbeats
-    # name: producers read the workers' clocks, not their own); None: none said one.
+    # The generation of the owners' hashes those workers write (the one most of their
+    # heartbeats name, the latest of a tie: producers read the workers' clocks, not their
+    # own); None: none said one.
     affinity_generation: int | None = None
 
     @property
@@ -89,7 +90,7 @@ def model_states(
     live: dict[str, list[str]] = {}
     roles: dict[str, set[str]] = {}
     affine: dict[str, list[str]] = {}
-    generations: dict[str, int] = {}
+    generations: dict[str, list[int]] = {}
     for hb in heartbeats or []:
         if is_live(hb) and hb.get("model"):
             live.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
@@ -97,8 +98,8 @@ def model_states(
             if hb.get("affinity") == "1":
                 affine.setdefault(hb["model"], []).append(hb.get("worker_id", "?"))
                 gen = hb.get("affinity_generation", "")
-                if gen.isdigit() and int(gen) > generations.get(hb["model"], -1):
-                    generations[hb["model"]] = int(gen)
+                if gen.isdigit():
+                    generations.setdefault(hb["model"], []).append(int(gen))
     # A request needs its prompt computed and its tokens generated: prefill workers alone
     # hand requests on to nobody, decode workers alone never read the request lanes.
     for model, present in roles.items():
@@ -107,8 +108,16 @@ def model_states(
     names = registered | set(live) | set(also) | set(roles)
     return [ModelState(name, name in registered, tuple(sorted(live.get(name, []))),
                        heartbeats is not None, tuple(sorted(affine.get(name, []))),
-                       generations.get(name))
+                       _most_named(generations.get(name, [])))
             for name in sorted(names)]
+
+
+def _most_named(generations: list[int]) -> int | None:
+    """The generation most workers name (the latest of a tie): one worker whose clock runs
+    a generation ahead does not send every producer to a hash only it writes."""
+    if not generations:
+        return None
+    return max(set(generations), key=lambda g: (generations.count(g), g))
 
 
 def state_of(name: str, registered: bool,

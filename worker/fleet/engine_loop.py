@@ -13,6 +13,7 @@ import structlog
 from producer.wire.completion import FinishReason
 from producer.wire.protocol import FIELD, FinalEntry, OutputChunk, error_final, now_ms
 from producer.wire.stopping import stop_reason
+from scheduler.request import RequestStatus
 from worker.engine.engine import Engine
 from worker.engine.output_processor import StepOutput
 from worker.fleet.affinity.busy import EngineState
@@ -81,10 +82,12 @@ class EngineLoop(SupervisedThread):
         self._stepping = threading.Event()
         self._stepping.set()
         self.tokens_generated = 0
-        # Since when (the clock's monotonic seconds) a step has run, and requests have
-        # waited for room in the batch: prefix affinity's busy signal (fleet/affinity/busy.py).
+        # Since when (the clock's monotonic seconds) a step has run, and the oldest request
+        # still waiting for room in the batch has waited: prefix affinity's busy signal
+        # (fleet/affinity/busy.py). Requests added to the engine, oldest first, with when.
         self._step_began: float | None = None
         self._waiting_since: float | None = None
+        self._queued: dict[str, float] = {}
         # A step's output waits here until the next step's forward starts (CPU, one step at
         # a time): the publisher's Python then runs while the engine's native step holds no
         # GIL, not beside the loop's own Python between steps, which it would make wait for
@@ -169,6 +172,7 @@ class EngineLoop(SupervisedThread):
         if not self.engine.has_unfinished() or hold:
             if not self.engine.has_unfinished():
                 self._waiting_since = None  # (what waited was cancelled)
+                self._queued.clear()
             if not backlogged:
                 self._send_held()
         else:
@@ -192,6 +196,18 @@ class EngineLoop(SupervisedThread):
         for adm in pending:
             self._add(adm)
 
+    def _oldest_waiting(self) -> float | None:
+        """When the oldest request still waiting for a seat in the batch was added (those
+        that started or ended before it are dropped as they come to the front)."""
+        requests = self.engine.scheduler.requests
+        while self._queued:
+            rid, added = next(iter(self._queued.items()))
+            req = requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING:
+                return added
+            del self._queued[rid]
+        return None
+
     def engine_state(self) -> EngineState:
         """Since when the current step has run and requests have waited (other threads)."""
         return EngineState(self._step_began, self._waiting_since)
@@ -203,10 +219,7 @@ class EngineLoop(SupervisedThread):
         self._step_began = self.clock.monotonic()
         outputs = self.engine.step()
         self._step_began = None
-        if not self.engine.scheduler.num_waiting:
-            self._waiting_since = None
-        elif self._waiting_since is None:
-            self._waiting_since = self.clock.monotonic()
+        self._waiting_since = self._oldest_waiting()
         elapsed = time.perf_counter() - start
         tokens = self.engine.runner.num_computed_tokens - before
         if tokens:  # a step that ran no forward (nothing fit) is not a step worth timing
@@ -319,6 +332,7 @@ class EngineLoop(SupervisedThread):
                 self._send([Publication(req.request_id, final=error_final(
                     str(exc), len(generated), id_base))])
             return
+        self._queued[req.request_id] = self.clock.monotonic()
         self._send([Track(req.request_id, req.params, len(adm.prompt_token_ids),
                           (adm.stream, adm.entry_id) if entry.choices is None else None,
                           generated, adm.published.text if adm.published else "")])

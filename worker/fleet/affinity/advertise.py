@@ -48,6 +48,9 @@ class Advertiser:
         """Start this worker's count of owned prefixes at the fewest a live worker has (a
         worker that joins late takes its share of new prefixes, not all of them until it
         caught up)."""
+        # (again after Redis lost its data: what it wrote, and the hashes' expiry, are gone)
+        self._written.clear()
+        self._expiring.clear()
         self.view.refresh(force=True)
         self.owned = self.view.fewest_owned()
         self.client.hset(self.keys.affinity_owned(self.model), self.worker_id, self.owned)

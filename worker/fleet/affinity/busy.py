@@ -1,13 +1,14 @@
-"""When a worker leaves its own affinity lanes to its peers: while its engine cannot start a
-request soon (one step has run long, or requests wait for room in its batch).
+"""Whether a worker is busy: its engine cannot start a request soon (one step has run long,
+or the oldest request waiting for room in its batch has waited long).
 
-A request read from its own lane then would queue behind that work while an idle peer
-could start it at once: with the fleet KV tier the peer fetches the prefix's KV, without
-it computes it again. So a busy worker reads only the shared lanes and says it has no room
-(its heartbeat's ``room`` 0), and its peers take over what waits in its lanes after the
-affinity delay (worker/fleet/affinity/takeover.py); once it is not busy it reads them
-again. On a GPU a step lasts milliseconds and a worker counts as busy only when its batch
-is full; on a CPU a long prefill makes it busy too.
+A request read from its own affinity lane then would queue behind that work while an idle
+peer could start it at once: with the fleet KV tier the peer fetches the prefix's KV,
+without it computes it again. So a busy worker says it has no room (its heartbeat's
+``room`` 0) and takes over nothing from live peers; while a peer has room (or the tier
+holds prefixes) it reads only the shared lanes, and its peers take over what waits in its
+lanes after the affinity delay (worker/fleet/affinity/takeover.py). Once it is not busy
+it reads them again. On a GPU a step lasts milliseconds and a worker is busy only when
+requests queue for its batch; on a CPU a long prefill makes it busy too.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ class BusyOwner:
         self.after_s = delay_ms / 2000
         self.busy = False  # as of the last check (the heartbeat's ``room`` reads it)
         self.stepping = False  # a step was running at the last check
+        self.step_age = 0.0  # ... for this many seconds
 
     def check(self) -> bool:
         state, now = self.engine_state(), self.clock.monotonic()
         since = [t for t in (state.step_began, state.waiting_since) if t is not None]
         self.stepping = state.step_began is not None
+        self.step_age = now - state.step_began if state.step_began is not None else 0.0
         self.busy = bool(since) and now - min(since) >= self.after_s
         return self.busy
+
+    def step_running_long(self) -> bool:
+        """Whether the step at the last check had run a fifth of the way to busy (a GPU's
+        steps rarely have; a CPU's prefill soon does)."""
+        return self.stepping and self.step_age >= self.after_s / 5

@@ -84,32 +84,35 @@ class Takeover:
         that), at least LOOK_MIN_S."""
         return max(LOOK_MIN_S, min(LOOK_MAX_S, self.delay_ms / 1000))
 
-    def lanes(self) -> list[tuple[str, int]]:
+    def lanes(self, live_too: bool = True) -> list[tuple[str, int]]:
         """(lane, minimum age in ms) of the other workers' affinity lanes to look at, in
-        look order."""
+        look order; ``live_too`` False: only those of workers that are not live."""
         self.view.refresh()
         # A live worker with room reads its own lane at once: nothing waits there for long.
         # Gone workers first (nobody else serves them), then the live ones that are full.
-        others = sorted((w for w in self.view.others() if not self.view.has_room(w)),
+        others = sorted((w for w in self.view.others() if not self.view.has_room(w)
+                         and (live_too or not self.view.is_live(w))),
                         key=lambda w: self.view.is_live(w))
         return [(self.keys.affinity_lane(self.model, w, lane),
                  self.delay_ms if self.view.is_live(w) else 0)
                 for lane in LANES for w in others]
 
-    def worth_looking(self) -> bool:
-        """Whether any lane may hold a request this worker should take."""
+    def worth_looking(self, live_too: bool = True) -> bool:
+        """Whether any lane may hold a request this worker should take (``live_too`` False:
+        of a worker that is not live)."""
         self.view.refresh()
-        return any(not self.view.has_room(w) for w in self.view.others())
+        return any(not self.view.has_room(w) and (live_too or not self.view.is_live(w))
+                   for w in self.view.others())
 
     def due(self) -> bool:
         """Whether a look is due (one a look interval at most: an idle worker's looks are
         its only steady cost)."""
         return self.clock.monotonic() >= self._next_look
 
-    def take(self, room: int) -> list[tuple[str, str, dict]]:
+    def take(self, room: int, live_too: bool = True) -> list[tuple[str, str, dict]]:
         """Up to ``room`` entries from other workers' lanes, as (lane, entry id, fields)."""
         self._next_look = self.clock.monotonic() + self.look_interval_s
-        lanes = self.lanes()
+        lanes = self.lanes(live_too)
         if not lanes or room <= 0:
             return []
         reply = self._script(keys=[lane for lane, _ in lanes],

@@ -275,24 +275,27 @@ class Intake(SupervisedThread):
             if busy:
                 self._say_full()
                 self.fleet_view.refresh()
-                if self.fleet_view.peer_with_room():
-                    # Its own lanes wait for that peer (after the delay) or for it to be
-                    # free. With every peer busy too they would wait anyway: here, where
-                    # their prefix is.
+                if self.prefixes is not None or self.fleet_view.peer_with_room():
+                    # Its own lanes wait for a peer with room (after the delay) or for the
+                    # first worker to be free. Without the fleet KV tier and with every peer
+                    # busy they would wait anyway: here, where their prefix is; with it, the
+                    # prefix is a fetch away from any worker.
                     streams = [s for s in streams if s not in self.own_lanes]
-            if (busy or self.busy_owner.stepping) and self.advertiser.owns_lately():
-                # Busy, or a step that may run long enough to make it so: looked at again
-                # soon, so that a read blocked since before the view changed does not take
-                # its own lanes' requests.
+            if (busy or self.busy_owner.step_running_long()) and self.advertiser.owns_lately():
+                # Busy, or in a step long enough that it may soon be: looked at again soon,
+                # so that a read blocked since before does not take its own lanes' requests.
+                # (Not in every step: on a GPU most reads find one running, briefly.)
                 block = min(block, YIELDING_BLOCK_MS)
         # (set here, in the only thread that reads: no read of its own lanes is under way
         # once this says so)
         self.leaving_own_lanes = streams is not self.streams
-        if self.takeover is not None and not busy and self.takeover.worth_looking():
+        # A busy worker takes over only what a worker that is gone or draining left: a
+        # busy peer's requests would wait here as long.
+        if self.takeover is not None and self.takeover.worth_looking(live_too=not busy):
             # Before the shared lanes: a gone worker's requests must not wait behind a
             # backlog there (at most one look a look interval).
             if self.takeover.due():
-                got = self.takeover.take(room)
+                got = self.takeover.take(room, live_too=not busy)
                 if got:
                     return got
             block = min(block, max(1, int(self.takeover.look_interval_s * 1000)))
@@ -308,15 +311,18 @@ class Intake(SupervisedThread):
             # Redis answers a blocked read as soon as the first entry lands: of a burst sent
             # in one go (a client's pipeline), the rest is in the stream by now. Taking it
             # with this read lets the engine's next step start with the whole burst, not
-            # with its first request alone (an extra, nearly empty prefill step). Only the
-            # streams that woke the read: the burst is there (the next read looks at all).
+            # with its first request alone (an extra, nearly empty prefill step). Only up to
+            # the streams that woke the read (the burst is there; more urgent lanes first):
+            # the next read looks at all.
             woke = {stream for stream, _, _ in got}
-            got += self._read_waiting(room - len(got), [s for s in streams if s in woke])
+            last = max(i for i, s in enumerate(streams) if s in woke)
+            got += self._read_waiting(room - len(got), streams[:last + 1])
         return got
 
     @property
     def busy(self) -> bool:
-        """Whether it left its own affinity lanes to its peers at its last read."""
+        """Whether its engine was busy at its last read (it then says it has no room, and
+        ``leaving_own_lanes`` says whether it left its own lanes to its peers)."""
         return self.busy_owner is not None and self.busy_owner.busy
 
     def _say_full(self) -> None:
@@ -327,7 +333,8 @@ class Intake(SupervisedThread):
             return
         # Nothing goes to the lanes of a worker that owns nothing of late (what a restarted
         # worker's earlier life owned is taken over once its heartbeat says it is full), and
-        # without a live peer nobody would take anything over.
+        # without a live peer with affinity lanes only the next heartbeat tells the others
+        # (a --no-affinity peer takes over too, at that pace).
         if not self.advertiser.owns_lately():
             return
         self.fleet_view.refresh()

@@ -152,6 +152,8 @@ def test_a_busy_owners_request_is_taken_over_after_the_delay(start_worker, redis
         owner.loop.resume()
         client.result(held, timeout=60)
     assert settled_pending(redis_client) == 0
+    # (its reads since were empty: the taker wrote no key at all, before or after)
+    assert taker.intake.advertiser.advertised == 0 and _owner(redis_client, ask(0)) == "wa"
 
 
 def test_a_worker_is_busy_once_a_step_or_a_wait_for_the_batch_lasts_half_the_delay():

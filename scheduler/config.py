@@ -36,6 +36,11 @@ class SchedulerConfig:
     # it has room and the request has computed at least a block (less is cheaper to
     # recompute), else recomputes; "swap" swaps whenever the host has room; "recompute" never swaps.
     preemption_mode: str = "auto"
+    # Inter-token target (ms): while requests decode, a step holds only as many prefill
+    # tokens as keep its predicted time within it (scheduler/step_cost.py: a cost model of
+    # the engine's own steps); at least MIN_PREFILL_TOKENS, so a prompt always progresses.
+    # None or 0: the token budget alone. Needs chunked prefill.
+    itl_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -49,6 +54,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): a step holds one token of every "
                 "running request")
+        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+            raise ValueError(f"itl_target_ms must be >= 0 (0: off), got {self.itl_target_ms}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

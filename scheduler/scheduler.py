@@ -17,6 +17,7 @@ from scheduler.output import (
     SchedulerOutput,
 )
 from scheduler.request import Request, RequestStatus
+from scheduler.step_cost import MIN_PREFILL_TOKENS, StepCostModel, StepFeatures, prefill_within
 
 
 class Scheduler:
@@ -47,6 +48,10 @@ class Scheduler:
         self._num_holding = 0
         # False while a step is scheduled beside a running one (schedule(may_preempt=False)).
         self._may_preempt = True
+        # With an inter-token target: what steps cost (learnt from the engine's), and the
+        # prefill tokens the step being scheduled may still take (None: no limit).
+        self.step_cost = StepCostModel()
+        self._prefill_left: int | None = None
 
     # ----- queue -----
 
@@ -117,12 +122,54 @@ class Scheduler:
         self._finished_ids = []
         self._may_preempt = may_preempt
         scheduled: dict[str, ScheduledChunk] = {}
+        self._prefill_left = self._prefill_limit()
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
         if not out.preempted_ids:
             budget = self._swap_in(budget, scheduled, out)
             self._admit_waiting(budget, scheduled, out)
         out.chunks = list(scheduled.values())
         return out
+
+    def _prefill_limit(self) -> int | None:
+        """Prefill tokens this step may hold so that it stays within the inter-token target
+        while requests decode (None: no target, nothing decoding, or prompts unchunked)."""
+        target_ms = self.config.itl_target_ms
+        if not target_ms or not self.config.enable_chunked_prefill:
+            return None
+        gen = RequestStatus.RUNNING_GEN
+        decoding = [r for r in self.running if r.status is gen]
+        if not decoding:
+            return None  # nobody waits on this step's tokens: prefill at full budget
+        # Context: the decodes', and the positions a running prefill's next chunk starts at.
+        context = sum(r.num_computed_tokens + (r.status is gen) for r in self.running)
+        return prefill_within(self.step_cost, target_ms / 1000, len(decoding), context,
+                              MIN_PREFILL_TOKENS, self.config.max_num_batched_tokens)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step of ``out`` took ``seconds``: the cost model learns it (only with a target)."""
+        if not self.config.itl_target_ms or not out.chunks:
+            return
+        prefill = rows = context = 0
+        for chunk in out.chunks:
+            n = len(chunk.token_ids)
+            if chunk.is_decode:
+                rows += 1
+            else:
+                prefill += n
+            context += chunk.start_position + n
+        self.step_cost.observe(StepFeatures(prefill, rows, context), seconds)
+
+    def cost_stats(self) -> dict[str, float]:
+        """The learnt step cost in seconds (with an inter-token target; else nothing)."""
+        if not self.config.itl_target_ms or not self.step_cost.steps:
+            return {}
+        names = ("step_cost_base_s", "step_cost_prefill_token_s", "step_cost_decode_row_s",
+                 "step_cost_context_token_s")
+        return dict(zip(names, self.step_cost.coefficients, strict=True))
+
+    def _took_prefill(self, n: int) -> None:
+        if self._prefill_left is not None and n > 1:
+            self._prefill_left = max(0, self._prefill_left - n)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append sampled tokens, finish requests."""
@@ -288,6 +335,7 @@ class Scheduler:
                 continue
             self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
             scheduled[req.request_id] = self._chunk(req, n)
+            self._took_prefill(n)
             budget -= n
         return budget
 
@@ -308,6 +356,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
+            self._took_prefill(n)
             budget -= n
         return budget
 
@@ -353,6 +402,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
+            self._took_prefill(n)
             budget -= n
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
@@ -432,6 +482,8 @@ class Scheduler:
             return min(n, budget)
         if not self.config.enable_chunked_prefill:
             return n if n <= budget else 0
+        if self._prefill_left is not None:  # (the inter-token target's share of the step)
+            budget = min(budget, self._prefill_left)
         return min(n, budget, self.config.chunk_cap)
 
     def _count_prefix_hit(self, req: Request, hit_tokens: int) -> None:

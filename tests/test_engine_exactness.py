@@ -38,6 +38,10 @@ PATHS = {
     "overlapped-chunked-nan": (
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, async_scheduling=True, **POOL),
         "staggered"),
+    # Prefill sized by an inter-token target no step meets: once the cost model learnt
+    # (scheduler/step_cost.py), every prompt beside decodes goes in the least chunks.
+    "itl-target-staggered": (
+        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, **POOL), "staggered"),
 }
 
 
@@ -117,6 +121,8 @@ def test_greedy_float64_equals_transformers(model_factory, variant, path):
         assert result["mixed_steps"] > 0  # decodes shared steps with prefill chunks
     if settings.get("async_scheduling"):
         assert engine.num_overlapped_steps > engine.num_steps // 2
+    if settings.get("itl_target_ms"):  # the target sized prefill beside decodes
+        assert engine.scheduler.step_cost.ready and result["mixed_steps"] > 0
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     engine.close()
 

@@ -93,6 +93,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="device KV pool in blocks (default: the engine's sizing)")
     s.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
+    s.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="the workers size each step's prefill to this inter-token target "
+                   "while requests decode (default: off)")
     s.add_argument("--stream-interval-ms", type=float,
                    default=field_default(WorkerConfig, "stream_interval_ms"), metavar="MS",
                    help="the workers publish a decoding request's tokens at most once every "

@@ -102,6 +102,10 @@ def _add_serve_parser(subparsers: Any) -> None:
                    "model's max length)")
     p.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="while requests decode, hold each step's prefill to what keeps its "
+                   "predicted time within MS (a cost model of the engine's own steps; a "
+                   "prompt still gains at least 32 tokens a step); 0 or unset: off")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="schedule each step while the one before runs: auto is on for CUDA "
                    "and off on a CPU, where it was measured slower; a prefill worker never "
@@ -248,6 +252,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         engine["enable_chunked_prefill"] = False
     if args.max_prefill_chunk:
         engine["max_prefill_chunk"] = args.max_prefill_chunk
+    if args.itl_target_ms:
+        engine["itl_target_ms"] = args.itl_target_ms
     if args.async_scheduling != "auto":
         engine["async_scheduling"] = args.async_scheduling == "on"
     if args.simulate_step_ms is not None:

@@ -37,6 +37,8 @@ class EngineConfig:
     # Cap on one request's prefill chunk in a step; None means the whole budget.
     max_prefill_chunk: int | None = SchedulerConfig.max_prefill_chunk
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    # Inter-token target (ms) that sizes each step's prefill while requests decode; None/0 off.
+    itl_target_ms: float | None = SchedulerConfig.itl_target_ms
     # Longest prompt + output; None means the model's max_position_embeddings.
     max_model_len: int | None = None
     # "auto": float32 on CPU, bfloat16 on CUDA; or float32, float64, bfloat16, float16.
@@ -88,6 +90,7 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
+            itl_target_ms=self.itl_target_ms,
         )
 
     def __post_init__(self) -> None:

@@ -119,18 +119,11 @@ class Engine:
                                                          preloaded is not None)
         seed = params.seed if params.seed is not None else fresh_seed()
 
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            max_tokens=limit,
-            priority=priority,
-            eos_token_ids=self.eos_token_ids,
-            stop_token_ids=frozenset(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            output_token_ids=list(generated),
-            sampling_params=params,
-            seed=seed,
-        )
+        req = Request(request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=limit,
+                      priority=priority, eos_token_ids=self.eos_token_ids,
+                      stop_token_ids=frozenset(params.stop_token_ids),
+                      ignore_eos=params.ignore_eos, output_token_ids=list(generated),
+                      sampling_params=params, seed=seed)
         req.preloaded = preloaded
         state = RequestOutputState.create(request_id, params, seed, len(prompt_ids),
                                           self.tokenizer if self.config.detokenize else None,
@@ -211,6 +204,7 @@ class Engine:
             outputs, stepped = self._pipeline.step(expired, must_sync=self._num_penalized > 0)
             self.num_steps += stepped
             return outputs
+        began = self.clock.monotonic()  # (what the step cost: the inter-token target's)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.release(sched)
@@ -218,7 +212,9 @@ class Engine:
         tokens, logprobs, prompt = self.runner.execute(sched)
         self.num_steps += 1
         updates = self.scheduler.update(sched, tokens)
-        return expired + self._step_outputs(updates, logprobs, prompt)
+        outputs = expired + self._step_outputs(updates, logprobs, prompt)
+        self.scheduler.observe_step(sched, self.clock.monotonic() - began)
+        return outputs
 
     def _step_outputs(self, updates: list[RequestUpdate], logprobs: dict[str, Any],
                       prompt: output_processor.PromptSpans) -> list[StepOutput]:
@@ -280,7 +276,7 @@ class Engine:
             # Milliseconds its simulated steps took (a GPU busy; the rest it waited for us).
             "simulated_busy_ms": int(getattr(self.runner, "simulated_ms", 0)),
             **{name: self.scheduler.counters[name] for name in REPORTED_COUNTERS},
-            **self.memory.stats(), **self.checks.grammar_stats(),
+            **self.memory.stats(), **self.checks.grammar_stats(), **self.scheduler.cost_stats(),
         }
 
     # ----- helpers -----

@@ -72,6 +72,14 @@ ENGINE_GAUGES = {
                          "Device KV blocks holding a findable prefix block (used or free)."),
     "host_blocks_used": ("conveyor_host_kv_blocks_used", "Host (swap) KV blocks in use."),
     "host_blocks_total": ("conveyor_host_kv_blocks_total", "Host (swap) KV blocks in the pool."),
+    # With --itl-target-ms: what a step costs, as the engine learnt it (scheduler/step_cost.py).
+    "step_cost_base_s": ("conveyor_step_cost_base_seconds", "Learnt cost of a step itself."),
+    "step_cost_prefill_token_s": ("conveyor_step_cost_prefill_token_seconds",
+                                  "Learnt cost of a prefill token in a step."),
+    "step_cost_decode_row_s": ("conveyor_step_cost_decode_row_seconds",
+                               "Learnt cost of a decode row in a step."),
+    "step_cost_context_token_s": ("conveyor_step_cost_context_token_seconds",
+                                  "Learnt cost of a context token attended over in a step."),
 }
 ENGINE_COUNTERS = {
     "steps": ("conveyor_engine_steps", "Engine steps that ran a forward pass."),

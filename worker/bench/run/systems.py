@@ -139,6 +139,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings["num_kv_blocks"] = args.num_kv_blocks
     if args.max_prefill_chunk:
         settings["max_prefill_chunk"] = args.max_prefill_chunk
+    if getattr(args, "itl_target_ms", None):
+        settings["itl_target_ms"] = args.itl_target_ms
     for name in SIMULATE_SETTINGS:  # a simulated engine: said in results
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
@@ -165,6 +167,8 @@ def worker_flags(settings: dict[str, Any], threads: int) -> list[str]:
         flags += ["--num-kv-blocks", str(settings["num_kv_blocks"])]
     if "max_prefill_chunk" in settings:
         flags += ["--max-prefill-chunk", str(settings["max_prefill_chunk"])]
+    if "itl_target_ms" in settings:
+        flags += ["--itl-target-ms", str(settings["itl_target_ms"])]
     if not settings["enable_chunked_prefill"]:
         flags.append("--no-chunked-prefill")
     if settings.get("simulate_step_ms") is not None:

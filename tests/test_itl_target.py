@@ -1,0 +1,185 @@
+"""Steps sized by an inter-token target (scheduler/step_cost.py): the cost model learns a
+step's time from the engine's own steps, and a step beside decodes holds only the prefill
+that keeps it within the target. Nothing here is timed: steps' seconds are given."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore import BlockPool, KVCacheManager
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.step_cost import (
+    MIN_PREFILL_STEPS,
+    MIN_PREFILL_TOKENS,
+    StepCostModel,
+    StepFeatures,
+    prefill_within,
+)
+
+# A machine's step: 2 ms, 40 µs a prefill token, 100 µs a decode row, 0.5 µs a context token.
+TRUE = (2e-3, 40e-6, 100e-6, 0.5e-6)
+
+
+def seconds(f: StepFeatures) -> float:
+    a, b, c, d = TRUE
+    return a + b * f.prefill_tokens + c * f.decode_rows + d * f.context_tokens
+
+
+def learnt(steps: int = 200, seed: int = 0) -> StepCostModel:
+    rng, model = random.Random(seed), StepCostModel()
+    for _ in range(steps):
+        f = StepFeatures(rng.choice([0, rng.randint(1, 1024)]), rng.randint(0, 64),
+                         rng.randint(0, 40_000))
+        model.observe(f, seconds(f))
+    return model
+
+
+def test_the_model_learns_a_steps_cost_from_steps_seen():
+    model = learnt()
+    assert model.ready
+    assert model.coefficients == pytest.approx(TRUE, rel=1e-3, abs=1e-9)
+    f = StepFeatures(500, 48, 20_000)
+    assert model.predict(f) == pytest.approx(seconds(f), rel=1e-3)
+
+
+def test_it_sizes_nothing_until_it_saw_prefill_steps():
+    model = StepCostModel()
+    for _ in range(50):  # decodes only: a prefill token's cost is unknown
+        f = StepFeatures(0, 48, 10_000)
+        model.observe(f, seconds(f))
+    assert not model.ready
+    assert prefill_within(model, 0.005, 48, 10_000, MIN_PREFILL_TOKENS, 1024) == 1024
+    for _ in range(MIN_PREFILL_STEPS):
+        f = StepFeatures(256, 48, 10_000)
+        model.observe(f, seconds(f))
+    assert model.ready
+
+
+def test_the_prefill_fits_the_target_and_never_falls_under_the_floor():
+    model = learnt()
+    rows, context = 48, 48 * 100  # decodes alone: 9.2 ms
+    for target_ms in (15, 20, 40):
+        n = prefill_within(model, target_ms / 1000, rows, context, MIN_PREFILL_TOKENS, 1024)
+        assert seconds(StepFeatures(n, rows, context + n)) <= target_ms / 1000 * 1.001
+        assert seconds(StepFeatures(n + 2, rows, context + n + 2)) > target_ms / 1000
+    # A batch whose decodes alone take longer than the target: the prompt still progresses.
+    assert prefill_within(model, 0.005, rows, context, MIN_PREFILL_TOKENS, 1024) == \
+        MIN_PREFILL_TOKENS
+    assert prefill_within(model, 10.0, rows, context, MIN_PREFILL_TOKENS, 1024) == 1024
+
+
+def scheduler(target_ms: float | None, model: StepCostModel | None = None) -> Scheduler:
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64,
+                                  max_model_len=4096, itl_target_ms=target_ms),
+                  KVCacheManager(BlockPool(4096), 16))
+    if model is not None:
+        s.step_cost = model
+    return s
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    return out
+
+
+def decoding(s: Scheduler, n: int) -> None:
+    for i in range(n):
+        s.add_request(Request(f"d{i}", list(range(1, 33)), max_tokens=10_000))
+    while any(r.status is not RequestStatus.RUNNING_GEN for r in s.running) or len(s.running) < n:
+        step(s)
+
+
+@pytest.mark.parametrize("target_ms", [10, 20, 40])
+def test_a_long_prompt_beside_decodes_goes_in_chunks_the_target_allows(target_ms):
+    s = scheduler(target_ms, learnt())
+    decoding(s, 48)
+    s.add_request(Request("doc", list(range(1, 2001)), max_tokens=4))
+    chunks = []
+    while s.requests["doc"].status is not RequestStatus.RUNNING_GEN:
+        out = step(s)
+        [doc] = [c for c in out.chunks if c.request_id == "doc"]
+        chunks.append(len(doc.token_ids))
+        rows = sum(c.is_decode for c in out.chunks)
+        context = sum(c.start_position + len(c.token_ids) for c in out.chunks)
+        assert rows == 48  # every decode in every step
+        if len(doc.token_ids) > MIN_PREFILL_TOKENS:
+            assert seconds(StepFeatures(len(doc.token_ids), rows, context)) <= \
+                target_ms / 1000 * 1.01
+    assert sum(chunks) == 2000  # the whole prompt, in order
+    assert len(chunks) > 2000 // 1024 + 1  # smaller than the token budget alone makes them
+
+
+def test_budgets_follow_the_target_and_the_token_budget_without_one():
+    sizes = {}
+    for target_ms in (None, 10, 40):
+        s = scheduler(target_ms, learnt())
+        decoding(s, 48)
+        s.add_request(Request("doc", list(range(1, 2001)), max_tokens=4))
+        out = step(s)
+        sizes[target_ms] = next(len(c.token_ids) for c in out.chunks if c.request_id == "doc")
+    assert sizes[None] == 1024 - 48  # the token budget's rest
+    assert MIN_PREFILL_TOKENS < sizes[10] < sizes[40] < sizes[None]
+
+
+def test_with_nothing_decoding_prefill_takes_the_whole_budget():
+    s = scheduler(10, learnt())
+    s.add_request(Request("doc", list(range(1, 2001)), max_tokens=4))
+    assert len(step(s).chunks[0].token_ids) == 1024
+
+
+def test_a_prompt_progresses_under_any_decode_load():
+    s = scheduler(0.001, learnt())  # a target no step meets: decodes alone exceed it
+    decoding(s, 63)  # (and one seat left of max_num_seqs)
+    s.add_request(Request("doc", list(range(1, 1001)), max_tokens=4))
+    steps = 0
+    while s.requests["doc"].status is not RequestStatus.RUNNING_GEN:
+        out = step(s)
+        steps += 1
+        assert any(c.request_id == "doc" for c in out.chunks)  # never starved
+    assert steps == -(-1000 // MIN_PREFILL_TOKENS)
+
+
+def test_the_scheduler_learns_from_the_steps_it_is_told_of():
+    s = scheduler(20)
+    decoding(s, 8)
+    rng = random.Random(1)
+    for i in range(40):
+        if not any(r.request_id.startswith("doc") for r in s.requests.values()):
+            s.add_request(Request(f"doc{i}", [rng.randrange(1, 999) for _ in range(2000)],
+                                  max_tokens=4))
+        out = s.schedule()
+        prefill = sum(len(c.token_ids) for c in out.chunks if not c.is_decode)
+        rows = sum(c.is_decode for c in out.chunks)
+        context = sum(c.start_position + len(c.token_ids) for c in out.chunks)
+        s.observe_step(out, seconds(StepFeatures(prefill, rows, context)) * rng.uniform(1, 1.01))
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    assert s.step_cost.ready
+    assert s.step_cost.coefficients[1] == pytest.approx(TRUE[1], rel=0.2)
+
+
+def test_a_negative_target_is_refused():
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        SchedulerConfig(itl_target_ms=-1)
+
+
+def test_an_engine_with_a_target_learns_from_its_steps_and_exports_the_cost(tiny_llama):
+    from worker import Engine, SamplingParams
+    from worker.fleet.metrics import _EngineStatsCollector
+
+    engine = Engine(tiny_llama, dtype="float64", itl_target_ms=50)
+    assert not engine.scheduler.cost_stats()  # nothing learnt yet
+    list(engine.generate([list(range(2, 300)), list(range(5, 40))],
+                         SamplingParams(max_tokens=8, temperature=0)))
+    assert engine.scheduler.step_cost.steps == engine.num_steps > 0
+    names = {m.name for m in _EngineStatsCollector("m", engine.stats).collect()}
+    assert {"conveyor_step_cost_base_seconds", "conveyor_step_cost_prefill_token_seconds",
+            "conveyor_step_cost_decode_row_seconds",
+            "conveyor_step_cost_context_token_seconds"} <= names
+    engine.close()
+    untargeted = Engine(tiny_llama, dtype="float64")
+    list(untargeted.generate([list(range(2, 40))], SamplingParams(max_tokens=2)))
+    assert untargeted.scheduler.step_cost.steps == 0  # (no target: nothing learnt, no cost)
+    untargeted.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # How a preempted request gives up its device KV (see SchedulerConfig.preemption_mode).
@@ -54,8 +55,9 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): a step holds one token of every "
                 "running request")
-        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
-            raise ValueError(f"itl_target_ms must be >= 0 (0: off), got {self.itl_target_ms}")
+        if self.itl_target_ms is not None and not 0 <= self.itl_target_ms < math.inf:
+            raise ValueError(f"itl_target_ms must be a finite number >= 0 (0: off), got "
+                             f"{self.itl_target_ms}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

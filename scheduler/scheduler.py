@@ -380,6 +380,9 @@ class Scheduler:
                 continue
             req.num_computed_tokens = hit.num_tokens
             n = self._tokens_to_schedule(req, budget)
+            if n == 0 and self._prefill_left == 0:
+                req.num_computed_tokens = 0
+                break  # the inter-token target's share is spent: not a lack of memory
             # Head-of-line: a request that does not fit waits, and so does everyone behind it.
             if n == 0 or not self.kv.can_allocate(hit.num_tokens + n, hit):
                 req.num_computed_tokens = 0

@@ -16,7 +16,8 @@ import numpy as np
 
 # Each step's weight in the fit decays by this much a step: ~1,000 steps of memory.
 FORGETTING = 0.999
-# Steps with prefill seen before the fit is trusted to size prefill (before: full budget).
+# Steps with prefill, and steps with decodes, seen before the fit is trusted to size
+# prefill (before: the full budget); the first step of all is not learnt (a cold start).
 MIN_PREFILL_STEPS = 2
 # A tiny ridge: keeps the normal equations solvable while a feature has not varied yet.
 RIDGE = 1e-9
@@ -43,35 +44,35 @@ class StepCostModel:
     def __init__(self) -> None:
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
-        self._coef: np.ndarray | None = None
+        # Solved at each observation and replaced whole: other threads (a metrics scrape)
+        # read one consistent tuple.
+        self.coefficients: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self.steps = 0
         self.prefill_steps = 0
+        self.decode_steps = 0
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            return  # the first step pays for warming up (allocations, caches): not a cost
         x = features.vector()
         self._xtx = FORGETTING * self._xtx + np.outer(x, x)
         self._xty = FORGETTING * self._xty + x * seconds
-        self._coef = None
-        self.steps += 1
         self.prefill_steps += features.prefill_tokens > 0
-
-    @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(a, b, c, d) in seconds: a step, a prefill token, a decode row, a context token
-        (each at least 0: a cost is never negative)."""
-        if self._coef is None:
-            scale = np.maximum(np.diag(self._xtx), 1.0)
-            coef = np.linalg.solve(self._xtx + RIDGE * np.diag(scale), self._xty)
-            self._coef = np.maximum(coef, 0.0)
-        return tuple(float(v) for v in self._coef)  # type: ignore[return-value]
+        self.decode_steps += features.decode_rows > 0
+        scale = np.maximum(np.diag(self._xtx), 1.0)
+        coef = np.linalg.solve(self._xtx + RIDGE * np.diag(scale), self._xty)
+        # (a cost is never negative; a term the data cannot tell apart yet counts as none)
+        self.coefficients = tuple(float(max(v, 0.0)) for v in coef)  # type: ignore[assignment]
 
     def predict(self, features: StepFeatures) -> float:
         return float(np.dot(self.coefficients, features.vector()))
 
     @property
     def ready(self) -> bool:
-        """Whether it has seen enough steps with prefill to size prefill by."""
-        return self.prefill_steps >= MIN_PREFILL_STEPS
+        """Whether it has seen enough steps with prefill and with decodes to size by."""
+        return (self.prefill_steps >= MIN_PREFILL_STEPS
+                and self.decode_steps >= MIN_PREFILL_STEPS)
 
 
 def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,
@@ -85,6 +86,6 @@ def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,
     a, b, c, d = model.coefficients
     room = target_s - a - c * decode_rows - d * context_tokens
     per_token = b + d  # each prefill token is also a position attended over
-    if per_token <= 0:
-        return cap
+    if per_token <= 0:  # (prefill costs nothing the fit can see: only the rest decides)
+        return cap if room > 0 else floor
     return max(floor, min(cap, int(room / per_token)))

@@ -39,9 +39,10 @@ PATHS = {
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, async_scheduling=True, **POOL),
         "staggered"),
     # Prefill sized by an inter-token target no step meets: once the cost model learnt
-    # (scheduler/step_cost.py), every prompt beside decodes goes in the least chunks.
+    # (scheduler/step_cost.py), every prompt beside decodes goes in the smallest chunks.
     "itl-target-staggered": (
-        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, **POOL), "staggered"),
+        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, async_scheduling=False, **POOL),
+        "staggered"),
 }
 
 

@@ -169,7 +169,7 @@ def test_an_engine_with_a_target_learns_from_its_steps_and_exports_the_cost(tiny
     from worker import Engine, SamplingParams
     from worker.fleet.metrics import _EngineStatsCollector
 
-    engine = Engine(tiny_llama, dtype="float64", itl_target_ms=50)
+    engine = Engine(tiny_llama, dtype="float64", itl_target_ms=50, async_scheduling=False)
     assert not engine.scheduler.cost_stats()  # nothing learnt yet
     list(engine.generate([list(range(2, 300)), list(range(5, 40))],
                          SamplingParams(max_tokens=8, temperature=0)))
@@ -183,3 +183,36 @@ def test_an_engine_with_a_target_learns_from_its_steps_and_exports_the_cost(tiny
     list(untargeted.generate([list(range(2, 40))], SamplingParams(max_tokens=2)))
     assert untargeted.scheduler.step_cost.steps == 0  # (no target: nothing learnt, no cost)
     untargeted.close()
+
+
+def test_a_spent_target_keeps_the_imported_kv_of_requests_behind():
+    """A prompt the target leaves out of a step waits, as one that does not fit in memory
+    would not: the imported KV held by requests behind it is kept (dropped only when memory
+    is what stops admission)."""
+    s = scheduler(0.001, learnt())
+    decoding(s, 8)
+    s.add_request(Request("doc", list(range(1, 2001)), max_tokens=4))
+    s.add_request(Request("next", list(range(3, 500)), max_tokens=4))
+    held = Request("held", list(range(5, 200)), max_tokens=4)
+    held.preloaded = s.kv.hold_blocks(64)
+    s.add_request(held)
+    step(s)
+    assert s.counters["kv_imports_dropped"] == 0
+    assert s.requests["held"].preloaded is not None
+
+
+def test_a_fit_that_sees_no_prefill_cost_still_holds_a_step_it_cannot_fit():
+    model = learnt()
+    model.coefficients = (0.5, 0.0, 0.0, 0.0)  # (a cold step it has not forgotten yet)
+    assert prefill_within(model, 0.02, 8, 100, MIN_PREFILL_TOKENS, 1024) == MIN_PREFILL_TOKENS
+    assert prefill_within(model, 1.0, 8, 100, MIN_PREFILL_TOKENS, 1024) == 1024
+
+
+def test_targets_that_are_no_numbers_and_overlapped_steps_are_refused(tiny_llama):
+    from worker import Engine
+
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="itl_target_ms"):
+            SchedulerConfig(itl_target_ms=bad)
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        Engine(tiny_llama, dtype="float64", itl_target_ms=50, async_scheduling=True)

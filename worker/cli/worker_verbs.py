@@ -103,9 +103,10 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
-                   help="while requests decode, hold each step's prefill to what keeps its "
-                   "predicted time within MS (a cost model of the engine's own steps; a "
-                   "prompt still gains at least 32 tokens a step); 0 or unset: off")
+                   help="while requests decode, hold each step's prefill to what keeps the "
+                   "step's predicted time within MS (a cost model of the engine's own steps; "
+                   "a prompt still gains at least 32 tokens a step); needs chunked prefill "
+                   "and --async-scheduling off; 0 or unset: off")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="schedule each step while the one before runs: auto is on for CUDA "
                    "and off on a CPU, where it was measured slower; a prefill worker never "

@@ -16,9 +16,11 @@ import numpy as np
 
 # Each step's weight in the fit decays by this much a step: ~1,000 steps of memory.
 FORGETTING = 0.999
-# Steps with prefill, and steps with decodes, seen before the fit is trusted to size
+# Steps with prefill, and steps with decodes, learnt before the fit is trusted to size
 # prefill (before: the full budget); the first step of all is not learnt (a cold start).
-MIN_PREFILL_STEPS = 2
+# One prefill step is enough: beside decodes only the sums it pins are predicted.
+MIN_PREFILL_STEPS = 1
+MIN_DECODE_STEPS = 2
 # A tiny ridge: keeps the normal equations solvable while a feature has not varied yet.
 RIDGE = 1e-9
 # Prefill tokens a step holds at least while a prompt waits, however long its decodes take:
@@ -72,7 +74,7 @@ class StepCostModel:
     def ready(self) -> bool:
         """Whether it has seen enough steps with prefill and with decodes to size by."""
         return (self.prefill_steps >= MIN_PREFILL_STEPS
-                and self.decode_steps >= MIN_PREFILL_STEPS)
+                and self.decode_steps >= MIN_DECODE_STEPS)
 
 
 def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,

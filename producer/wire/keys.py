@@ -87,7 +87,7 @@ class Keys:
         head, _, rest = stream.partition("}:@")
         if not rest or not head.startswith(f"{self.ns}:req:{{"):
             return None
-        worker, _, lane = rest.rpartition(":")
+        worker = rest.rpartition(":")[0]
         return worker or None
 
     def affinity_lanes(self, model: str) -> str:

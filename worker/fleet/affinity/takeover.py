@@ -87,12 +87,8 @@ class Takeover:
     def lanes(self, live_too: bool = True) -> list[tuple[str, int]]:
         """(lane, minimum age in ms) of the other workers' affinity lanes to look at, in
         look order; ``live_too`` False: only those of workers that are not live."""
-        self.view.refresh()
-        # A live worker with room reads its own lane at once: nothing waits there for long.
         # Gone workers first (nobody else serves them), then the live ones that are full.
-        others = sorted((w for w in self.view.others() if not self.view.has_room(w)
-                         and (live_too or not self.view.is_live(w))),
-                        key=lambda w: self.view.is_live(w))
+        others = sorted(self._to_look_at(live_too), key=lambda w: self.view.is_live(w))
         return [(self.keys.affinity_lane(self.model, w, lane),
                  self.delay_ms if self.view.is_live(w) else 0)
                 for lane in LANES for w in others]
@@ -100,9 +96,15 @@ class Takeover:
     def worth_looking(self, live_too: bool = True) -> bool:
         """Whether any lane may hold a request this worker should take (``live_too`` False:
         of a worker that is not live)."""
+        return bool(self._to_look_at(live_too))
+
+    def _to_look_at(self, live_too: bool) -> list[str]:
+        """The other workers whose lanes may hold what this one should take: none with room
+        (a live worker with room reads its own lane at once), and with ``live_too`` False
+        none that is live."""
         self.view.refresh()
-        return any(not self.view.has_room(w) and (live_too or not self.view.is_live(w))
-                   for w in self.view.others())
+        return [w for w in self.view.others() if not self.view.has_room(w)
+                and (live_too or not self.view.is_live(w))]
 
     def due(self) -> bool:
         """Whether a look is due (one a look interval at most: an idle worker's looks are

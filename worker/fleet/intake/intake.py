@@ -357,12 +357,11 @@ class Intake(SupervisedThread):
         self.fleet_view.refresh()
         return self.fleet_view.lighter_with_room(self.advertiser.owned)
 
-    def _read_waiting(self, room: int, streams: list[str] | None = None
-                      ) -> list[tuple[str, str, dict]]:
-        """Up to ``room`` entries already waiting in ``streams`` (default: all this worker
-        reads), without blocking: interactive first, batch only gets the room left."""
+    def _read_waiting(self, room: int, streams: list[str]) -> list[tuple[str, str, dict]]:
+        """Up to ``room`` entries already waiting in ``streams``, without blocking: in their
+        order (interactive first), later ones only get the room left."""
         got: list[tuple[str, str, dict]] = []
-        for stream in self.streams if streams is None else streams:
+        for stream in streams:
             if len(got) < room:
                 got += self._xreadgroup({stream: ">"}, room - len(got), block=None)
         return got

@@ -1,7 +1,7 @@
 """A decode-only step's layers in one native call (worker/models/native_decode.py) against the
 Python layers: the same logits and the same cache writes for every kind of checkpoint
 (biases, tied heads, grouped and single kv heads, llama3 rope), over shuffled blocks whose
-free slots are NaN; only all-decode float32 CPU steps take it."""
+free slots are NaN; float32 CPU steps take it, all-decode or small ones with prefill chunks."""
 
 from __future__ import annotations
 
@@ -98,16 +98,45 @@ def test_the_native_forward_ends_with_the_final_norm(kind, matmul, checkpoints, 
 
 
 @needs_kernel
-def test_steps_with_a_prefill_chunk_or_in_float64_take_the_python_layers(checkpoints,
-                                                                         monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_steps_with_prefill_chunks_take_the_native_path_and_match_the_python_layers(
+        kind, checkpoints, monkeypatch):
+    """A prompt's first chunk, later chunks beside decodes, chunks whose tokens attend to
+    each other in the same step: each token is a row of the kernel's over its sequence's
+    table, and its K/V is in the cache before any token attends."""
+    model = load_model(checkpoints / kind, dtype=torch.float32)
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(ENV_SWITCH, switch)
+        before = model.num_native_steps
+        seqs, tables, cache = prefilled(model, [5, 12, 1, 30], seed=3)  # whole prompts
+        logits = []
+        for step, new in enumerate(([1, 2, 1, 2], [1, 1, 2, 1], [1, 1, 1, 1])):
+            for i, s in enumerate(seqs):
+                s += [(i * 31 + step * 7 + j) % VOCAB for j in range(new[i])]
+            logits.append(decode_step(model, cache, seqs, tables, new))
+        assert model.num_native_steps - before == (4 if switch == "1" else 0)
+        results[switch] = (torch.cat(logits), cache)
+    (native, native_cache), (python, python_cache) = results["1"], results["0"]
+    assert not native.isnan().any()
+    torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
+    for got, want in zip((*native_cache.k, *native_cache.v), (*python_cache.k, *python_cache.v),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+@needs_kernel
+def test_steps_past_the_mixed_size_or_in_float64_take_the_python_layers(checkpoints,
+                                                                        monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setattr(native_decode, "MAX_MIXED_TOKENS", 8)
     model = load_model(checkpoints / "llama", dtype=torch.float32)
     seqs, tables, cache = prefilled(model, [5, 12], seed=1)
-    assert model.num_native_steps == 0  # the prefill itself
+    assert model.num_native_steps == 0  # the prefill itself: 17 tokens
     seqs[0].append(3)
     seqs[1] += [4, 5]
-    decode_step(model, cache, seqs, tables, [1, 2])
-    assert model.num_native_steps == 0
+    decode_step(model, cache, seqs, tables, [1, 2])  # 3 tokens, one a chunk's
+    assert model.num_native_steps == 1
     wide = load_model(checkpoints / "llama", dtype=torch.float64)
     c = wide.config
     cache64 = PagedKVCache(c.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads,
@@ -162,6 +191,7 @@ def test_every_projection_and_the_lm_head_take_the_kernels_matmul(checkpoints, m
 
     spy = Spy()
     monkeypatch.setattr(kernel_loader, "cpu_kernels", lambda: spy)
+    monkeypatch.setattr(native_decode, "MAX_MIXED_TOKENS", 0)  # the prefill: Python layers
     seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 30)]
     cache = cache_for(model)
     tables = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]

@@ -7,13 +7,14 @@ fuses the rest, the final norm and the LM head included (docs/cpu-kernels.md; fi
 docs/benchmarks.md, "Decode step against its own matmuls"). It runs without the GIL, so
 the worker's I/O threads are not queued behind the engine's ops either.
 
-It applies to a step whose every sequence brings one token, on the CPU, with float32
-activations, weights and cache, where the CPU kernels are built; anything else (prefill
-chunks in the step, another dtype or device) runs the Python layers, which compute the same
-thing. Its matmuls are worker/models/linear.py's (the packed kernel on the packed copies of
-worker/models/packed_weights.py; without them the skinny kernel for a small batch, oneDNN's
-past it; the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), four a layer: q/k/v as one
-matrix and gate/up as one, views that the loader's weight arena makes possible
+It applies to a step whose every sequence brings one token, or to a step of at most
+``MAX_MIXED_TOKENS`` with prefill chunks (each chunk's token attends as a row of its own),
+on the CPU, with float32 activations, weights and cache, where the CPU kernels are built;
+anything else (a larger prefill step, another dtype or device) runs the Python layers,
+which compute the same thing. Its matmuls are worker/models/linear.py's (the packed kernel
+on the packed copies of worker/models/packed_weights.py; without them the skinny kernel for
+a small batch, oneDNN's past it; the BLAS with ``CONVEYOR_CPU_MATMUL=blas``), four a layer:
+q/k/v as one matrix and gate/up as one, views that the loader's weight arena makes possible
 (worker/models/weight_arena.py); a model whose weights do not lie so runs the Python layers.
 ``CONVEYOR_CPU_DECODE_LAYERS=0`` switches the native call off (to compare).
 
@@ -53,6 +54,13 @@ _PACKED: weakref.WeakKeyDictionary[
 _PER_LAYER = 10
 _PROJECTIONS = (1, 3, 6, 8)
 
+# The most tokens a step with prefill chunks may hold and still take the native path. Such
+# a step on the Python path pays ~20 ms of small ops a step on the small preset (a third of
+# a 48-row decode step), which a step sized by an inter-token target pays at every chunk;
+# past this size the Python layers' attention (one matmul per chunk, where the kernel reads
+# the context once per token) is the cheaper.
+MAX_MIXED_TOKENS = 192
+
 # Each model's layer tensors in the kernel's order (_model_weights), or None, by model.
 _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor] | None] = (
     weakref.WeakKeyDictionary())
@@ -80,18 +88,32 @@ def applies(x: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata) ->
     """Whether this step can take the native path (the kernel's availability aside)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32
             and kv_cache.k[0].dtype == torch.float32
-            # T tokens over B sequences, each at least one: T == B means all decodes.
-            and x.shape[0] == len(meta.query_lens) and meta.positions is not None
-            and enabled())
+            # T tokens over B sequences: T == B is all decodes; prefill chunks beside them
+            # take the path up to a step of MAX_MIXED_TOKENS.
+            and (x.shape[0] == len(meta.query_lens) or x.shape[0] <= MAX_MIXED_TOKENS)
+            and meta.positions is not None and enabled())
+
+
+def per_token(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's block table and attention length, as the kernel takes them: a decode-only
+    step's own; a step with prefill chunks gives each chunk's token its sequence's table and
+    the context up to itself. That is causal attention, token by token: the kernel writes
+    every token's K/V to the cache before any token attends (csrc/decode_layers.cpp)."""
+    if len(meta.query_lens) == meta.slot_mapping.shape[0]:
+        return meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+    lens = torch.tensor(meta.query_lens, dtype=torch.int64)
+    tables = meta.block_tables.repeat_interleave(lens, dim=0)
+    return tables, (meta.positions + 1).contiguous()
 
 
 def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
                   meta: AttentionMetadata, logits: bool = False) -> torch.Tensor | None:
-    """Run every decoder layer and the final norm over the embeddings ``x [B, hidden]`` of a
-    decode-only step, writing each token's K/V to the cache: the normed hidden states
-    ``[B, hidden]``, or with ``logits`` the LM head's ``[B, vocab]`` (in the same call: in the
-    step team's region, with its take-overs, where the LM head is packed); None where the
-    native path does not apply (the caller then runs the Python layers)."""
+    """Run every decoder layer and the final norm over the embeddings ``x [T, hidden]`` of a
+    decode-only step (or of a small step with prefill chunks: ``per_token``), writing each
+    token's K/V to the cache: the normed hidden states ``[T, hidden]``, or with ``logits``
+    the LM head's ``[T, vocab]`` (in the same call: in the step team's region, with its
+    take-overs, where the LM head is packed); None where the native path does not apply
+    (the caller then runs the Python layers)."""
     if not applies(x, kv_cache, meta):
         return None
     from worker.host.cpu_kernels import decode_layers_kernel
@@ -113,7 +135,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, kv_cache: PagedKVCache,
         head_packed = NO_BIAS if head_packed is None else head_packed
     return kernel(
         x.contiguous(), meta.positions.contiguous(), cos, sin, meta.slot_mapping.contiguous(),
-        meta.block_tables.contiguous(), meta.seq_lens.contiguous(), weights,
+        *per_token(meta), weights,
         _packed_projections(model, weights), model.model.norm.weight.contiguous(), head,
         head_packed, kv_cache.k,
         kv_cache.v, config.num_attention_heads, config.num_key_value_heads, config.head_dim,

@@ -140,31 +140,26 @@ class Scheduler:
         decoding = [r for r in self.running if r.status is gen]
         if not decoding:
             return None  # nobody waits on this step's tokens: prefill at full budget
-        # Context: the decodes', and the positions a running prefill's next chunk starts at.
-        context = sum(r.num_computed_tokens + (r.status is gen) for r in self.running)
-        return prefill_within(self.step_cost, target_ms / 1000, len(decoding), context,
+        context = sum(r.num_computed_tokens + 1 for r in decoding)
+        # The chunk goes on a running prompt, the furthest on (its tokens attend the most),
+        # or starts a waiting one.
+        start = max((r.num_computed_tokens for r in self.running if r.status is not gen),
+                    default=0)
+        return prefill_within(self.step_cost, target_ms / 1000, len(decoding), context, start,
                               MIN_PREFILL_TOKENS, self.config.max_num_batched_tokens)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step of ``out`` took ``seconds``: the cost model learns it (only with a target)."""
         if not self.config.itl_target_ms or not out.chunks:
             return
-        prefill = rows = context = 0
-        for chunk in out.chunks:
-            n = len(chunk.token_ids)
-            if chunk.is_decode:
-                rows += 1
-            else:
-                prefill += n
-            context += chunk.start_position + n
-        self.step_cost.observe(StepFeatures(prefill, rows, context), seconds)
+        self.step_cost.observe(StepFeatures.of(out.chunks), seconds)
 
     def cost_stats(self) -> dict[str, float]:
         """The learnt step cost in seconds (with an inter-token target; else nothing)."""
         if not self.config.itl_target_ms or not self.step_cost.steps:
             return {}
         names = ("step_cost_base_s", "step_cost_prefill_token_s", "step_cost_decode_row_s",
-                 "step_cost_context_token_s")
+                 "step_cost_context_token_s", "step_cost_chunk_attention_s")
         return dict(zip(names, self.step_cost.coefficients, strict=True))
 
     def _took_prefill(self, n: int) -> None:

@@ -1,16 +1,22 @@
 """What a step costs, learnt from the engine's own steps, and how much prefill fits a target.
 
 A step's time is modelled as ``a + b * prefill tokens + c * decode rows + d * context
-tokens`` (context: the positions its chunks attend over). The coefficients are a least-
-squares fit of the steps seen so far, the older ones weighing less (a machine's speed
-drifts: other load, clocks). The scheduler asks it how many prefill tokens fit beside the
-step's decodes when an inter-token target is set (``SchedulerConfig.itl_target_ms``): a
-fixed token budget cannot know what a step costs on a given machine and model.
+tokens + e * chunk attention``: context, the positions each chunk's cache holds once it is
+written (a decode's whole sequence; what a GPU's attention reads once a chunk); chunk
+attention, what a chunk's tokens after its first attend over besides (each the context
+before it and the chunk's tokens before it: the quadratic part of a long chunk, which a
+CPU's attention computes token by token). The coefficients are a least-squares fit of the
+steps seen so far, the older ones weighing less (a machine's speed drifts: other load,
+clocks). The scheduler asks it how many prefill tokens fit beside the step's decodes when
+an inter-token target is set (``SchedulerConfig.itl_target_ms``): a fixed token budget
+cannot know what a step costs on a given machine and model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -26,29 +32,59 @@ RIDGE = 1e-9
 # Prefill tokens a step holds at least while a prompt waits, however long its decodes take:
 # a prompt always progresses (two blocks of 16).
 MIN_PREFILL_TOKENS = 32
+NUM_TERMS = 5
+
+
+class Chunk(Protocol):
+    """What the features read of a scheduled chunk (scheduler/output.py's)."""
+
+    token_ids: list[int]
+    start_position: int
+    is_decode: bool
+
+
+def chunk_attention(start: int, n: int) -> int:
+    """What the tokens of a chunk of ``n`` at ``start`` after its first attend over
+    besides the context its first reads: ``(n - 1) * (start + n / 2)``, doubled to stay whole."""
+    return (n - 1) * (2 * start + n) // 2
 
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """What a step holds: prefill tokens, decode rows, context tokens."""
+    """What a step holds: prefill tokens, decode rows, context tokens, chunk attention."""
 
     prefill_tokens: int
     decode_rows: int
     context_tokens: int
+    chunk_attention: int = 0
+
+    @classmethod
+    def of(cls, chunks: Iterable[Chunk]) -> StepFeatures:
+        prefill = rows = context = attention = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if chunk.is_decode:
+                rows += 1
+            else:
+                prefill += n
+                attention += chunk_attention(chunk.start_position, n)
+            context += chunk.start_position + n
+        return cls(prefill, rows, context, attention)
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.context_tokens])
+        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.context_tokens,
+                         self.chunk_attention])
 
 
 class StepCostModel:
-    """Online least squares of step seconds over (1, prefill, rows, context)."""
+    """Online least squares of step seconds over (1, prefill, rows, context, chunk attention)."""
 
     def __init__(self) -> None:
-        self._xtx = np.zeros((4, 4))
-        self._xty = np.zeros(4)
+        self._xtx = np.zeros((NUM_TERMS, NUM_TERMS))
+        self._xty = np.zeros(NUM_TERMS)
         # Solved at each observation and replaced whole: other threads (a metrics scrape)
         # read one consistent tuple.
-        self.coefficients: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.coefficients: tuple[float, ...] = (0.0,) * NUM_TERMS
         self.steps = 0
         self.prefill_steps = 0
         self.decode_steps = 0
@@ -65,7 +101,7 @@ class StepCostModel:
         scale = np.maximum(np.diag(self._xtx), 1.0)
         coef = np.linalg.solve(self._xtx + RIDGE * np.diag(scale), self._xty)
         # (a cost is never negative; a term the data cannot tell apart yet counts as none)
-        self.coefficients = tuple(float(max(v, 0.0)) for v in coef)  # type: ignore[assignment]
+        self.coefficients = tuple(float(max(v, 0.0)) for v in coef)
 
     def predict(self, features: StepFeatures) -> float:
         return float(np.dot(self.coefficients, features.vector()))
@@ -78,16 +114,25 @@ class StepCostModel:
 
 
 def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,
-                   context_tokens: int, floor: int, cap: int) -> int:
+                   context_tokens: int, chunk_start: int, floor: int, cap: int) -> int:
     """Prefill tokens a step may hold beside ``decode_rows`` decodes over
-    ``context_tokens`` so that its predicted time stays within ``target_s``: at least
-    ``floor`` (a prompt always progresses, even beside a batch that alone takes longer),
-    at most ``cap``; ``cap`` while the model is not ready."""
+    ``context_tokens`` (theirs) so that its predicted time stays within ``target_s``, the
+    chunk starting at ``chunk_start``: at least ``floor`` (a prompt always progresses, even
+    beside a batch that alone takes longer), at most ``cap``; ``cap`` while the model is not
+    ready."""
     if not model.ready:
         return cap
-    a, b, c, d = model.coefficients
-    room = target_s - a - c * decode_rows - d * context_tokens
-    per_token = b + d  # each prefill token is also a position attended over
-    if per_token <= 0:  # (prefill costs nothing the fit can see: only the rest decides)
-        return cap if room > 0 else floor
-    return max(floor, min(cap, int(room / per_token)))
+
+    def fits(n: int) -> bool:
+        return model.predict(StepFeatures(n, decode_rows, context_tokens + chunk_start + n,
+                                          chunk_attention(chunk_start, n))) <= target_s
+
+    if fits(cap):
+        return cap
+    lo, hi = floor, cap  # the cost only grows with n (no term is negative): bisect
+    if not fits(lo):
+        return floor
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

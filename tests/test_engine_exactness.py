@@ -43,6 +43,10 @@ PATHS = {
     "itl-target-staggered": (
         dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, async_scheduling=False, **POOL),
         "staggered"),
+    # The same with overlapped steps, timed on the runner thread.
+    "itl-target-overlapped": (
+        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, async_scheduling=True, **POOL),
+        "staggered"),
 }
 
 

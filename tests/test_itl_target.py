@@ -15,23 +15,27 @@ from scheduler.step_cost import (
     MIN_PREFILL_TOKENS,
     StepCostModel,
     StepFeatures,
+    chunk_attention,
     prefill_within,
 )
 
-# A machine's step: 2 ms, 40 µs a prefill token, 100 µs a decode row, 0.5 µs a context token.
-TRUE = (2e-3, 40e-6, 100e-6, 0.5e-6)
+# A machine's step: 2 ms, 40 µs a prefill token, 100 µs a decode row, 0.5 µs a context
+# token, 20 ns a position a chunk's later tokens attend over.
+TRUE = (2e-3, 40e-6, 100e-6, 0.5e-6, 20e-9)
 
 
 def seconds(f: StepFeatures) -> float:
-    a, b, c, d = TRUE
-    return a + b * f.prefill_tokens + c * f.decode_rows + d * f.context_tokens
+    a, b, c, d, e = TRUE
+    return (a + b * f.prefill_tokens + c * f.decode_rows + d * f.context_tokens
+            + e * f.chunk_attention)
 
 
 def learnt(steps: int = 200, seed: int = 0) -> StepCostModel:
     rng, model = random.Random(seed), StepCostModel()
     for _ in range(steps):
-        f = StepFeatures(rng.choice([0, rng.randint(1, 1024)]), rng.randint(0, 64),
-                         rng.randint(0, 40_000))
+        n, start = rng.choice([0, rng.randint(1, 1024)]), rng.randint(0, 3000)
+        f = StepFeatures(n, rng.randint(0, 64), rng.randint(0, 40_000) + n,
+                         chunk_attention(start, n) if n else 0)
         model.observe(f, seconds(f))
     return model
 
@@ -50,24 +54,36 @@ def test_it_sizes_nothing_until_it_saw_prefill_steps():
         f = StepFeatures(0, 48, 10_000)
         model.observe(f, seconds(f))
     assert not model.ready
-    assert prefill_within(model, 0.005, 48, 10_000, MIN_PREFILL_TOKENS, 1024) == 1024
+    assert prefill_within(model, 0.005, 48, 10_000, 0, MIN_PREFILL_TOKENS, 1024) == 1024
     for _ in range(MIN_PREFILL_STEPS):
         f = StepFeatures(256, 48, 10_000)
         model.observe(f, seconds(f))
     assert model.ready
 
 
+def step_s(n: int, rows: int, context: int, start: int) -> float:
+    """A step's seconds with a chunk of ``n`` at ``start`` beside ``rows`` decodes."""
+    return seconds(StepFeatures(n, rows, context + start + n, chunk_attention(start, n)))
+
+
 def test_the_prefill_fits_the_target_and_never_falls_under_the_floor():
     model = learnt()
     rows, context = 48, 48 * 100  # decodes alone: 9.2 ms
-    for target_ms in (15, 20, 40):
-        n = prefill_within(model, target_ms / 1000, rows, context, MIN_PREFILL_TOKENS, 1024)
-        assert seconds(StepFeatures(n, rows, context + n)) <= target_ms / 1000 * 1.001
-        assert seconds(StepFeatures(n + 2, rows, context + n + 2)) > target_ms / 1000
+    for start in (0, 1500):  # a chunk further on attends over more: it fits fewer tokens
+        sizes = []
+        for target_ms in (15, 20, 40):
+            n = prefill_within(model, target_ms / 1000, rows, context, start,
+                               MIN_PREFILL_TOKENS, 1024)
+            sizes.append(n)
+            assert step_s(n, rows, context, start) <= target_ms / 1000 * 1.001 < \
+                step_s(n + 2, rows, context, start)
+        assert sizes == sorted(sizes)
+    assert prefill_within(model, 0.02, rows, context, 1500, MIN_PREFILL_TOKENS, 1024) < \
+        prefill_within(model, 0.02, rows, context, 0, MIN_PREFILL_TOKENS, 1024)
     # A batch whose decodes alone take longer than the target: the prompt still progresses.
-    assert prefill_within(model, 0.005, rows, context, MIN_PREFILL_TOKENS, 1024) == \
+    assert prefill_within(model, 0.005, rows, context, 0, MIN_PREFILL_TOKENS, 1024) == \
         MIN_PREFILL_TOKENS
-    assert prefill_within(model, 10.0, rows, context, MIN_PREFILL_TOKENS, 1024) == 1024
+    assert prefill_within(model, 10.0, rows, context, 0, MIN_PREFILL_TOKENS, 1024) == 1024
 
 
 def scheduler(target_ms: float | None, model: StepCostModel | None = None) -> Scheduler:
@@ -102,12 +118,10 @@ def test_a_long_prompt_beside_decodes_goes_in_chunks_the_target_allows(target_ms
         out = step(s)
         [doc] = [c for c in out.chunks if c.request_id == "doc"]
         chunks.append(len(doc.token_ids))
-        rows = sum(c.is_decode for c in out.chunks)
-        context = sum(c.start_position + len(c.token_ids) for c in out.chunks)
-        assert rows == 48  # every decode in every step
+        features = StepFeatures.of(out.chunks)
+        assert features.decode_rows == 48  # every decode in every step
         if len(doc.token_ids) > MIN_PREFILL_TOKENS:
-            assert seconds(StepFeatures(len(doc.token_ids), rows, context)) <= \
-                target_ms / 1000 * 1.01
+            assert seconds(features) <= target_ms / 1000 * 1.01
     assert sum(chunks) == 2000  # the whole prompt, in order
     assert len(chunks) > 2000 // 1024 + 1  # smaller than the token budget alone makes them
 
@@ -151,10 +165,7 @@ def test_the_scheduler_learns_from_the_steps_it_is_told_of():
             s.add_request(Request(f"doc{i}", [rng.randrange(1, 999) for _ in range(2000)],
                                   max_tokens=4))
         out = s.schedule()
-        prefill = sum(len(c.token_ids) for c in out.chunks if not c.is_decode)
-        rows = sum(c.is_decode for c in out.chunks)
-        context = sum(c.start_position + len(c.token_ids) for c in out.chunks)
-        s.observe_step(out, seconds(StepFeatures(prefill, rows, context)) * rng.uniform(1, 1.01))
+        s.observe_step(out, seconds(StepFeatures.of(out.chunks)) * rng.uniform(1, 1.01))
         s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
     assert s.step_cost.ready
     assert s.step_cost.coefficients[1] == pytest.approx(TRUE[1], rel=0.2)
@@ -177,7 +188,8 @@ def test_an_engine_with_a_target_learns_from_its_steps_and_exports_the_cost(tiny
     names = {m.name for m in _EngineStatsCollector("m", engine.stats).collect()}
     assert {"conveyor_step_cost_base_seconds", "conveyor_step_cost_prefill_token_seconds",
             "conveyor_step_cost_decode_row_seconds",
-            "conveyor_step_cost_context_token_seconds"} <= names
+            "conveyor_step_cost_context_token_seconds",
+            "conveyor_step_cost_chunk_attention_seconds"} <= names
     engine.close()
     untargeted = Engine(tiny_llama, dtype="float64")
     list(untargeted.generate([list(range(2, 40))], SamplingParams(max_tokens=2)))
@@ -203,16 +215,66 @@ def test_a_spent_target_keeps_the_imported_kv_of_requests_behind():
 
 def test_a_fit_that_sees_no_prefill_cost_still_holds_a_step_it_cannot_fit():
     model = learnt()
-    model.coefficients = (0.5, 0.0, 0.0, 0.0)  # (a cold step it has not forgotten yet)
-    assert prefill_within(model, 0.02, 8, 100, MIN_PREFILL_TOKENS, 1024) == MIN_PREFILL_TOKENS
-    assert prefill_within(model, 1.0, 8, 100, MIN_PREFILL_TOKENS, 1024) == 1024
+    model.coefficients = (0.5, 0.0, 0.0, 0.0, 0.0)  # (a cold step it has not forgotten yet)
+    assert prefill_within(model, 0.02, 8, 100, 0, MIN_PREFILL_TOKENS, 1024) == \
+        MIN_PREFILL_TOKENS
+    assert prefill_within(model, 1.0, 8, 100, 0, MIN_PREFILL_TOKENS, 1024) == 1024
 
 
-def test_targets_that_are_no_numbers_and_overlapped_steps_are_refused(tiny_llama):
-    from worker import Engine
-
+def test_targets_that_are_no_numbers_are_refused():
     for bad in (-1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="itl_target_ms"):
             SchedulerConfig(itl_target_ms=bad)
-    with pytest.raises(ValueError, match="async_scheduling off"):
-        Engine(tiny_llama, dtype="float64", itl_target_ms=50, async_scheduling=True)
+
+
+def test_overlapped_steps_learn_what_the_runner_thread_took_and_size_by_it():
+    """With overlapped steps (a GPU's, a simulated engine's) each step is timed on the runner
+    thread that ran it, and the scheduler learns it when the engine applies its tokens."""
+    import torch
+
+    from producer.clock import ManualClock
+    from worker.engine.step_pipeline import OverlappedSteps
+
+    clock = ManualClock()
+
+    class Runner:  # a device whose steps take what TRUE says, on the clock
+        def queued(self, out): pass
+
+        def release(self, out): pass
+
+        def execute(self, out, pending=None):
+            took.append(seconds(StepFeatures.of(out.chunks)))
+            clock.advance(took[-1])
+            return {c.request_id: 7 for c in out.chunks if c.sample}, {}, {}
+
+    took: list[float] = []
+
+    s = scheduler(20)
+    pipeline = OverlappedSteps(Runner(), torch.device("cpu"), s, lambda *_: [], clock)
+    try:
+        for i in range(8):
+            s.add_request(Request(f"d{i}", list(range(1, 33)), max_tokens=10_000))
+        ran, chunks = 0, {}
+        for i in range(60):
+            if i == 10:
+                s.add_request(Request("doc", list(range(1, 3001)), max_tokens=4))
+            pipeline.step([], must_sync=False)
+            for c in pipeline.inflight[0].chunks:
+                if c.request_id == "doc" and not c.is_decode:
+                    chunks[ran] = len(c.token_ids)
+            ran += 1
+        pipeline.settle()
+    finally:
+        pipeline.close()
+    assert pipeline.num_overlapped_steps > 50  # (the steps did overlap)
+    assert s.step_cost.steps == ran  # every step learnt, the first skipped in the fit only
+    assert s.step_cost.ready
+    for f in (StepFeatures(0, 8, 800), StepFeatures(300, 8, 2000, chunk_attention(1000, 300))):
+        assert s.step_cost.predict(f) == pytest.approx(seconds(f), rel=0.02)
+    # The document's first chunk is what it learns a prefill token from; the second was
+    # scheduled while the first ran (the full budget's rest, as nothing was known yet); the
+    # rest are sized by what it learnt, their steps within the target.
+    sizes = list(chunks.values())
+    assert sum(sizes) == 3000 and sizes[:2] == [1024 - 8] * 2 and len(sizes) > 4
+    for step in list(chunks)[2:]:
+        assert took[step] <= 0.020 * 1.01 or chunks[step] == MIN_PREFILL_TOKENS

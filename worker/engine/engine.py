@@ -75,11 +75,8 @@ class Engine:
         # simulated engine, whose steps stand for a GPU's.
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda" or self.simulated)
-        if self.async_scheduling and cfg.itl_target_ms:
-            raise ValueError("itl_target_ms times each step as it runs: it needs "
-                             "async_scheduling off (overlapped steps are not timed yet)")
         self._pipeline = (OverlappedSteps(self.runner, self.device, self.scheduler,
-                                          self._step_outputs)
+                                          self._step_outputs, self.clock)
                           if self.async_scheduling else None)
         # Live requests with penalties (each reads every token: no step of theirs overlaps).
         self._num_penalized = 0

@@ -21,7 +21,10 @@ Exporting full prompt blocks need not wait (the running step never writes them);
 ``Engine.token_ids`` gives what steps returned so far.
 
 ``RunnerThread`` is the runner's side; ``OverlappedSteps`` the engine's: the step in flight,
-and the outputs of steps finished outside ``Engine.step``.
+and the outputs of steps finished outside ``Engine.step``. The runner thread times each
+step it runs (swaps, forward, sampling: on CUDA it waits for the device before sampling),
+and the engine tells the scheduler when it applies the step's tokens: with an inter-token
+target, that is what the cost model learns (scheduler/step_cost.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.completion import TokenLogprob
 from scheduler import RequestUpdate, Scheduler
 from scheduler.output import SchedulerOutput
@@ -39,7 +43,9 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import StepOutput
 from worker.sampling.prompt_logprobs import PromptSpan
 
-StepResult = tuple[dict[str, int], dict[str, TokenLogprob | None], dict[str, PromptSpan]]
+# A step's sampled tokens, their logprobs, its prompt spans, and the seconds the runner
+# thread took for it.
+TimedStep = tuple[dict[str, int], dict[str, TokenLogprob | None], dict[str, PromptSpan], float]
 # Turns a step's scheduler updates and logprobs into each request's output (the engine's).
 OutputsOf = Callable[[list[RequestUpdate], dict[str, Any], dict[str, PromptSpan]],
                      list[StepOutput]]
@@ -49,8 +55,10 @@ class RunnerThread:
     """One thread that runs a ModelRunner's steps, and anything else that touches the
     runner's state, in the order they were submitted."""
 
-    def __init__(self, runner: ModelRunner, device: torch.device) -> None:
+    def __init__(self, runner: ModelRunner, device: torch.device,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.runner = runner
+        self.clock = clock
         init: Callable[[], None] | None = None
         if device.type == "cuda":  # the thread's current device is the engine's
             # set_device needs an index: "cuda" alone means this thread's current device.
@@ -61,7 +69,7 @@ class RunnerThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-runner", initializer=init)
 
     def submit_step(self, out: SchedulerOutput,
-                    before: Future[StepResult] | None) -> Future[StepResult]:
+                    before: Future[TimedStep] | None) -> Future[TimedStep]:
         """Run a step once the ones before it ran; ``before``: the step whose sampled
         tokens its PENDING_TOKEN inputs stand for (None: it has none)."""
         self.runner.queued(out)
@@ -74,10 +82,12 @@ class RunnerThread:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _step(self, out: SchedulerOutput, before: Future[StepResult] | None) -> StepResult:
+    def _step(self, out: SchedulerOutput, before: Future[TimedStep] | None) -> TimedStep:
         # Done already (one thread, in order); its error, if any, is this step's too.
         pending = before.result()[0] if before is not None else None
-        return self.runner.execute(out, pending)
+        began = self.clock.monotonic()
+        tokens, logprobs, prompt = self.runner.execute(out, pending)
+        return tokens, logprobs, prompt, self.clock.monotonic() - began
 
 
 class OverlappedSteps:
@@ -85,13 +95,13 @@ class OverlappedSteps:
     on the runner thread, and keeps what finished outside ``Engine.step``."""
 
     def __init__(self, runner: ModelRunner, device: torch.device, scheduler: Scheduler,
-                 outputs_of: OutputsOf) -> None:
+                 outputs_of: OutputsOf, clock: Clock = SYSTEM_CLOCK) -> None:
         self.runner = runner
-        self.thread = RunnerThread(runner, device)
+        self.thread = RunnerThread(runner, device, clock)
         self.scheduler = scheduler
         self.outputs_of = outputs_of
         # The step running on the runner thread (scheduled, advanced, tokens not applied).
-        self.inflight: tuple[SchedulerOutput, Future[StepResult]] | None = None
+        self.inflight: tuple[SchedulerOutput, Future[TimedStep]] | None = None
         # Outputs of a step finished outside step() (to read KV or tokens): the next step's.
         self.ready: list[StepOutput] = []
         # The last step scheduled beside a running one left a request out for lack of
@@ -132,8 +142,10 @@ class OverlappedSteps:
         assert self.inflight is not None
         sched, future = self.inflight
         self.inflight = None
-        tokens, logprobs, prompt = future.result()
-        return self.outputs_of(self.scheduler.resolve(sched, tokens), logprobs, prompt)
+        tokens, logprobs, prompt, seconds = future.result()
+        outputs = self.outputs_of(self.scheduler.resolve(sched, tokens), logprobs, prompt)
+        self.scheduler.observe_step(sched, seconds)
+        return outputs
 
     def settle(self) -> None:
         """Finish the running step, if any (its outputs come with the next step())."""

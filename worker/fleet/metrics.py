@@ -80,6 +80,9 @@ ENGINE_GAUGES = {
                                "Learnt cost of a decode row in a step."),
     "step_cost_context_token_s": ("conveyor_step_cost_context_token_seconds",
                                   "Learnt cost of a context token attended over in a step."),
+    "step_cost_chunk_attention_s": ("conveyor_step_cost_chunk_attention_seconds",
+                                    "Learnt cost of a position a prefill chunk's later "
+                                    "tokens attend over besides."),
 }
 ENGINE_COUNTERS = {
     "steps": ("conveyor_engine_steps", "Engine steps that ran a forward pass."),

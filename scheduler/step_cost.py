@@ -85,6 +85,7 @@ class StepCostModel:
         # Solved at each observation and replaced whole: other threads (a metrics scrape)
         # read one consistent tuple.
         self.coefficients: tuple[float, ...] = (0.0,) * NUM_TERMS
+        self._support: np.ndarray | None = None  # the terms the last fit found above zero
         self.steps = 0
         self.prefill_steps = 0
         self.decode_steps = 0
@@ -98,10 +99,9 @@ class StepCostModel:
         self._xty = FORGETTING * self._xty + x * seconds
         self.prefill_steps += features.prefill_tokens > 0
         self.decode_steps += features.decode_rows > 0
-        scale = np.maximum(np.diag(self._xtx), 1.0)
-        coef = np.linalg.solve(self._xtx + RIDGE * np.diag(scale), self._xty)
-        # (a cost is never negative; a term the data cannot tell apart yet counts as none)
-        self.coefficients = tuple(float(max(v, 0.0)) for v in coef)
+        fit = nonnegative_fit(self._xtx, self._xty, self._support)
+        self._support = fit > 0
+        self.coefficients = tuple(float(v) for v in fit)
 
     def predict(self, features: StepFeatures) -> float:
         return float(np.dot(self.coefficients, features.vector()))
@@ -111,6 +111,46 @@ class StepCostModel:
         """Whether it has seen enough steps with prefill and with decodes to size by."""
         return (self.prefill_steps >= MIN_PREFILL_STEPS
                 and self.decode_steps >= MIN_DECODE_STEPS)
+
+
+def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray,
+                    support: np.ndarray | None = None) -> np.ndarray:
+    """The least-squares coefficients, none negative, from the normal equations (Lawson and
+    Hanson's active set). A cost is never negative, and clipping an unconstrained fit is no
+    fit: where a term does not vary (a steady batch's decode rows move with the intercept),
+    the solve may trade one for a negative other, and clipping that one leaves the other
+    far too high (a 34 ms step predicted at 95). ``support``, the terms the last fit found
+    above zero, is tried first: step after step it is the same, and one solve shows it."""
+    # Each term scaled to a unit diagonal: context and chunk attention run to 10^6 and more.
+    norm = np.sqrt(np.maximum(np.diag(xtx), 1e-30))
+    a = xtx / np.outer(norm, norm) + RIDGE * np.eye(len(xty))
+    b = xty / norm
+    tol = 1e-12 * max(float(np.abs(b).max()), 1e-30)
+    if support is not None and support.any():
+        x = np.zeros(len(b))
+        x[support] = np.linalg.solve(a[np.ix_(support, support)], b[support])
+        if (x[support] > 0).all() and (support.all() or (b - a @ x)[~support].max() <= tol):
+            return x / norm  # (the optimum's conditions hold: nothing to search)
+    x, free = np.zeros(len(b)), np.zeros(len(b), dtype=bool)
+    for _ in range(3 * len(b)):  # (each round frees a term; it ends in a few)
+        gradient = b - a @ x
+        if free.all() or gradient[~free].max() <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(len(b))
+            z[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            if (z[free] > 0).all():
+                x = z
+                break
+            # Step from x towards z until a term reaches zero; that term is held at zero.
+            back = free & (z <= 0)
+            gap = x[back] - z[back]
+            alpha = float(np.min(np.where(gap > 0, x[back] / np.where(gap > 0, gap, 1.0), 0.0)))
+            x = x + alpha * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x / norm
 
 
 def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,

@@ -38,16 +38,12 @@ PATHS = {
     "overlapped-chunked-nan": (
         dict(max_num_batched_tokens=64, block_shuffle_seed=7, async_scheduling=True, **POOL),
         "staggered"),
-    # Prefill sized by an inter-token target no step meets: once the cost model learnt
-    # (scheduler/step_cost.py), every prompt beside decodes goes in the smallest chunks.
-    "itl-target-staggered": (
-        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, async_scheduling=False, **POOL),
-        "staggered"),
-    # The same with overlapped steps, timed on the runner thread.
-    "itl-target-overlapped": (
-        dict(max_num_batched_tokens=2048, itl_target_ms=1e-6, async_scheduling=True, **POOL),
-        "staggered"),
+    "staggered-large-budget": (dict(max_num_batched_tokens=2048, **POOL), "staggered"),
 }
+# Every path runs with and without an inter-token target. The target no step meets: once
+# the cost model learnt (scheduler/step_cost.py), every prompt beside decodes goes in the
+# smallest chunks (overlapped steps: timed on the runner thread).
+TARGETS = {"no-target": {}, "itl-target": dict(itl_target_ms=1e-6)}
 
 
 def workload(vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -106,9 +102,11 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("path", list(PATHS))
-def test_greedy_float64_equals_transformers(model_factory, variant, path):
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_greedy_float64_equals_transformers(model_factory, variant, path, target):
     model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
     settings, arrival = PATHS[path]
+    settings = {**settings, **TARGETS[target]}
     engine = Engine(model_dir, dtype="float64", **settings)
     work = workload(engine.model_config.vocab_size)
     refs = references(model_dir, work)
@@ -133,9 +131,14 @@ def test_greedy_float64_equals_transformers(model_factory, variant, path):
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
-def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory, variant):
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory, variant,
+                                                                   target):
+    """float32 on the CPU: decode steps, and small steps with prefill chunks, take the native
+    call (worker/models/native_decode.py) where it is built."""
     model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
-    engine = Engine(model_dir, dtype="float32", max_num_batched_tokens=64, **POOL)
+    engine = Engine(model_dir, dtype="float32", max_num_batched_tokens=64, **POOL,
+                    **TARGETS[target])
     work = workload(engine.model_config.vocab_size, seed=1)
     refs = references(model_dir, work, seed=1)
     got = run_engine(engine, work, "together", nan_free_blocks=False)["tokens"]
@@ -150,17 +153,20 @@ def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory
     assert compared > 0.9 * sum(len(r.token_ids) for r in refs)
     # Decode-only steps took the native layers (worker/models/native_decode.py) where built.
     assert engine.model.num_native_steps > 0 or decode_layers_kernel() is None
+    if TARGETS[target]:
+        assert engine.scheduler.step_cost.ready
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa"])
+@pytest.mark.parametrize("target", list(TARGETS))
 def test_greedy_float64_equals_transformers_on_the_torch_decode_path(model_factory, variant,
-                                                                     monkeypatch):
+                                                                     target, monkeypatch):
     """The path decodes take where the CPU kernel is switched off or cannot be built (and on
     every other device): gathered context and fused scaled-dot-product attention."""
     monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "0")
     model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
     settings, arrival = PATHS["chunked-shuffled-nan"]
-    engine = Engine(model_dir, dtype="float64", **settings)
+    engine = Engine(model_dir, dtype="float64", **settings, **TARGETS[target])
     work = workload(engine.model_config.vocab_size)
     result = run_engine(engine, work, arrival, nan_free_blocks=True)
     for i, (ref, got) in enumerate(zip(references(model_dir, work), result["tokens"],

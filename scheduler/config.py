@@ -40,7 +40,9 @@ class SchedulerConfig:
     # Inter-token target (ms): while requests decode, a step holds only as many prefill
     # tokens as keep its predicted time within it (scheduler/step_cost.py: a cost model of
     # the engine's own steps); at least MIN_PREFILL_TOKENS, so a prompt always progresses.
-    # None or 0: the token budget alone. Needs chunked prefill.
+    # None or 0: the token budget alone. Needs chunked prefill. Off by default: where a decode
+    # step is compute-bound (a CPU) it bounds ITL at the price of a long prompt's TTFT and of
+    # throughput (docs/benchmarks.md: W2 and W1 with an inter-token target).
     itl_target_ms: float | None = None
 
     def __post_init__(self) -> None:

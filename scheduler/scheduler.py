@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 
 from kvstore import KVCacheManager, PrefixHit
 from producer.wire.completion import FinishReason
@@ -123,10 +124,13 @@ class Scheduler:
         self._may_preempt = may_preempt
         scheduled: dict[str, ScheduledChunk] = {}
         self._prefill_left = self._prefill_limit()
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
+        budget, later = self._schedule_running(self.config.max_num_batched_tokens, scheduled,
+                                               out)
         if not out.preempted_ids:
             budget = self._swap_in(budget, scheduled, out)
-            self._admit_waiting(budget, scheduled, out)
+            budget = self._admit_waiting(budget, scheduled, out)
+        if later:  # what the more urgent waiting requests left of the target's share
+            self._schedule_general(later, budget, scheduled, out)
         out.chunks = list(scheduled.values())
         return out
 
@@ -276,7 +280,11 @@ class Scheduler:
     # ----- the three sources of work -----
 
     def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk],
-                          out: SchedulerOutput) -> int:
+                          out: SchedulerOutput) -> tuple[int, list[Request]]:
+        """Decodes and partial prefills; the budget left, and the partial prefills put after
+        admission (an inter-token target's small share goes to the more urgent first: a
+        batch document's chunks must not hold an interactive prompt back for its whole
+        prefill)."""
         # One pass serves the common decode inline (nobody to preempt: its next token fits
         # in a block it holds, or starts one that is free): this runs for every running
         # request every step. Taking the free block in its place keeps a steady batch's
@@ -303,12 +311,12 @@ class Scheduler:
                     growing.append(req)
                     continue
                 if budget == 0:
-                    return budget
+                    return budget, []
                 kv.append_slots(request_id, req.num_computed_tokens + 1)
                 table = tables[request_id]
                 num_blocks = len(table)
             if budget == 0:
-                return budget
+                return budget, []
             # ScheduledChunk of the one newest token, from which a token is sampled.
             known, req.num_blocks_sent = req.num_blocks_sent, num_blocks
             outputs = req.output_token_ids
@@ -316,7 +324,20 @@ class Scheduler:
                 request_id, [outputs[-1] if outputs else req.prompt_token_ids[-1]],
                 req.num_computed_tokens, table[known:], known, True, len(outputs))
             budget -= 1
-        for req in itertools.chain(growing, prefills):
+        later: list[Request] = []
+        if self._prefill_left is not None and prefills and self._waiting:
+            most_urgent = self._waiting[0][0]  # (the heap's first key: its priority)
+            later = [r for r in prefills if r.priority > most_urgent]
+            if later:
+                prefills = [r for r in prefills if r.priority <= most_urgent]
+        return self._schedule_general(itertools.chain(growing, prefills), budget, scheduled,
+                                      out), later
+
+    def _schedule_general(self, reqs: Iterable[Request], budget: int,
+                          scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
+        """Running requests off the common decode path, in order: decodes that need a block
+        (making room, maybe by preemption), then partial prefills."""
+        for req in reqs:
             if budget == 0:
                 break
             if not req.status.running:

@@ -329,3 +329,22 @@ def test_overlapped_steps_learn_what_the_runner_thread_took_and_size_by_it():
     assert sum(sizes) == 3000 and sizes[:2] == [1024 - 8] * 2 and len(sizes) > 4
     for step in list(chunks)[2:]:
         assert took[step] <= 0.020 * 1.01 or chunks[step] == MIN_PREFILL_TOKENS
+
+
+def test_a_more_urgent_prompt_takes_the_targets_share_before_a_running_document():
+    """The target's small share goes to the more urgent first: an interactive prompt is not
+    held back for a batch document's whole prefill (its ~30 steps where the budget alone
+    took 2); a prompt of the same priority keeps its place behind the running one."""
+    for chat_priority, chat_first in ((0, True), (1, False)):
+        s = scheduler(20, learnt())
+        decoding(s, 8)
+        s.add_request(Request("doc", list(range(1, 3001)), max_tokens=4, priority=1))
+        step(s)
+        assert s.requests["doc"].status is RequestStatus.RUNNING_CTX  # (it holds the share)
+        s.add_request(Request("chat", list(range(5, 300)), max_tokens=4,
+                              priority=chat_priority))
+        out = step(s)
+        chunks = [c.request_id for c in out.chunks if not c.is_decode]
+        assert chunks[0] == ("chat" if chat_first else "doc")
+        while s.requests["doc"].status is not RequestStatus.RUNNING_GEN:
+            step(s)  # and the document goes on to its end

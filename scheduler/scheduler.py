@@ -18,7 +18,13 @@ from scheduler.output import (
     SchedulerOutput,
 )
 from scheduler.request import Request, RequestStatus
-from scheduler.step_cost import MIN_PREFILL_TOKENS, StepCostModel, StepFeatures, prefill_within
+from scheduler.step_cost import (
+    MIN_PREFILL_TOKENS,
+    StepCostModel,
+    StepFeatures,
+    chunk_seconds,
+    prefill_within,
+)
 
 
 class Scheduler:
@@ -49,10 +55,12 @@ class Scheduler:
         self._num_holding = 0
         # False while a step is scheduled beside a running one (schedule(may_preempt=False)).
         self._may_preempt = True
-        # With an inter-token target: what steps cost (learnt from the engine's), and the
-        # prefill tokens the step being scheduled may still take (None: no limit).
+        # With an inter-token target: what steps cost (learnt from the engine's), the seconds
+        # of the step being scheduled its prefill may still take (None: no limit), and the
+        # prefill tokens it still holds whatever they cost (a prompt always progresses).
         self.step_cost = StepCostModel()
-        self._prefill_left: int | None = None
+        self._prefill_left_s: float | None = None
+        self._prefill_floor = 0
 
     # ----- queue -----
 
@@ -123,34 +131,39 @@ class Scheduler:
         self._finished_ids = []
         self._may_preempt = may_preempt
         scheduled: dict[str, ScheduledChunk] = {}
-        self._prefill_left = self._prefill_limit()
+        self._prefill_left_s = self._prefill_seconds()
+        self._prefill_floor = MIN_PREFILL_TOKENS
         budget, later = self._schedule_running(self.config.max_num_batched_tokens, scheduled,
                                                out)
         if not out.preempted_ids:
-            budget = self._swap_in(budget, scheduled, out)
-            budget = self._admit_waiting(budget, scheduled, out)
-        if later:  # what the more urgent waiting requests left of the target's share
+            # (with prompts put after admission: only requests more urgent than they are)
+            bound = min((r.priority for r in later), default=None)
+            budget = self._swap_in(budget, scheduled, out, bound)
+            budget = self._admit_waiting(budget, scheduled, out, bound)
+        if later:  # what the more urgent requests left of the target's share
+            # A request admitted this step is never a victim: the prompts wait instead.
+            may_preempt, self._may_preempt = self._may_preempt, False
             self._schedule_general(later, budget, scheduled, out)
+            self._may_preempt = may_preempt
         out.chunks = list(scheduled.values())
         return out
 
-    def _prefill_limit(self) -> int | None:
-        """Prefill tokens this step may hold so that it stays within the inter-token target
-        while requests decode (None: no target, nothing decoding, or prompts unchunked)."""
+    def _prefill_seconds(self) -> float | None:
+        """Seconds of this step its prefill may take so that it stays within the inter-token
+        target while requests decode (None: no target, nothing decoding, prompts unchunked,
+        or the cost not learnt yet). Each chunk is sized by it where its start is known
+        (``_tokens_to_schedule``): a prefix hit's or a resumed prompt's tokens attend over
+        more than a new prompt's."""
         target_ms = self.config.itl_target_ms
-        if not target_ms or not self.config.enable_chunked_prefill:
+        if not target_ms or not self.config.enable_chunked_prefill or not self.step_cost.ready:
             return None
         gen = RequestStatus.RUNNING_GEN
         decoding = [r for r in self.running if r.status is gen]
         if not decoding:
             return None  # nobody waits on this step's tokens: prefill at full budget
         context = sum(r.num_computed_tokens + 1 for r in decoding)
-        # The chunk goes on a running prompt, the furthest on (its tokens attend the most),
-        # or starts a waiting one.
-        start = max((r.num_computed_tokens for r in self.running if r.status is not gen),
-                    default=0)
-        return prefill_within(self.step_cost, target_ms / 1000, len(decoding), context, start,
-                              MIN_PREFILL_TOKENS, self.config.max_num_batched_tokens)
+        decodes_s = self.step_cost.predict(StepFeatures(0, len(decoding), context))
+        return max(0.0, target_ms / 1000 - decodes_s)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step of ``out`` took ``seconds``: the cost model learns it (only with a target)."""
@@ -166,9 +179,12 @@ class Scheduler:
                  "step_cost_context_token_s", "step_cost_chunk_attention_s")
         return dict(zip(names, self.step_cost.coefficients, strict=True))
 
-    def _took_prefill(self, n: int) -> None:
-        if self._prefill_left is not None and n > 1:
-            self._prefill_left = max(0, self._prefill_left - n)
+    def _took_prefill(self, req: Request, n: int) -> None:
+        """``req`` takes a chunk of ``n`` from its computed tokens on (before they advance)."""
+        if self._prefill_left_s is not None and n > 1:
+            spent = chunk_seconds(self.step_cost, req.num_computed_tokens, n)
+            self._prefill_left_s = max(0.0, self._prefill_left_s - spent)
+            self._prefill_floor = max(0, self._prefill_floor - n)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append sampled tokens, finish requests."""
@@ -325,11 +341,12 @@ class Scheduler:
                 req.num_computed_tokens, table[known:], known, True, len(outputs))
             budget -= 1
         later: list[Request] = []
-        if self._prefill_left is not None and prefills and self._waiting:
-            most_urgent = self._waiting[0][0]  # (the heap's first key: its priority)
-            later = [r for r in prefills if r.priority > most_urgent]
-            if later:
-                prefills = [r for r in prefills if r.priority <= most_urgent]
+        if self._prefill_left_s is not None and prefills:
+            most_urgent = self._most_urgent_queued()
+            if most_urgent is not None:
+                later = [r for r in prefills if r.priority > most_urgent]
+                if later:
+                    prefills = [r for r in prefills if r.priority <= most_urgent]
         return self._schedule_general(itertools.chain(growing, prefills), budget, scheduled,
                                       out), later
 
@@ -351,15 +368,17 @@ class Scheduler:
                 continue
             self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
             scheduled[req.request_id] = self._chunk(req, n)
-            self._took_prefill(n)
+            self._took_prefill(req, n)
             budget -= n
         return budget
 
     def _swap_in(self, budget: int, scheduled: dict[str, ScheduledChunk],
-                 out: SchedulerOutput) -> int:
+                 out: SchedulerOutput, more_urgent_than: int | None = None) -> int:
         self.swapped.sort(key=Request.urgency_key)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if more_urgent_than is not None and req.priority >= more_urgent_than:
+                break
             n = self._tokens_to_schedule(req, budget)
             if n == 0 or not self.kv.can_swap_in(req.request_id, req.num_computed_tokens + n):
                 break  # the most urgent swapped request comes back first, or nobody does
@@ -372,18 +391,20 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
-            self._took_prefill(n)
+            self._took_prefill(req, n)
             budget -= n
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk],
-                       out: SchedulerOutput) -> int:
+                       out: SchedulerOutput, more_urgent_than: int | None = None) -> int:
         deferred = []
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._waiting[0][2]
             if req.status is RequestStatus.FINISHED:
                 heapq.heappop(self._waiting)
                 continue
+            if more_urgent_than is not None and req.priority >= more_urgent_than:
+                break
             if req.preloaded is not None:
                 hit = req.preloaded
             elif req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
@@ -396,7 +417,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens = hit.num_tokens
             n = self._tokens_to_schedule(req, budget)
-            if n == 0 and self._prefill_left == 0:
+            if n == 0 and self._prefill_left_s is not None:
                 req.num_computed_tokens = 0
                 break  # the inter-token target's share is spent: not a lack of memory
             # Head-of-line: a request that does not fit waits, and so does everyone behind it.
@@ -421,7 +442,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
-            self._took_prefill(n)
+            self._took_prefill(req, n)
             budget -= n
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
@@ -501,9 +522,21 @@ class Scheduler:
             return min(n, budget)
         if not self.config.enable_chunked_prefill:
             return n if n <= budget else 0
-        if self._prefill_left is not None:  # (the inter-token target's share of the step)
-            budget = min(budget, self._prefill_left)
-        return min(n, budget, self.config.chunk_cap)
+        n = min(n, budget, self.config.chunk_cap)
+        if self._prefill_left_s is not None:  # (the inter-token target's share of the step)
+            n = prefill_within(self.step_cost, self._prefill_left_s, req.num_computed_tokens,
+                               min(self._prefill_floor, n), n)
+        return n
+
+    def _most_urgent_queued(self) -> int | None:
+        """The priority of the most urgent request waiting or swapped out (None: none)."""
+        waiting = self._waiting
+        while waiting and waiting[0][2].status is RequestStatus.FINISHED:
+            heapq.heappop(waiting)  # (an entry left by a finished request)
+        swapped = min((r.priority for r in self.swapped), default=None)
+        if not waiting:
+            return swapped
+        return waiting[0][0] if swapped is None else min(waiting[0][0], swapped)
 
     def _count_prefix_hit(self, req: Request, hit_tokens: int) -> None:
         self.counters["prefix_cache_queries"] += req.num_tokens

@@ -14,6 +14,7 @@ cannot know what a step costs on a given machine and model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,7 @@ RIDGE = 1e-9
 # a prompt always progresses (two blocks of 16).
 MIN_PREFILL_TOKENS = 32
 NUM_TERMS = 5
+ATTENTION_TERM = 4
 
 
 class Chunk(Protocol):
@@ -86,6 +88,10 @@ class StepCostModel:
         # read one consistent tuple.
         self.coefficients: tuple[float, ...] = (0.0,) * NUM_TERMS
         self._support: np.ndarray | None = None  # the terms the last fit found above zero
+        # The least and most chunk attention a prefill token of a step has brought: until
+        # they differ, a chunk's attention cannot be told from its tokens' own cost (one
+        # step at one start splits them anyhow), and its term stays at zero.
+        self._attention_seen = (math.inf, -math.inf)
         self.steps = 0
         self.prefill_steps = 0
         self.decode_steps = 0
@@ -99,7 +105,14 @@ class StepCostModel:
         self._xty = FORGETTING * self._xty + x * seconds
         self.prefill_steps += features.prefill_tokens > 0
         self.decode_steps += features.decode_rows > 0
-        fit = nonnegative_fit(self._xtx, self._xty, self._support)
+        if features.prefill_tokens > 0:
+            per_token = features.chunk_attention / features.prefill_tokens
+            least, most = self._attention_seen
+            self._attention_seen = (min(least, per_token), max(most, per_token))
+        least, most = self._attention_seen
+        terms = np.ones(NUM_TERMS, dtype=bool)
+        terms[ATTENTION_TERM] = most >= 1.5 * least + 1
+        fit = nonnegative_fit(self._xtx, self._xty, self._support, terms)
         self._support = fit > 0
         self.coefficients = tuple(float(v) for v in fit)
 
@@ -113,30 +126,36 @@ class StepCostModel:
                 and self.decode_steps >= MIN_DECODE_STEPS)
 
 
-def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray,
-                    support: np.ndarray | None = None) -> np.ndarray:
+def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray, support: np.ndarray | None = None,
+                    terms: np.ndarray | None = None) -> np.ndarray:
     """The least-squares coefficients, none negative, from the normal equations (Lawson and
     Hanson's active set). A cost is never negative, and clipping an unconstrained fit is no
     fit: where a term does not vary (a steady batch's decode rows move with the intercept),
     the solve may trade one for a negative other, and clipping that one leaves the other
     far too high (a 34 ms step predicted at 95). ``support``, the terms the last fit found
-    above zero, is tried first: step after step it is the same, and one solve shows it."""
+    above zero, is tried first: step after step it is the same, and one solve shows it.
+    ``terms``: those that may be above zero (None: all)."""
     # Each term scaled to a unit diagonal: context and chunk attention run to 10^6 and more.
     norm = np.sqrt(np.maximum(np.diag(xtx), 1e-30))
     a = xtx / np.outer(norm, norm) + RIDGE * np.eye(len(xty))
     b = xty / norm
     tol = 1e-12 * max(float(np.abs(b).max()), 1e-30)
+    held = np.zeros(len(b), dtype=bool) if terms is None else ~terms
+    if support is not None:
+        support = support & ~held
     if support is not None and support.any():
         x = np.zeros(len(b))
         x[support] = np.linalg.solve(a[np.ix_(support, support)], b[support])
-        if (x[support] > 0).all() and (support.all() or (b - a @ x)[~support].max() <= tol):
+        rest = ~support & ~held
+        if (x[support] > 0).all() and (not rest.any() or (b - a @ x)[rest].max() <= tol):
             return x / norm  # (the optimum's conditions hold: nothing to search)
     x, free = np.zeros(len(b)), np.zeros(len(b), dtype=bool)
     for _ in range(3 * len(b)):  # (each round frees a term; it ends in a few)
         gradient = b - a @ x
-        if free.all() or gradient[~free].max() <= tol:
+        closed = ~free & ~held
+        if not closed.any() or gradient[closed].max() <= tol:
             break
-        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        free[np.argmax(np.where(closed, gradient, -np.inf))] = True
         while True:
             z = np.zeros(len(b))
             z[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
@@ -153,26 +172,25 @@ def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray,
     return x / norm
 
 
-def prefill_within(model: StepCostModel, target_s: float, decode_rows: int,
-                   context_tokens: int, chunk_start: int, floor: int, cap: int) -> int:
-    """Prefill tokens a step may hold beside ``decode_rows`` decodes over
-    ``context_tokens`` (theirs) so that its predicted time stays within ``target_s``, the
-    chunk starting at ``chunk_start``: at least ``floor`` (a prompt always progresses, even
-    beside a batch that alone takes longer), at most ``cap``; ``cap`` while the model is not
-    ready."""
-    if not model.ready:
-        return cap
+def chunk_seconds(model: StepCostModel, start: int, n: int) -> float:
+    """What a prefill chunk of ``n`` tokens at ``start`` adds to a step's predicted time."""
+    _, b, _, d, e = model.coefficients
+    return b * n + d * (start + n) + e * chunk_attention(start, n)
 
-    def fits(n: int) -> bool:
-        return model.predict(StepFeatures(n, decode_rows, context_tokens + chunk_start + n,
-                                          chunk_attention(chunk_start, n))) <= target_s
 
-    if fits(cap):
+def prefill_within(model: StepCostModel, seconds: float, chunk_start: int, floor: int,
+                   cap: int) -> int:
+    """Tokens of a chunk at ``chunk_start`` whose predicted cost fits in ``seconds`` (what the
+    target leaves of a step): at least ``floor`` (a prompt always progresses, even beside a
+    batch that alone takes longer than the target), at most ``cap``."""
+    if cap <= floor:
         return cap
-    lo, hi = floor, cap  # the cost only grows with n (no term is negative): bisect
-    if not fits(lo):
+    if seconds <= 0:  # (nothing left: the floor, even where the fit sees no prefill cost)
         return floor
-    while hi - lo > 1:
+    if chunk_seconds(model, chunk_start, cap) <= seconds:
+        return cap
+    lo, hi = floor, cap  # lo: allowed (it fits, or it is the floor); hi: does not fit
+    while hi - lo > 1:  # (the cost only grows with n: no term is negative)
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if chunk_seconds(model, chunk_start, mid) <= seconds else (lo, mid)
     return lo

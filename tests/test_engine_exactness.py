@@ -7,6 +7,7 @@ import random
 import pytest
 from hf_reference import Reference, hf_greedy
 
+from scheduler.step_cost import MIN_PREFILL_TOKENS
 from worker import Engine, SamplingParams
 from worker.host.cpu_kernels import decode_layers_kernel
 
@@ -76,13 +77,19 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
         i, (prompt, max_tokens) = pending.pop(0)
         ids[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))] = i
 
-    # Record what each step held: its chunks are decodes (True) or prefill chunks (False).
+    # Record what each step held: its chunks are decodes (True) or prefill chunks (False);
+    # and the prompt tokens of each step beside decodes scheduled with the cost learnt.
     step_kinds: list[list[bool]] = []
+    sized: list[int] = []
     schedule = engine.scheduler.schedule
 
     def recording_schedule(**kwargs):
+        ready = engine.scheduler.step_cost.ready
         out = schedule(**kwargs)
         step_kinds.append([c.is_decode for c in out.chunks])
+        if ready and any(step_kinds[-1]):
+            sized.append(sum(c.num_tokens for c in out.chunks
+                             if not c.is_decode and c.num_tokens > 1))
         return out
 
     engine.scheduler.schedule = recording_schedule
@@ -97,7 +104,8 @@ def run_engine(engine: Engine, work, arrival: str, nan_free_blocks: bool) -> dic
             tokens.setdefault(ids[out.request_id], []).extend(out.new_token_ids)
     engine.scheduler.schedule = schedule
     mixed_steps = sum(any(k) and not all(k) for k in step_kinds)
-    return {"tokens": [tokens.get(i, []) for i in range(len(work))], "mixed_steps": mixed_steps}
+    return {"tokens": [tokens.get(i, []) for i in range(len(work))], "mixed_steps": mixed_steps,
+            "sized_prefill": sized}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -124,8 +132,11 @@ def test_greedy_float64_equals_transformers(model_factory, variant, path, target
         assert result["mixed_steps"] > 0  # decodes shared steps with prefill chunks
     if settings.get("async_scheduling"):
         assert engine.num_overlapped_steps > engine.num_steps // 2
-    if settings.get("itl_target_ms"):  # the target sized prefill beside decodes
+    if settings.get("itl_target_ms"):  # the target (no step meets it) held prompts to the floor
         assert engine.scheduler.step_cost.ready and result["mixed_steps"] > 0
+        assert max(result["sized_prefill"]) <= MIN_PREFILL_TOKENS
+        if arrival == "staggered":  # (prompts arriving beside decodes, once it learnt)
+            assert sum(result["sized_prefill"]) > MIN_PREFILL_TOKENS
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     engine.close()
 
@@ -151,8 +162,9 @@ def test_greedy_float32_matches_wherever_the_reference_is_decisive(model_factory
                 break
             compared += 1
     assert compared > 0.9 * sum(len(r.token_ids) for r in refs)
-    # Decode-only steps took the native layers (worker/models/native_decode.py) where built.
-    assert engine.model.num_native_steps > 0 or decode_layers_kernel() is None
+    # Decode steps, and steps with prefill chunks, took the native layers
+    # (worker/models/native_decode.py) where built.
+    assert engine.model.num_native_mixed_steps > 0 or decode_layers_kernel() is None
     if TARGETS[target]:
         assert engine.scheduler.step_cost.ready
 

@@ -105,7 +105,10 @@ def test_it_sizes_nothing_until_it_saw_prefill_steps():
         f = StepFeatures(0, 48, 10_000)
         model.observe(f, seconds(f))
     assert not model.ready
-    assert prefill_within(model, 0.005, 48, 10_000, 0, MIN_PREFILL_TOKENS, 1024) == 1024
+    s = scheduler(5, model)
+    decoding(s, 48)
+    s.add_request(Request("doc", list(range(1, 2001)), max_tokens=4))
+    assert next(len(c.token_ids) for c in step(s).chunks if c.request_id == "doc") == 1024 - 48
     for _ in range(MIN_PREFILL_STEPS):
         f = StepFeatures(256, 48, 10_000)
         model.observe(f, seconds(f))
@@ -117,24 +120,27 @@ def step_s(n: int, rows: int, context: int, start: int) -> float:
     return seconds(StepFeatures(n, rows, context + start + n, chunk_attention(start, n)))
 
 
+def within(model: StepCostModel, target_s: float, rows: int, context: int, start: int) -> int:
+    """The chunk at ``start`` the target leaves room for beside ``rows`` decodes."""
+    left = max(0.0, target_s - model.predict(StepFeatures(0, rows, context)))
+    return prefill_within(model, left, start, MIN_PREFILL_TOKENS, 1024)
+
+
 def test_the_prefill_fits_the_target_and_never_falls_under_the_floor():
     model = learnt()
     rows, context = 48, 48 * 100  # decodes alone: 9.2 ms
     for start in (0, 1500):  # a chunk further on attends over more: it fits fewer tokens
         sizes = []
         for target_ms in (15, 20, 40):
-            n = prefill_within(model, target_ms / 1000, rows, context, start,
-                               MIN_PREFILL_TOKENS, 1024)
+            n = within(model, target_ms / 1000, rows, context, start)
             sizes.append(n)
             assert step_s(n, rows, context, start) <= target_ms / 1000 * 1.001 < \
                 step_s(n + 2, rows, context, start)
         assert sizes == sorted(sizes)
-    assert prefill_within(model, 0.02, rows, context, 1500, MIN_PREFILL_TOKENS, 1024) < \
-        prefill_within(model, 0.02, rows, context, 0, MIN_PREFILL_TOKENS, 1024)
+    assert within(model, 0.02, rows, context, 1500) < within(model, 0.02, rows, context, 0)
     # A batch whose decodes alone take longer than the target: the prompt still progresses.
-    assert prefill_within(model, 0.005, rows, context, 0, MIN_PREFILL_TOKENS, 1024) == \
-        MIN_PREFILL_TOKENS
-    assert prefill_within(model, 10.0, rows, context, 0, MIN_PREFILL_TOKENS, 1024) == 1024
+    assert within(model, 0.005, rows, context, 0) == MIN_PREFILL_TOKENS
+    assert within(model, 10.0, rows, context, 0) == 1024
 
 
 def scheduler(target_ms: float | None, model: StepCostModel | None = None) -> Scheduler:
@@ -267,9 +273,8 @@ def test_a_spent_target_keeps_the_imported_kv_of_requests_behind():
 def test_a_fit_that_sees_no_prefill_cost_still_holds_a_step_it_cannot_fit():
     model = learnt()
     model.coefficients = (0.5, 0.0, 0.0, 0.0, 0.0)  # (a cold step it has not forgotten yet)
-    assert prefill_within(model, 0.02, 8, 100, 0, MIN_PREFILL_TOKENS, 1024) == \
-        MIN_PREFILL_TOKENS
-    assert prefill_within(model, 1.0, 8, 100, 0, MIN_PREFILL_TOKENS, 1024) == 1024
+    assert within(model, 0.02, 8, 100, 0) == MIN_PREFILL_TOKENS
+    assert within(model, 1.0, 8, 100, 0) == 1024
 
 
 def test_targets_that_are_no_numbers_are_refused():
@@ -324,10 +329,11 @@ def test_overlapped_steps_learn_what_the_runner_thread_took_and_size_by_it():
         assert s.step_cost.predict(f) == pytest.approx(seconds(f), rel=0.02)
     # The document's first chunk is what it learns a prefill token from; the second was
     # scheduled while the first ran (the full budget's rest, as nothing was known yet); the
-    # rest are sized by what it learnt, their steps within the target.
+    # third, with one chunk's start learnt (its attention not yet told from its tokens');
+    # the rest are sized by what it learnt, their steps within the target.
     sizes = list(chunks.values())
-    assert sum(sizes) == 3000 and sizes[:2] == [1024 - 8] * 2 and len(sizes) > 4
-    for step in list(chunks)[2:]:
+    assert sum(sizes) == 3000 and sizes[:2] == [1024 - 8] * 2 and len(sizes) > 5
+    for step in list(chunks)[3:]:
         assert took[step] <= 0.020 * 1.01 or chunks[step] == MIN_PREFILL_TOKENS
 
 
@@ -348,3 +354,63 @@ def test_a_more_urgent_prompt_takes_the_targets_share_before_a_running_document(
         assert chunks[0] == ("chat" if chat_first else "doc")
         while s.requests["doc"].status is not RequestStatus.RUNNING_GEN:
             step(s)  # and the document goes on to its end
+
+
+def test_the_share_never_goes_to_a_prompt_less_urgent_than_the_one_it_puts_after():
+    """Put after admission for a more urgent prompt, a running document still comes before
+    prompts less urgent than itself (they wait for what it leaves)."""
+    s = scheduler(20, learnt())
+    decoding(s, 8)
+    s.add_request(Request("doc", list(range(1, 3001)), max_tokens=4, priority=1))
+    step(s)
+    s.add_request(Request("chat", list(range(5, 60)), max_tokens=4, priority=0))
+    s.add_request(Request("low", list(range(7, 400)), max_tokens=4, priority=5))
+    out = step(s)
+    prefills = [c.request_id for c in out.chunks if not c.is_decode]
+    assert prefills[:2] == ["chat", "doc"]
+
+
+@pytest.mark.parametrize("num_blocks", range(4, 9))
+def test_a_request_admitted_in_a_step_is_not_preempted_in_it(num_blocks):
+    """The prompts put after admission never make room by preempting what was just
+    admitted (a step that preempts admits nothing): they wait for the next step instead."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                  max_model_len=4096, itl_target_ms=20, max_prefill_chunk=16),
+                  KVCacheManager(BlockPool(num_blocks), 16))
+    s.step_cost = learnt()
+    s.add_request(Request("d0", list(range(1, 17)), max_tokens=10_000, priority=0))
+    step(s)
+    step(s)
+    s.add_request(Request("doc", list(range(1, 100)), max_tokens=4, priority=1))
+    step(s)
+    assert s.requests["doc"].status is RequestStatus.RUNNING_CTX
+    s.add_request(Request("chat", list(range(5, 21)), max_tokens=4, priority=0))
+    s.add_request(Request("b2", list(range(9, 25)), max_tokens=4, priority=5))
+    for _ in range(6):
+        out = step(s)
+        admitted = {n.request_id for n in out.new_requests}
+        assert not admitted & set(out.preempted_ids)
+
+
+def test_a_chunk_is_sized_by_where_it_starts():
+    """A prompt whose first 2,000 tokens are a prefix hit: its chunk's tokens attend over
+    those too, so fewer fit than of a prompt that starts at 0."""
+    sizes = {}
+    for name, hit in (("fresh", False), ("after a hit", True)):
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64,
+                                      max_model_len=4096, itl_target_ms=25),
+                      KVCacheManager(BlockPool(4096), 16, enable_prefix_caching=True))
+        s.step_cost = learnt()
+        document = list(range(100, 2100))
+        if hit:
+            s.add_request(Request("first", document, max_tokens=1))
+            while "first" in s.requests:
+                step(s)
+        decoding(s, 8)
+        s.add_request(Request("q", document + list(range(3000, 3400)), max_tokens=4))
+        out = step(s)
+        [chunk] = [c for c in out.chunks if c.request_id == "q"]
+        assert chunk.start_position == (2000 if hit else 0)
+        assert seconds(StepFeatures.of(out.chunks)) <= 0.025 * 1.01
+        sizes[name] = len(chunk.token_ids)
+    assert MIN_PREFILL_TOKENS < sizes["after a hit"] < sizes["fresh"]

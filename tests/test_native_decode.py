@@ -99,11 +99,31 @@ def test_the_native_forward_ends_with_the_final_norm(kind, matmul, checkpoints, 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
+# With one thread, or two: the step team's region (packed weights, with take-overs of a
+# late partner's tasks) or a region per loop (unpacked).
+@pytest.mark.parametrize("threads, matmul", [(1, ""), (2, ""), (2, "unpacked")])
 def test_steps_with_prefill_chunks_take_the_native_path_and_match_the_python_layers(
-        kind, checkpoints, monkeypatch):
+        kind, threads, matmul, checkpoints, monkeypatch):
     """A prompt's first chunk, later chunks beside decodes, chunks whose tokens attend to
     each other in the same step: each token is a row of the kernel's over its sequence's
     table, and its K/V is in the cache before any token attends."""
+    monkeypatch.setenv(MATMUL_SWITCH, matmul)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native, native_cache, python, python_cache = _mixed_steps_both_ways(
+            kind, checkpoints, monkeypatch)
+    finally:
+        torch.set_num_threads(before_threads)
+    assert not native.isnan().any()
+    torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
+    for got, want in zip((*native_cache.k, *native_cache.v), (*python_cache.k, *python_cache.v),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+def _mixed_steps_both_ways(kind, checkpoints, monkeypatch):
+    """Logits and caches of steps with prefill chunks, native and on the Python layers."""
     model = load_model(checkpoints / kind, dtype=torch.float32)
     results = {}
     for switch in ("0", "1"):
@@ -117,12 +137,7 @@ def test_steps_with_prefill_chunks_take_the_native_path_and_match_the_python_lay
             logits.append(decode_step(model, cache, seqs, tables, new))
         assert model.num_native_steps - before == (4 if switch == "1" else 0)
         results[switch] = (torch.cat(logits), cache)
-    (native, native_cache), (python, python_cache) = results["1"], results["0"]
-    assert not native.isnan().any()
-    torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
-    for got, want in zip((*native_cache.k, *native_cache.v), (*python_cache.k, *python_cache.v),
-                         strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+    return (*results["1"], *results["0"])
 
 
 @needs_kernel

@@ -141,6 +141,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         # Steps whose layers ran in one native call (worker/models/native_decode.py).
         self.num_native_steps = 0
+        # Of those, steps with prefill chunks (each chunk's token a row of the call's).
+        self.num_native_mixed_steps = 0
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - nn.Module's signature
         # .to(), .float(), .cuda() and the like re-point the parameters: the native decode
@@ -171,6 +173,7 @@ class CausalLM(nn.Module):
         native = native_decode.decode_layers(self, x, kv_cache, meta)
         if native is not None:
             self.num_native_steps += 1
+            self.num_native_mixed_steps += x.shape[0] != len(meta.query_lens)
             return native
         return self._layers(x, positions, kv_cache, meta)
 

@@ -101,7 +101,7 @@ def per_token(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     every token's K/V to the cache before any token attends (csrc/decode_layers.cpp)."""
     if len(meta.query_lens) == meta.slot_mapping.shape[0]:
         return meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-    lens = torch.tensor(meta.query_lens, dtype=torch.int64)
+    lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=meta.block_tables.device)
     tables = meta.block_tables.repeat_interleave(lens, dim=0)
     return tables, (meta.positions + 1).contiguous()
 

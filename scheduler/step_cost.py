@@ -7,9 +7,10 @@ attention, what a chunk's tokens after its first attend over besides (each the c
 before it and the chunk's tokens before it: the quadratic part of a long chunk, which a
 CPU's attention computes token by token). The coefficients are a least-squares fit of the
 steps seen so far, the older ones weighing less (a machine's speed drifts: other load,
-clocks). The scheduler asks it how many prefill tokens fit beside the step's decodes when
-an inter-token target is set (``SchedulerConfig.itl_target_ms``): a fixed token budget
-cannot know what a step costs on a given machine and model.
+clocks); none is negative. With an inter-token target (``SchedulerConfig.itl_target_ms``)
+the scheduler asks it what the step's decodes leave of the target, and how many tokens of
+each chunk fit in that, where the chunk starts: a fixed token budget cannot know what a
+step costs on a given machine and model.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 FORGETTING = 0.999
 # Steps with prefill, and steps with decodes, learnt before the fit is trusted to size
 # prefill (before: the full budget); the first step of all is not learnt (a cold start).
-# One prefill step is enough: beside decodes only the sums it pins are predicted.
+# One prefill step is enough: beside decodes only the sums it pins are predicted (its
+# chunk attention apart, which waits for a second shape of prefill step).
 MIN_PREFILL_STEPS = 1
 MIN_DECODE_STEPS = 2
 # A tiny ridge: keeps the normal equations solvable while a feature has not varied yet.
@@ -47,7 +49,7 @@ class Chunk(Protocol):
 
 def chunk_attention(start: int, n: int) -> int:
     """What the tokens of a chunk of ``n`` at ``start`` after its first attend over
-    besides the context its first reads: ``(n - 1) * (start + n / 2)``, doubled to stay whole."""
+    besides the context its first reads: ``(n - 1) * (start + n / 2)``, rounded down."""
     return (n - 1) * (2 * start + n) // 2
 
 

@@ -180,7 +180,7 @@ class Scheduler:
         return dict(zip(names, self.step_cost.coefficients, strict=True))
 
     def _took_prefill(self, req: Request, n: int) -> None:
-        """``req`` takes a chunk of ``n`` from its computed tokens on (before they advance)."""
+        """``req`` takes a chunk of ``n`` from its computed tokens on (``_chunk``)."""
         if self._prefill_left_s is not None and n > 1:
             spent = chunk_seconds(self.step_cost, req.num_computed_tokens, n)
             self._prefill_left_s = max(0.0, self._prefill_left_s - spent)
@@ -368,7 +368,6 @@ class Scheduler:
                 continue
             self.kv.append_slots(req.request_id, req.num_computed_tokens + n)
             scheduled[req.request_id] = self._chunk(req, n)
-            self._took_prefill(req, n)
             budget -= n
         return budget
 
@@ -391,7 +390,6 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
-            self._took_prefill(req, n)
             budget -= n
         return budget
 
@@ -442,7 +440,6 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, n)
             out.new_requests.append(self._new_request_data(req))
-            self._took_prefill(req, n)
             budget -= n
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
@@ -546,6 +543,9 @@ class Scheduler:
             req.admitted_once = True
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        """``req``'s next ``n`` tokens as this step's chunk (what an inter-token target's
+        share has left is charged for them)."""
+        self._took_prefill(req, n)
         start = req.num_computed_tokens
         table = self.kv.block_table(req.request_id)
         known, req.num_blocks_sent = req.num_blocks_sent, len(table)

@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 
 from producer.paths import default_model_dir
+from scheduler.step_cost import MIN_PREFILL_TOKENS
 from worker.cli.redis_verbs import add_redis_url_option
 from worker.engine.config import EngineConfig, field_default
 from worker.fleet.config import WorkerConfig
@@ -105,7 +106,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
                    help="while requests decode, hold each step's prefill to what keeps the "
                    "step's predicted time within MS (a cost model of the engine's own steps; "
-                   "a prompt still gains at least 32 tokens a step; overlapped steps are timed on "
+                   f"a prompt still gains at least {MIN_PREFILL_TOKENS} tokens a step; overlapped "
+                   "steps are timed on "
                    "the runner thread); needs chunked prefill; 0 or unset: off")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="schedule each step while the one before runs: auto is on for CUDA "

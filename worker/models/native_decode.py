@@ -54,11 +54,11 @@ _PACKED: weakref.WeakKeyDictionary[
 _PER_LAYER = 10
 _PROJECTIONS = (1, 3, 6, 8)
 
-# The most tokens a step with prefill chunks may hold and still take the native path. Such
-# a step on the Python path pays ~20 ms of small ops a step on the small preset (a third of
-# a 48-row decode step), which a step sized by an inter-token target pays at every chunk;
-# past this size the Python layers' attention (one matmul per chunk, where the kernel reads
-# the context once per token) is the cheaper.
+# The most tokens a step with prefill chunks may hold and still take the native path (the
+# step team's row limit, kPackedMaxRows). Such a step on the Python path pays ~20 ms of
+# small ops on the small preset (a third of a 48-row decode step), which a step sized by an
+# inter-token target pays at every chunk; past this size, the Python layers' attention (one
+# matmul a chunk, where the call reads the context once per token) can be the cheaper.
 MAX_MIXED_TOKENS = 192
 
 # Each model's layer tensors in the kernel's order (_model_weights), or None, by model.

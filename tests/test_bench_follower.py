@@ -142,3 +142,37 @@ def test_a_stream_that_just_gave_a_chunk_is_left_alone_for_the_quiet_time(
     got = follower.poll(1)
     assert [type(e).__name__ for _, e in got] == ["ChunkEvent", "FinalEvent"]
     assert len(follower) == 0
+
+
+def test_a_blocking_read_ends_when_a_quiet_stream_or_the_next_sweep_is_due(
+        reader, redis_client, monkeypatch):
+    """A poll whose started streams are all quiet (they began in one step, as a batch does)
+    names only waiting ones: its XREAD must not block past the first quiet stream's end, nor
+    past the next sweep where more wait than a poll names, or their chunks come that late."""
+    clock = ManualClock()
+    follower = StreamFollower(reader, KEYS, period_s=0, clock=clock, quiet_s=0.0625)
+    follower.add("s")
+    write(redis_client, "s", OutputChunk(0, [1], "a"))
+    assert [rid for rid, _ in follower.poll(1)] == ["s"]  # quiet for 62.5 ms from now
+    follower.add("w")
+    clock.advance(0.015625)
+    assert follower._block_ms(5000, clock.monotonic()) == 47  # 46.875, rounded up
+    blocks: list[int] = []
+    real = follower_module.run_commands
+
+    def spy(client, commands):
+        blocks.extend(c[c.index("BLOCK") + 1] for c in commands if "BLOCK" in c)
+        return real(client, commands)
+
+    monkeypatch.setattr(follower_module, "run_commands", spy)
+    assert follower.poll(5000) == [] and blocks == [47]  # the poll's XREAD uses the cap
+    clock.advance(0.0625)
+    assert follower._block_ms(5000, clock.monotonic()) == 1  # due already: at once
+    waiting = StreamFollower(reader, KEYS, period_s=0, clock=clock)
+    for i in range(WAITING_PER_POLL + 1):
+        waiting.add(f"q{i}")
+    assert waiting.poll(1) == []  # a sweep now; the next in SWEEP_S
+    assert waiting._block_ms(5000, clock.monotonic()) == round(SWEEP_S * 1000)
+    few = StreamFollower(reader, KEYS, period_s=0, clock=clock)
+    few.add("only")
+    assert few.poll(1) == [] and few._block_ms(5000, clock.monotonic()) == 5000

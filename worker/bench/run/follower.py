@@ -32,6 +32,7 @@ no dict per entry) and each entry's message goes to its tracker as it is.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from itertools import islice
@@ -112,10 +113,11 @@ class StreamFollower:
             ids = [rid for rid in self._started if rid not in self._quiet_until] + waiting
         else:
             ids = list(self._started) + waiting
+        block_ms = self._block_ms(block_ms, now)
         events: list[tuple[str, StreamEvent]] = []
         for start in range(0, len(ids), FOLLOW_MANY_KEYS):
             group = ids[start:start + FOLLOW_MANY_KEYS]
-            block = ("BLOCK", max(1, block_ms)) if start == 0 else ()
+            block = ("BLOCK", block_ms) if start == 0 else ()
             command = ("XREAD", "COUNT", READ_COUNT, *block, "STREAMS",
                        *(self._key_of[rid] for rid in group),
                        *(self._trackers[rid].last_id for rid in group))
@@ -126,6 +128,19 @@ class StreamFollower:
             for stream, entries in (reply.items() if isinstance(reply, dict) else reply or []):
                 self._feed(stream, entries, events)
         return events
+
+    def _block_ms(self, block_ms: int, now: float) -> int:
+        """How long this poll's XREAD may wait: ``block_ms``, but no longer than until the
+        first quiet stream may have its next chunk, nor than the next sweep where it has
+        streams to name (a read that waits on the streams it named would not see theirs).
+        Where every started stream is quiet at once (they all began in one step, as a batch
+        does), waiting longer would make each of their chunks that late."""
+        due = [*self._quiet_until.values()]
+        if len(self._waiting) > WAITING_PER_POLL:
+            due.append(self._next_sweep)
+        if due:
+            block_ms = min(block_ms, math.ceil((min(due) - now) * 1000))
+        return max(1, block_ms)
 
     def _sweep(self, named: set[str]) -> list[str]:
         """The next SWEEP_NAMES waiting requests not in ``named`` (the oldest), in turn."""

@@ -47,8 +47,9 @@ def start_worker(redis_url, tiny_llama):
 def settled_pending(r, model: str = MODEL, patience_s: float = 30.0) -> int:
     """Pending entries of ``model``'s lanes once acknowledgements have landed.
 
-    A worker acknowledges a request one round trip after writing its final, so a client may
-    see the final first: wait (bounded) for the count to reach 0, and return what it is then.
+    A worker acknowledges a request in a round trip after writing its final (its next
+    batch's, or within ACK_DELAY_S), so a client may see the final first: wait (bounded) for
+    the count to reach 0, and return what it is then.
     """
     import time
 

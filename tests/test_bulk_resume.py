@@ -208,6 +208,10 @@ def test_a_run_follows_the_requests_its_journal_holds_and_resends_the_lost_ones(
         for rid in (finished, cancelled):
             eventually(lambda rid=rid: final_of(redis_client, rid), "the request to end")
         assert final_of(redis_client, cancelled).finish_reason == "cancelled"
+        # Acknowledged too (a worker acknowledges a final with its next round trip): the
+        # lost one below stands for an entry delivered, acknowledged and without output.
+        eventually(lambda: redis_client.xpending(lane, "workers")["pending"] == 0,
+                   "both acknowledged")
         [finished_entry, cancelled_entry] = [e for e, _ in redis_client.xrange(lane)]
         records = {
             "c0": Sent(finished, lane, finished_entry.decode(), [finished]),

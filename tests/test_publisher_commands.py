@@ -12,6 +12,7 @@ from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FinalEntry, OutputChunk
 from worker.fleet.inflight import InflightRequest, InflightTable
+from worker.fleet.publishing import publisher as publisher_module
 from worker.fleet.publishing.publisher import Publication, Publisher
 from worker.fleet.publishing.text_stage import Forget, TextStage
 
@@ -166,7 +167,8 @@ def test_output_stream_names_are_kept_a_while_then_forgotten(redis_client, publi
 # Commands a request costs the publisher besides its chunks' XADDs (docs/redis.md): its
 # final's XADD, an EXPIRE with its first write and one with its final, the MULTI and EXEC
 # that make its last chunk and its final one write, and a share of one XACK for every
-# request stream and batch of finals.
+# request stream and batch of finals (sent with the next batch, or alone once ACK_DELAY_S
+# passed).
 COMMANDS_BESIDES_CHUNKS = 6
 
 
@@ -199,9 +201,49 @@ def test_a_request_costs_its_chunks_and_at_most_k_commands_more(redis_client):
     # hold one write, and need none).
     assert stats["multi"] == stats["exec"] == len(rids)
     assert stats["expire"] == 2 * len(rids)
-    assert stats["xack"] == 1 and "xpending" not in stats  # the batch's finals: one XACK
-    assert besides <= COMMANDS_BESIDES_CHUNKS * len(rids), stats
+    # The finals' acknowledgement waits for the next batch's round trip; none comes within
+    # ACK_DELAY_S (a wait on the queue): it goes alone, one XACK for the batch's finals.
+    assert "xack" not in stats and redis_client.xpending(lane, "workers")["pending"] == 8
+    pub.tick()
+    assert calls(redis_client, "xack") == 1 and "xpending" not in stats
+    assert besides + 1 <= COMMANDS_BESIDES_CHUNKS * len(rids), stats
     assert redis_client.xpending(lane, "workers")["pending"] == 0
+
+
+def test_acknowledgements_go_with_the_next_batch_and_any_left_at_close(
+        redis_client, monkeypatch):
+    """A batch's finals are acknowledged at the head of the next batch's round trip (no
+    round trip of their own at a GPU's step rate); what is owed when the publisher closes
+    goes before it stops."""
+    trips: list[list[tuple]] = []
+    real = publisher_module.run_commands
+    monkeypatch.setattr(publisher_module, "run_commands",
+                        lambda client, wire: trips.append(wire) or real(client, wire))
+    clock = ManualClock()
+    pub = Publisher(redis_client, KEYS, "w-acks", TTL_S, TextStage(None, lambda r: None),
+                    clock=clock)
+    lane = KEYS.requests("m", "batch")
+    entries = {rid: redis_client.xadd(lane, {"m": rid}).decode() for rid in ("a", "b", "c")}
+    redis_client.xgroup_create(lane, "workers", id="0")
+    redis_client.xreadgroup("workers", "w-acks", {lane: ">"})
+
+    def final(rid: str) -> Publication:
+        return Publication(rid, OutputChunk(0, [7]), FinalEntry("length", 1, {}),
+                           ack=(lane, entries[rid]))
+
+    publish(pub, final("a"))
+    assert redis_client.xlen(KEYS.output("a")) == 2  # its final is in Redis ...
+    assert redis_client.xpending(lane, "workers")["pending"] == 3  # ... not yet acknowledged
+    trips.clear()
+    publish(pub, chunk("c", 0))  # the next step's round trip takes it, on the same clock
+    assert redis_client.xpending(lane, "workers")["pending"] == 2
+    assert len(trips) == 1 and trips[0][0] == ("XACK", lane, "workers", entries["a"])
+    # A final that comes with the publisher's close is acknowledged before it stops.
+    pub.publish([final("b")])
+    pub.close(timeout=5)
+    pub.run()  # (never started as a thread here) what close() queued, then stop
+    pending = redis_client.xpending_range(lane, "workers", "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [entries["c"]]
 
 
 def test_a_full_worker_reads_new_requests_a_few_at_a_time():

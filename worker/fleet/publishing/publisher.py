@@ -2,8 +2,14 @@
 
 A request entry is acknowledged only after every entry it needs is in Redis: the writes go
 in one round trip, the writes of each key as one MULTI/EXEC where there are several (each
-transaction touches one key, as Redis Cluster requires; an EXPIRE needs none), then the
-acknowledgements in a second round trip (one XACK a request stream). A write Redis refuses (out of
+transaction touches one key, as Redis Cluster requires; an EXPIRE needs none); the
+acknowledgements (one XACK a request stream) go at the head of the next tick's round trip of
+writes, or alone at the end of that tick where it writes nothing (no batch came within
+ACK_DELAY_S, or one with nothing to write). At a GPU's step rate a batch with a final is
+nearly every batch, and a round trip of its own for the XACKs cost Redis more than the
+XACKs (~20 µs of its CPU a round trip, measured: docs/redis.md); an entry acknowledged a
+step later is only pending a step longer (a worker that claims it finds the final and
+acknowledges it itself). A write Redis refuses (out of
 memory, read-only after a failover) aborts its key's whole transaction, so no output stream
 ever gets a later entry without an earlier one; nothing of a batch with a refusal is
 acknowledged, and the supervisor retries what was not written after a backoff. Entry ids
@@ -62,6 +68,9 @@ DEAD_LETTER_RAW_BYTES = 4096
 MAX_BACKLOG_STEPS = 256
 # Seconds the publisher waits for output before it looks at what it holds (no step came).
 IDLE_S = 0.5
+# Seconds the publisher waits for a batch to take owed acknowledgements along before it
+# sends them alone (a wait on its queue, as IDLE_S is); the tick after a batch with finals.
+ACK_DELAY_S = 0.02
 # How often (in batches) the publisher forgets the TTLs of streams it no longer writes.
 PRUNE_EVERY_BATCHES = 1000
 # Output stream names kept, by request id, before the publisher forgets them all.
@@ -99,8 +108,8 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
 class Command:
     """One write of a batch: whose it is, what it is for, the key it touches, its words."""
 
-    item: Publication | Rejection
-    kind: str  # "chunk", "final", "expire" or "dead"
+    item: Publication | Rejection | None  # None: an acknowledgement (of several requests)
+    kind: str  # "chunk", "final", "expire", "dead" or "ack"
     key: str
     args: tuple[Any, ...]
     # An "expire" of a growing stream: on the publisher's clock, the stream lives until then.
@@ -146,6 +155,10 @@ class Publisher(SupervisedThread):
         self.ttl_renew_slack_s = max(1, output_ttl_s // 8)
         # Requests forgotten in the batch being written; batches written (for pruning).
         self._forgotten: list[str] = []
+        # Request entries whose finals are in Redis, by request stream, not acknowledged
+        # yet; whether this tick's round trip of writes took them.
+        self._acks_owed: dict[str, list[str]] = {}
+        self._acks_went = False
         self._batches = 0
         self.published_entries = 0
         # Output tokens handed to this publisher, written, and dropped (output of a request
@@ -191,14 +204,20 @@ class Publisher(SupervisedThread):
         return True
 
     def tick(self) -> None:
+        # Acknowledgements owed since an earlier tick go in this one: with its writes, or
+        # alone at its end (no batch within ACK_DELAY_S, or nothing of it to write).
+        acks_waiting = bool(self._acks_owed)
+        self._acks_went = False
         if self._owed is None:
             due = self.holder.next_due()
-            batch = self._take(IDLE_S if due is None else min(IDLE_S, due))
+            wait = IDLE_S if due is None else min(IDLE_S, due)
+            acks_wait = ACK_DELAY_S if acks_waiting else wait
+            batch = self._take(min(wait, acks_wait))
             ready = self._prepare(batch) if batch else []
             # Held chunks leave once their interval is over, with their request's next
             # output, or at the latest with the batch that no longer steps it; all of them
             # when closing, or idle (no batch) where they wait for a count of tokens.
-            idle = batch is None and self.holder.interval_s is None
+            idle = batch is None and self.holder.interval_s is None and acks_wait >= wait
             self._owed = self.holder.release(ready, set(self._forgotten),
                                              flush_all=idle or self._closing) or None
             for item in self._owed or ():
@@ -208,6 +227,8 @@ class Publisher(SupervisedThread):
         if self._owed:
             self._write(self._owed)
         self._owed = None
+        if self._acks_owed and (self._closing or acks_waiting and not self._acks_went):
+            self._send_acks()  # no batch with writes came to take them
         # After the writes: a forgotten request's last chunk may be in the same batch.
         for request_id in self._forgotten:
             self._lives_until.pop(request_id, None)
@@ -284,8 +305,9 @@ class Publisher(SupervisedThread):
         return ready
 
     def _write(self, batch: list[Publication | Rejection | HandOn | SharePrefix]) -> None:
-        """Write what is not written yet, then hand on and share prefixes, then acknowledge;
-        WriteRefused leaves it all owed."""
+        """Write what is not written yet (with the acknowledgements owed from before at the
+        head of the round trip), then hand on and share prefixes, then owe the
+        acknowledgements of what this batch finished; WriteRefused leaves it all owed."""
         tier_items: list[HandOn | SharePrefix] = []
         entries: list[Publication | Rejection] = []
         for item in batch:
@@ -295,6 +317,7 @@ class Publisher(SupervisedThread):
                 entries.append(item)
         todo = [item for item in entries if not item.written]
         if todo:
+            acks = self._ack_commands()
             commands: list[Command] = []
             now = self.clock.monotonic()
             for item in todo:
@@ -303,13 +326,17 @@ class Publisher(SupervisedThread):
                 else:
                     self._add_publication(commands, item, now)
             outcomes: dict[int, list[tuple[Command, object]]] = {id(item): [] for item in todo}
-            for command, result in zip(commands, self._transact(commands), strict=True):
+            results = self._transact(acks + commands)
+            for command, result in zip(commands, results[len(acks):], strict=True):
                 outcomes[id(command.item)].append((command, result))
             refused = [r for item in todo if (r := self._settle(item, outcomes[id(item)]))]
+            ack_refusal = self._acks_sent(acks, results[:len(acks)])
             if refused:
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
+            if ack_refusal is not None:
+                raise ack_refusal  # the writes took; the batch is retried for the XACK alone
         for item in tier_items:  # after the first tokens are written: the decode side reads them
             if not item.written:
                 self._write_tier_item(item)
@@ -333,7 +360,7 @@ class Publisher(SupervisedThread):
         elif self.prefixes is not None:
             self.prefixes.write(item)
 
-    def _transact(self, commands: list[Command]) -> list[object]:
+    def _transact(self, commands: list[Command], timed: bool = True) -> list[object]:
         """Run ``commands`` as one MULTI/EXEC per key that gets several writes (a key's
         lone write as it is, atomic already, with its EXPIRE beside it), all in one round
         trip; each command's result (an exception where Redis refused it, or refused its
@@ -360,7 +387,7 @@ class Publisher(SupervisedThread):
                 wire.append(("EXEC",))
         started = time.perf_counter()
         replies = iter(run_commands(self.client, wire))
-        if self.on_round_trip is not None:
+        if timed and self.on_round_trip is not None:
             self.on_round_trip(time.perf_counter() - started)
         results: list[object] = [None] * len(commands)
         for indexes, transaction in groups:
@@ -410,8 +437,9 @@ class Publisher(SupervisedThread):
         return refusal
 
     def _acknowledge(self, batch: list[Publication | Rejection]) -> None:
-        """XACK each finished request entry: one XACK a request stream for the requests
-        whose final is ours, owner-checked for rejected entries.
+        """Owe an XACK for each finished request entry whose final is ours (one XACK a
+        request stream, in a later round trip); acknowledge rejected entries now,
+        owner-checked.
 
         A final of ours in the stream means the request is complete, whoever holds its
         entry now: a worker that claimed it before our final was written took the stream
@@ -426,18 +454,46 @@ class Publisher(SupervisedThread):
                 rejected.append((item.stream, item.entry_id))
             elif item.ack is not None and (not item.final_existed or self._final_is_there(item)):
                 finished.setdefault(item.ack[0], []).append(item.ack[1])
-        if finished:
-            replies = run_commands(self.client, [("XACK", stream, GROUP, *ids)
-                                                 for stream, ids in finished.items()])
-            refusal = next((r for r in replies if isinstance(r, Exception)), None)
-            if refusal is not None:
-                raise refusal  # the batch stays owed: XACK again is harmless
+        for stream, ids in finished.items():
+            self._acks_owed.setdefault(stream, []).extend(ids)
         if not rejected:
             return
         acked = self.owned.ack(rejected)
         for entry in set(rejected) - acked:
             log.warning("not acknowledged: the entry is no longer this worker's",
                         stream=entry[0], entry_id=entry[1])
+
+    def _ack_commands(self) -> list[Command]:
+        """The owed acknowledgements as commands of the next round trip (each its own key's
+        lone write: ``_transact`` wraps no transaction around it)."""
+        return [Command(None, "ack", stream, ("XACK", stream, GROUP, *ids))
+                for stream, ids in self._acks_owed.items()]
+
+    def _acks_sent(self, acks: list[Command], replies: list[object]) -> Exception | None:
+        """Forget the acknowledgements Redis took; a refused one stays owed (XACK again is
+        harmless) and is returned, for the caller to raise: the supervisor retries after a
+        backoff."""
+        refusal = None
+        for command, reply in zip(acks, replies, strict=True):
+            if isinstance(reply, Exception):
+                refusal = refusal or reply
+                continue
+            owed = self._acks_owed.get(command.key)
+            sent = command.args[3:]
+            if owed is not None:
+                del owed[:len(sent)]  # later ones were owed after this round trip began
+                if not owed:
+                    del self._acks_owed[command.key]
+        self._acks_went = bool(acks)
+        return refusal
+
+    def _send_acks(self) -> None:
+        """The owed acknowledgements in a round trip of their own (not a write batch's: not
+        in the write round trips' histogram)."""
+        acks = self._ack_commands()
+        refusal = self._acks_sent(acks, self._transact(acks, timed=False))
+        if refusal is not None:
+            raise refusal
 
     def _final_is_there(self, item: Publication) -> bool:
         """Our final's XADD met an equal or higher id: ack only if that id is our final."""

@@ -71,7 +71,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         plan = ArrivalPlan(items, concurrency)
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
         counted_before, tokens_before = _heartbeat_sums(client, workers)
-        commands_before = _commands(client)
+        commands_before, reads_before = _commands(client), _reads_processed(client)
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
@@ -88,6 +88,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         used = {k: cpu.delta(v, after[k]) for k, v in before.items()}
         by_command = _commands(client) - commands_before
         commands = sum(by_command.values())
+        round_trips = cpu.delta(reads_before, _reads_processed(client))
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
         counted_after, tokens_after = _heartbeat_sums(client, workers)
         counted = {k: v - counted_before[k] for k, v in counted_after.items()}
@@ -120,6 +121,10 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
     most = ", ".join(f"{name} {n / len(items):.2f}" for name, n in by_command.most_common(12))
     notes.append(f"Redis commands per request: {commands / len(items):.1f} (all clients, "
                  f"the workers' idle looks and heartbeats included; most: {most})")
+    if round_trips is not None:
+        # Each costs Redis a wake-up, a read and a write, whatever it carries (docs/redis.md).
+        notes.append(f"Redis round trips per request: {round_trips / len(items):.2f} (reads "
+                     "of a client's commands, all clients)")
     if run_waits:
         notes.append("queue wait (created to admitted) p50/p90/p99 ms: " + "/".join(
             f"{run_waits[min(len(run_waits) - 1, int(q * len(run_waits)))]:.1f}"
@@ -179,6 +184,13 @@ def _commands(client: Client) -> Counter[str]:
     stats = client.redis.info("commandstats")
     return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
                     if isinstance(v, dict)})
+
+
+def _reads_processed(client: Client) -> int | None:
+    """Reads of clients' commands Redis has done (INFO stats): its round trips, each one or
+    more pipelined commands; None where INFO does not say (Redis < 6)."""
+    value = client.redis.info("stats").get("total_reads_processed")
+    return None if value is None else int(value)
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]

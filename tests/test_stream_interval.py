@@ -14,6 +14,7 @@ from fleet_fixtures import MODEL, settled_pending
 from redis_fixtures import REDIS_VERSIONS, redis_binary
 
 from producer.client.client import Client
+from producer.client.connection import connect
 from producer.clock import ManualClock, SystemClock
 from producer.redis.server import start_ephemeral
 from producer.wire.keys import Keys
@@ -455,6 +456,39 @@ def test_the_publisher_counts_chunks_tokens_and_its_lag(redis_client):
     publisher.tick()  # due: one joined chunk
     assert (publisher.tokens_written, publisher.chunks_written, publisher.lag_tokens) == (4, 2, 0)
     assert len(trips) == 2 and all(t >= 0 for t in trips)
+
+
+def test_the_publisher_times_a_batch_from_handed_over_to_in_redis(redis_client):
+    """``on_published`` (the worker's conveyor_publish_delay_seconds): from the engine loop
+    handing a step's output over to its entries in Redis, on the publisher's clock, once a
+    batch; the oldest step of a batch that took several; a retried batch from its first
+    hand-over; not a stream interval's hold (a release by time alone hands nothing over)."""
+    clock = ManualClock()
+    publisher = Publisher(redis_client, KEYS, "w-delay", 600, TextStage(None, lambda r: None),
+                          stream_interval_ms=50, clock=clock)
+    delays: list[float] = []
+    publisher.on_published = delays.append
+    publisher.publish([step("r-d", 0)])
+    clock.advance(0.004)
+    publisher.publish([step("r-d", 1)])  # two steps wait: one batch, timed from the first
+    clock.advance(0.002)
+    publisher.tick()  # token 0 written at once, token 1 held
+    assert delays == [pytest.approx(0.006)]
+    clock.advance(0.05)
+    publisher.tick()  # the held token leaves by time: nothing handed over, nothing timed
+    assert publisher.tokens_written == 2 and delays == [pytest.approx(0.006)]
+    # A batch Redis did not take is timed once it is in, from its first hand-over.
+    reachable = publisher.client
+    publisher.client = connect("redis://127.0.0.1:1/0", retry_attempts=0)
+    publisher.publish([step("r-e", 0)])
+    clock.advance(0.01)
+    with pytest.raises(redis.ConnectionError):
+        publisher.tick()
+    assert delays == [pytest.approx(0.006)] and publisher.tokens_written == 2  # not in yet
+    publisher.client = reachable
+    clock.advance(0.02)
+    publisher.tick()  # the retry (the supervisor's, after its backoff)
+    assert publisher.tokens_written == 3 and delays[1:] == [pytest.approx(0.03)]
 
 
 # --- held by the engine loop: requests whose text needs no look at every token -------------

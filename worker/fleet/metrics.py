@@ -156,6 +156,10 @@ class WorkerMetrics:
         self.redis_write = Histogram("conveyor_redis_write_seconds",
                                      "Round trip of one publisher write batch to Redis.", m,
                                      buckets=REDIS_WRITE_BUCKETS, registry=r).labels(model)
+        self.publish_delay = Histogram(
+            "conveyor_publish_delay_seconds",
+            "A step's output handed to the publisher to its entries in Redis (not a stream "
+            "interval's hold).", m, buckets=REDIS_WRITE_BUCKETS, registry=r).labels(model)
         depth = Gauge("conveyor_queue_depth", "Requests in a lane not yet read by any worker.",
                       ["model", "lane"], registry=r)
         pending = Gauge("conveyor_queue_pending",

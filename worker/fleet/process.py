@@ -158,6 +158,7 @@ class Worker:
             self.publisher.tokens_written, self.publisher.chunks_written,
             self.publisher.lag_tokens + self.loop.held_tokens))
         self.publisher.on_round_trip = self.metrics.redis_write.observe
+        self.publisher.on_published = self.metrics.publish_delay.observe
         # The port /metrics is served on once started (None: not served).
         self.metrics_port: int | None = None
         self.state = "starting"

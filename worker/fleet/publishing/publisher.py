@@ -143,9 +143,12 @@ class Publisher(SupervisedThread):
         self.client = client
         self.keys = keys
         self.output_ttl_s = output_ttl_s
-        self._queue: queue.Queue[list[PublisherItem] | None] = queue.Queue()
-        # Prepared output not yet written, and whether close() asked for a last flush.
+        # Each step's output with when (publisher's clock) the engine loop handed it over.
+        self._queue: queue.Queue[tuple[float, list[PublisherItem]] | None] = queue.Queue()
+        # Prepared output not yet written, when the oldest of it was handed over, and
+        # whether close() asked for a last flush.
         self._owed: list[Publication | Rejection | HandOn | SharePrefix] | None = None
+        self._owed_since: float | None = None
         self._closing = False
         self.owned = OwnedEntries(client, worker_id)
         # Growing output streams whose TTL this publisher set, by request id: until when
@@ -170,6 +173,10 @@ class Publisher(SupervisedThread):
         self.tokens_dropped = 0
         self.chunks_written = 0
         self.on_round_trip: Callable[[float], object] | None = None
+        # Seconds from a batch handed over to its entries in Redis (its wait for this
+        # thread, the text stage, the round trip; not a stream interval's hold), once a
+        # batch: what the readers' gaps jitter by beside the steps' own.
+        self.on_published: Callable[[float], object] | None = None
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
 
@@ -179,7 +186,7 @@ class Publisher(SupervisedThread):
             # loop's thread, read anywhere (an int under the GIL).
             self.tokens_made += sum(len(item.chunk.token_ids) for item in items
                                     if type(item) is Publication and item.chunk is not None)
-            self._queue.put(items)
+            self._queue.put((self.clock.monotonic(), items))
 
     @property
     def lag_tokens(self) -> int:
@@ -212,7 +219,7 @@ class Publisher(SupervisedThread):
             due = self.holder.next_due()
             wait = IDLE_S if due is None else min(IDLE_S, due)
             acks_wait = ACK_DELAY_S if acks_waiting else wait
-            batch = self._take(min(wait, acks_wait))
+            batch, handed_at = self._take(min(wait, acks_wait))
             ready = self._prepare(batch) if batch else []
             # Held chunks leave once their interval is over, with their request's next
             # output, or at the latest with the batch that no longer steps it; all of them
@@ -220,13 +227,16 @@ class Publisher(SupervisedThread):
             idle = batch is None and self.holder.interval_s is None and acks_wait >= wait
             self._owed = self.holder.release(ready, set(self._forgotten),
                                              flush_all=idle or self._closing) or None
+            self._owed_since = handed_at if self._owed else None
             for item in self._owed or ():
                 if type(item) is Publication:
                     self.text.fill(item)  # once: an owed batch is retried as it is
             self.text.end_tick()
         if self._owed:
             self._write(self._owed)
-        self._owed = None
+            if self._owed_since is not None and self.on_published is not None:
+                self.on_published(self.clock.monotonic() - self._owed_since)
+        self._owed = self._owed_since = None
         if self._acks_owed and (self._closing or acks_waiting and not self._acks_went):
             self._send_acks()  # no batch with writes came to take them
         # After the writes: a forgotten request's last chunk may be in the same batch.
@@ -252,26 +262,28 @@ class Publisher(SupervisedThread):
         covers the time until the batch reaches Redis (a busy core, a busy Redis)."""
         return lives_until - now < self.output_ttl_s + self.ttl_renew_slack_s / 2
 
-    def _take(self, timeout: float) -> list[PublisherItem] | None:
-        """The next queued items, coalesced: one round trip for several steps when behind;
-        None after ``timeout`` seconds without any."""
+    def _take(self, timeout: float) -> tuple[list[PublisherItem] | None, float | None]:
+        """The next queued items, coalesced (one round trip for several steps when
+        behind), and when the first of them was handed over; None after ``timeout``
+        seconds without any."""
         try:
             first = self._queue.get(timeout=timeout)
         except queue.Empty:
-            return None
+            return None, None
         if first is None:
             self._closing = True
-            return None
-        batch = list(first)
+            return None, None
+        handed_at, items = first
+        batch = list(items)
         while True:
             try:
                 more = self._queue.get_nowait()
             except queue.Empty:
-                return batch
+                return batch, handed_at
             if more is None:
                 self._closing = True
-                return batch
-            batch.extend(more)
+                return batch, handed_at
+            batch.extend(more[1])
 
     def _prepare(
         self, batch: list[PublisherItem]

@@ -56,11 +56,13 @@ def test_metrics_count_requests_tokens_and_latencies_of_served_requests(redis_ur
     assert value(s, "conveyor_inter_token_latency_seconds_count") == 7 + 7 + 2
     assert value(s, "conveyor_request_queue_wait_seconds_count") == 3
     assert value(s, "conveyor_e2e_request_latency_seconds_count") == 3
-    # The publisher's batches: each timed from handed over to in Redis (at least the
-    # batch of each request's first token), and each batch's write round trip.
+    # The publisher's batches: each that wrote entries timed from handed over to in Redis
+    # (no longer than the requests took), each with its write round trip.
     published = value(s, "conveyor_publish_delay_seconds_count")
-    assert published >= 3
+    assert published >= 1
     assert value(s, "conveyor_redis_write_seconds_count") >= published
+    delays = value(s, "conveyor_publish_delay_seconds_sum")
+    assert 0 <= delays <= value(s, "conveyor_e2e_request_latency_seconds_sum") * published
     ttft_sum = value(s, "conveyor_time_to_first_token_seconds_sum")
     assert 0 < ttft_sum <= value(s, "conveyor_e2e_request_latency_seconds_sum")
     # Every computed token was in a timed step.

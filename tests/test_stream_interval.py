@@ -23,6 +23,7 @@ from worker import Engine, SamplingParams
 from worker.fleet.config import WorkerConfig
 from worker.fleet.inflight import InflightRequest
 from worker.fleet.intake.resume import Published, read_published, take_over
+from worker.fleet.messages import SharePrefix
 from worker.fleet.publishing.chunk_holder import ChunkHolder
 from worker.fleet.publishing.publisher import Publication, Publisher, WriteRefused
 from worker.fleet.publishing.text_stage import TextStage
@@ -479,7 +480,7 @@ def test_the_publisher_times_a_batch_from_handed_over_to_in_redis(redis_client):
     assert publisher.tokens_written == 2 and delays == [pytest.approx(0.006)]
     # A batch Redis did not take is timed once it is in, from its first hand-over.
     reachable = publisher.client
-    publisher.client = connect("redis://127.0.0.1:1/0", retry_attempts=0)
+    publisher.client = unreachable = connect("redis://127.0.0.1:1/0", retry_attempts=0)
     publisher.publish([step("r-e", 0)])
     clock.advance(0.01)
     with pytest.raises(redis.ConnectionError):
@@ -489,6 +490,11 @@ def test_the_publisher_times_a_batch_from_handed_over_to_in_redis(redis_client):
     clock.advance(0.02)
     publisher.tick()  # the retry (the supervisor's, after its backoff)
     assert publisher.tokens_written == 3 and delays[1:] == [pytest.approx(0.03)]
+    unreachable.close()
+    # A batch that writes no entry (a request's prompt blocks for the KV tier) is not timed.
+    publisher.publish([SharePrefix("r-f", [(b"h", b"kv")])])
+    publisher.tick()
+    assert len(delays) == 2
 
 
 # --- held by the engine loop: requests whose text needs no look at every token -------------

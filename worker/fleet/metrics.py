@@ -56,6 +56,9 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))
 # One publisher write round trip to Redis: a batch of XADDs, scripts and EXPIREs.
 REDIS_WRITE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                        0.25, 0.5, 1.0)
+# A step's output to Redis: a round trip, plus the wait for the publisher (up to
+# MAX_BACKLOG_STEPS steps) and retries' backoff when Redis is in trouble.
+PUBLISH_DELAY_BUCKETS = (*REDIS_WRITE_BUCKETS, 2.5, 5.0, 10.0, 30.0)
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -159,7 +162,7 @@ class WorkerMetrics:
         self.publish_delay = Histogram(
             "conveyor_publish_delay_seconds",
             "A step's output handed to the publisher to its entries in Redis (not a stream "
-            "interval's hold).", m, buckets=REDIS_WRITE_BUCKETS, registry=r).labels(model)
+            "interval's hold).", m, buckets=PUBLISH_DELAY_BUCKETS, registry=r).labels(model)
         depth = Gauge("conveyor_queue_depth", "Requests in a lane not yet read by any worker.",
                       ["model", "lane"], registry=r)
         pending = Gauge("conveyor_queue_pending",

@@ -174,8 +174,10 @@ class Publisher(SupervisedThread):
         self.chunks_written = 0
         self.on_round_trip: Callable[[float], object] | None = None
         # Seconds from a batch handed over to its entries in Redis (its wait for this
-        # thread, the text stage, the round trip; not a stream interval's hold), once a
-        # batch: what the readers' gaps jitter by beside the steps' own.
+        # thread, the text stage, the round trip; not a stream interval's hold, nor the CPU
+        # engine loop's hold of a step's output until its next forward), once a batch that
+        # wrote entries (not one of prefix blocks or hand-ons alone, nor chunks released by
+        # time alone): what the readers' gaps jitter by beside the steps' own.
         self.on_published: Callable[[float], object] | None = None
         self.refused_writes = 0  # writes Redis refused (each batch retried until it took)
         self.dead_letters = 0
@@ -234,8 +236,6 @@ class Publisher(SupervisedThread):
             self.text.end_tick()
         if self._owed:
             self._write(self._owed)
-            if self._owed_since is not None and self.on_published is not None:
-                self.on_published(self.clock.monotonic() - self._owed_since)
         self._owed = self._owed_since = None
         if self._acks_owed and (self._closing or acks_waiting and not self._acks_went):
             self._send_acks()  # no batch with writes came to take them
@@ -347,12 +347,20 @@ class Publisher(SupervisedThread):
                 self.refused_writes += len(refused)
                 raise WriteRefused(f"{len(refused)} write(s) refused, first: {refused[0]}")
             self.published_entries += len(todo)
+            self._timed_published()
             if ack_refusal is not None:
                 raise ack_refusal  # the writes took; the batch is retried for the XACK alone
         for item in tier_items:  # after the first tokens are written: the decode side reads them
             if not item.written:
                 self._write_tier_item(item)
         self._acknowledge(entries)
+
+    def _timed_published(self) -> None:
+        """The owed batch's entries are in Redis: its time since handed over, once (a retry
+        of the batch for what came after its writes is not timed again)."""
+        since, self._owed_since = self._owed_since, None
+        if since is not None and self.on_published is not None:
+            self.on_published(self.clock.monotonic() - since)
 
     def _write_tier_item(self, item: HandOn | SharePrefix) -> None:
         """To the tier writer's queue; where it is full, a hand-on goes on without its KV

@@ -375,6 +375,18 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     assert "fleet / hf-static" in printed and "results.json" in printed
     assert "threads preempted: worker" in printed
     assert "step tasks taken over: worker" in printed
+    # From the worker's own /metrics: its publisher's delay, each batch it wrote.
+    assert "a step's output to Redis (conveyor_publish_delay_seconds" in printed
+    assert any(n.startswith("Redis round trips per request: ")
+               for n in results["runs"]["fleet"]["notes"])
+
+
+def test_a_histograms_quantile_between_two_readings_is_its_buckets_upper_bound():
+    before = {0.001: 10.0, 0.005: 10.0, 0.01: 10.0, math.inf: 10.0}
+    after = {0.001: 60.0, 0.005: 100.0, 0.01: 109.0, math.inf: 110.0}  # 100 counted since
+    assert [metrics.bucket_quantile(before, after, q) for q in (0.5, 0.9, 0.99, 1.0)] == \
+        [0.001, 0.005, 0.01, math.inf]
+    assert metrics.bucket_quantile(after, after, 0.5) is None  # nothing counted in between
 
 
 def test_quick_w2_compares_chunked_prefill_on_and_off_through_a_given_redis(

@@ -41,6 +41,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
+def bucket_quantile(before: dict[float, float], after: dict[float, float],
+                    q: float) -> float | None:
+    """The q-quantile (0-1) of what a Prometheus histogram counted between two readings of
+    its cumulative buckets: the upper bound of the bucket it falls in (inf: past the
+    last); None when nothing was counted."""
+    bounds = sorted(after)
+    counted = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counted or counted[-1] <= 0:
+        return None
+    target = q * counted[-1]
+    return next(b for b, n in zip(bounds, counted, strict=True) if n >= target)
+
+
 def summarize_ms(values_s: Sequence[float]) -> dict[str, float | int]:
     """p50/p90/p99/p99.9, mean and max of seconds, in milliseconds (rounded to 0.01 ms)."""
     out: dict[str, float | int] = {"count": len(values_s)}

@@ -179,7 +179,7 @@ def format_runs(summaries: dict[str, dict[str, Any]]) -> str:
 
 # The notes of a fleet run the summary table is followed by.
 FLEET_NOTES = ("prefix cache hits", "tokens per worker", "Redis commands per request",
-               "Redis round trips per request", "queue wait")
+               "Redis round trips per request", "a step's output to Redis", "queue wait")
 
 
 def format_cpu(summaries: dict[str, dict[str, Any]]) -> str:

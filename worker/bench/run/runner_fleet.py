@@ -13,6 +13,7 @@ from typing import Any
 
 from producer.client.client import Client
 from producer.client.stream_events import ChunkEvent, FinalEvent
+from worker.bench.results.metrics import bucket_quantile
 from worker.bench.results.records import KVSample, RequestRecord, RunResult
 from worker.bench.run import cpu
 from worker.bench.run.arrivals import ArrivalPlan
@@ -72,6 +73,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the warm-up's counters reach a heartbeat
         counted_before, tokens_before = _heartbeat_sums(client, workers)
         commands_before, reads_before = _commands(client), _reads_processed(client)
+        delays_before = _publish_delays(workers)
         with _beside_the_worker(client, target):
             before = _cpu_now(client, workers)
             preempted_before = _over_workers(cpu.process_preemptions, workers)
@@ -89,6 +91,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         by_command = _commands(client) - commands_before
         commands = sum(by_command.values())
         round_trips = cpu.delta(reads_before, _reads_processed(client))
+        delays = _delay_quantiles(delays_before, _publish_delays(workers))
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
         counted_after, tokens_after = _heartbeat_sums(client, workers)
         counted = {k: v - counted_before[k] for k, v in counted_after.items()}
@@ -125,6 +128,9 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         # Each costs Redis a wake-up, a read and a write, whatever it carries (docs/redis.md).
         notes.append(f"Redis round trips per request: {round_trips / len(items):.2f} (reads "
                      "of a client's commands, all clients)")
+    if delays is not None:
+        notes.append("a step's output to Redis (conveyor_publish_delay_seconds, a bucket's "
+                     "upper bound) p50/p90/p99 ms: <= " + "/".join(delays))
     if run_waits:
         notes.append("queue wait (created to admitted) p50/p90/p99 ms: " + "/".join(
             f"{run_waits[min(len(run_waits) - 1, int(q * len(run_waits)))]:.1f}"
@@ -184,6 +190,33 @@ def _commands(client: Client) -> Counter[str]:
     stats = client.redis.info("commandstats")
     return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
                     if isinstance(v, dict)})
+
+
+# The workers' histogram of a step's output handed to their publisher until in Redis.
+PUBLISH_DELAY = "conveyor_publish_delay_seconds"
+
+
+def _publish_delays(workers: list[WorkerProcess]) -> dict[float, float] | None:
+    """The workers' publish-delay buckets now, summed; None where one serves no metrics."""
+    total: dict[float, float] = {}
+    for w in workers:
+        buckets = w.histogram_buckets(PUBLISH_DELAY)
+        if buckets is None:
+            return None
+        for le, n in buckets.items():
+            total[le] = total.get(le, 0.0) + n
+    return total
+
+
+def _delay_quantiles(before: dict[float, float] | None,
+                     after: dict[float, float] | None) -> list[str] | None:
+    """p50/p90/p99 of the publish delays counted in between, in ms (bucket bounds)."""
+    if before is None or after is None:
+        return None
+    bounds = [bucket_quantile(before, after, q) for q in (0.5, 0.9, 0.99)]
+    if None in bounds:
+        return None
+    return [f"{b * 1000:g}" for b in bounds]  # (inf: past the last bucket)
 
 
 def _reads_processed(client: Client) -> int | None:

@@ -30,11 +30,15 @@ class WorkerProcess:
         self.key = Keys(namespace).worker(self.worker_id)
         self.log_path = log_path
         # Debug logs: a line a request admitted, with its queue wait (read by queue_waits).
+        # Its /metrics on a free local port (its heartbeat says which): histograms of what
+        # only the worker times (histogram_buckets).
         self.cmd = [sys.executable, "-m", "worker.cli", "--log-level", "debug", "worker",
                     "--model", str(model_dir),
                     "--served-model-name", model_name, "--redis", redis_url,
                     "--namespace", namespace, "--name", self.worker_id,
-                    "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S), *worker_flags]
+                    "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
+                    "--metrics-port", "0", "--metrics-host", "127.0.0.1", *worker_flags]
+        self.metrics_port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, client: redis.Redis) -> None:
@@ -45,12 +49,35 @@ class WorkerProcess:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not is_live(decode_hash(client.hgetall(self.key))):
+        while not is_live(beat := decode_hash(client.hgetall(self.key))):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the bench worker did not start in {START_TIMEOUT_S:.0f} s"
                                    f"{self.log_tail()}")
             time.sleep(0.1)
+        self.metrics_port = int(beat["metrics_port"]) if beat.get("metrics_port") else None
+
+    def histogram_buckets(self, name: str) -> dict[float, float] | None:
+        """Histogram ``name``'s cumulative counts by upper bound, from the worker's /metrics
+        now (summed over its label sets); None when it serves none or does not answer."""
+        if self.metrics_port is None:
+            return None
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        buckets: dict[float, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"{name}_bucket":
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+        return buckets or None
 
     def queue_waits(self) -> dict[str, float]:
         """Milliseconds each request this worker admitted waited in Redis (created to

@@ -106,9 +106,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
                    help="while requests decode, hold each step's prefill to what keeps the "
                    "step's predicted time within MS (a cost model of the engine's own steps; "
-                   f"a prompt still gains at least {MIN_PREFILL_TOKENS} tokens a step; overlapped "
-                   "steps are timed on "
-                   "the runner thread); needs chunked prefill; 0 or unset: off")
+                   f"a prompt still gains at least {MIN_PREFILL_TOKENS} tokens a step; "
+                   "overlapped steps are timed on the runner thread); needs chunked prefill; "
+                   "0 or unset: off")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="schedule each step while the one before runs: auto is on for CUDA "
                    "and off on a CPU, where it was measured slower; a prefill worker never "

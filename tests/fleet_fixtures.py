@@ -22,8 +22,9 @@ def start_worker(redis_url, tiny_llama):
 
     workers: list[Worker] = []
 
-    def start(worker_id: str | None = None, prefetch: int = 8, metrics_port: int | None = None,
-              autostart: bool = True, url: str | None = None, clock=None,
+    def start(worker_id: str | None = None, prefetch: int | None = 8,
+              metrics_port: int | None = None, autostart: bool = True,
+              url: str | None = None, clock=None,
               config: dict | None = None, model_dir=None, **engine) -> Worker:
         settings = {"dtype": "float64", "num_kv_blocks": 512, "max_num_seqs": 16, **engine}
         fast = {"read_block_ms": 100, "heartbeat_interval_s": 0.5, "queue_poll_interval_s": 0.2}

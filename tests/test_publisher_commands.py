@@ -261,3 +261,15 @@ def test_a_full_worker_reads_new_requests_a_few_at_a_time():
     table.remove("r3")
     assert table.room() == 4 and table.wait_for_room(timeout=0)
     assert InflightTable(2, read_batch=4).room() == 2  # never more than the table holds
+
+
+def test_the_default_prefetch_is_an_eighth_of_the_seats(start_worker):
+    """A GPU's batch of 256 ends ~200 requests a second: reading them 4 at a time would cost
+    Redis a round trip or more a request. The default prefetch is an eighth of the seats (at
+    least 8), and the intake reads once half of it is free; one given is kept."""
+    big = start_worker(prefetch=None, autostart=False, simulate_step_ms=1, max_num_seqs=256)
+    assert (big.inflight.capacity, big.inflight.read_batch) == (256 + 32, 16)
+    small = start_worker(prefetch=None, autostart=False, simulate_step_ms=1, max_num_seqs=16)
+    assert (small.inflight.capacity, small.inflight.read_batch) == (16 + 8, 4)
+    given = start_worker(prefetch=2, autostart=False, simulate_step_ms=1, max_num_seqs=256)
+    assert (given.inflight.capacity, given.inflight.read_batch) == (256 + 2, 1)

@@ -23,6 +23,10 @@ def default_worker_id() -> str:
     return f"{host or 'worker'}-{os.getpid()}"
 
 
+# The default prefetch's least (a CPU worker's 64 seats get this).
+MIN_PREFETCH = 8
+
+
 @dataclass
 class WorkerConfig:
     """What a worker serves, where, and how much it takes on."""
@@ -36,8 +40,11 @@ class WorkerConfig:
     worker_id: str = field(default_factory=default_worker_id)
     # Engine settings (any EngineConfig field).
     engine: dict[str, Any] = field(default_factory=dict)
-    # Requests read beyond what the engine runs at once, so the next step never starves.
-    prefetch: int = 8
+    # Requests read beyond what the engine runs at once, so the next step never starves;
+    # the intake reads once half of it is free. None: an eighth of the engine's seats, at
+    # least 8 (a GPU's batch of 256 ends ~200 requests a second: reads of 4 would cost
+    # Redis a round trip or more a request; docs/redis.md).
+    prefetch: int | None = None
     # Longest a blocking read waits before the intake re-checks its room and stop flag.
     read_block_ms: int = 1000
     # Output streams live this long after their last write (renewed on every write).
@@ -144,7 +151,8 @@ class WorkerConfig:
         for name in ("kv_timeout_s", "kv_breaker_open_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        _at_least("prefetch", self.prefetch, 0)
+        if self.prefetch is not None:
+            _at_least("prefetch", self.prefetch, 0)
         _at_least("affinity_delay_ms", self.affinity_delay_ms, 0)
         if self.handoff_max_waiting is not None:
             _at_least("handoff_max_waiting", self.handoff_max_waiting, 1)
@@ -167,6 +175,13 @@ class WorkerConfig:
                              f"got {self.read_block_ms!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+
+    def prefetch_for(self, max_num_seqs: int) -> int:
+        """The prefetch of a worker with ``max_num_seqs`` seats: ``prefetch``, or by default
+        an eighth of the seats and at least MIN_PREFETCH."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return max(MIN_PREFETCH, max_num_seqs // 8)
 
 
 def _at_least(name: str, value: Any, low: float) -> None:

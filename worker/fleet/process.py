@@ -92,8 +92,9 @@ class Worker:
         self.redis_url = resolve_url(config.redis_url)
         self.client: redis.Redis = connect(self.redis_url)
         # Read in batches of half the prefetch: the other half keeps the engine's seats full.
-        self.inflight = InflightTable(self.engine.config.max_num_seqs + config.prefetch,
-                                      read_batch=config.prefetch // 2)
+        seats = self.engine.config.max_num_seqs
+        prefetch = config.prefetch_for(seats)
+        self.inflight = InflightTable(seats + prefetch, read_batch=prefetch // 2)
         self.inbox: queue.Queue[list[Admission]] = queue.Queue()
         self._failed = threading.Event()
         wid = config.worker_id

@@ -11,6 +11,7 @@ import redis
 from producer.clock import ManualClock
 from producer.wire.keys import Keys
 from producer.wire.protocol import FinalEntry, OutputChunk
+from worker.fleet.config import WorkerConfig
 from worker.fleet.inflight import InflightRequest, InflightTable
 from worker.fleet.publishing import publisher as publisher_module
 from worker.fleet.publishing.publisher import Publication, Publisher
@@ -263,13 +264,15 @@ def test_a_full_worker_reads_new_requests_a_few_at_a_time():
     assert InflightTable(2, read_batch=4).room() == 2  # never more than the table holds
 
 
-def test_the_default_prefetch_is_an_eighth_of_the_seats(start_worker):
+def test_the_default_prefetch_is_a_sixteenth_of_the_seats(start_worker, tmp_path):
     """A GPU's batch of 256 ends ~200 requests a second: reading them 4 at a time would cost
-    Redis a round trip or more a request. The default prefetch is an eighth of the seats (at
-    least 8), and the intake reads once half of it is free; one given is kept."""
+    Redis a round trip or more a request. The default prefetch is a sixteenth of the seats
+    (at least 8; 8 on a decode worker, whose waiting requests hold KV), and the intake
+    reads once half of it is free; one given is kept."""
+    assert WorkerConfig(model_dir=tmp_path).prefetch is None
+    assert WorkerConfig(model_dir=tmp_path).prefetch_for(256) == 16
+    assert WorkerConfig(model_dir=tmp_path).prefetch_for(64) == 8
+    assert WorkerConfig(model_dir=tmp_path, role="decode").prefetch_for(256) == 8
+    assert WorkerConfig(model_dir=tmp_path, prefetch=2).prefetch_for(256) == 2
     big = start_worker(prefetch=None, autostart=False, simulate_step_ms=1, max_num_seqs=256)
-    assert (big.inflight.capacity, big.inflight.read_batch) == (256 + 32, 16)
-    small = start_worker(prefetch=None, autostart=False, simulate_step_ms=1, max_num_seqs=16)
-    assert (small.inflight.capacity, small.inflight.read_batch) == (16 + 8, 4)
-    given = start_worker(prefetch=2, autostart=False, simulate_step_ms=1, max_num_seqs=256)
-    assert (given.inflight.capacity, given.inflight.read_batch) == (256 + 2, 1)
+    assert (big.inflight.capacity, big.inflight.read_batch) == (256 + 16, 8)

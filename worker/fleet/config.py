@@ -23,7 +23,7 @@ def default_worker_id() -> str:
     return f"{host or 'worker'}-{os.getpid()}"
 
 
-# The default prefetch's least (a CPU worker's 64 seats get this).
+# The default prefetch's least (a CPU worker's 64 seats get this; a decode worker always).
 MIN_PREFETCH = 8
 
 
@@ -41,9 +41,9 @@ class WorkerConfig:
     # Engine settings (any EngineConfig field).
     engine: dict[str, Any] = field(default_factory=dict)
     # Requests read beyond what the engine runs at once, so the next step never starves;
-    # the intake reads once half of it is free. None: an eighth of the engine's seats, at
+    # the intake reads once half of it is free. None: a sixteenth of the engine's seats, at
     # least 8 (a GPU's batch of 256 ends ~200 requests a second: reads of 4 would cost
-    # Redis a round trip or more a request; docs/redis.md).
+    # Redis a round trip or more a request; docs/redis.md); 8 on a decode worker.
     prefetch: int | None = None
     # Longest a blocking read waits before the intake re-checks its room and stop flag.
     read_block_ms: int = 1000
@@ -178,10 +178,17 @@ class WorkerConfig:
 
     def prefetch_for(self, max_num_seqs: int) -> int:
         """The prefetch of a worker with ``max_num_seqs`` seats: ``prefetch``, or by default
-        an eighth of the seats and at least MIN_PREFETCH."""
+        a sixteenth of the seats and at least MIN_PREFETCH.
+
+        Not more: the requests it holds wait for a seat, up to a prefetch's worth of ends
+        (~80 ms for 16 at ~200 ends a second), and a worker whose oldest waits half the
+        affinity delay is busy (worker/fleet/affinity/busy.py). A decode worker keeps
+        MIN_PREFETCH: a handed-on request's KV takes blocks as soon as it is added."""
         if self.prefetch is not None:
             return self.prefetch
-        return max(MIN_PREFETCH, max_num_seqs // 8)
+        if self.role == "decode":
+            return MIN_PREFETCH
+        return max(MIN_PREFETCH, max_num_seqs // 16)
 
 
 def _at_least(name: str, value: Any, low: float) -> None:

@@ -306,6 +306,23 @@ def test_an_out_path_that_is_a_file_is_refused_before_anything_runs(tmp_path, ca
     assert taken.read_text() == "not a folder"
 
 
+def test_the_private_redis_runs_the_binary_given_and_the_flag_is_checked(tmp_path, capsys):
+    """Redis's CPU a token depends on its build (the bundled 6.2 uses libc's allocator,
+    production builds jemalloc): ``--redis-server`` picks the private Redis's binary."""
+    import redis
+    from redis_fixtures import redis_binary
+
+    from worker.bench.cli import _redis
+
+    binary = redis_binary("7")
+    with _redis(None, binary) as url:
+        assert redis.Redis.from_url(url).info("server")["redis_version"].startswith("7.")
+    assert main(["bench", "--quick", "--redis", "redis://x", "--redis-server", binary]) == 2
+    assert "not with --redis" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--redis-server", str(tmp_path)]) == 2
+    assert "is not an executable file" in capsys.readouterr().err
+
+
 # ----- quick end-to-end runs -----
 
 RUN_KEYS = {"settings", "duration_s", "requests", "completed", "errors", "output_tokens",

@@ -66,6 +66,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "--quick; made if missing)")
     s.add_argument("--redis", metavar="URL", default=None,
                    help="Redis to use (default: a private redis-server started for the run)")
+    s.add_argument("--redis-server", metavar="PATH", default=None,
+                   help="the redis-server the private Redis runs (default: the bundled Redis "
+                   "6.2, else redis-server on PATH); its CPU a token depends on it "
+                   "(docs/redis.md)")
     s.add_argument("--namespace", default="conveyor",
                    help="prefix of every conveyor key: the fleet's namespace")
     s.add_argument("--threads", type=int, default=2,
@@ -160,7 +164,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
 
     runs: dict[str, list[RunResult]] = {}
-    with _exit_on_sigterm(), _redis(args.redis) as redis_url:
+    with _exit_on_sigterm(), _redis(args.redis, args.redis_server) as redis_url:
         systems = choose_systems(args, model_dir, config, items, redis_url, out_dir)
         # The machine's limits, right before the runs and at their thread count (and again
         # right after them: the better of each pair counts, limits.py says why).
@@ -305,6 +309,12 @@ def _check(args: argparse.Namespace) -> None:
                          "give one")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file: give a folder for the results")
+    if args.redis_server is not None:
+        if args.redis:
+            raise ValueError("--redis-server is the binary of the private Redis the bench "
+                             "starts: not with --redis")
+        if not (os.path.isfile(args.redis_server) and os.access(args.redis_server, os.X_OK)):
+            raise ValueError(f"--redis-server {args.redis_server} is not an executable file")
 
 
 @contextmanager
@@ -321,15 +331,16 @@ def _exit_on_sigterm() -> Iterator[None]:
 
 
 @contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    """The given Redis, or a private redis-server for this run (no persistence), stopped after."""
+def _redis(url: str | None, binary: str | None = None) -> Iterator[str]:
+    """The given Redis, or a private redis-server for this run (no persistence; ``binary``,
+    or the one found), stopped after."""
     if url:
         yield url
         return
     from producer.redis.server import start_ephemeral
 
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
-        with start_ephemeral(Path(tmp), appendonly="no") as server:
+        with start_ephemeral(Path(tmp), binary=binary, appendonly="no") as server:
             yield server.url
 
 

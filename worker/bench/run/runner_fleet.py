@@ -91,6 +91,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
         by_command = _commands(client) - commands_before
         commands = sum(by_command.values())
         round_trips = cpu.delta(reads_before, _reads_processed(client))
+        build = _redis_build(client)
         delays = _delay_quantiles(delays_before, _publish_delays(workers))
         time.sleep(2 * HEARTBEAT_INTERVAL_S)  # the run's last counters reach a heartbeat
         counted_after, tokens_after = _heartbeat_sums(client, workers)
@@ -127,7 +128,7 @@ def run_fleet(name: str, target: FleetTarget, items: list[WorkItem],
     if round_trips is not None:
         # Each costs Redis a wake-up, a read and a write, whatever it carries (docs/redis.md).
         notes.append(f"Redis round trips per request: {round_trips / len(items):.2f} (reads "
-                     "of a client's commands, all clients)")
+                     f"of a client's commands, all clients; {build})")
     if delays is not None:
         notes.append("a step's output to Redis (conveyor_publish_delay_seconds, a bucket's "
                      "upper bound) p50/p90/p99 ms: <= " + "/".join(delays))
@@ -224,6 +225,12 @@ def _reads_processed(client: Client) -> int | None:
     more pipelined commands; None where INFO does not say (Redis < 6)."""
     value = client.redis.info("stats").get("total_reads_processed")
     return None if value is None else int(value)
+
+
+def _redis_build(client: Client) -> str:
+    """Redis's version and allocator: its CPU a token depends on both (docs/redis.md)."""
+    version = client.redis.info("server").get("redis_version", "?")
+    return f"Redis {version}, {client.redis.info('memory').get('mem_allocator', '?')}"
 
 
 def _heartbeat_sums(client: Client, workers: list[WorkerProcess]

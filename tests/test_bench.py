@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -306,7 +307,15 @@ def test_an_out_path_that_is_a_file_is_refused_before_anything_runs(tmp_path, ca
     assert taken.read_text() == "not a folder"
 
 
-def test_the_private_redis_runs_the_binary_given_and_the_flag_is_checked(tmp_path, capsys):
+def test_the_redis_server_flag_is_checked_before_anything_runs(tmp_path, capsys):
+    assert main(["bench", "--quick", "--redis", "redis://x", "--redis-server",
+                 sys.executable]) == 2
+    assert "not with --redis" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--redis-server", str(tmp_path)]) == 2
+    assert "is not an executable file" in capsys.readouterr().err
+
+
+def test_the_private_redis_runs_the_binary_given():
     """Redis's CPU a token depends on its build (the bundled 6.2 uses libc's allocator,
     production builds jemalloc): ``--redis-server`` picks the private Redis's binary."""
     import redis
@@ -314,13 +323,8 @@ def test_the_private_redis_runs_the_binary_given_and_the_flag_is_checked(tmp_pat
 
     from worker.bench.cli import _redis
 
-    binary = redis_binary("7")
-    with _redis(None, binary) as url:
-        assert redis.Redis.from_url(url).info("server")["redis_version"].startswith("7.")
-    assert main(["bench", "--quick", "--redis", "redis://x", "--redis-server", binary]) == 2
-    assert "not with --redis" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--redis-server", str(tmp_path)]) == 2
-    assert "is not an executable file" in capsys.readouterr().err
+    with _redis(None, redis_binary("7")) as url, redis.Redis.from_url(url) as client:
+        assert client.info("server")["redis_version"].startswith("7.")
 
 
 # ----- quick end-to-end runs -----

@@ -7,6 +7,7 @@ import argparse
 import heapq
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -67,9 +68,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--redis", metavar="URL", default=None,
                    help="Redis to use (default: a private redis-server started for the run)")
     s.add_argument("--redis-server", metavar="PATH", default=None,
-                   help="the redis-server the private Redis runs (default: the bundled Redis "
-                   "6.2, else redis-server on PATH); its CPU a token depends on it "
-                   "(docs/redis.md)")
+                   help="the redis-server the private Redis runs, a file or a name on PATH "
+                   "(default: the bundled Redis 6.2, else redis-server on PATH); its CPU a "
+                   "token depends on it (docs/redis.md)")
     s.add_argument("--namespace", default="conveyor",
                    help="prefix of every conveyor key: the fleet's namespace")
     s.add_argument("--threads", type=int, default=2,
@@ -313,8 +314,11 @@ def _check(args: argparse.Namespace) -> None:
         if args.redis:
             raise ValueError("--redis-server is the binary of the private Redis the bench "
                              "starts: not with --redis")
-        if not (os.path.isfile(args.redis_server) and os.access(args.redis_server, os.X_OK)):
-            raise ValueError(f"--redis-server {args.redis_server} is not an executable file")
+        found = shutil.which(args.redis_server)  # a path, or a name on PATH
+        if found is None or not os.path.isfile(found):
+            raise ValueError(f"--redis-server {args.redis_server} is not an executable file "
+                             "(nor one on PATH)")
+        args.redis_server = found
 
 
 @contextmanager

@@ -309,7 +309,7 @@ def test_shipped_tokenizers_match_their_hashes_and_vocab(vocab_size: int) -> Non
     tokenizer = Tokenizer.from_str(data.decode())
     assert tokenizer.get_vocab_size() == vocab_size
     assert tokenizer.decode(tokenizer.encode(TEXT).ids) == TEXT
-    assert {p.vocab_size for p in PRESETS.values()} <= set(TOKENIZER_SHA256)
+    assert {p.vocab_size for p in PRESETS.values()} <= set(tokenizer_files.tokenizer_vocabs())
 
 
 def test_a_shipped_vocabulary_other_than_the_presets_gets_its_tokenizer(
@@ -320,7 +320,7 @@ def test_a_shipped_vocabulary_other_than_the_presets_gets_its_tokenizer(
     assert json.loads((folder / "config.json").read_text())["vocab_size"] == 32000
     assert "<tool_call>" in json.loads(
         (folder / "tokenizer_config.json").read_text())["chat_template"]
-    with pytest.raises(ValueError, match="no tokenizer ships for a vocabulary of 4096"):
+    with pytest.raises(ValueError, match="no tokenizer for a vocabulary of 4096"):
         make_model(tmp_path / "n", preset="tiny", vocab_size=4096)
     with pytest.raises(ValueError, match="unknown chat template"):
         make_model(tmp_path / "o", preset="tiny", chat_template="mistral")
@@ -366,3 +366,62 @@ def test_modelgen_never_imports_transformers() -> None:
 def test_bad_arguments_are_rejected(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(ValueError):
         make_model(tmp_path, **kwargs)
+
+
+# ----- real sizes (issue 46): shapes, vocabulary and precision, nothing of that size made -----
+
+def test_the_real_size_presets_are_llama_3s_shapes_rope_and_parameter_counts() -> None:
+    from worker.modelgen.config_json import build_config
+    from worker.modelgen.safetensors_io import shards_needed
+    from worker.modelgen.weights import weight_specs
+
+    expected = {"1b": (1_235_814_400, True, 32.0), "8b": (8_030_261_248, False, 8.0)}
+    for name, (params, tied, factor) in expected.items():
+        preset = PRESETS[name]
+        specs = weight_specs(preset, ARCHS["llama"], preset.num_kv_heads, tied)
+        assert sum(s.numel for s in specs.values()) == params, name
+        assert ("lm_head.weight" in specs) is not tied
+        config = build_config(preset, ARCHS["llama"], preset.num_kv_heads, tied,
+                              preset.rope_scaling, preset.dtype)
+        assert config["vocab_size"] == 128_256 and config["dtype"] == "bfloat16"
+        assert config["rope_theta"] == 500_000.0
+        assert config["rope_scaling"]["rope_type"] == "llama3"
+        assert config["rope_scaling"]["factor"] == factor
+        assert config["max_position_embeddings"] == 131_072
+        assert AutoConfig.for_model(**config).num_key_value_heads == 8
+    # bfloat16 files of at most 2 GiB each: 2 for the 1b, 8 for the 8b.
+    assert shards_needed(1_235_814_400 * 2) == 2 and shards_needed(8_030_261_248 * 2) == 8
+
+
+def test_llama_3s_vocabulary_decodes_every_id_and_encodes_it_back() -> None:
+    """The 128,256-token tokenizer is the shipped 32,000-token one and an added, non-special
+    ``<|id_N|>`` for each further id: every id a random model samples has text."""
+    data = tokenizer_files.extended_tokenizer(128_256)
+    tokenizer = Tokenizer.from_str(data.decode())
+    assert tokenizer.get_vocab_size() == 128_256
+    assert tokenizer.decode(tokenizer.encode(TEXT).ids) == TEXT  # the 32,000 as shipped
+    for i in (32_000, 70_001, 128_255):
+        text = tokenizer.decode([i])
+        assert text == f"<|id_{i}|>"
+        assert tokenizer.encode(f"a{text}b", add_special_tokens=False).ids[1:-1] == [i]
+    assert all(tokenizer.id_to_token(i) for i in range(128_256))
+
+
+def test_a_bfloat16_checkpoint_drawn_a_file_at_a_time_holds_the_float32_draw_rounded(
+        tmp_path: Path) -> None:
+    full = make_model(tmp_path / "f32", preset="tiny")
+    half = make_model(tmp_path / "bf16", preset="tiny", dtype="bfloat16", num_shards=3)
+    reference = load_file(full / "model.safetensors")
+    shards = sorted(half.glob("model-*.safetensors"))
+    assert len(shards) == 3 and not (half / "model.safetensors").exists()
+    got = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert got.keys() == reference.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    config = json.loads((half / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(half)  # transformers reads the shards
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        make_model(tmp_path / "x", preset="tiny", dtype="float16")

@@ -27,18 +27,27 @@ def add_worker_parsers(subparsers: Any) -> None:
                               help="write a small deterministic checkpoint (no model hub)")
     p.add_argument("dir", nargs="?",
                    help="output folder (default: the data folder's models/PRESET)")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small",
-                   help="model size: tiny (tests, under 1M parameters) or small (about 32M)")
+    p.add_argument("--preset", choices=["tiny", "small", "1b", "8b"], default="small",
+                   help="model size: tiny (tests, under 1M parameters), small (about 32M), or "
+                   "Llama-3.2-1B's and Llama-3.1-8B's shapes and 128,256-token vocabulary "
+                   "(1b, 8b: bfloat16, 2.5 and 16 GB)")
     p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama",
                    help="architecture written to config.json")
     p.add_argument("--seed", type=int, default=0,
                    help="weight seed: the same arguments always give the same files")
-    p.add_argument("--vocab-size", type=int, choices=[1024, 8192, 32000],
-                   help="the vocabulary (default: the preset's; each has a shipped tokenizer, "
-                   "32000 a Llama-2-sized one for benchmarks)")
+    p.add_argument("--vocab-size", type=int, choices=[1024, 8192, 32000, 128256],
+                   help="the vocabulary (default: the preset's; each has a tokenizer, 32000 a "
+                   "Llama-2-sized one for benchmarks, 128256 Llama 3's)")
     p.add_argument("--chat-template", choices=["plain", "qwen", "llama3"], default="plain",
                    help="the tokenizer's chat template: plain role lines, or one with tools "
                    "support (qwen: Hermes <tool_call> blocks; llama3: Llama 3.1 JSON calls)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the weights' precision (default: the preset's: bfloat16 for 1b and "
+                   "8b, float32 otherwise)")
+    p.add_argument("--device", default="cpu",
+                   help="where the weights are drawn, a file at a time: cpu, or cuda to make "
+                   "a real size on a GPU machine (its generator draws other numbers than "
+                   "the CPU's; default: cpu)")
     p.add_argument("--force", action="store_true",
                    help="delete and make again a folder make-model made (it holds "
                    ".conveyor-model); any other folder is refused")
@@ -218,7 +227,8 @@ def make_model_cmd(args: argparse.Namespace) -> int:
                                   "folder, or delete this one yourself")
         shutil.rmtree(out)
     make_marked(out, preset=args.preset, arch=args.arch, seed=args.seed,
-                chat_template=args.chat_template, vocab_size=args.vocab_size)
+                chat_template=args.chat_template, vocab_size=args.vocab_size,
+                dtype=args.dtype, device=args.device)
     print(out)
     return 0
 

@@ -51,8 +51,10 @@ def build_config(
     num_kv_heads: int,
     tie_word_embeddings: bool,
     rope_scaling: Mapping[str, Any] | None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """The config.json contents for this preset and architecture."""
+    """The config.json contents for this preset and architecture (the preset's rope theta
+    where it has one, else the architecture's), for weights in ``dtype``."""
     config: dict[str, Any] = {
         "architectures": [arch.architecture],
         "model_type": arch.model_type,
@@ -73,9 +75,9 @@ def build_config(
         "initializer_range": 0.02,
         "use_cache": True,
         # "dtype" for transformers >= 4.56, "torch_dtype" for older readers.
-        "dtype": "float32",
-        "torch_dtype": "float32",
-        **rope_fields(arch.rope_theta, rope_scaling),
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        **rope_fields(preset.rope_theta or arch.rope_theta, rope_scaling),
     }
     if arch.model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)

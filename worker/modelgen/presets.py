@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,8 +18,26 @@ class Preset:
     num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
     head_dim: int  # per-head width; num_heads * head_dim == hidden_size here
     intermediate_size: int  # SwiGLU MLP width
-    vocab_size: int  # equals the shipped tokenizer's vocab size, so no padded rows
+    vocab_size: int  # equals the tokenizer's vocab size, so no padded rows
     max_position_embeddings: int  # longest context the config advertises
+    # The real family's settings where the preset copies one (None: the architecture's).
+    rope_theta: float | None = None
+    rope_scaling: Mapping[str, Any] | None = None
+    tie_word_embeddings: bool | None = None
+    # The precision of the files written (a real-size model in float32 would be twice as big).
+    dtype: str = "float32"
+
+
+def _llama3_rope(factor: float) -> Mapping[str, Any]:
+    """Llama 3.x's rope scaling (an 8,192-token original context stretched ``factor`` times)."""
+    return MappingProxyType({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192})
+
+
+# Llama 3's vocabulary: the size of a real model's embedding and LM head (tokenizer_files.py
+# says how the generated tokenizer covers every id).
+LLAMA3_VOCAB = 128_256
 
 
 PRESETS: dict[str, Preset] = {
@@ -42,6 +62,37 @@ PRESETS: dict[str, Preset] = {
         intermediate_size=1408,
         vocab_size=8192,
         max_position_embeddings=4096,
+    ),
+    # Real sizes (made on the device they will run on, in bfloat16): Llama-3.2-1B's shapes,
+    # 1,235,814,400 parameters (the LM head tied), ...
+    "1b": Preset(
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=LLAMA3_VOCAB,
+        max_position_embeddings=131_072,
+        rope_theta=500_000.0,
+        rope_scaling=_llama3_rope(32.0),
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    ),
+    # ... and Llama-3.1-8B's, 8,030,261,248 parameters.
+    "8b": Preset(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14_336,
+        vocab_size=LLAMA3_VOCAB,
+        max_position_embeddings=131_072,
+        rope_theta=500_000.0,
+        rope_scaling=_llama3_rope(8.0),
+        tie_word_embeddings=False,
+        dtype="bfloat16",
     ),
 }
 

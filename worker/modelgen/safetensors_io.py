@@ -1,7 +1,9 @@
-"""Write a state dict as model.safetensors or as Hugging Face-style shards plus an index."""
+"""Write a state dict as model.safetensors or as Hugging Face-style shards plus an index,
+drawing the tensors of one file at a time (a real-size model never sits in memory whole)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -12,6 +14,8 @@ from worker.modelgen.config_json import dump_json
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 METADATA = {"format": "pt"}  # what transformers checks for; nothing time- or host-dependent
+# Largest file make_model writes unless told how many: a shard is drawn whole in memory.
+MAX_SHARD_BYTES = 2 * 2**30
 
 
 def shard_name(index: int, num_shards: int) -> str:
@@ -19,12 +23,13 @@ def shard_name(index: int, num_shards: int) -> str:
     return f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
 
 
-def split_into_shards(weights: dict[str, torch.Tensor], num_shards: int) -> list[list[str]]:
-    """Cut the tensors, in order, into num_shards non-empty runs of roughly equal bytes."""
-    names = list(weights)
+def split_into_shards(sizes: Mapping[str, int], num_shards: int) -> list[list[str]]:
+    """Cut the tensors (name -> bytes), in order, into num_shards non-empty runs of roughly
+    equal bytes."""
+    names = list(sizes)
     if not 1 <= num_shards <= len(names):
         raise ValueError(f"num_shards must be in 1..{len(names)}, got {num_shards}")
-    total = sum(t.nbytes for t in weights.values())
+    total = sum(sizes.values())
     shards: list[list[str]] = [[]]
     done = 0  # bytes placed so far
     for i, name in enumerate(names):
@@ -33,28 +38,41 @@ def split_into_shards(weights: dict[str, torch.Tensor], num_shards: int) -> list
         if shards[-1] and len(shards) < num_shards and (full or needs_new):
             shards.append([])
         shards[-1].append(name)
-        done += weights[name].nbytes
+        done += sizes[name]
     return shards
 
 
-def write_weights(weights: dict[str, torch.Tensor], out_dir: Path, num_shards: int) -> list[Path]:
-    """Write the weight files (and the index when sharded); return the paths written."""
+def shards_needed(total_bytes: int) -> int:
+    """How many files a checkpoint of ``total_bytes`` takes at MAX_SHARD_BYTES each."""
+    return max(1, -(-total_bytes // MAX_SHARD_BYTES))
+
+
+def write_weights(sizes: Mapping[str, tuple[int, int]], draw: Callable[[str], torch.Tensor],
+                  out_dir: Path, num_shards: int) -> list[Path]:
+    """Write the weight files (and the index when sharded); return the paths written.
+
+    ``sizes``: each tensor's (elements, bytes), in order; ``draw(name)`` makes it, anywhere:
+    the tensors of one file are drawn, moved to the CPU, written and let go before the next.
+    """
+    def tensors(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: draw(n).cpu().contiguous() for n in names}
+
     if num_shards == 1:
         path = out_dir / SINGLE_FILE
-        path.write_bytes(save(weights, metadata=METADATA))
+        path.write_bytes(save(tensors(list(sizes)), metadata=METADATA))
         return [path]
     written: list[Path] = []
     weight_map: dict[str, str] = {}
-    groups = split_into_shards(weights, num_shards)
+    groups = split_into_shards({n: nbytes for n, (_, nbytes) in sizes.items()}, num_shards)
     for index, names in enumerate(groups):
         path = out_dir / shard_name(index, len(groups))
-        path.write_bytes(save({n: weights[n] for n in names}, metadata=METADATA))
+        path.write_bytes(save(tensors(names), metadata=METADATA))
         weight_map.update((n, path.name) for n in names)
         written.append(path)
     index_doc = {
         "metadata": {
-            "total_parameters": sum(t.numel() for t in weights.values()),
-            "total_size": sum(t.nbytes for t in weights.values()),
+            "total_parameters": sum(numel for numel, _ in sizes.values()),
+            "total_size": sum(nbytes for _, nbytes in sizes.values()),
         },
         "weight_map": weight_map,
     }

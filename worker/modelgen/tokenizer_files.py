@@ -1,4 +1,10 @@
-"""Copy a shipped, hash-checked tokenizer into a checkpoint with its tokenizer_config.json."""
+"""Copy a shipped, hash-checked tokenizer into a checkpoint with its tokenizer_config.json.
+
+Llama 3's vocabulary (128,256 ids) is not trained here: its tokenizer is the shipped
+32,000-token one with one added token a further id, ``<|id_N|>`` for id N (not special:
+decoding writes it out, and encoding that text gives the id back), so every id a
+random-weight model samples decodes to text and back.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,31 @@ from typing import Any
 
 from worker.modelgen.chat_templates import TEMPLATES
 from worker.modelgen.config_json import dump_json
-from worker.modelgen.presets import BOS_TOKEN, EOS_TOKEN, TOKENIZER_SHA256
+from worker.modelgen.presets import BOS_TOKEN, EOS_TOKEN, LLAMA3_VOCAB, TOKENIZER_SHA256
 
 DATA_DIR = Path(__file__).parent / "data"
+# The shipped tokenizer the larger vocabularies extend, and those vocabularies.
+EXTENDED_FROM = 32000
+EXTENDED_VOCABS = (LLAMA3_VOCAB,)
+
+
+def tokenizer_vocabs() -> list[int]:
+    """Every vocabulary size make_model writes a tokenizer for."""
+    return sorted([*TOKENIZER_SHA256, *EXTENDED_VOCABS])
+
+
+def extended_tokenizer(vocab_size: int) -> bytes:
+    """tokenizer.json of ``vocab_size`` ids: the shipped EXTENDED_FROM-token one, and an
+    added ``<|id_N|>`` for each id N above it."""
+    from tokenizers import AddedToken, Tokenizer  # (a second or so; only for these sizes)
+
+    tok = Tokenizer.from_str(read_shipped_tokenizer(EXTENDED_FROM).decode())
+    tok.add_tokens([AddedToken(f"<|id_{i}|>", special=False, normalized=False)
+                    for i in range(EXTENDED_FROM, vocab_size)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the extended tokenizer has {tok.get_vocab_size()} ids, "
+                           f"not {vocab_size}")
+    return tok.to_str().encode()
 
 
 def shipped_tokenizer_path(vocab_size: int) -> Path:
@@ -58,9 +86,11 @@ def tokenizer_config(model_max_length: int, chat_template: str = "plain") -> dic
 
 def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int,
                     chat_template: str = "plain") -> list[Path]:
-    """Write tokenizer.json (a byte copy of the shipped file) and tokenizer_config.json."""
+    """Write tokenizer.json (a byte copy of the shipped file, or one extended to a larger
+    vocabulary) and tokenizer_config.json."""
     tok_path = out_dir / "tokenizer.json"
-    tok_path.write_bytes(read_shipped_tokenizer(vocab_size))
+    tok_path.write_bytes(extended_tokenizer(vocab_size) if vocab_size in EXTENDED_VOCABS
+                         else read_shipped_tokenizer(vocab_size))
     cfg_path = out_dir / "tokenizer_config.json"
     cfg_path.write_bytes(dump_json(tokenizer_config(model_max_length, chat_template)))
     return [tok_path, cfg_path]

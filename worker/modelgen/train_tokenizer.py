@@ -30,7 +30,7 @@ from worker.modelgen.presets import (
     SPECIAL_TOKENS,
     TOKENIZER_SHA256,
 )
-from worker.modelgen.tokenizer_files import DATA_DIR, shipped_tokenizer_path
+from worker.modelgen.tokenizer_files import DATA_DIR, EXTENDED_VOCABS, shipped_tokenizer_path
 
 # Platform-neutral pure-Python modules with long English docstrings.
 CORPUS_MODULES = tuple(
@@ -128,7 +128,9 @@ def main() -> None:
         print(f"{name}: {len(texts)} texts, sha256 {digest} ({status} the recorded one)")
         corpora[name] = texts
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for vocab_size in sorted({p.vocab_size for p in PRESETS.values()} | set(LARGE_VOCABS)):
+    # (the larger vocabularies extend the 32,000-token one: tokenizer_files.py)
+    shipped = {p.vocab_size for p in PRESETS.values()} - set(EXTENDED_VOCABS)
+    for vocab_size in sorted(shipped | set(LARGE_VOCABS)):
         texts = corpora["large corpus" if vocab_size in LARGE_VOCABS else "corpus"]
         data = train(texts, vocab_size).to_str(pretty=False).encode()
         path = args.out_dir / shipped_tokenizer_path(vocab_size).name

@@ -1,8 +1,14 @@
-"""Draw the random, deterministic float32 weights of a generated decoder model."""
+"""Draw the random, deterministic weights of a generated decoder model, one tensor at a time.
+
+Each tensor is drawn in float32 from a generator seeded by the weight seed and its name, on
+the device asked for, then cast: the same arguments give the same bytes on one kind of
+device (CUDA's generator draws other numbers than the CPU's).
+"""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -26,29 +32,48 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
 
 
-def _normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight to draw: normal of std ``a``, or uniform in [``a``, ``b``)."""
+
+    shape: tuple[int, ...]
+    kind: str  # "normal" or "uniform"
+    a: float
+    b: float = 0.0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
 
 
-def _uniform(seed: int, name: str, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
-    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
-    return torch.rand(shape, generator=gen, dtype=torch.float32) * (high - low) + low
+def draw(seed: int, name: str, spec: TensorSpec, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu") -> torch.Tensor:
+    """The tensor ``name`` of a checkpoint made with ``seed``, on ``device`` in ``dtype``."""
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    if spec.kind == "normal":
+        t = torch.randn(spec.shape, generator=gen, dtype=torch.float32, device=device) * spec.a
+    else:
+        t = torch.rand(spec.shape, generator=gen, dtype=torch.float32, device=device) * (
+            spec.b - spec.a) + spec.a
+    return t if dtype == torch.float32 else t.to(dtype)
 
 
-def init_weights(
-    preset: Preset, arch: ArchSpec, num_kv_heads: int, tie_word_embeddings: bool, seed: int
-) -> dict[str, torch.Tensor]:
-    """Return the Hugging Face state dict, in module order; lm_head is omitted when tied."""
+def weight_specs(
+    preset: Preset, arch: ArchSpec, num_kv_heads: int, tie_word_embeddings: bool
+) -> dict[str, TensorSpec]:
+    """The Hugging Face state dict's tensors, in module order; lm_head is omitted when tied."""
     h, inter, d = preset.hidden_size, preset.intermediate_size, preset.head_dim
     q_out, kv_out = preset.num_heads * d, num_kv_heads * d
-    weights: dict[str, torch.Tensor] = {}
+    specs: dict[str, TensorSpec] = {}
 
     def normal(name: str, shape: tuple[int, ...], std: float) -> None:
-        weights[name] = _normal(seed, name, shape, std)
+        specs[name] = TensorSpec(shape, "normal", std)
 
     def norm(name: str) -> None:
-        weights[name] = _uniform(seed, name, (h,), *NORM_RANGE)
+        specs[name] = TensorSpec((h,), "uniform", *NORM_RANGE)
 
     # Tied: the embedding doubles as lm_head, so it takes lm_head's scale.
     embed_std = LOGIT_STD / h**0.5 if tie_word_embeddings else EMBED_STD
@@ -71,4 +96,12 @@ def init_weights(
     norm("model.norm.weight")
     if not tie_word_embeddings:
         normal("lm_head.weight", (preset.vocab_size, h), LOGIT_STD / h**0.5)
-    return weights
+    return specs
+
+
+def init_weights(
+    preset: Preset, arch: ArchSpec, num_kv_heads: int, tie_word_embeddings: bool, seed: int
+) -> dict[str, torch.Tensor]:
+    """Every tensor at once, float32 on the CPU (small models and tests)."""
+    return {name: draw(seed, name, spec)
+            for name, spec in weight_specs(preset, arch, num_kv_heads, tie_word_embeddings).items()}

@@ -283,3 +283,40 @@ def test_without_max_tokens_a_request_runs_to_the_context_or_the_pool_whichever_
     roomy = Engine(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=64)
     [done] = roomy.generate([prompt], SamplingParams(temperature=0, ignore_eos=True))
     assert len(prompt) + len(done.token_ids) == 64 and done.finish_reason == FinishReason.LENGTH
+
+
+def test_on_a_gpu_the_kv_pool_takes_what_the_weights_and_a_steps_activations_leave():
+    """num_kv_blocks not given, on CUDA: the pool is what the GPU has free with the weights
+    loaded, less 1 - gpu_memory_utilization of its memory and a step's activations (sized
+    here with an H200's numbers: nothing is allocated)."""
+    import torch
+
+    from kvstore.kv_tensors import PagedKVCache
+    from worker.engine.config import EngineConfig
+    from worker.engine.memory import cuda_kv_blocks, step_activation_bytes
+    from worker.modelgen import ARCHS, PRESETS
+    from worker.modelgen.config_json import build_config
+    from worker.models.config import ModelConfig
+
+    eight = PRESETS["8b"]
+    model = ModelConfig.from_dict(build_config(eight, ARCHS["llama"], 8, False,
+                                               eight.rope_scaling, "bfloat16"))
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048)
+    per_block = PagedKVCache.bytes_per_block(32, 16, 8, 128, torch.bfloat16)
+    assert per_block == 16 * 128 * 2**10  # 128 KiB a token
+    reserve = step_activation_bytes(config, model, torch.bfloat16)
+    assert 2**28 < reserve < 2**32  # a step's transients: hundreds of MiB, not the GPU
+    gib = 2**30
+    total, free = 140 * gib, 124 * gib  # an H200 with 16 GiB of weights loaded
+    blocks = cuda_kv_blocks(config, per_block, 10**9, reserve, lambda: (free, total))
+    assert blocks == (free - 14 * gib - reserve) // per_block
+    assert blocks * 16 >= 64 * 1024  # batch 64 at 1k context fits, with room to spare
+    assert cuda_kv_blocks(config, per_block, 100, reserve, lambda: (free, total)) == 100
+    tighter = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048,
+                           gpu_memory_utilization=0.5)
+    assert cuda_kv_blocks(tighter, per_block, 10**9, reserve, lambda: (free, total)) == \
+        (free - 70 * gib - reserve) // per_block
+    with pytest.raises(MemoryError, match="no GPU memory left for the KV cache"):
+        cuda_kv_blocks(config, per_block, 10**9, reserve, lambda: (14 * gib, total))
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=0)

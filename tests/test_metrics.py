@@ -76,6 +76,11 @@ def test_metrics_count_requests_tokens_and_latencies_of_served_requests(redis_ur
     assert value(s, "conveyor_requests_waiting") == 0
     assert value(s, "conveyor_requests_swapped") == 0
     assert value(s, "conveyor_kv_blocks_total") == 512
+    assert value(s, "conveyor_kv_pool_bytes") == worker.engine.memory.pool_bytes > 0
+    # 512 blocks of 16 tokens: the tiny model's 2 layers x K and V x 2 KV heads x 16 wide,
+    # float64.
+    assert worker.engine.memory.pool_bytes == 512 * 16 * 2 * 2 * 2 * 16 * 8
+    assert "conveyor_gpu_memory_utilization" not in s  # (a CPU's pool is not sized so)
     assert value(s, "conveyor_preemptions_total", mode="recompute") == 0
     assert value(s, "conveyor_preemptions_total", mode="swap") == 0
 

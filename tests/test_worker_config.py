@@ -39,6 +39,7 @@ def test_worker_flags_default_to_the_config_dataclasses():
     assert args.max_num_seqs == field_default(EngineConfig, "max_num_seqs")
     assert args.max_num_batched_tokens == field_default(EngineConfig, "max_num_batched_tokens")
     assert args.dtype == field_default(EngineConfig, "dtype")
+    assert args.gpu_memory_utilization == field_default(EngineConfig, "gpu_memory_utilization")
     for flag, name in [("lease_ms", "lease_ms"), ("max_deliveries", "max_deliveries"),
                        ("drain_timeout", "drain_timeout_s"), ("namespace", "namespace"),
                        ("heartbeat_interval", "heartbeat_interval_s"),

@@ -105,8 +105,14 @@ def _add_serve_parser(subparsers: Any) -> None:
                    help="token budget of a step, at least --max-num-seqs "
                    "(default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="device KV pool in blocks (default: sized from 0.5 GiB, capped at "
-                   "what --max-num-seqs full-length sequences use)")
+                   help="device KV pool in blocks (default: on a GPU, what "
+                   "--gpu-memory-utilization of its memory leaves after the weights and a "
+                   "step's activations; elsewhere 0.5 GiB; capped at what --max-num-seqs "
+                   "full-length sequences use)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=engine("gpu_memory_utilization"), metavar="F",
+                   help="the share of the GPU's memory the worker may hold, its KV pool "
+                   "sized from it (default: %(default)s)")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= the "
                    "model's max length)")
@@ -259,6 +265,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
               args.max_num_batched_tokens, "dtype": args.dtype}
     if args.num_kv_blocks:
         engine["num_kv_blocks"] = args.num_kv_blocks
+    engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.threads:
         engine["num_threads"] = args.threads
     if not args.chunked_prefill:

@@ -21,6 +21,10 @@ class EngineConfig:
     # full-length sequences can use). A small fixed pool, not a share of RAM: on a CPU the
     # KV cache shares memory with everything else.
     kv_cache_memory_gib: float = 0.5
+    # On CUDA, when num_kv_blocks is None: the share of the GPU's memory the engine may hold
+    # (weights, a step's activations, KV); the KV pool takes what the rest leaves
+    # (worker/engine/memory.py), so a real model runs a real batch without a flag.
+    gpu_memory_utilization: float = 0.9
     # Host swap tier in blocks; None sizes it from swap_space_gib (0 turns swapping off).
     swap_blocks: int | None = None
     # Host memory for swapped-out KV when swap_blocks is None (pinned on CUDA).
@@ -98,6 +102,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         if self.swap_blocks is not None and self.swap_blocks < 0:
             raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
         check_preemption_mode(self.preemption_mode)

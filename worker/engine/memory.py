@@ -3,10 +3,12 @@ settings made before its model loads), its model, and the KV memory it lays out 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from kvstore import BlockPool, KVCacheManager, blocks_for
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 # an 8B model beside its weights (~120 GB at 128 KiB a token), and max_num_seqs sequences of
 # full length for the models and batches of the benchmarks (256 x 4,096).
 SIMULATED_KV_TOKENS = 2**20
+
+log = structlog.get_logger(__name__)
 
 
 def prepare_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -73,11 +77,18 @@ class KVMemory:
     host_pool: BlockPool | None
     # The block tables, prefix cache and swap bookkeeping over both pools.
     manager: KVCacheManager
+    # Bytes of the device pool, and the GPU memory share it was sized from (None: not so).
+    pool_bytes: int = 0
+    gpu_memory_utilization: float | None = None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Gauges of both pools now, and prefix cache evictions since start."""
         host = self.host_pool
+        sized = ({} if self.gpu_memory_utilization is None
+                 else {"gpu_memory_utilization": self.gpu_memory_utilization})
         return {
+            **sized,
+            "kv_pool_bytes": self.pool_bytes,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_cached": self.pool.num_cached,
@@ -87,9 +98,42 @@ class KVMemory:
         }
 
 
+def step_activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """A generous bound on a step's transient memory: the token budget's widest tensors in
+    the model's dtype (the MLP's gate and up outputs and its product, q, k, v, attention's
+    output and the residual stream twice), and the sampler's float32 logits, probabilities
+    and a working copy of every row's."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    kv_width = 2 * model.num_key_value_heads * model.head_dim
+    q_width = model.num_attention_heads * model.head_dim
+    widths = 3 * model.intermediate_size + 2 * q_width + kv_width + 2 * model.hidden_size
+    return (config.max_num_batched_tokens * widths * item
+            + 3 * config.max_num_seqs * model.vocab_size * 4)
+
+
+def cuda_kv_blocks(config: EngineConfig, per_block: int, useful: int, reserve: int,
+                   memory_info: Callable[[], tuple[int, int]]) -> int:
+    """Device KV blocks on a GPU when num_kv_blocks is not given: what the GPU has free now
+    (the weights loaded), less the share left to others (1 - gpu_memory_utilization of its
+    memory) and a step's activations (``reserve``), at most ``useful``; at least 1.
+    ``memory_info``: (free, total) bytes, torch.cuda.mem_get_info."""
+    free, total = memory_info()
+    budget = free - int((1 - config.gpu_memory_utilization) * total) - reserve
+    if budget < per_block:
+        raise MemoryError(
+            f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} "
+            f"GiB free, {(1 - config.gpu_memory_utilization) * total / 2**30:.1f} left to "
+            f"others (gpu_memory_utilization {config.gpu_memory_utilization}) and "
+            f"{reserve / 2**30:.1f} for a step's activations: raise gpu_memory_utilization, "
+            "lower max_num_batched_tokens or max_num_seqs, or give num_kv_blocks")
+    return max(1, min(budget // per_block, useful))
+
+
 def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
-              dtype: torch.dtype, max_model_len: int, tensors_too: bool = True) -> KVMemory:
-    """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks);
+              dtype: torch.dtype, max_model_len: int, tensors_too: bool = True,
+              memory_info: Callable[[], tuple[int, int]] | None = None) -> KVMemory:
+    """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks: on
+    a GPU from its free memory, ``memory_info`` telling it, elsewhere kv_cache_memory_gib);
     without ``tensors_too`` only their accounting (a simulated engine's)."""
     def tensors(num_blocks: int, on: torch.device, pin: bool = False,
                 untouched: bool = False) -> PagedKVCache:
@@ -103,6 +147,16 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     useful = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
     num_blocks = config.num_kv_blocks or max(
         1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
+    utilization = None
+    if tensors_too and config.num_kv_blocks is None and device.type == "cuda":
+        reserve = step_activation_bytes(config, model, dtype)
+        num_blocks = cuda_kv_blocks(config, per_block, useful, reserve,
+                                    memory_info or (lambda: torch.cuda.mem_get_info(device)))
+        utilization = config.gpu_memory_utilization
+        log.info("KV pool sized from the GPU's free memory", blocks=num_blocks,
+                 gib=round(num_blocks * per_block / 2**30, 2),
+                 gpu_memory_utilization=utilization,
+                 activations_gib=round(reserve / 2**30, 2))
     if not tensors_too and config.num_kv_blocks is None:
         # A simulated engine's blocks are accounting only: by default it has a GPU's memory
         # (num_kv_blocks sets a smaller pool, to study preemption).
@@ -119,7 +173,8 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     # A block is swapped in only after it was swapped out: the swap tier's memory can come
     # as it is first written (pinned memory for a GPU is touched when it is made anyway).
     if not tensors_too:
-        return KVMemory(None, pool, None, host_pool, manager)
+        return KVMemory(None, pool, None, host_pool, manager, num_blocks * per_block)
     host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda",
                           untouched=True) if swap_blocks else None)
-    return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager)
+    return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager,
+                    num_blocks * per_block, utilization)

@@ -71,6 +71,10 @@ ENGINE_GAUGES = {
     "swapped": ("conveyor_requests_swapped", "Preempted requests whose KV is in host memory."),
     "kv_blocks_used": ("conveyor_kv_blocks_used", "Device KV blocks held by requests."),
     "kv_blocks_total": ("conveyor_kv_blocks_total", "Device KV blocks in the pool."),
+    "kv_pool_bytes": ("conveyor_kv_pool_bytes", "Bytes of the device KV pool."),
+    "gpu_memory_utilization": ("conveyor_gpu_memory_utilization",
+                               "The share of the GPU's memory the engine may hold, that its "
+                               "KV pool was sized from (absent where not so sized)."),
     "kv_blocks_cached": ("conveyor_kv_blocks_cached",
                          "Device KV blocks holding a findable prefix block (used or free)."),
     "host_blocks_used": ("conveyor_host_kv_blocks_used", "Host (swap) KV blocks in use."),

@@ -150,6 +150,10 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
     utilization = None
     if tensors_too and config.num_kv_blocks is None and device.type == "cuda":
         reserve = step_activation_bytes(config, model, dtype)
+        if memory_info is None:
+            # What an engine freed before this one still sits in torch's cache, counted as
+            # used: give it back first.
+            torch.cuda.empty_cache()
         num_blocks = cuda_kv_blocks(config, per_block, useful, reserve,
                                     memory_info or (lambda: torch.cuda.mem_get_info(device)))
         utilization = config.gpu_memory_utilization

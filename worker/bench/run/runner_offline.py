@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
     from worker.engine.engine import Engine
 
     threads = torch.get_num_threads()
+    engine = None
     try:
         engine = Engine(model_dir, **engine_settings)
         engine.generate([list(range(2, 10)), list(range(2, 66))],
@@ -41,6 +43,14 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
             taken = {"bench": engine.stats()["step_team_takeovers"] - taken_before}
     finally:
         torch.set_num_threads(threads)  # Engine(num_threads=...) changed it for this process
+        if engine is not None:
+            engine.close()
+        del engine
+        if torch.cuda.is_available():
+            # A GPU engine's KV pool takes most of the GPU's free memory: a worker process
+            # the next run starts must find it free, not in this process's cache.
+            gc.collect()
+            torch.cuda.empty_cache()
     return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
                      preempted, notes=["engine in the bench process, no Redis"],
                      taken_over=taken, stolen_s=stolen, idle_s=idle)

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine on a GPU against the device's own limits (issue 46)."""

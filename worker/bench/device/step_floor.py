@@ -1,0 +1,234 @@
+"""A decode step and a prefill chunk on the device, against what the device itself can do.
+
+    python -m worker.bench.device.step_floor --model DIR [--device cuda] [--dtype bfloat16]
+        [--batch 1 8 64 256] [--context 1024] [--steps 100] [--prefill-tokens 2048]
+        [--json PATH]
+
+The device's limits, measured first: its bandwidth (the bytes read and written by a
+device-to-device copy of ``--copy-gib`` (4) GiB over its time, best of 5) and its GEMM peak
+(the best ``--gemm-n`` (8192) cubed matmul in the engine's dtype, of 5). Then, for each
+batch, an engine whose ``batch`` requests hold contexts of ``context`` ± 16 tokens decodes
+``steps`` steady steps: the step is the wall time of ``Engine.step`` (scheduling, sampling
+and output processing included), set against its floor, the bytes a decode step must move
+over the bandwidth: the weights it reads (every parameter, the input embedding's table
+aside, of which it reads a row a request, unless tied to the LM head) and the KV it reads
+(every context token's K and V in every layer) and writes (one token's a request). Then a
+prompt of two ``--prefill-tokens`` chunks is prefilled, each chunk's step timed, against the
+GEMM peak: its FLOPs are 2 x the decoder layers' parameters x its tokens, plus causal
+attention (QK and PV: 4 x heads x head_dim x the positions each token attends, a layer),
+plus the LM head on its last token. Prints each figure as soon as it has it; runs on a CPU
+too (the test suite runs it on the tiny model with small buffers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.engine.engine import Engine
+from worker.models.config import ModelConfig
+
+# Tokens by which each request's context differs from --context, at most.
+CONTEXT_SPREAD = 16
+REPEATS = 5
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes a second a device-to-device copy moves (read and written), best of REPEATS."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(REPEATS):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP a second of the best n x n x n matmul of REPEATS (after one to warm up)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(REPEATS):
+        sync(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """One token's K and V across the layers."""
+    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+            * dtype.itemsize)
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """The weights a decode step reads: every parameter but an untied input embedding."""
+    config, model = engine.model_config, engine.model
+    assert model is not None, "a simulated engine has no weights"
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_word_embeddings:
+        total -= config.vocab_size * config.hidden_size * engine.dtype.itemsize
+    return total
+
+
+def layer_parameters(config: ModelConfig) -> int:
+    """Parameters of the decoder layers alone (no embedding, LM head or final norm)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_layer = (h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size + 2 * h
+                 + (q + 2 * kv if config.qkv_bias else 0))
+    return per_layer * config.num_hidden_layers
+
+
+def prefill_flops(config: ModelConfig, start: int, tokens: int) -> float:
+    """FLOPs of prefilling positions [start, start + tokens) of a prompt (see the module)."""
+    attended = sum(p + 1 for p in range(start, start + tokens))
+    attention = (4 * config.num_attention_heads * config.head_dim * attended
+                 * config.num_hidden_layers)
+    return (2 * layer_parameters(config) * tokens + attention
+            + 2 * config.vocab_size * config.hidden_size)
+
+
+def _engine(model_dir: Path, device: str, dtype: str, batch: int, budget: int,
+            **settings: Any) -> Engine:
+    return Engine(model_dir, device=device, dtype=dtype, max_num_seqs=batch,
+                  max_num_batched_tokens=max(budget, batch), **settings)
+
+
+def decode(model_dir: Path, device: str, dtype: str, batch: int, context: int, steps: int,
+           bandwidth: float, budget: int) -> dict[str, Any]:
+    """``steps`` steady decode steps of ``batch`` requests at ``context`` ± CONTEXT_SPREAD
+    tokens, against the floor of the bytes they move."""
+    engine = _engine(model_dir, device, dtype, batch, budget)
+    try:
+        rng = random.Random(batch)
+        vocab = engine.model_config.vocab_size
+        for _ in range(batch):
+            length = max(1, context + rng.randint(-CONTEXT_SPREAD, CONTEXT_SPREAD))
+            engine.add_request([rng.randrange(2, vocab) for _ in range(length)],
+                               {"max_tokens": 10**6, "ignore_eos": True, "temperature": 0})
+        while engine.scheduler.num_waiting or any(
+                r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()  # the prompts, until every request decodes
+        for _ in range(3):
+            engine.step()  # a few steady steps first (allocations, caches)
+        contexts = [r.num_tokens for r in engine.scheduler.running]
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        # The KV read grows a token a request a step: the mean context over the steps.
+        mean_context = statistics.fmean(contexts) + (steps - 1) / 2
+        per_token = kv_bytes_per_token(engine.model_config, engine.dtype)
+        moved = (decode_weight_bytes(engine) + batch * mean_context * per_token
+                 + batch * per_token)
+        step_s = statistics.fmean(times)
+        return {"batch": batch, "mean_context": round(mean_context, 1),
+                "step_ms": round(step_s * 1000, 3),
+                "step_median_ms": round(statistics.median(times) * 1000, 3),
+                "floor_ms": round(moved / bandwidth * 1000, 3),
+                "step_over_floor": round(step_s / (moved / bandwidth), 2),
+                "bytes_moved": int(moved)}
+    finally:
+        engine.close()
+
+
+def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
+            ) -> list[dict[str, Any]]:
+    """Two ``chunk``-token chunks of one prompt, each step against the GEMM peak (after a
+    prompt of one chunk, to warm up; steps not overlapped, so each is its own chunk's)."""
+    engine = _engine(model_dir, device, dtype, 1, chunk, async_scheduling=False)
+    try:
+        rng = random.Random(0)
+        vocab = engine.model_config.vocab_size
+        engine.generate([[rng.randrange(2, vocab) for _ in range(chunk)]],
+                        {"max_tokens": 1, "ignore_eos": True, "temperature": 0})
+        engine.add_request([rng.randrange(2, vocab) for _ in range(2 * chunk + 1)],
+                           {"max_tokens": 1, "ignore_eos": True, "temperature": 0})
+        out = []
+        for i in range(2):
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            flops = prefill_flops(engine.model_config, i * chunk, chunk)
+            out.append({"chunk": i, "tokens": chunk, "ms": round(seconds * 1000, 3),
+                        "tflops": round(flops / seconds / 1e12, 3),
+                        "of_gemm_peak": round(flops / seconds / peak, 3)})
+        return out
+    finally:
+        engine.close()
+
+
+def measure(model_dir: Path, device: str, dtype: str, batches: list[int], context: int,
+            steps: int, prefill_tokens: int, copy_gib: float, gemm_n: int,
+            say=print) -> dict[str, Any]:
+    """The device's limits, then each batch's decode step and the prefill chunks."""
+    dev = torch.device(device)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "float32": torch.float32}[dtype]
+    bandwidth = copy_bandwidth(dev, int(copy_gib * 2**30))
+    say(f"bandwidth (a {copy_gib:g} GiB copy, read + written): {bandwidth / 1e9:.1f} GB/s")
+    peak = gemm_peak(dev, torch_dtype, gemm_n)
+    say(f"GEMM peak ({gemm_n}^3, {dtype}): {peak / 1e12:.1f} TFLOP/s")
+    result: dict[str, Any] = {"device": str(dev), "dtype": dtype, "model": str(model_dir),
+                              "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+                              "gemm_tflops": round(peak / 1e12, 2), "decode": []}
+    if dev.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(dev)
+    for batch in batches:
+        row = decode(model_dir, device, dtype, batch, context, steps, bandwidth,
+                     prefill_tokens)
+        say(f"decode batch {batch}, context ~{row['mean_context']:.0f}: step "
+            f"{row['step_ms']:.2f} ms (median {row['step_median_ms']:.2f}), floor "
+            f"{row['floor_ms']:.2f} ms: {row['step_over_floor']:.2f}x")
+        result["decode"].append(row)
+    result["prefill"] = prefill(model_dir, device, dtype, prefill_tokens, peak)
+    for row in result["prefill"]:
+        say(f"prefill chunk {row['chunk']} ({row['tokens']} tokens): {row['ms']:.1f} ms, "
+            f"{row['tflops']:.1f} TFLOP/s, {row['of_gemm_peak']:.2f} of the GEMM peak")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.bench.device.step_floor",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--copy-gib", type=float, default=4.0)
+    p.add_argument("--gemm-n", type=int, default=8192)
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    result = measure(Path(args.model), args.device, args.dtype, args.batch, args.context,
+                     args.steps, args.prefill_tokens, args.copy_gib, args.gemm_n)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

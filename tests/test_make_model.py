@@ -393,18 +393,28 @@ def test_the_real_size_presets_are_llama_3s_shapes_rope_and_parameter_counts() -
     assert shards_needed(1_235_814_400 * 2) == 2 and shards_needed(8_030_261_248 * 2) == 8
 
 
-def test_llama_3s_vocabulary_decodes_every_id_and_encodes_it_back() -> None:
-    """The 128,256-token tokenizer is the shipped 32,000-token one and an added, non-special
-    ``<|id_N|>`` for each further id: every id a random model samples has text."""
+def test_llama_3s_vocabulary_decodes_every_id() -> None:
+    """The 128,256-token tokenizer is the shipped 32,000-token one and a vocabulary entry
+    ``<|id_N|>`` for each further id, that no merge makes: every id a random model samples
+    has text, and text encodes as it did."""
     data = tokenizer_files.extended_tokenizer(128_256)
+    assert len(data) < 4 * 2**20
     tokenizer = Tokenizer.from_str(data.decode())
+    shipped = Tokenizer.from_str(tokenizer_files.read_shipped_tokenizer(32000).decode())
     assert tokenizer.get_vocab_size() == 128_256
-    assert tokenizer.decode(tokenizer.encode(TEXT).ids) == TEXT  # the 32,000 as shipped
-    for i in (32_000, 70_001, 128_255):
-        text = tokenizer.decode([i])
-        assert text == f"<|id_{i}|>"
-        assert tokenizer.encode(f"a{text}b", add_special_tokens=False).ids[1:-1] == [i]
+    assert tokenizer.encode(TEXT).ids == shipped.encode(TEXT).ids
+    assert tokenizer.decode(tokenizer.encode(TEXT).ids) == TEXT
+    assert tokenizer.decode([20, 32_000, 70_001, 128_255, 20]) == \
+        shipped.decode([20]) + "<|id_32000|><|id_70001|><|id_128255|>" + shipped.decode([20])
     assert all(tokenizer.id_to_token(i) for i in range(128_256))
+    # The engine's grammars (llguidance) take it as they do the shipped ones: in a moment
+    # (96,256 added tokens instead took them minutes), and a grammar can be compiled.
+    from producer.wire.response_format import canonical
+    from worker.sampling.grammar import Grammars
+
+    grammars = Grammars(data.decode(), 128_256, [EOS_TOKEN_ID])
+    grammars.compile(canonical({"type": "json_object"}))
+    assert grammars.compiles == 1
 
 
 def test_a_bfloat16_checkpoint_drawn_a_file_at_a_time_holds_the_float32_draw_rounded(
@@ -425,3 +435,21 @@ def test_a_bfloat16_checkpoint_drawn_a_file_at_a_time_holds_the_float32_draw_rou
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         make_model(tmp_path / "x", preset="tiny", dtype="float16")
+
+
+def test_a_device_that_cannot_draw_is_refused_before_any_folder_is_made(tmp_path: Path,
+                                                                        capsys) -> None:
+    from worker.cli.command import main
+
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        make_model(tmp_path / "typo", preset="tiny", device="cdua")
+    assert not (tmp_path / "typo" / "config.json").exists()
+    if not torch.cuda.is_available():
+        assert main(["make-model", str(tmp_path / "m"), "--preset", "tiny",
+                     "--device", "cuda"]) == 2
+        assert "no CUDA device here" in capsys.readouterr().err
+        assert not (tmp_path / "m").exists()
+    # A folder is a model once config.json is written, last; it is marked first, so that a
+    # making that stopped midway can be made again with --force.
+    assert main(["make-model", str(tmp_path / "ok"), "--preset", "tiny"]) == 0
+    assert (tmp_path / "ok" / ".conveyor-model").is_file()

@@ -36,7 +36,8 @@ def rope_fields(theta: float, rope_scaling: Mapping[str, Any] | None) -> dict[st
     if not rope_type:
         raise ValueError("rope_scaling needs a 'rope_type'")
     if "rope_theta" in scaling:
-        raise ValueError("rope_theta comes from the architecture, not rope_scaling")
+        raise ValueError("rope_theta comes from the preset or the architecture, not "
+                         "rope_scaling")
     scaling["rope_type"] = rope_type
     return {
         "rope_theta": theta,

@@ -12,13 +12,16 @@ from producer.paths import default_model_dir
 def make_marked(out: Path, preset: str, arch: str = "llama", seed: int = 0,
                 chat_template: str = "plain", vocab_size: int | None = None,
                 dtype: str | None = None, device: str = "cpu") -> None:
-    """make_model, then the marker that lets a later ``make-model --force`` replace it."""
-    from worker.modelgen.make_model import make_model, mark_folder
+    """make_model in a folder marked first: a later ``make-model --force`` may replace it,
+    even where this making stopped midway."""
+    from worker.modelgen.make_model import check_device, make_model, mark_folder
 
-    make_model(out, preset=preset, arch=arch, seed=seed, chat_template=chat_template,
-               vocab_size=vocab_size, dtype=dtype, device=device)
+    check_device(device)  # (before any folder is made)
+    out.mkdir(parents=True, exist_ok=True)
     mark_folder(out, preset=preset, arch=arch, seed=seed, chat_template=chat_template,
                 vocab_size=vocab_size, dtype=dtype, device=device)
+    make_model(out, preset=preset, arch=arch, seed=seed, chat_template=chat_template,
+               vocab_size=vocab_size, dtype=dtype, device=device)
 
 
 def ensure_model(model: str | None, preset: str = "small") -> Path:

@@ -80,7 +80,7 @@ def make_model(
         rope_scaling: an old-style rope scaling dict such as ``presets.LLAMA3_ROPE_SCALING``
             (None: the preset's, if any).
         num_shards: 1 writes model.safetensors; more writes HF-style shards and an index;
-            None: as many as files of at most 2 GiB take (1 for tiny and small).
+            None: as many as files of about 2 GiB take (1 for tiny and small).
         with_tokenizer: also write the shipped byte-level BPE tokenizer.
         vocab_size: override the preset's vocabulary (benchmarks of a 32,000-token head);
             tokenizers ship for 1,024, 8,192 and 32,000 tokens and are made for 128,256
@@ -108,6 +108,7 @@ def make_model(
     dtype = dtype or shape.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_device(device)
     if tie_word_embeddings is None:
         tie_word_embeddings = shape.tie_word_embeddings
     tie = spec.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
@@ -129,10 +130,25 @@ def make_model(
         stale.unlink(missing_ok=True)
 
     config = build_config(shape, spec, kv_heads, tie, rope_scaling, dtype)
-    (out / "config.json").write_bytes(dump_json(config))
-    (out / "generation_config.json").write_bytes(dump_json(build_generation_config()))
     write_weights(sizes, lambda name: draw(seed, name, specs[name], torch_dtype, device),
                   out, num_shards)
+    (out / "generation_config.json").write_bytes(dump_json(build_generation_config()))
     if with_tokenizer:
         write_tokenizer(out, shape.vocab_size, shape.max_position_embeddings, chat_template)
+    # Last: a folder is a model once it has config.json (make-model --exist-ok says so), and
+    # one whose making stopped midway (an 8B model's files take a while) is not.
+    (out / "config.json").write_bytes(dump_json(config))
     return out
+
+
+def check_device(device: str) -> None:
+    """ValueError unless ``device`` is one weights can be drawn on here."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA device here (make it with --device cpu, or on "
+                         "the GPU machine)")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")

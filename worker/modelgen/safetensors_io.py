@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from worker.modelgen.config_json import dump_json
 
@@ -43,7 +43,8 @@ def split_into_shards(sizes: Mapping[str, int], num_shards: int) -> list[list[st
 
 
 def shards_needed(total_bytes: int) -> int:
-    """How many files a checkpoint of ``total_bytes`` takes at MAX_SHARD_BYTES each."""
+    """How many files a checkpoint of ``total_bytes`` takes at about MAX_SHARD_BYTES each
+    (split_into_shards cuts between tensors: a file may pass it by part of one)."""
     return max(1, -(-total_bytes // MAX_SHARD_BYTES))
 
 
@@ -59,14 +60,14 @@ def write_weights(sizes: Mapping[str, tuple[int, int]], draw: Callable[[str], to
 
     if num_shards == 1:
         path = out_dir / SINGLE_FILE
-        path.write_bytes(save(tensors(list(sizes)), metadata=METADATA))
+        save_file(tensors(list(sizes)), path, metadata=METADATA)
         return [path]
     written: list[Path] = []
     weight_map: dict[str, str] = {}
     groups = split_into_shards({n: nbytes for n, (_, nbytes) in sizes.items()}, num_shards)
     for index, names in enumerate(groups):
         path = out_dir / shard_name(index, len(groups))
-        path.write_bytes(save(tensors(names), metadata=METADATA))
+        save_file(tensors(names), path, metadata=METADATA)  # (no copy of the file in memory)
         weight_map.update((n, path.name) for n in names)
         written.append(path)
     index_doc = {

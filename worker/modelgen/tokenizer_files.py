@@ -1,9 +1,11 @@
 """Copy a shipped, hash-checked tokenizer into a checkpoint with its tokenizer_config.json.
 
 Llama 3's vocabulary (128,256 ids) is not trained here: its tokenizer is the shipped
-32,000-token one with one added token a further id, ``<|id_N|>`` for id N (not special:
-decoding writes it out, and encoding that text gives the id back), so every id a
-random-weight model samples decodes to text and back.
+32,000-token one with one more vocabulary entry a further id, ``<|id_N|>`` for id N, that
+no merge makes: every id a random-weight model samples decodes to text (that text encodes
+to ordinary pieces, not back to N). Entries, not added tokens: a tokenizer with 96,256
+added tokens takes llguidance (the engine's grammars) minutes to load, and is four times
+the size.
 """
 
 from __future__ import annotations
@@ -28,17 +30,21 @@ def tokenizer_vocabs() -> list[int]:
 
 
 def extended_tokenizer(vocab_size: int) -> bytes:
-    """tokenizer.json of ``vocab_size`` ids: the shipped EXTENDED_FROM-token one, and an
-    added ``<|id_N|>`` for each id N above it."""
-    from tokenizers import AddedToken, Tokenizer  # (a second or so; only for these sizes)
+    """tokenizer.json of ``vocab_size`` ids: the shipped EXTENDED_FROM-token one, and a
+    vocabulary entry ``<|id_N|>`` for each id N above it (printable ASCII: the byte-level
+    decoder writes it out as it is)."""
+    import json
 
-    tok = Tokenizer.from_str(read_shipped_tokenizer(EXTENDED_FROM).decode())
-    tok.add_tokens([AddedToken(f"<|id_{i}|>", special=False, normalized=False)
-                    for i in range(EXTENDED_FROM, vocab_size)])
-    if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"the extended tokenizer has {tok.get_vocab_size()} ids, "
-                           f"not {vocab_size}")
-    return tok.to_str().encode()
+    from tokenizers import Tokenizer
+
+    doc = json.loads(read_shipped_tokenizer(EXTENDED_FROM))
+    vocab = doc["model"]["vocab"]
+    vocab.update((f"<|id_{i}|>", i) for i in range(EXTENDED_FROM, vocab_size))
+    data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    size = Tokenizer.from_str(data.decode()).get_vocab_size()
+    if size != vocab_size:
+        raise RuntimeError(f"the extended tokenizer has {size} ids, not {vocab_size}")
+    return data
 
 
 def shipped_tokenizer_path(vocab_size: int) -> Path:

@@ -53,11 +53,13 @@ def draw(seed: int, name: str, spec: TensorSpec, dtype: torch.dtype = torch.floa
          device: str | torch.device = "cpu") -> torch.Tensor:
     """The tensor ``name`` of a checkpoint made with ``seed``, on ``device`` in ``dtype``."""
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    # (in place: one float32 copy of an 8B model's embedding is 2 GiB)
     if spec.kind == "normal":
-        t = torch.randn(spec.shape, generator=gen, dtype=torch.float32, device=device) * spec.a
+        t = torch.randn(spec.shape, generator=gen, dtype=torch.float32, device=device)
+        t.mul_(spec.a)
     else:
-        t = torch.rand(spec.shape, generator=gen, dtype=torch.float32, device=device) * (
-            spec.b - spec.a) + spec.a
+        t = torch.rand(spec.shape, generator=gen, dtype=torch.float32, device=device)
+        t.mul_(spec.b - spec.a).add_(spec.a)
     return t if dtype == torch.float32 else t.to(dtype)
 
 

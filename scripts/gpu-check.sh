@@ -21,8 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 only=""
 if [ "${1:-}" = "--only" ]; then
-  only="$2"
-  shift 2
+  only="${2:-}"
+  shift $(( $# > 1 ? 2 : 1 ))
   case "$only" in tests|1b|8b|fleet) ;; *) echo "--only takes tests, 1b, 8b or fleet" >&2; exit 2;; esac
 fi
 if [ -n "${CONVEYOR_PYTHON:-}" ]; then
@@ -34,9 +34,12 @@ else
 fi
 models="${CONVEYOR_GPU_MODELS:-/tmp/conveyor-gpu-models}"
 wants() { [ -z "$only" ] || [ "$only" = "$1" ]; }
-model() {  # the preset's folder, made on the device the first time
-  [ -f "$models/$1/config.json" ] || "$py" -m worker.cli make-model "$models/$1" \
-    --preset "$1" --device cuda --exist-ok >&2
+model() {  # the preset's folder, made on the device the first time (again where an
+           # earlier making stopped midway: a folder it marked, with no config.json yet)
+  if [ ! -f "$models/$1/config.json" ]; then
+    "$py" -m worker.cli make-model "$models/$1" --preset "$1" --device cuda --force >&2 \
+      || return 1
+  fi
   echo "$models/$1"
 }
 "$py" - <<'PY'
@@ -54,12 +57,14 @@ fi
 for preset in 1b 8b; do
   if wants "$preset"; then
     echo "== $preset preset"
-    "$py" -m worker.bench.device.step_floor --model "$(model "$preset")" \
+    dir=$(model "$preset")
+    "$py" -m worker.bench.device.step_floor --model "$dir" \
       --json "$models/step-floor-$preset.json"
   fi
 done
 if wants fleet; then
   echo "== fleet: W1 on the 1b preset, a worker and Redis on the device, beside offline"
-  "$py" -m worker.cli bench --model "$(model 1b)" --workload w1 --requests 1024 \
+  dir=$(model 1b)
+  "$py" -m worker.cli bench --model "$dir" --workload w1 --requests 1024 \
     --offline --repeat 3 --out "$models/bench-w1-1b"
 fi

@@ -308,15 +308,19 @@ def test_on_a_gpu_the_kv_pool_takes_what_the_weights_and_a_steps_activations_lea
     assert 2**28 < reserve < 2**32  # a step's transients: hundreds of MiB, not the GPU
     gib = 2**30
     total, free = 140 * gib, 124 * gib  # an H200 with 16 GiB of weights loaded
-    blocks = cuda_kv_blocks(config, per_block, 10**9, reserve, lambda: (free, total))
-    assert blocks == (free - 14 * gib - reserve) // per_block
-    assert blocks * 16 >= 64 * 1024  # batch 64 at 1k context fits, with room to spare
-    assert cuda_kv_blocks(config, per_block, 100, reserve, lambda: (free, total)) == 100
+    # Each block with its share of the decode step's K/V gather: 1.5 of a layer's 32.
+    with_gather = int(per_block * (1 + 1.5 / 32))
+
+    def blocks(cfg, useful=10**9, free=free):
+        return cuda_kv_blocks(cfg, per_block, useful, reserve, lambda: (free, total), 32)
+
+    assert blocks(config) == (free - 14 * gib - reserve) // with_gather
+    assert blocks(config) * 16 >= 64 * 1024  # batch 64 at 1k context fits, with room to spare
+    assert blocks(config, useful=100) == 100
     tighter = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048,
                            gpu_memory_utilization=0.5)
-    assert cuda_kv_blocks(tighter, per_block, 10**9, reserve, lambda: (free, total)) == \
-        (free - 70 * gib - reserve) // per_block
+    assert blocks(tighter) == (free - 70 * gib - reserve) // with_gather
     with pytest.raises(MemoryError, match="no GPU memory left for the KV cache"):
-        cuda_kv_blocks(config, per_block, 10**9, reserve, lambda: (14 * gib, total))
+        blocks(config, free=14 * gib)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=0)

@@ -98,27 +98,41 @@ class KVMemory:
         }
 
 
+# Rows the sampler and prompt logprobs work on at least (prompt logprobs go 256 at a time).
+MIN_LOGIT_ROWS = 256
+# Bytes a logit takes in a step's sampling at most: the logits, their float32 copy, scaled by
+# temperature, softmax, top-p's sorted copy and its indices (~26 measured by reading).
+LOGIT_BYTES = 28
+# The CUDA decode step gathers one layer's K and V of its batch into contiguous buffers
+# (worker/attention/torch_backend.py) of up to ~1.5 layers' share of the pool, until
+# attention reads the pool in place: each block of the pool needs that much more beside.
+GATHER_SHARE = 1.5
+
+
 def step_activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """A generous bound on a step's transient memory: the token budget's widest tensors in
-    the model's dtype (the MLP's gate and up outputs and its product, q, k, v, attention's
-    output and the residual stream twice), and the sampler's float32 logits, probabilities
-    and a working copy of every row's."""
+    """A bound on a step's transient memory besides the K/V gather (GATHER_SHARE): the token
+    budget's widest tensors in the model's dtype (the MLP's gate and up outputs and their
+    product, q, k, v, attention's output and the residual stream twice), and the sampler's
+    work on every row's logits (LOGIT_BYTES each, for at least MIN_LOGIT_ROWS rows)."""
     item = torch.tensor([], dtype=dtype).element_size()
     kv_width = 2 * model.num_key_value_heads * model.head_dim
     q_width = model.num_attention_heads * model.head_dim
     widths = 3 * model.intermediate_size + 2 * q_width + kv_width + 2 * model.hidden_size
+    rows = max(config.max_num_seqs, MIN_LOGIT_ROWS)
     return (config.max_num_batched_tokens * widths * item
-            + 3 * config.max_num_seqs * model.vocab_size * 4)
+            + rows * model.vocab_size * LOGIT_BYTES)
 
 
 def cuda_kv_blocks(config: EngineConfig, per_block: int, useful: int, reserve: int,
-                   memory_info: Callable[[], tuple[int, int]]) -> int:
+                   memory_info: Callable[[], tuple[int, int]], num_layers: int) -> int:
     """Device KV blocks on a GPU when num_kv_blocks is not given: what the GPU has free now
     (the weights loaded), less the share left to others (1 - gpu_memory_utilization of its
-    memory) and a step's activations (``reserve``), at most ``useful``; at least 1.
+    memory) and a step's activations (``reserve``), each block with its share of the decode
+    step's K/V gather (GATHER_SHARE of a layer's), at most ``useful``; at least 1.
     ``memory_info``: (free, total) bytes, torch.cuda.mem_get_info."""
     free, total = memory_info()
     budget = free - int((1 - config.gpu_memory_utilization) * total) - reserve
+    per_block = int(per_block * (1 + GATHER_SHARE / num_layers))
     if budget < per_block:
         raise MemoryError(
             f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} "
@@ -155,7 +169,8 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
             # used: give it back first.
             torch.cuda.empty_cache()
         num_blocks = cuda_kv_blocks(config, per_block, useful, reserve,
-                                    memory_info or (lambda: torch.cuda.mem_get_info(device)))
+                                    memory_info or (lambda: torch.cuda.mem_get_info(device)),
+                                    model.num_hidden_layers)
         utilization = config.gpu_memory_utilization
         log.info("KV pool sized from the GPU's free memory", blocks=num_blocks,
                  gib=round(num_blocks * per_block / 2**30, 2),

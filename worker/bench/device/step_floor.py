@@ -15,14 +15,15 @@ aside, of which it reads a row a request, unless tied to the LM head) and the KV
 (every context token's K and V in every layer) and writes (one token's a request). Then a
 prompt of two ``--prefill-tokens`` chunks is prefilled, each chunk's step timed, against the
 GEMM peak: its FLOPs are 2 x the decoder layers' parameters x its tokens, plus causal
-attention (QK and PV: 4 x heads x head_dim x the positions each token attends, a layer),
-plus the LM head on its last token. Prints each figure as soon as it has it; runs on a CPU
-too (the test suite runs it on the tiny model with small buffers).
+attention (QK and PV: 4 x heads x head_dim x the positions each token attends, a layer);
+neither chunk ends the prompt, so neither runs the LM head. Prints each figure as soon as
+it has it; runs on a CPU too (the test suite runs it on the tiny model with small buffers).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -43,6 +44,15 @@ REPEATS = 5
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release() -> None:
+    """Give the device's memory back once nothing refers to an engine or buffer any more:
+    the next engine sizes its KV pool from what is free (an overlapped engine sits in a
+    reference cycle, and torch keeps what was freed in its cache)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -104,8 +114,7 @@ def prefill_flops(config: ModelConfig, start: int, tokens: int) -> float:
     attended = sum(p + 1 for p in range(start, start + tokens))
     attention = (4 * config.num_attention_heads * config.head_dim * attended
                  * config.num_hidden_layers)
-    return (2 * layer_parameters(config) * tokens + attention
-            + 2 * config.vocab_size * config.hidden_size)
+    return 2 * layer_parameters(config) * tokens + attention
 
 
 def _engine(model_dir: Path, device: str, dtype: str, batch: int, budget: int,
@@ -143,14 +152,17 @@ def decode(model_dir: Path, device: str, dtype: str, batch: int, context: int, s
         moved = (decode_weight_bytes(engine) + batch * mean_context * per_token
                  + batch * per_token)
         step_s = statistics.fmean(times)
-        return {"batch": batch, "mean_context": round(mean_context, 1),
-                "step_ms": round(step_s * 1000, 3),
-                "step_median_ms": round(statistics.median(times) * 1000, 3),
-                "floor_ms": round(moved / bandwidth * 1000, 3),
-                "step_over_floor": round(step_s / (moved / bandwidth), 2),
-                "bytes_moved": int(moved)}
+        result = {"batch": batch, "mean_context": round(mean_context, 1),
+                  "step_ms": round(step_s * 1000, 3),
+                  "step_median_ms": round(statistics.median(times) * 1000, 3),
+                  "floor_ms": round(moved / bandwidth * 1000, 3),
+                  "step_over_floor": round(step_s / (moved / bandwidth), 2),
+                  "bytes_moved": int(moved)}
     finally:
         engine.close()
+        del engine
+        release()
+    return result
 
 
 def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
@@ -167,16 +179,21 @@ def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
                            {"max_tokens": 1, "ignore_eos": True, "temperature": 0})
         out = []
         for i in range(2):
+            # (a chunk that samples nothing returns before the device is done with it)
+            sync(engine.device)
             start = time.perf_counter()
             engine.step()
+            sync(engine.device)
             seconds = time.perf_counter() - start
             flops = prefill_flops(engine.model_config, i * chunk, chunk)
             out.append({"chunk": i, "tokens": chunk, "ms": round(seconds * 1000, 3),
                         "tflops": round(flops / seconds / 1e12, 3),
                         "of_gemm_peak": round(flops / seconds / peak, 3)})
-        return out
     finally:
         engine.close()
+        del engine
+        release()
+    return out
 
 
 def measure(model_dir: Path, device: str, dtype: str, batches: list[int], context: int,
@@ -190,6 +207,7 @@ def measure(model_dir: Path, device: str, dtype: str, batches: list[int], contex
     say(f"bandwidth (a {copy_gib:g} GiB copy, read + written): {bandwidth / 1e9:.1f} GB/s")
     peak = gemm_peak(dev, torch_dtype, gemm_n)
     say(f"GEMM peak ({gemm_n}^3, {dtype}): {peak / 1e12:.1f} TFLOP/s")
+    release()  # (the copy's and the matmul's buffers, before any engine sizes its pool)
     result: dict[str, Any] = {"device": str(dev), "dtype": dtype, "model": str(model_dir),
                               "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
                               "gemm_tflops": round(peak / 1e12, 2), "decode": []}

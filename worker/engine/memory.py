@@ -3,6 +3,7 @@ settings made before its model loads), its model, and the KV memory it lays out 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,7 @@ def step_activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch
     budget's widest tensors in the model's dtype (the MLP's gate and up outputs and their
     product, q, k, v, attention's output and the residual stream twice), and the sampler's
     work on every row's logits (LOGIT_BYTES each, for at least MIN_LOGIT_ROWS rows)."""
-    item = torch.tensor([], dtype=dtype).element_size()
+    item = dtype.itemsize
     kv_width = 2 * model.num_key_value_heads * model.head_dim
     q_width = model.num_attention_heads * model.head_dim
     widths = 3 * model.intermediate_size + 2 * q_width + kv_width + 2 * model.hidden_size
@@ -141,6 +142,15 @@ def cuda_kv_blocks(config: EngineConfig, per_block: int, useful: int, reserve: i
             f"{reserve / 2**30:.1f} for a step's activations: raise gpu_memory_utilization, "
             "lower max_num_batched_tokens or max_num_seqs, or give num_kv_blocks")
     return max(1, min(budget // per_block, useful))
+
+
+def release_device_memory() -> None:
+    """Give the GPU the memory nothing refers to any more: reference cycles collected (an
+    overlapped engine sits in one), then torch's cache emptied, so that the next engine, in
+    this process or another, sizes its KV pool from what is really free. No-op without CUDA."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,

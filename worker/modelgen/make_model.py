@@ -116,7 +116,7 @@ def make_model(
         rope_scaling = shape.rope_scaling
     specs = weight_specs(shape, spec, kv_heads, tie)
     torch_dtype = DTYPES[dtype]
-    item = torch.tensor([], dtype=torch_dtype).element_size()
+    item = torch_dtype.itemsize
     sizes = {name: (t.numel, t.numel * item) for name, t in specs.items()}
     if num_shards is None:
         num_shards = shards_needed(sum(nbytes for _, nbytes in sizes.values()))

@@ -8,6 +8,7 @@ device (CUDA's generator draws other numbers than the CPU's).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
+        return math.prod(self.shape)
 
 
 def draw(seed: int, name: str, spec: TensorSpec, dtype: torch.dtype = torch.float32,

@@ -23,7 +23,6 @@ it has it; runs on a CPU too (the test suite runs it on the tiny model with smal
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -33,12 +32,14 @@ from typing import Any
 
 import torch
 
+from kvstore.kv_tensors import PagedKVCache
+from worker.bench.results.limits import best_seconds
 from worker.engine.engine import Engine
+from worker.engine.memory import release_device_memory
 from worker.models.config import ModelConfig
 
 # Tokens by which each request's context differs from --context, at most.
 CONTEXT_SPREAD = 16
-REPEATS = 5
 
 
 def sync(device: torch.device) -> None:
@@ -46,48 +47,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def release() -> None:
-    """Give the device's memory back once nothing refers to an engine or buffer any more:
-    the next engine sizes its KV pool from what is free (an overlapped engine sits in a
-    reference cycle, and torch keeps what was freed in its cache)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def best_on(device: torch.device, fn) -> float:
+    """The least seconds of the bench's best-of calls of ``fn``, each waited for on the
+    device (whatever ran before it, too)."""
+    def waited() -> None:
+        fn()
+        sync(device)
+
+    sync(device)
+    return best_seconds(waited)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes a second a device-to-device copy moves (read and written), best of REPEATS."""
+    """Bytes a second a device-to-device copy moves (read and written), best of a few."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(REPEATS):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_on(device, lambda: dst.copy_(src))
 
 
 def gemm_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP a second of the best n x n x n matmul of REPEATS (after one to warm up)."""
+    """FLOP a second of the best n x n x n matmul of a few (after one to warm up)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(REPEATS):
-        sync(device)
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_on(device, lambda: torch.matmul(a, b))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """One token's K and V across the layers."""
-    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
-            * dtype.itemsize)
+    """One token's K and V across the layers (a KV block of one token)."""
+    return PagedKVCache.bytes_per_block(config.num_hidden_layers, 1,
+                                        config.num_key_value_heads, config.head_dim, dtype)
 
 
 def decode_weight_bytes(engine: Engine) -> int:
@@ -161,7 +150,7 @@ def decode(model_dir: Path, device: str, dtype: str, batch: int, context: int, s
     finally:
         engine.close()
         del engine
-        release()
+        release_device_memory()
     return result
 
 
@@ -192,7 +181,7 @@ def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
     finally:
         engine.close()
         del engine
-        release()
+        release_device_memory()
     return out
 
 
@@ -207,7 +196,7 @@ def measure(model_dir: Path, device: str, dtype: str, batches: list[int], contex
     say(f"bandwidth (a {copy_gib:g} GiB copy, read + written): {bandwidth / 1e9:.1f} GB/s")
     peak = gemm_peak(dev, torch_dtype, gemm_n)
     say(f"GEMM peak ({gemm_n}^3, {dtype}): {peak / 1e12:.1f} TFLOP/s")
-    release()  # (the copy's and the matmul's buffers, before any engine sizes its pool)
+    release_device_memory()  # (the copy's and matmul's buffers, before an engine sizes its pool)
     result: dict[str, Any] = {"device": str(dev), "dtype": dtype, "model": str(model_dir),
                               "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
                               "gemm_tflops": round(peak / 1e12, 2), "decode": []}

@@ -60,18 +60,19 @@ def measure_peaks(threads: int, weight_bytes: int) -> Peaks:
     try:
         a = torch.randn(GEMM_N, GEMM_N, device="cpu")
         b = torch.randn(GEMM_N, GEMM_N, device="cpu")
-        gemm = _best(lambda: torch.mm(a, b))
+        gemm = best_seconds(lambda: torch.mm(a, b))
         src = torch.empty(max(1, weight_bytes // 4), dtype=torch.float32, device="cpu")
         src.fill_(1.0)
         dst = torch.empty_like(src)
         dst.copy_(src)  # touch every page before timing
-        copy = _best(lambda: dst.copy_(src))
+        copy = best_seconds(lambda: dst.copy_(src))
     finally:
         torch.set_num_threads(before)
     return Peaks(2 * GEMM_N**3 / gemm, src.numel() * 4 / copy, threads)
 
 
-def _best(fn) -> float:
+def best_seconds(fn) -> float:
+    """The least seconds of REPEATS calls of ``fn`` (one that waits for its own work)."""
     best = float("inf")
     for _ in range(REPEATS):
         start = time.perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
     import torch
 
     from worker.engine.engine import Engine
+    from worker.engine.memory import release_device_memory
 
     threads = torch.get_num_threads()
     engine = None
@@ -46,11 +46,9 @@ def run_offline(model_dir: Path, items: list[WorkItem], concurrency: int | None,
         if engine is not None:
             engine.close()
         del engine
-        if torch.cuda.is_available():
-            # A GPU engine's KV pool takes most of the GPU's free memory: a worker process
-            # the next run starts must find it free, not in this process's cache.
-            gc.collect()
-            torch.cuda.empty_cache()
+        # A GPU engine's KV pool takes most of the GPU's free memory: a worker process the
+        # next run starts must find it free, not in this process's cache.
+        release_device_memory()
     return RunResult("offline", {"engine": engine_settings}, records, duration, kv, used,
                      preempted, notes=["engine in the bench process, no Redis"],
                      taken_over=taken, stolen_s=stolen, idle_s=idle)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -14,6 +16,10 @@ def pytest_configure(config):
     except ImportError:
         return
     torch.set_num_threads(1)
+    # Without a GPU, Triton kernels run under Triton's interpreter (numpy on CPU tensors): it
+    # is read when triton is first imported, so before any test imports it.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # The suite's engines build (or wait for) the CPU kernels rather than serve on torch.
     from worker.host.cpu_kernels import engines_wait_for_build
 

@@ -184,3 +184,23 @@ def test_greedy_float64_equals_transformers_on_the_torch_decode_path(model_facto
     for i, (ref, got) in enumerate(zip(references(model_dir, work), result["tokens"],
                                        strict=True)):
         assert got == ref.token_ids, f"prompt {i} ({len(work[i][0])} tokens) diverged"
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa"])
+@pytest.mark.parametrize("path", ["chunked-shuffled-nan", "overlapped-chunked-nan"])
+def test_greedy_float64_equals_transformers_through_paged_attention(model_factory, variant,
+                                                                    path):
+    """The "paged" backend (attention through the block tables in place; on the CPU the
+    torch reference of the kernel the GPU runs): chunked prefill beside decodes, prompts
+    whose blocks are reused by later ones, free blocks full of NaN, overlapped steps."""
+    model_dir = model_factory(variant, preset="tiny", **VARIANTS[variant])
+    settings, arrival = PATHS[path]
+    engine = Engine(model_dir, dtype="float64", attention_backend="paged", **settings)
+    assert type(engine.model.model.layers[0].self_attn.attn).__name__ == "PagedAttention"
+    work = workload(engine.model_config.vocab_size)
+    result = run_engine(engine, work, arrival, nan_free_blocks=True)
+    for i, (ref, got) in enumerate(zip(references(model_dir, work), result["tokens"],
+                                       strict=True)):
+        assert got == ref.token_ids, f"prompt {i} ({len(work[i][0])} tokens) diverged"
+    assert result["mixed_steps"] > 0
+    engine.close()

@@ -73,10 +73,16 @@ def run_step(
         return model.compute_logits(model(input_ids, positions, cache, meta))
 
 
+# The gathering torch backend and the paged one (the torch reference of the paged kernels).
+BACKENDS = ["torch", "paged"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_ragged_batch_of_whole_prompts_matches_transformers(kind: str, checkpoints) -> None:
+def test_ragged_batch_of_whole_prompts_matches_transformers(kind: str, backend: str,
+                                                            checkpoints) -> None:
     path, hf = checkpoints[kind]
-    model = load_model(path, dtype=torch.float64)
+    model = load_model(path, dtype=torch.float64, attention_backend=backend)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (1, 37, 300, 2, 64, 9)]
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
@@ -99,12 +105,13 @@ class _Request:
     done: int = 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_chunked_prefill_and_decodes_in_shuffled_blocks_match_transformers(
-    kind: str, checkpoints
+    kind: str, backend: str, checkpoints
 ) -> None:
     path, hf = checkpoints[kind]
-    model = load_model(path, dtype=torch.float64)
+    model = load_model(path, dtype=torch.float64, attention_backend=backend)
     gen = torch.Generator().manual_seed(2)
     rng = random.Random(3)
     specs = [  # (prompt chunks, decode steps, first step)
@@ -259,7 +266,7 @@ def test_metadata_of_decodes_only_equals_the_general_layout() -> None:
 
 def test_attention_backends_are_found_by_name_and_imported_lazily() -> None:
     assert get_attention_backend("torch") is TorchAttention
-    with pytest.raises(ValueError, match="known: torch"):
+    with pytest.raises(ValueError, match="known: paged, torch"):
         get_attention_backend("no-such-backend")
     assert "flashinfer" not in sys.modules
 

@@ -14,6 +14,7 @@ from worker.attention.metadata import AttentionMetadata
 # Backend name -> "module:Class"; a module is imported only when its name is asked for.
 BACKENDS: dict[str, str] = {
     "torch": "worker.attention.torch_backend:TorchAttention",
+    "paged": "worker.attention.paged_backend:PagedAttention",
 }
 
 

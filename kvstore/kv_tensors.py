@@ -12,8 +12,10 @@ from kvstore.huge_pages import HUGE_PAGE, zeroed_buffer
 class PagedKVCache:
     """Per-layer K and V pools of ``num_blocks x block_size`` token slots.
 
-    Layout per layer is ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    (token-major inside a block), the layout flashinfer calls NHD.
+    Layout per layer is ``[num_blocks + spare_blocks, block_size, num_kv_heads, head_dim]``
+    (token-major inside a block), the layout flashinfer calls NHD. Spare blocks follow the
+    pool's and no pool hands them out: a captured decode graph's padded rows write their
+    K/V there (worker/models/decode_graphs.py), where nothing reads it.
     """
 
     def __init__(
@@ -27,8 +29,9 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         untouched: bool = False,
+        spare_blocks: int = 0,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks + spare_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         make = _untouched if untouched and not pin_memory else _zeros

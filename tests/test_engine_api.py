@@ -293,7 +293,7 @@ def test_on_a_gpu_the_kv_pool_takes_what_the_weights_and_a_steps_activations_lea
 
     from kvstore.kv_tensors import PagedKVCache
     from worker.engine.config import EngineConfig
-    from worker.engine.memory import cuda_kv_blocks, step_activation_bytes
+    from worker.engine.memory import cuda_kv_blocks, gather_share, step_activation_bytes
     from worker.modelgen import ARCHS, PRESETS
     from worker.modelgen.config_json import build_config
     from worker.models.config import ModelConfig
@@ -311,12 +311,16 @@ def test_on_a_gpu_the_kv_pool_takes_what_the_weights_and_a_steps_activations_lea
     # Each block with its share of the decode step's K/V gather: 1.5 of a layer's 32.
     with_gather = int(per_block * (1 + 1.5 / 32))
 
-    def blocks(cfg, useful=10**9, free=free):
-        return cuda_kv_blocks(cfg, per_block, useful, reserve, lambda: (free, total), 32)
+    torch_share = gather_share(None, 32)
+
+    def blocks(cfg, useful=10**9, free=free, share=torch_share):
+        return cuda_kv_blocks(cfg, per_block, useful, reserve, lambda: (free, total), share)
 
     assert blocks(config) == (free - 14 * gib - reserve) // with_gather
     assert blocks(config) * 16 >= 64 * 1024  # batch 64 at 1k context fits, with room to spare
     assert blocks(config, useful=100) == 100
+    # The paged backend reads the pool in place: no gather to leave room for.
+    assert blocks(config, share=0.0) == (free - 14 * gib - reserve) // per_block
     tighter = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048,
                            gpu_memory_utilization=0.5)
     assert blocks(tighter) == (free - 70 * gib - reserve) // with_gather

@@ -204,3 +204,37 @@ def test_greedy_float64_equals_transformers_through_paged_attention(model_factor
         assert got == ref.token_ids, f"prompt {i} ({len(work[i][0])} tokens) diverged"
     assert result["mixed_steps"] > 0
     engine.close()
+
+
+@pytest.mark.parametrize("path", ["chunked-shuffled-nan", "overlapped-chunked-nan"])
+def test_decode_steps_over_the_graphs_static_buffers_equal_transformers(model_factory, path):
+    """The discipline a CUDA graph's replay relies on (worker/models/decode_graphs.py), run
+    on the CPU with nothing captured: every decode step that fits goes through the static
+    buffers, padded to its bucket (rows of no length writing to the spare block), and the
+    greedy tokens are still transformers'."""
+    from worker.models.decode_graphs import DecodeGraphs
+
+    model_dir = model_factory("llama", preset="tiny", **VARIANTS["llama"])
+    settings, arrival = PATHS[path]
+    engine = Engine(model_dir, dtype="float64", attention_backend="paged", **settings)
+    assert engine.runner.graphs is None  # nothing is captured on a CPU
+    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.device,
+                                                 max_batch=20,
+                                                 max_model_len=engine.max_model_len,
+                                                 capture=False)
+    assert graphs.buckets == [1, 2, 4, 8, 16, 20]
+    spare = engine.block_pool.num_blocks
+    engine.kv_cache.fill_blocks_([spare], float("nan"))
+    padded = []
+    run = graphs.run
+    graphs.run = lambda meta: padded.append(graphs.bucket(len(meta.query_lens))
+                                            > len(meta.query_lens)) or run(meta)
+    work = workload(engine.model_config.vocab_size)
+    result = run_engine(engine, work, arrival, nan_free_blocks=True)
+    for i, (ref, got) in enumerate(zip(references(model_dir, work), result["tokens"],
+                                       strict=True)):
+        assert got == ref.token_ids, f"prompt {i} ({len(work[i][0])} tokens) diverged"
+    # Decode steps went through the buffers, some padded, whose rows wrote the spare block.
+    assert graphs.replays == len(padded) > 10 and any(padded) and not all(padded)
+    assert not engine.kv_cache.k[0][spare].isnan().all()
+    engine.close()

@@ -193,3 +193,35 @@ def test_prefix_hits_and_swaps_through_the_paged_backend_keep_the_tokens(tiny_ll
     assert stats["preemptions_swap"] > 0 and stats["swapped_in_blocks"] > 0
     want = Engine(tiny_llama, attention_backend="torch", **settings).generate(work, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_auto_picks_the_paged_backend_on_cuda_where_triton_is():
+    from worker.attention import auto_backend
+
+    assert auto_backend("cpu") == "torch"  # the CPU keeps its decode kernel
+    want = "paged" if importlib.util.find_spec("triton") is not None else "torch"
+    assert auto_backend("cuda") == want
+
+
+def test_decode_graphs_are_wanted_on_cuda_with_the_paged_backend_unless_eager(tiny_llama):
+    """Which engines capture (decided before the pool is sized: the graphs' memory is left
+    them), and the batch sizes a capture covers."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.memory import decode_graph_rows, gather_share
+    from worker.models import load_model
+    from worker.models.decode_graphs import MAX_GRAPH_BATCH, batch_buckets
+
+    paged = load_model(tiny_llama, attention_backend="paged")
+    gathering = load_model(tiny_llama, attention_backend="torch")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    config = EngineConfig(max_num_seqs=300)
+    assert decode_graph_rows(config, cuda, paged) == MAX_GRAPH_BATCH == 256
+    assert decode_graph_rows(EngineConfig(max_num_seqs=48), cuda, paged) == 48
+    assert decode_graph_rows(EngineConfig(enforce_eager=True), cuda, paged) == 0
+    assert decode_graph_rows(config, cuda, gathering) == 0
+    assert decode_graph_rows(config, cpu, paged) == 0
+    assert decode_graph_rows(config, cuda, None) == 0  # a simulated engine
+    assert gather_share(paged, 2) == 0 and gather_share(gathering, 2) == 0.75
+    assert batch_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_buckets(256)[-1] == 256
+    assert batch_buckets(3) == [1, 2, 3] and batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]

@@ -81,6 +81,26 @@ def test_async_scheduling_flag_reaches_the_engine_settings(tiny_llama, flag, set
     assert EngineConfig.from_kwargs(engine).async_scheduling is setting
 
 
+def test_attention_and_graph_flags_reach_the_engine_and_the_benchs_workers(tiny_llama):
+    from worker.bench.run.systems import engine_settings, worker_flags
+
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama)])
+    engine = worker_config(args).engine
+    assert engine["attention_backend"] == "auto" and "enforce_eager" not in engine
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama),
+                                      "--attention-backend", "paged", "--enforce-eager"])
+    config = EngineConfig.from_kwargs(worker_config(args).engine)
+    assert (config.attention_backend, config.enforce_eager) == ("paged", True)
+    bench = build_parser().parse_args(["bench", "--attention-backend", "torch",
+                                       "--enforce-eager"])
+    settings = engine_settings(bench)
+    assert (settings["attention_backend"], settings["enforce_eager"]) == ("torch", True)
+    flags = worker_flags(settings, 1)
+    assert flags[flags.index("--attention-backend") + 1] == "torch"
+    assert "--enforce-eager" in flags
+    assert "attention_backend" not in engine_settings(build_parser().parse_args(["bench"]))
+
+
 def test_conveyor_worker_with_a_bad_setting_exits_2_with_the_reason(tiny_llama):
     # Its own process: the CLI sets up logging for the process it runs in.
     done = subprocess.run([sys.executable, "-m", "worker.cli", "worker", "--model",

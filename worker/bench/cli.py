@@ -98,6 +98,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="device KV pool in blocks (default: the engine's sizing)")
     s.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
                    help="cap on one request's prefill chunk in a step (default: the budget)")
+    s.add_argument("--attention-backend", choices=["auto", "torch", "paged"], default="auto",
+                   help="the workers' and offline engine's attention (their "
+                   "--attention-backend; default: %(default)s)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="the workers and offline engine capture no CUDA graphs")
     s.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
                    help="the workers size each step's prefill to this inter-token target "
                    "while requests decode (default: off)")

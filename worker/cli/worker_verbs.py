@@ -113,6 +113,14 @@ def _add_serve_parser(subparsers: Any) -> None:
                    default=engine("gpu_memory_utilization"), metavar="F",
                    help="the share of the GPU's memory the worker may hold, its KV pool "
                    "sized from it (default: %(default)s)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "paged"],
+                   default=engine("attention_backend"),
+                   help="paged: attention reads the KV pool through the block tables in place "
+                   "(Triton's kernel on CUDA); torch: gathers each context first; auto: paged "
+                   "on CUDA where triton is installed, else torch (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture decode steps in CUDA graphs (captured by default on "
+                   "CUDA with the paged backend)")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= the "
                    "model's max length)")
@@ -266,6 +274,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     if args.num_kv_blocks:
         engine["num_kv_blocks"] = args.num_kv_blocks
     engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine["attention_backend"] = args.attention_backend
+    if args.enforce_eager:
+        engine["enforce_eager"] = True
     if args.threads:
         engine["num_threads"] = args.threads
     if not args.chunked_prefill:

@@ -49,8 +49,13 @@ class EngineConfig:
     dtype: str = "auto"
     # "auto": cuda when available, else cpu.
     device: str = "auto"
-    # Attention backend by name ("torch"; "auto" picks the best available).
+    # Attention backend by name ("torch", "paged"; "auto": "paged" on CUDA where triton is
+    # installed, else "torch": worker/attention/__init__.py).
     attention_backend: str = "auto"
+    # Never capture decode steps in CUDA graphs (worker/models/decode_graphs.py): every step
+    # runs its layers' kernels one launch at a time. Graphs are captured only on CUDA, with
+    # the paged attention backend (what "auto" picks there).
+    enforce_eager: bool = False
     # torch intra-op threads for this process; None leaves torch's default.
     num_threads: int | None = None
     # On a CPU, keep large allocations in glibc's heap instead of fresh mmaps (which cost a

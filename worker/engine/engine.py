@@ -60,7 +60,7 @@ class Engine:
                                  mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.memory = memory = kv_memory(cfg, mc, self.device, self.dtype, self.max_model_len,
-                                         tensors_too=not self.simulated)
+                                         tensors_too=not self.simulated, forward=self.model)
         self.kv_cache, self.block_pool, self.kv = memory.cache, memory.pool, memory.manager
         self.host_cache, self.host_pool = memory.host_cache, memory.host_pool
         self.scheduler = Scheduler(cfg.scheduler_config(self.max_model_len), self.kv)
@@ -70,7 +70,7 @@ class Engine:
         self.runner = (SimulatedRunner(self.simulated_cost, mc.vocab_size, self.eos_token_ids,
                                        self.clock) if self.simulated_cost is not None else
                        ModelRunner(self.model, self.kv_cache, self.device, self.host_cache,
-                                   self.checks.grammars))
+                                   self.checks.grammars, memory.graphs))
         # Overlapped steps (worker/engine/step_pipeline.py): on by default on CUDA and for a
         # simulated engine, whose steps stand for a GPU's.
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None

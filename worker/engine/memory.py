@@ -14,12 +14,14 @@ import torch
 
 from kvstore import BlockPool, KVCacheManager, blocks_for
 from kvstore.kv_tensors import PagedKVCache
+from worker.attention.paged_backend import PagedAttention
 from worker.attention.torch_backend import keep_cudnn_attention_off
 from worker.engine.config import EngineConfig
 from worker.host.allocator import keep_large_allocations_in_heap
 from worker.host.device import engine_device, engine_dtype
 from worker.models import native_decode
 from worker.models.config import ModelConfig
+from worker.models.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_pool_bytes
 from worker.models.loader import load_model
 
 if TYPE_CHECKING:
@@ -81,6 +83,8 @@ class KVMemory:
     # Bytes of the device pool, and the GPU memory share it was sized from (None: not so).
     pool_bytes: int = 0
     gpu_memory_utilization: float | None = None
+    # Decode steps captured in CUDA graphs over this cache (None: every step eager).
+    graphs: DecodeGraphs | None = None
 
     def stats(self) -> dict[str, int | float]:
         """Gauges of both pools now, and prefix cache evictions since start."""
@@ -88,7 +92,7 @@ class KVMemory:
         sized = ({} if self.gpu_memory_utilization is None
                  else {"gpu_memory_utilization": self.gpu_memory_utilization})
         return {
-            **sized,
+            **sized, **(self.graphs.stats() if self.graphs is not None else {}),
             "kv_pool_bytes": self.pool_bytes,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,
@@ -104,9 +108,9 @@ MIN_LOGIT_ROWS = 256
 # Bytes a logit takes in a step's sampling at most: the logits, their float32 copy, scaled by
 # temperature, softmax, top-p's sorted copy and its indices (~26 measured by reading).
 LOGIT_BYTES = 28
-# The CUDA decode step gathers one layer's K and V of its batch into contiguous buffers
-# (worker/attention/torch_backend.py) of up to ~1.5 layers' share of the pool, until
-# attention reads the pool in place: each block of the pool needs that much more beside.
+# The torch backend's CUDA decode step gathers one layer's K and V of its batch into
+# contiguous buffers (worker/attention/torch_backend.py) of up to ~1.5 layers' share of the
+# pool: each block of the pool needs that much more beside. The paged backend gathers none.
 GATHER_SHARE = 1.5
 
 
@@ -124,22 +128,42 @@ def step_activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch
             + rows * model.vocab_size * LOGIT_BYTES)
 
 
+def decode_graph_rows(config: EngineConfig, device: torch.device,
+                      model: CausalLM | None) -> int:
+    """The largest decode batch to capture in CUDA graphs: 0 (none) but on CUDA with the
+    paged backend (the torch backend's launches depend on the step's lengths) and without
+    enforce_eager."""
+    if (model is None or device.type != "cuda" or config.enforce_eager
+            or model.attention_backend is not PagedAttention):
+        return 0
+    return min(config.max_num_seqs, MAX_GRAPH_BATCH)
+
+
+def gather_share(model: CausalLM | None, num_layers: int) -> float:
+    """What a pool block costs besides itself in the decode step's K/V gather, as a share
+    of it: GATHER_SHARE of a layer's for the torch backend, none for the paged one."""
+    if model is not None and model.attention_backend is PagedAttention:
+        return 0.0
+    return GATHER_SHARE / num_layers
+
+
 def cuda_kv_blocks(config: EngineConfig, per_block: int, useful: int, reserve: int,
-                   memory_info: Callable[[], tuple[int, int]], num_layers: int) -> int:
+                   memory_info: Callable[[], tuple[int, int]], share: float) -> int:
     """Device KV blocks on a GPU when num_kv_blocks is not given: what the GPU has free now
     (the weights loaded), less the share left to others (1 - gpu_memory_utilization of its
-    memory) and a step's activations (``reserve``), each block with its share of the decode
-    step's K/V gather (GATHER_SHARE of a layer's), at most ``useful``; at least 1.
-    ``memory_info``: (free, total) bytes, torch.cuda.mem_get_info."""
+    memory) and a step's activations and the decode graphs (``reserve``), each block with
+    ``share`` of itself more for the decode step's K/V gather (gather_share), at most
+    ``useful``; at least 1. ``memory_info``: (free, total) bytes, torch.cuda.mem_get_info."""
     free, total = memory_info()
     budget = free - int((1 - config.gpu_memory_utilization) * total) - reserve
-    per_block = int(per_block * (1 + GATHER_SHARE / num_layers))
+    per_block = int(per_block * (1 + share))
     if budget < per_block:
         raise MemoryError(
             f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} "
             f"GiB free, {(1 - config.gpu_memory_utilization) * total / 2**30:.1f} left to "
             f"others (gpu_memory_utilization {config.gpu_memory_utilization}) and "
-            f"{reserve / 2**30:.1f} for a step's activations: raise gpu_memory_utilization, "
+            f"{reserve / 2**30:.1f} for a step's activations and decode graphs: raise "
+            "gpu_memory_utilization, set enforce_eager, "
             "lower max_num_batched_tokens or max_num_seqs, or give num_kv_blocks")
     return max(1, min(budget // per_block, useful))
 
@@ -155,15 +179,20 @@ def release_device_memory() -> None:
 
 def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
               dtype: torch.dtype, max_model_len: int, tensors_too: bool = True,
-              memory_info: Callable[[], tuple[int, int]] | None = None) -> KVMemory:
+              memory_info: Callable[[], tuple[int, int]] | None = None,
+              forward: CausalLM | None = None) -> KVMemory:
     """Lay out the KV pools ``config`` asks for (sized from memory where not in blocks: on
     a GPU from its free memory, ``memory_info`` telling it, elsewhere kv_cache_memory_gib);
-    without ``tensors_too`` only their accounting (a simulated engine's)."""
+    without ``tensors_too`` only their accounting (a simulated engine's). With the model
+    (``forward``) on CUDA, its decode steps are captured in graphs over the pool
+    (decode_graph_rows), whose memory the pool leaves them."""
     def tensors(num_blocks: int, on: torch.device, pin: bool = False,
-                untouched: bool = False) -> PagedKVCache:
+                untouched: bool = False, spare: int = 0) -> PagedKVCache:
         return PagedKVCache(model.num_hidden_layers, num_blocks, config.block_size,
                             model.num_key_value_heads, model.head_dim, dtype, on, pin,
-                            untouched)
+                            untouched, spare)
+
+    graph_rows = decode_graph_rows(config, device, forward) if tensors_too else 0
 
     per_block = PagedKVCache.bytes_per_block(model.num_hidden_layers, config.block_size,
                                              model.num_key_value_heads, model.head_dim, dtype)
@@ -173,14 +202,16 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
         1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
     utilization = None
     if tensors_too and config.num_kv_blocks is None and device.type == "cuda":
-        reserve = step_activation_bytes(config, model, dtype)
+        reserve = step_activation_bytes(config, model, dtype) + graph_pool_bytes(
+            model.hidden_size, 3 * model.intermediate_size, model.vocab_size, graph_rows,
+            dtype.itemsize)
         if memory_info is None:
             # What an engine freed before this one still sits in torch's cache, counted as
             # used: give it back first.
             torch.cuda.empty_cache()
         num_blocks = cuda_kv_blocks(config, per_block, useful, reserve,
                                     memory_info or (lambda: torch.cuda.mem_get_info(device)),
-                                    model.num_hidden_layers)
+                                    gather_share(forward, model.num_hidden_layers))
         utilization = config.gpu_memory_utilization
         log.info("KV pool sized from the GPU's free memory", blocks=num_blocks,
                  gib=round(num_blocks * per_block / 2**30, 2),
@@ -205,5 +236,9 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
         return KVMemory(None, pool, None, host_pool, manager, num_blocks * per_block)
     host_cache = (tensors(swap_blocks, torch.device("cpu"), pin=device.type == "cuda",
                           untouched=True) if swap_blocks else None)
-    return KVMemory(tensors(num_blocks, device), pool, host_cache, host_pool, manager,
-                    num_blocks * per_block, utilization)
+    # One spare block past the pool's: where a decode graph's padded rows write.
+    cache = tensors(num_blocks, device, spare=1)
+    graphs = (DecodeGraphs(forward, cache, device, graph_rows, max_model_len)
+              if graph_rows and forward is not None else None)
+    return KVMemory(cache, pool, host_cache, host_pool, manager, num_blocks * per_block,
+                    utilization, graphs)

@@ -14,6 +14,7 @@ from scheduler.output import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from worker.attention.metadata import AttentionMetadata
 from worker.engine.block_table_rows import BlockTableRows
 from worker.host.step_upload import StepUpload
+from worker.models.decode_graphs import DecodeGraphs
 from worker.sampling import Sampler
 from worker.sampling.grammar import Grammars
 from worker.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
@@ -24,9 +25,12 @@ class ModelRunner:
     """Turns a SchedulerOutput into one forward pass over the paged cache."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 host_cache: PagedKVCache | None = None, grammars: Grammars | None = None
-                 ) -> None:
+                 host_cache: PagedKVCache | None = None, grammars: Grammars | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        # Decode steps replayed from CUDA graphs (worker/models/decode_graphs.py), where
+        # captured; every other step (and all of them without) runs the layers eagerly.
+        self.graphs = graphs
         # Called right before each step's forward (the fleet's engine loop hands the step
         # before's output to its publisher there: see worker/fleet/engine_loop.py).
         self.on_forward: Callable[[], object] | None = None
@@ -126,8 +130,12 @@ class ModelRunner:
             return {}, {}, {}
         else:
             prompt = {}
-            logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache, meta,
-                                       None if picked is None else picked.tensor)
+            if (self.graphs is not None and picked is None and len(ids) == len(chunks)
+                    and len(chunks) <= self.graphs.max_batch):  # a decode step that fits
+                logits = self.graphs.run(meta)
+            else:
+                logits = self.model.logits(meta.input_ids, meta.positions, self.kv_cache,
+                                           meta, None if picked is None else picked.tensor)
             self._computed(len(ids))
         # The grammars' masks while the device runs the forward (a CPU's is done by now).
         for k, why in self.sampling_rows.make_masks(step, self.device).items():

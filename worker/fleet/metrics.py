@@ -75,6 +75,12 @@ ENGINE_GAUGES = {
     "gpu_memory_utilization": ("conveyor_gpu_memory_utilization",
                                "The share of the GPU's memory the engine may hold, that its "
                                "KV pool was sized from (absent where not so sized)."),
+    "cuda_graph_buckets": ("conveyor_cuda_graph_buckets",
+                           "Decode batch sizes captured in CUDA graphs at start (absent "
+                           "where none are: not CUDA, --enforce-eager, or not the paged "
+                           "attention backend)."),
+    "cuda_graph_memory_bytes": ("conveyor_cuda_graph_memory_bytes",
+                                "GPU memory the captured decode graphs hold."),
     "kv_blocks_cached": ("conveyor_kv_blocks_cached",
                          "Device KV blocks holding a findable prefix block (used or free)."),
     "host_blocks_used": ("conveyor_host_kv_blocks_used", "Host (swap) KV blocks in use."),
@@ -93,6 +99,8 @@ ENGINE_GAUGES = {
 }
 ENGINE_COUNTERS = {
     "steps": ("conveyor_engine_steps", "Engine steps that ran a forward pass."),
+    "cuda_graph_replays": ("conveyor_cuda_graph_replays",
+                           "Decode steps replayed from a captured CUDA graph."),
     "computed_tokens": ("conveyor_computed_tokens", "Tokens run through the model."),
     "swapped_out_blocks": ("conveyor_kv_swapped_out_blocks", "KV blocks copied device to host."),
     "swapped_in_blocks": ("conveyor_kv_swapped_in_blocks", "KV blocks copied host to device."),

@@ -129,10 +129,11 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A Llama-family causal LM over one flat ragged batch (prefill chunks and decodes mixed)."""
 
-    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch",
+                 device_type: str = "cpu") -> None:
         super().__init__()
         self.config = config
-        backend_cls = get_attention_backend(attention_backend)
+        backend_cls = get_attention_backend(attention_backend, device_type)
         # The runner stages the backend's per-step plan with the step's inputs.
         self.attention_backend = backend_cls
         self.model = DecoderModel(config, backend_cls)
@@ -175,7 +176,7 @@ class CausalLM(nn.Module):
             self.num_native_steps += 1
             self.num_native_mixed_steps += x.shape[0] != len(meta.query_lens)
             return native
-        return self._layers(x, positions, kv_cache, meta)
+        return self.decoder_layers(x, positions, kv_cache, meta)
 
     def logits(
         self,
@@ -196,11 +197,12 @@ class CausalLM(nn.Module):
         if native is not None:
             self.num_native_steps += 1
             return native
-        return self.compute_logits(self._layers(x, positions, kv_cache, meta))
+        return self.compute_logits(self.decoder_layers(x, positions, kv_cache, meta))
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """The Python decoder layers and the final norm over the embeddings ``x``."""
+    def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The Python decoder layers and the final norm over the embeddings ``x`` (what a
+        captured decode graph runs: worker/models/decode_graphs.py)."""
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)

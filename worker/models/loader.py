@@ -36,7 +36,8 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     # Built on "meta" so no time goes into random init; every parameter is then filled from disk.
     with torch.device("meta"):
-        model = CausalLM(config, attention_backend=attention_backend)
+        model = CausalLM(config, attention_backend=attention_backend,
+                         device_type=torch.device(device).type)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     if torch.device(device).type == "cpu":

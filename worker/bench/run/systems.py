@@ -141,6 +141,10 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings["max_prefill_chunk"] = args.max_prefill_chunk
     if getattr(args, "itl_target_ms", None):
         settings["itl_target_ms"] = args.itl_target_ms
+    if getattr(args, "attention_backend", "auto") != "auto":
+        settings["attention_backend"] = args.attention_backend
+    if getattr(args, "enforce_eager", False):
+        settings["enforce_eager"] = True
     for name in SIMULATE_SETTINGS:  # a simulated engine: said in results
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
@@ -171,6 +175,10 @@ def worker_flags(settings: dict[str, Any], threads: int) -> list[str]:
         flags += ["--itl-target-ms", str(settings["itl_target_ms"])]
     if not settings["enable_chunked_prefill"]:
         flags.append("--no-chunked-prefill")
+    if "attention_backend" in settings:
+        flags += ["--attention-backend", settings["attention_backend"]]
+    if settings.get("enforce_eager"):
+        flags.append("--enforce-eager")
     if settings.get("simulate_step_ms") is not None:
         flags += ["--simulate-step-ms", str(settings["simulate_step_ms"])]
     if settings.get("simulate_cost") is not None:

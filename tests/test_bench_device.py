@@ -33,10 +33,13 @@ def test_a_run_on_the_cpu_prints_and_returns_every_figure(tiny_llama):
     said: list[str] = []
     result = step_floor.measure(tiny_llama, "cpu", "float32", [2], context=24, steps=3,
                                 prefill_tokens=32, copy_gib=2**-10, gemm_n=64,
-                                say=said.append)
+                                say=said.append, modes=("eager", "torch"))
     assert result["bandwidth_gb_per_s"] > 0 and result["gemm_tflops"] > 0
-    [row] = result["decode"]
-    assert row["batch"] == 2 and row["step_ms"] > 0 and row["floor_ms"] > 0
-    assert 24 - 16 <= row["mean_context"] <= 24 + 16 + 8
+    eager, gathering = result["decode"]
+    assert (eager["mode"], gathering["mode"]) == ("eager", "torch")
+    for row in (eager, gathering):
+        assert row["batch"] == 2 and row["step_ms"] > 0 and row["floor_ms"] > 0
+        assert 24 - 16 <= row["mean_context"] <= 24 + 16 + 8
+        assert row["graph_replays"] == 0  # nothing is captured on a CPU
     assert [c["chunk"] for c in result["prefill"]] == [0, 1]
-    assert len(said) == 2 + 1 + 2  # the limits, the batch, the two chunks
+    assert len(said) == 2 + 2 + 2  # the limits, the batch in each mode, the two chunks

@@ -38,13 +38,23 @@ def hf_greedy_on_cuda(model_dir, dtype: str, prompt: list[int], max_tokens: int)
     return out.sequences[0, len(prompt):].tolist(), gaps
 
 
+# How decode steps run on CUDA: the default (paged attention, decode steps replayed from
+# CUDA graphs), the same launched eagerly, and the gathering torch backend.
+MODES = {"graphs": {}, "eager": dict(enforce_eager=True),
+         "torch": dict(attention_backend="torch")}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_matches_transformers_on_cuda(tiny_llama, dtype):
+def test_greedy_matches_transformers_on_cuda(tiny_llama, dtype, mode):
     """Every greedy token equals transformers' on the same device and dtype, but at a
     near-tie of the reference's top two logits, where two correct kernels may round either
     way; past such a tie the engine resumes on the reference's own token, so every token
     after it is compared too."""
-    engine = Engine(tiny_llama, device="cuda", dtype=dtype, max_num_batched_tokens=64)
+    engine = Engine(tiny_llama, device="cuda", dtype=dtype, max_num_batched_tokens=64,
+                    **MODES[mode])
+    graphs = engine.runner.graphs
+    assert (graphs is not None) == (mode == "graphs")
     work = prompts(engine.model_config.vocab_size)
     compared = total = ties = 0
     for prompt in work:
@@ -65,6 +75,8 @@ def test_greedy_matches_transformers_on_cuda(tiny_llama, dtype):
             ties += 1
             at += parted + 1
     assert compared + ties == total and compared > 0.8 * total
+    if graphs is not None:
+        assert engine.stats()["cuda_graph_replays"] > 0 and graphs.graphs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,8 +94,9 @@ def test_sampled_and_seeded_requests_run_and_repeat_in_any_batch(tiny_llama, dty
     assert all(len(c.token_ids) == 24 for c in batch)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype):
+def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype, mode):
     """A run that swaps and hits the prefix cache gives the tokens of one that does neither.
 
     The two runs batch differently, and a GPU's (or bfloat16's) matmuls round by shape: in
@@ -95,9 +108,9 @@ def test_forced_swaps_and_prefix_hits_keep_outputs(tiny_llama, dtype):
     work = [shared + [100 + i] * (i + 1) for i in range(24)]
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
                              seed=i, logprobs=2) for i in range(24)]
-    free = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=400)
+    free = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=400, **MODES[mode])
     tight = Engine(tiny_llama, device="cuda", dtype=dtype, num_kv_blocks=60, swap_blocks=400,
-                   preemption_mode="swap", max_num_batched_tokens=256)
+                   preemption_mode="swap", max_num_batched_tokens=256, **MODES[mode])
     want = free.generate(work, params)
     got = tight.generate(work, params)
     stats = tight.stats()

@@ -2,13 +2,16 @@
 
     python -m worker.bench.device.step_floor --model DIR [--device cuda] [--dtype bfloat16]
         [--batch 1 8 64 256] [--context 1024] [--steps 100] [--prefill-tokens 2048]
-        [--json PATH]
+        [--modes graphs eager torch] [--json PATH]
 
 The device's limits, measured first: its bandwidth (the bytes read and written by a
 device-to-device copy of ``--copy-gib`` (4) GiB over its time, best of 5) and its GEMM peak
 (the best ``--gemm-n`` (8192) cubed matmul in the engine's dtype, of 5). Then, for each
 batch, an engine whose ``batch`` requests hold contexts of ``context`` ± 16 tokens decodes
-``steps`` steady steps: the step is the wall time of ``Engine.step`` (scheduling, sampling
+``steps`` steady steps, once for each of ``--modes`` (graphs: attention through the block
+tables with decode steps replayed from CUDA graphs, the default on CUDA; eager: the same
+launched one kernel at a time; torch: the backend that gathers each context first): the
+step is the wall time of ``Engine.step`` (scheduling, sampling
 and output processing included), set against its floor, the bytes a decode step must move
 over the bandwidth: the weights it reads (every parameter, the input embedding's table
 aside, of which it reads a row a request, unless tied to the LM head) and the KV it reads
@@ -112,11 +115,21 @@ def _engine(model_dir: Path, device: str, dtype: str, batch: int, budget: int,
                   max_num_batched_tokens=max(budget, batch), **settings)
 
 
+# How decode steps run, by name: attention through the block tables with the steps
+# replayed from CUDA graphs (the default on CUDA), the same launched eagerly, and the
+# gathering torch backend.
+MODES: dict[str, dict[str, Any]] = {
+    "graphs": {"attention_backend": "paged"},
+    "eager": {"attention_backend": "paged", "enforce_eager": True},
+    "torch": {"attention_backend": "torch", "enforce_eager": True},
+}
+
+
 def decode(model_dir: Path, device: str, dtype: str, batch: int, context: int, steps: int,
-           bandwidth: float, budget: int) -> dict[str, Any]:
+           bandwidth: float, budget: int, mode: str = "graphs") -> dict[str, Any]:
     """``steps`` steady decode steps of ``batch`` requests at ``context`` ± CONTEXT_SPREAD
-    tokens, against the floor of the bytes they move."""
-    engine = _engine(model_dir, device, dtype, batch, budget)
+    tokens, against the floor of the bytes they move, run as ``mode`` says (MODES)."""
+    engine = _engine(model_dir, device, dtype, batch, budget, **MODES[mode])
     try:
         rng = random.Random(batch)
         vocab = engine.model_config.vocab_size
@@ -141,7 +154,9 @@ def decode(model_dir: Path, device: str, dtype: str, batch: int, context: int, s
         moved = (decode_weight_bytes(engine) + batch * mean_context * per_token
                  + batch * per_token)
         step_s = statistics.fmean(times)
-        result = {"batch": batch, "mean_context": round(mean_context, 1),
+        graphs = engine.runner.graphs
+        result = {"mode": mode, "batch": batch, "mean_context": round(mean_context, 1),
+                  "graph_replays": graphs.replays if graphs is not None else 0,
                   "step_ms": round(step_s * 1000, 3),
                   "step_median_ms": round(statistics.median(times) * 1000, 3),
                   "floor_ms": round(moved / bandwidth * 1000, 3),
@@ -187,7 +202,7 @@ def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
 
 def measure(model_dir: Path, device: str, dtype: str, batches: list[int], context: int,
             steps: int, prefill_tokens: int, copy_gib: float, gemm_n: int,
-            say=print) -> dict[str, Any]:
+            say=print, modes: tuple[str, ...] = ("graphs",)) -> dict[str, Any]:
     """The device's limits, then each batch's decode step and the prefill chunks."""
     dev = torch.device(device)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -202,13 +217,15 @@ def measure(model_dir: Path, device: str, dtype: str, batches: list[int], contex
                               "gemm_tflops": round(peak / 1e12, 2), "decode": []}
     if dev.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(dev)
-    for batch in batches:
-        row = decode(model_dir, device, dtype, batch, context, steps, bandwidth,
-                     prefill_tokens)
-        say(f"decode batch {batch}, context ~{row['mean_context']:.0f}: step "
-            f"{row['step_ms']:.2f} ms (median {row['step_median_ms']:.2f}), floor "
-            f"{row['floor_ms']:.2f} ms: {row['step_over_floor']:.2f}x")
-        result["decode"].append(row)
+    for mode in modes:
+        for batch in batches:
+            row = decode(model_dir, device, dtype, batch, context, steps, bandwidth,
+                         prefill_tokens, mode)
+            say(f"decode ({mode}, {row['graph_replays']} replays) batch {batch}, context "
+                f"~{row['mean_context']:.0f}: step {row['step_ms']:.2f} ms (median "
+                f"{row['step_median_ms']:.2f}), floor {row['floor_ms']:.2f} ms: "
+                f"{row['step_over_floor']:.2f}x")
+            result["decode"].append(row)
     result["prefill"] = prefill(model_dir, device, dtype, prefill_tokens, peak)
     for row in result["prefill"]:
         say(f"prefill chunk {row['chunk']} ({row['tokens']} tokens): {row['ms']:.1f} ms, "
@@ -228,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--copy-gib", type=float, default=4.0)
     p.add_argument("--gemm-n", type=int, default=8192)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["graphs", "eager"],
+                   help="how decode steps run: graphs (paged attention, CUDA graphs), eager "
+                   "(paged, --enforce-eager), torch (the gathering backend, eager); "
+                   "default: %(default)s")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     result = measure(Path(args.model), args.device, args.dtype, args.batch, args.context,
-                     args.steps, args.prefill_tokens, args.copy_gib, args.gemm_n)
+                     args.steps, args.prefill_tokens, args.copy_gib, args.gemm_n,
+                     modes=tuple(args.modes))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

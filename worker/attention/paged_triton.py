@@ -5,8 +5,9 @@ One program attends a tile of one sequence's query rows for one KV head: the row
 query head that reads that KV head stacked together (grouped-query attention reads each
 K/V tile once for its whole group), walking the sequence's context a tile of keys at a
 time. Each key's slot is found through the block table (no gathered copy), and softmax is
-taken online (running max and sum) in float32. Keys past the sequence's length are never
-loaded (a free slot may hold NaN); keys after a row's own position are masked.
+taken online (running max and sum) in float32 (float64 for float64). Keys past the
+sequence's length are never loaded (a free slot may hold NaN); keys after a row's own
+position are masked.
 
 The launch depends only on the number of sequences, the longest query and the shapes, not
 on any value on the device: a CUDA graph of a decode step can replay it.
@@ -37,7 +38,7 @@ def _paged_attention_kernel(
     stride_ot, stride_oh, stride_tb,
     BLOCK_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TOKENS: tl.constexpr,
-    KEYS: tl.constexpr, IEEE: tl.constexpr,
+    KEYS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(2)
@@ -60,9 +61,9 @@ def _paged_attention_kernel(
     # Keys up to the tile's last row's position; none where the tile has no rows.
     end = tl.minimum(context + first + TOKENS, seq_len)
     end = tl.where(first < q_len, end, 0)
-    best = tl.full([TOKENS * GROUPS_P2], float("-inf"), tl.float32)
-    total = tl.zeros([TOKENS * GROUPS_P2], tl.float32)
-    acc = tl.zeros([TOKENS * GROUPS_P2, HEAD_DIM_P2], tl.float32)
+    best = tl.full([TOKENS * GROUPS_P2], float("-inf"), ACC)
+    total = tl.zeros([TOKENS * GROUPS_P2], ACC)
+    acc = tl.zeros([TOKENS * GROUPS_P2, HEAD_DIM_P2], ACC)
     for key_start in range(0, end, KEYS):
         keys = key_start + tl.arange(0, KEYS)
         key_ok = keys < end
@@ -124,5 +125,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_SIZE=k_cache.shape[1], GROUPS=groups, GROUPS_P2=groups_p2, HEAD_DIM=head_dim,
         HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)), TOKENS=tokens,
         KEYS=KEY_TILE, IEEE=q.dtype == torch.float32,
+        # (float64's products are float64: its running sums must be too)
+        ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
     )
     return out

@@ -21,6 +21,7 @@ eagerly (``capture=False``), so the suite checks the discipline that makes a rep
 
 from __future__ import annotations
 
+import gc
 import time
 
 import structlog
@@ -45,8 +46,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def graph_pool_bytes(hidden: int, widest: int, vocab: int, rows: int, itemsize: int) -> int:
-    """A bound on the captured graphs' memory (they share one pool, the largest bucket's):
-    its widest activations (``widest`` values a row) and logits."""
+    """A bound on the captured graphs' memory: the largest bucket's widest activations
+    (``widest`` values a row; the buckets share one pool) and the one logits buffer."""
     return rows * (widest + 2 * hidden + vocab) * itemsize
 
 
@@ -72,6 +73,10 @@ class DecodeGraphs:
         self.slot_mapping = zeros(rows).fill_(self.spare_slot)
         self.block_tables = zeros(rows, width)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int64, device=device)
+        # Every bucket's logits are rows of this one buffer: a graph's output stays
+        # allocated for its replays, and one each would hold the sum of the buckets' rows.
+        weight = model.lm_head.weight
+        self.logits = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=device)
         self.metas = {b: self._meta(b) for b in self.buckets}
         # Bucket -> (graph, its logits); empty where nothing is captured.
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -100,11 +105,12 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> torch.Tensor:
         """A bucket's decode step over the static buffers: the Python layers (what is
-        captured; the CPU's native step does not take padded rows) and the LM head."""
+        captured; the CPU's native step does not take padded rows) and the LM head, into
+        the logits buffer's first ``rows``."""
         meta, model = self.metas[rows], self.model
         hidden = model.decoder_layers(model.model.embed_tokens(meta.input_ids), meta.positions,
                                       self.kv_cache, meta)
-        return model.compute_logits(hidden)
+        return torch.mm(hidden, model.lm_head.weight.t(), out=self.logits[:rows])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -112,20 +118,27 @@ class DecodeGraphs:
         graph reuses the larger's memory). Each runs once eagerly first, on a side stream:
         kernels compile and libraries make their workspaces outside the capture."""
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(self.device)
-        for rows in reversed(self.buckets):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                self._forward(rows)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(rows)
-            self.graphs[rows] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        # A collection during a capture could free another engine's graphs or buffers
+        # while the device records: collect first, none until done.
+        gc.collect()
+        gc.disable()
+        try:
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            pool = torch.cuda.graph_pool_handle()
+            current = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)  # one: a library workspace each stream
+            for rows in reversed(self.buckets):
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    self._forward(rows)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(rows)
+                self.graphs[rows] = (graph, logits)
+            torch.cuda.synchronize(self.device)
+        finally:
+            gc.enable()
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.capture_seconds = time.perf_counter() - start
         log.info("decode steps captured in CUDA graphs", buckets=len(self.buckets),

@@ -8,9 +8,13 @@ compared with transformers in tests/test_engine_exactness.py and tests/test_mode
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +229,59 @@ def test_decode_graphs_are_wanted_on_cuda_with_the_paged_backend_unless_eager(ti
     assert batch_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_buckets(256)[-1] == 256
     assert batch_buckets(3) == [1, 2, 3] and batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_buckets(16) == [1, 2, 4, 8, 16]
+
+
+# (dtype, heads, kv heads, head dim, longest query): the 8b and 1b presets' shapes in
+# bfloat16, decode and prefill; the tiny preset's in float32, float16 and float64.
+TARGET_SHAPES = {
+    "8b-bf16-decode": (torch.bfloat16, 32, 8, 128, 1),
+    "8b-bf16-prefill": (torch.bfloat16, 32, 8, 128, 2048),
+    "1b-bf16-decode": (torch.bfloat16, 32, 8, 64, 1),
+    "tiny-fp32-decode": (torch.float32, 4, 2, 16, 1),
+    "tiny-fp32-prefill": (torch.float32, 4, 2, 16, 64),
+    "tiny-fp16-prefill": (torch.float16, 4, 2, 16, 64),
+    "tiny-fp64-decode": (torch.float64, 4, 2, 16, 1),
+}
+
+
+def compile_for_hopper(shape: str) -> tuple[int, int]:
+    """The kernel compiled for sm_90 with the constants a launch of ``shape`` would pass:
+    (bytes of machine code, bytes of shared memory). Run where TRITON_INTERPRET is unset:
+    under the interpreter a second compile in one process fails."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from worker.attention import paged_triton
+
+    dtype, heads, kv_heads, head_dim, longest = TARGET_SHAPES[shape]
+    kernel = paged_triton._paged_attention_kernel
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+               torch.float64: "*fp64"}[dtype]
+    types = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "out_ptr": element,
+             "tables_ptr": "*i64", "starts_ptr": "*i64", "lens_ptr": "*i64", "scale": "fp32"}
+    constants = paged_triton.launch_constants(dtype, heads, kv_heads, head_dim, 16, longest)
+    signature = {name: types.get(name, "i32" if name.startswith("stride") else "constexpr")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32))
+    return len(compiled.asm["cubin"]), compiled.metadata.shared
+
+
+def test_the_triton_kernel_compiles_for_a_hopper_gpu():
+    """Compiled to machine code for sm_90 (an H100's or H200's) with the ptxas Triton
+    carries, no GPU needed: what the interpreter never checks (tl.dot's tile and dtype
+    rules, loop-carried types, shared memory) is checked here, for each shape's constants
+    as the launch would pass them."""
+    triton_kernel()
+    script = ("import json, sys; sys.path.insert(0, 'tests'); import test_paged_attention as t; "
+              "print(json.dumps({s: t.compile_for_hopper(s) for s in t.TARGET_SHAPES}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(compiled) == set(TARGET_SHAPES)
+    for shape, (code, shared) in compiled.items():
+        assert code > 0, shape  # machine code, not just PTX
+        assert shared <= 227 * 1024, shape  # what a Hopper SM gives one block at most

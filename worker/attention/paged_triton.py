@@ -112,20 +112,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
-    groups = heads // kv_heads
-    groups_p2 = triton.next_power_of_2(groups)
-    rows = DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS
-    tokens = max(1, rows // groups_p2)
-    grid = (num_seqs, triton.cdiv(max_query_len, tokens), kv_heads)
+    constants = launch_constants(q.dtype, heads, kv_heads, head_dim, k_cache.shape[1],
+                                 max_query_len)
+    grid = (num_seqs, triton.cdiv(max_query_len, constants["TOKENS"]), kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0),
-        out.stride(1), block_tables.stride(0),
-        BLOCK_SIZE=k_cache.shape[1], GROUPS=groups, GROUPS_P2=groups_p2, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)), TOKENS=tokens,
-        KEYS=KEY_TILE, IEEE=q.dtype == torch.float32,
-        # (float64's products are float64: its running sums must be too)
-        ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
-    )
+        out.stride(1), block_tables.stride(0), **constants)
     return out
+
+
+def launch_constants(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                     block_size: int, max_query_len: int) -> dict[str, object]:
+    """The kernel's compile-time constants for a step of these shapes (one compiled kernel
+    each: decode steps share one, prefill steps another)."""
+    groups = heads // kv_heads
+    groups_p2 = triton.next_power_of_2(groups)
+    rows = DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS
+    return dict(
+        BLOCK_SIZE=block_size, GROUPS=groups, GROUPS_P2=groups_p2, HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
+        TOKENS=max(1, rows // groups_p2), KEYS=KEY_TILE, IEEE=dtype == torch.float32,
+        # (float64's products are float64: its running sums must be too)
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32)

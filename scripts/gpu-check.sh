@@ -12,10 +12,12 @@
 #          host-to-device copies of each kind of step (worker/bench/step_copies.py)
 #   1b, 8b make the preset on the device (bfloat16, in $CONVEYOR_GPU_MODELS, default
 #          /tmp/conveyor-gpu-models) and time its decode steps (batch 1, 8, 64, 256 at
-#          contexts of ~1,024) against the HBM floor and its 2,048-token prefill chunks
-#          against the GEMM peak (worker/bench/device/step_floor.py)
+#          contexts of ~1,024, replayed from CUDA graphs and launched eagerly) against the
+#          HBM floor and its 2,048-token prefill chunks against the GEMM peak
+#          (worker/bench/device/step_floor.py)
 #   fleet  W1 (1,024 requests) through one worker and a private Redis on the device beside
-#          the offline engine, on the 1b preset, three repeats
+#          the offline engine, on the 1b preset, three repeats; then once beside
+#          transformers' static batches and continuous batching (--baseline hf-static hf-cb)
 # Further arguments go to the CUDA suite's pytest (e.g. -x, -k swaps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,4 +69,7 @@ if wants fleet; then
   dir=$(model 1b)
   "$py" -m worker.cli bench --model "$dir" --workload w1 --requests 1024 \
     --offline --repeat 3 --out "$models/bench-w1-1b"
+  echo "== W1 on the 1b preset beside transformers (static batches of 256, continuous batching)"
+  "$py" -m worker.cli bench --model "$dir" --workload w1 --requests 1024 --offline \
+    --baseline hf-static hf-cb --hf-batch-size 256 --out "$models/bench-w1-1b-hf"
 fi

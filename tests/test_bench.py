@@ -363,13 +363,19 @@ def _check_outputs(out_dir, runs: set[str]) -> dict:
     return results
 
 
-def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
+def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_transformers(
         tiny_llama, tmp_path, capsys):
     out = tmp_path / "results"
     rc = main(["bench", "--quick", "--model", str(tiny_llama), "--threads", "1",
-               "--offline", "--baseline", "hf-static", "--out", str(out)])
+               "--offline", "--baseline", "hf-static", "hf-cb", "--out", str(out)])
     assert rc == 0
-    results = _check_outputs(out, {"fleet", "offline", "hf-static"})
+    results = _check_outputs(out, {"fleet", "offline", "hf-static", "hf-cb"})
+    # transformers where the engine would run ("auto"), its continuous batching with each
+    # request's own length, the time of each of its tokens recorded.
+    for name in ("hf-static", "hf-cb"):
+        assert results["runs"][name]["settings"]["device"] == "cpu"
+        assert results["runs"][name]["settings"]["dtype"] == "float32"
+    assert results["runs"]["hf-cb"]["settings"]["num_blocks"] > 0
     assert set(results["plots"]) == {"latency_cdf.png", "tokens_per_s.png", "kv_usage.png"}
     assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
     assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
@@ -380,7 +386,9 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_hf_static(
     assert results["runs"]["fleet"]["taken_over"]["worker"] >= 0
     assert results["runs"]["offline"]["taken_over"]["bench"] >= 0
     whats = [row["what"] for row in results["comparisons"]]
-    assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, fleet / offline"] \
+    assert whats == ["output tokens/s, fleet / hf-static", "output tokens/s, offline / hf-static",
+                     "output tokens/s, offline / hf-cb", "output tokens/s, fleet / hf-cb",
+                     "output tokens/s, fleet / offline"] \
         + [f"output tokens/s, {name} / physical limit" for name in results["runs"]]
     limit = results["limits"]
     assert limit["peaks"]["gemm_gflops"] > 0 and limit["peaks"]["copy_gb_per_s"] > 0

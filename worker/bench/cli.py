@@ -115,9 +115,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "they number N")
 
     a = p.add_argument_group("alternatives, measured after the fleet run")
-    a.add_argument("--baseline", choices=["hf-static"], default=None,
-                   help="transformers generate in static padded batches (all requests at t=0; "
-                   "default: no baseline)")
+    a.add_argument("--baseline", choices=["hf-static", "hf-cb"], nargs="+", default=None,
+                   help="transformers on the engine's device and dtype, all requests at t=0: "
+                   "hf-static, generate in static padded batches; hf-cb, its continuous "
+                   "batching (generate_batch); one or both (default: no baseline)")
     a.add_argument("--hf-batch-size", type=int, default=16,
                    help="--baseline hf-static: requests per static batch")
     a.add_argument("--chunked-prefill", choices=["on", "off"], default="on",

@@ -35,6 +35,16 @@ def comparisons(summaries: dict[str, dict[str, Any]], workload: str,
         rows.append(_row("output tokens/s, fleet / hf-static", tput,
                          _get(summaries["hf-static"], "throughput", "output_tokens_per_s"),
                          aim, higher_is_better=True))
+    for baseline in ("hf-static", "hf-cb"):  # the engine alone beside transformers
+        if baseline in summaries and "offline" in summaries:
+            rows.append(_row(f"output tokens/s, offline / {baseline}",
+                             _get(summaries["offline"], "throughput", "output_tokens_per_s"),
+                             _get(summaries[baseline], "throughput", "output_tokens_per_s"),
+                             None, higher_is_better=True))
+    if "hf-cb" in summaries:
+        rows.append(_row("output tokens/s, fleet / hf-cb", tput,
+                         _get(summaries["hf-cb"], "throughput", "output_tokens_per_s"),
+                         None, higher_is_better=True))
     if "offline" in summaries:
         rows.append(_row("output tokens/s, fleet / offline", tput,
                          _get(summaries["offline"], "throughput", "output_tokens_per_s"),

@@ -52,16 +52,22 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
         systems.append(System("offline", lambda _: run_offline(
             model_dir, items, args.concurrency, settings, args.timeout),
             "the engine in this process, no Redis"))
-    if args.baseline == "hf-static":
+    baselines = args.baseline or []
+    if baselines and _simulated(engine):
+        raise ValueError("--baseline runs the real model: it cannot stand beside a "
+                         "simulated engine")
+    if "hf-static" in baselines:
         from worker.bench.run.baseline_hf import run_hf_static
-
-        if _simulated(engine):
-            raise ValueError("--baseline runs the real model: it cannot stand beside a "
-                             "simulated engine")
 
         systems.append(System("hf-static", lambda _: run_hf_static(
             model_dir, items, args.hf_batch_size, args.threads),
             f"transformers generate in static batches of {args.hf_batch_size}"))
+    if "hf-cb" in baselines:
+        from worker.bench.run.baseline_hf import run_hf_continuous
+
+        systems.append(System("hf-cb", lambda _: run_hf_continuous(
+            model_dir, items, args.threads),
+            "transformers' continuous batching (generate_batch)"))
     return systems
 
 

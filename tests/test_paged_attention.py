@@ -285,3 +285,22 @@ def test_the_triton_kernel_compiles_for_a_hopper_gpu():
     for shape, (code, shared) in compiled.items():
         assert code > 0, shape  # machine code, not just PTX
         assert shared <= 227 * 1024, shape  # what a Hopper SM gives one block at most
+
+
+def test_a_capture_that_fails_leaves_the_engine_eager_and_says_why(tiny_llama):
+    """A capture that raises (here: the CPU has no CUDA to capture on) gives no graphs and a
+    warning naming the error: the engine then serves every step eagerly."""
+    from structlog.testing import capture_logs
+
+    from kvstore.kv_tensors import PagedKVCache
+    from worker.engine.memory import capture_decode_graphs
+    from worker.models import load_model
+
+    model = load_model(tiny_llama, attention_backend="paged")
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, c.head_dim,
+                         torch.float32, spare_blocks=1)
+    with capture_logs() as logs:
+        assert capture_decode_graphs(model, cache, torch.device("cpu"), 4, 64) is None
+    [warning] = [e for e in logs if e["log_level"] == "warning"]
+    assert "run eagerly" in warning["event"] and warning["error"]

@@ -168,6 +168,20 @@ def cuda_kv_blocks(config: EngineConfig, per_block: int, useful: int, reserve: i
     return max(1, min(budget // per_block, useful))
 
 
+def capture_decode_graphs(model: CausalLM, cache: PagedKVCache, device: torch.device,
+                          rows: int, max_model_len: int) -> DecodeGraphs | None:
+    """The decode graphs over ``cache``; where the capture fails, a warning that says why
+    and None: the engine serves with every step launched eagerly (as with enforce_eager)
+    rather than not at all."""
+    try:
+        return DecodeGraphs(model, cache, device, rows, max_model_len)
+    except Exception as exc:  # noqa: BLE001 - whatever stopped the capture, serve eagerly
+        log.warning("decode steps not captured in CUDA graphs: they run eagerly",
+                    error=f"{type(exc).__name__}: {exc}")
+        release_device_memory()
+        return None
+
+
 def release_device_memory() -> None:
     """Give the GPU the memory nothing refers to any more: reference cycles collected (an
     overlapped engine sits in one), then torch's cache emptied, so that the next engine, in
@@ -238,7 +252,7 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
                           untouched=True) if swap_blocks else None)
     # One spare block past the pool's: where a decode graph's padded rows write.
     cache = tensors(num_blocks, device, spare=1)
-    graphs = (DecodeGraphs(forward, cache, device, graph_rows, max_model_len)
+    graphs = (capture_decode_graphs(forward, cache, device, graph_rows, max_model_len)
               if graph_rows and forward is not None else None)
     return KVMemory(cache, pool, host_cache, host_pool, manager, num_blocks * per_block,
                     utilization, graphs)

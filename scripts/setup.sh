@@ -99,15 +99,6 @@ fi
 echo "setup: installing conveyor with its worker, redis-server and dev extras" >&2
 pip install -e ".[worker,redis-server,gateway,dev]"
 "$VENV/bin/python" -c "import torch, producer, worker" # fails loudly if the install did not take
-# The GPU's paged attention kernel is Triton's (CUDA builds of torch bring it). In CI (or with
-# CONVEYOR_INSTALL_TEST_DEPS=1) a CPU build gets it too, for the tests that run the kernel under
-# Triton's interpreter on the CPU (tests/test_paged_attention.py; they skip without it).
-if { [ "${CI:-}" = true ] || [ "${CONVEYOR_INSTALL_TEST_DEPS:-}" = 1 ]; } \
-    && ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-  echo "setup: installing triton 3.9.0 (the paged attention kernel's tests, interpreted)" >&2
-  pip install "triton==3.9.0" \
-    || echo "setup: could not install triton; the interpreted kernel tests will be skipped" >&2
-fi
 # Start the CPU kernels' build in the background: engines serve on the torch path until it
 # is done, the tests wait for it. Where they cannot be built, the torch path: not an error.
 "$VENV/bin/python" -m worker.host.cpu_kernels --background >&2 || true

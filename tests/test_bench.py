@@ -244,6 +244,8 @@ def test_the_physical_limit_adds_prefill_output_and_weight_reads():
     assert limit["output_flops_s"] == pytest.approx(2 * 1000 * 20 / 1e11)
     assert limit["weight_reads_s"] == pytest.approx(7 * 4000 / 1e10)
     assert limit["total_s"] == pytest.approx(sum(v for k, v in limit.items() if k != "total_s"))
+    # Where the engine runs on a GPU, in bfloat16: a weight is two bytes.
+    assert model_size(small, 2).weight_bytes * 2 == size.weight_bytes
 
 
 def test_arrival_plan_hands_out_timed_requests_once_when_due():
@@ -391,6 +393,7 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_transformers(
                      "output tokens/s, fleet / offline"] \
         + [f"output tokens/s, {name} / physical limit" for name in results["runs"]]
     limit = results["limits"]
+    assert limit["device"] == "cpu"  # where the engines ran ("cuda" where they do)
     assert limit["peaks"]["gemm_gflops"] > 0 and limit["peaks"]["copy_gb_per_s"] > 0
     # Measured before and after the runs; the better of each pair sets the limit.
     before, after = limit["measured"]

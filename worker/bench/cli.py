@@ -175,8 +175,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         systems = choose_systems(args, model_dir, config, items, redis_url, out_dir)
         # The machine's limits, right before the runs and at their thread count (and again
         # right after them: the better of each pair counts, limits.py says why).
-        weight_bytes = limits.model_size(config).weight_bytes
-        before = limits.measure_peaks(args.threads, weight_bytes)
+        device = limits.limits_device(simulated_ideal(args, items) is not None)
+        weight_bytes = limits.model_size(config, limits.weight_bytes_on(device)).weight_bytes
+        before = limits.measure_peaks(args.threads, weight_bytes, device)
         _say(f"limits before the runs: GEMM {before.as_dict()['gemm_gflops']} GFLOP/s, copy "
              f"{before.as_dict()['copy_gb_per_s']} GB/s")
         # Round robin: load from other processes lands on every system alike.
@@ -189,9 +190,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
                 tput = metrics.throughput(run.records, run.duration_s)
                 _say(f"  {tput['output_tokens_per_s']:.1f} output tokens/s, "
                      f"{run.duration_s:.1f} s")
-        after = limits.measure_peaks(args.threads, weight_bytes)
+        after = limits.measure_peaks(args.threads, weight_bytes, device)
         limits_found = limits.limit_report(config, before.best(after), workloads.describe(items),
-                                           measured=[before, after])
+                                           measured=[before, after], device=device)
         _say(f"limits after the runs: GEMM {after.as_dict()['gemm_gflops']} GFLOP/s, copy "
              f"{after.as_dict()['copy_gb_per_s']} GB/s; with the better of each, the "
              f"workload's physical limit is {limits_found['limit_output_tokens_per_s']} output "

@@ -12,6 +12,11 @@ GFLOP/s in alternate invocations here), and a limit set there puts a run above 1
 - copy bandwidth: the best of 5 copies of a buffer the size of the model's weights
   (bytes of the buffer per second).
 
+Where the engine runs on a GPU (CUDA, "auto"'s choice there), its limits are the GPU's, in
+the engine's dtype (bfloat16): the GEMM of two 8192 x 8192 matrices, and a device-to-device
+copy of the weights' bytes counted read and written (a copy moves both; a decode step's
+weight reads are reads alone), each timed after the device finished it.
+
 The physical limit of a workload served in one pass (all requests at t=0), in seconds:
 
     2 * (W - H) * prompt tokens / GEMM peak      every prompt token through every layer
@@ -30,6 +35,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 GEMM_N = 2048
+# A GPU's GEMM peak: a matmul of this size fills its tensor cores (the CPU's does not fit).
+GPU_GEMM_N = 8192
 REPEATS = 5
 
 
@@ -51,10 +58,13 @@ class Peaks:
                 "threads": self.threads}
 
 
-def measure_peaks(threads: int, weight_bytes: int) -> Peaks:
-    """GEMM peak and copy bandwidth at ``threads`` torch threads (restored afterwards)."""
+def measure_peaks(threads: int, weight_bytes: int, device: str = "cpu") -> Peaks:
+    """GEMM peak and copy bandwidth at ``threads`` torch threads (restored afterwards), or
+    of the GPU where ``device`` is "cuda"."""
     import torch
 
+    if device == "cuda":
+        return _gpu_peaks(threads, weight_bytes)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -71,6 +81,43 @@ def measure_peaks(threads: int, weight_bytes: int) -> Peaks:
     return Peaks(2 * GEMM_N**3 / gemm, src.numel() * 4 / copy, threads)
 
 
+def _gpu_peaks(threads: int, weight_bytes: int) -> Peaks:
+    """The GPU's bfloat16 GEMM peak and its copy bandwidth (bytes read and written)."""
+    import torch
+
+    gemm, (nbytes, copy) = _gpu_gemm_seconds(), _gpu_copy_seconds(weight_bytes)
+    torch.cuda.empty_cache()  # (their buffers, before an engine sizes its KV pool)
+    return Peaks(2 * GPU_GEMM_N**3 / gemm, nbytes / copy, threads)
+
+
+def _waited(fn):
+    """``fn`` and a wait for the device to finish it."""
+    import torch
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+    return run
+
+
+def _gpu_gemm_seconds() -> float:
+    import torch
+
+    a = torch.randn(GPU_GEMM_N, GPU_GEMM_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(GPU_GEMM_N, GPU_GEMM_N, device="cuda", dtype=torch.bfloat16)
+    _waited(lambda: torch.mm(a, b))()  # (cuBLAS picks its kernel on the first call)
+    return best_seconds(_waited(lambda: torch.mm(a, b)))
+
+
+def _gpu_copy_seconds(weight_bytes: int) -> tuple[int, float]:
+    """(Bytes a copy of the weights' size reads and writes, its best seconds.)"""
+    import torch
+
+    src = torch.ones(max(1, weight_bytes // 2), dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2, best_seconds(_waited(lambda: dst.copy_(src)))
+
+
 def best_seconds(fn) -> float:
     """The least seconds of REPEATS calls of ``fn`` (one that waits for its own work)."""
     best = float("inf")
@@ -85,15 +132,16 @@ def best_seconds(fn) -> float:
 class ModelSize:
     matmul_weights: int  # W
     lm_head_weights: int  # H
-    bytes_per_weight: int = 4  # float32
+    bytes_per_weight: int = 4  # float32; bfloat16 on a GPU: 2
 
     @property
     def weight_bytes(self) -> int:
         return self.matmul_weights * self.bytes_per_weight
 
 
-def model_size(config: dict[str, Any]) -> ModelSize:
-    """W and H from a Hugging Face config.json (Llama-family layout)."""
+def model_size(config: dict[str, Any], bytes_per_weight: int = 4) -> ModelSize:
+    """W and H from a Hugging Face config.json (Llama-family layout), each weight
+    ``bytes_per_weight`` bytes (the engine's dtype)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
@@ -101,7 +149,8 @@ def model_size(config: dict[str, Any]) -> ModelSize:
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
     mlp = 3 * hidden * inter  # gate, up, down
     head = config["vocab_size"] * hidden
-    return ModelSize(config["num_hidden_layers"] * (attention + mlp) + head, head)
+    return ModelSize(config["num_hidden_layers"] * (attention + mlp) + head, head,
+                     bytes_per_weight)
 
 
 def physical_limit_s(size: ModelSize, peaks: Peaks, prompt_tokens: int, output_tokens: int,
@@ -116,13 +165,27 @@ def physical_limit_s(size: ModelSize, peaks: Peaks, prompt_tokens: int, output_t
 
 
 def limit_report(config: dict[str, Any], peaks: Peaks, workload: dict[str, Any],
-                 measured: list[Peaks] | None = None) -> dict[str, Any]:
-    """What results.json keeps: the peaks (and each measurement they are the best of), the
-    model's sizes and the workload's limit."""
-    size = model_size(config)
+                 measured: list[Peaks] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """What results.json keeps: the device, the peaks (and each measurement they are the
+    best of), the model's sizes and the workload's limit."""
+    size = model_size(config, weight_bytes_on(device))
     limit = physical_limit_s(size, peaks, workload["prompt_tokens"], workload["output_tokens"],
                              workload["max_output"])
-    return {"peaks": peaks.as_dict(), "measured": [p.as_dict() for p in measured or [peaks]],
+    return {"device": device, "peaks": peaks.as_dict(),
+            "measured": [p.as_dict() for p in measured or [peaks]],
             "model": asdict(size),
             "limit_s": {k: round(v, 4) for k, v in limit.items()},
             "limit_output_tokens_per_s": round(workload["output_tokens"] / limit["total_s"], 1)}
+
+
+def limits_device(simulated: bool) -> str:
+    """Where the bench's engines run, so where its limits are measured: "cuda" where the
+    engine's "auto" device is (and the engines are real), else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and not simulated else "cpu"
+
+
+def weight_bytes_on(device: str) -> int:
+    """A weight's bytes in the engine's "auto" dtype there: bfloat16 on CUDA, float32 else."""
+    return 2 if device == "cuda" else 4

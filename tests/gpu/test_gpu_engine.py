@@ -22,13 +22,27 @@ def prompts(vocab: int, n: int = 12, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 300))] for _ in range(n)]
 
 
-@torch.inference_mode()
+# transformers' models and answers, made once a session (each mode compares with the same).
+_HF_MODELS: dict[tuple[str, str], object] = {}
+_HF_ANSWERS: dict[tuple[str, str, tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+
 def hf_greedy_on_cuda(model_dir, dtype: str, prompt: list[int], max_tokens: int):
     """transformers' greedy tokens and top-two gaps, on the same device and dtype."""
+    key = (str(model_dir), dtype, tuple(prompt), max_tokens)
+    if key not in _HF_ANSWERS:
+        _HF_ANSWERS[key] = _hf_greedy(model_dir, dtype, prompt, max_tokens)
+    return _HF_ANSWERS[key]
+
+
+@torch.inference_mode()
+def _hf_greedy(model_dir, dtype: str, prompt: list[int], max_tokens: int):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model = model.to("cuda").eval()
+    if (str(model_dir), dtype) not in _HF_MODELS:
+        _HF_MODELS[str(model_dir), dtype] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)).to("cuda").eval()
+    model = _HF_MODELS[str(model_dir), dtype]
     out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
@@ -168,12 +182,14 @@ def test_a_step_moves_its_inputs_to_the_device_in_one_copy(tiny_llama, kind):
 
 
 def test_decode_steps_run_a_fused_attention_kernel_but_cudnns(tiny_llama):
-    """cuDNN's attention builds a plan for every new shape, and a decode's context grows
-    every step (~9.5 ms of host time a call on an H200): bfloat16 steps, where torch would
-    pick it, run another fused kernel, not the math one (which rounds the scores)."""
+    """The torch backend: cuDNN's attention builds a plan for every new shape, and a
+    decode's context grows every step (~9.5 ms of host time a call on an H200): bfloat16
+    steps, where torch would pick it, run another fused kernel, not the math one (which
+    rounds the scores). (The paged backend, CUDA's default, calls none of them.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = Engine(tiny_llama, device="cuda", dtype="bfloat16", async_scheduling=False)
+    engine = Engine(tiny_llama, device="cuda", dtype="bfloat16", async_scheduling=False,
+                    attention_backend="torch")
     assert not torch.backends.cuda.cudnn_sdp_enabled()  # switched off for the process
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(8):

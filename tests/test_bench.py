@@ -244,8 +244,13 @@ def test_the_physical_limit_adds_prefill_output_and_weight_reads():
     assert limit["output_flops_s"] == pytest.approx(2 * 1000 * 20 / 1e11)
     assert limit["weight_reads_s"] == pytest.approx(7 * 4000 / 1e10)
     assert limit["total_s"] == pytest.approx(sum(v for k, v in limit.items() if k != "total_s"))
-    # Where the engine runs on a GPU, in bfloat16: a weight is two bytes.
-    assert model_size(small, 2).weight_bytes * 2 == size.weight_bytes
+    # Where the engines run on a GPU, the limits are its own, weights of two bytes (bfloat16).
+    from worker.bench.results.limits import limit_report, limits_device
+
+    workload = {"prompt_tokens": 50, "output_tokens": 20, "max_output": 7}
+    assert limit_report(small, peaks, workload, device="cuda")["model"]["bytes_per_weight"] == 2
+    assert limit_report(small, peaks, workload)["model"]["bytes_per_weight"] == 4
+    assert limits_device(simulated=True) == "cpu"  # a simulated engine's limits are its own
 
 
 def test_arrival_plan_hands_out_timed_requests_once_when_due():
@@ -378,6 +383,9 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_transformers(
         assert results["runs"][name]["settings"]["device"] == "cpu"
         assert results["runs"][name]["settings"]["dtype"] == "float32"
     assert results["runs"]["hf-cb"]["settings"]["num_blocks"] > 0
+    # Timed to its last answer, not through the manager's shutdown.
+    last = max(row["e2e_ms"] for row in results["requests"]["hf-cb"]) / 1000
+    assert last - 0.001 <= results["runs"]["hf-cb"]["duration_s"] <= last + 0.05  # (rounded)
     assert set(results["plots"]) == {"latency_cdf.png", "tokens_per_s.png", "kv_usage.png"}
     assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
     assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
@@ -411,6 +419,20 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_transformers(
     assert "a step's output to Redis (conveyor_publish_delay_seconds" in printed
     assert any(n.startswith("Redis round trips per request: ")
                for n in results["runs"]["fleet"]["notes"])
+
+
+def test_transformers_continuous_batching_times_each_token_of_each_request(tiny_llama):
+    """hf-cb: every request answered with its own length, each token a chunk at the time
+    transformers recorded it, in order, none after the request's end."""
+    from worker.bench.run.baseline_hf import run_hf_continuous
+
+    items = [WorkItem(list(range(2, 10 + 7 * i)), 3 + 2 * i) for i in range(6)]
+    run = run_hf_continuous(tiny_llama, items, threads=1, timeout_s=120)
+    assert [r.output_tokens for r in run.records] == [i.max_tokens for i in items]
+    for r in run.records:
+        times = [t for t, n in r.chunks]
+        assert all(n == 1 for _, n in r.chunks) and times == sorted(times)
+        assert 0 < times[0] and times[-1] <= r.finish_s <= run.duration_s + 1e-6
 
 
 def test_a_histograms_quantile_between_two_readings_is_its_buckets_upper_bound():

@@ -286,20 +286,21 @@ def test_the_triton_kernel_compiles_for_a_hopper_gpu():
         assert shared <= 227 * 1024, shape  # what a Hopper SM gives one block at most
 
 
-def test_a_capture_that_fails_leaves_the_engine_eager_and_says_why(tiny_llama):
-    """A capture that raises (here: the CPU has no CUDA to capture on) gives no graphs and a
-    warning naming the error: the engine then serves every step eagerly."""
+def test_a_capture_that_fails_leaves_the_engine_eager_and_says_why(tiny_llama,
+                                                                   monkeypatch):
+    """An engine whose capture raises (here an engine told to capture on the CPU, which has
+    no CUDA to capture with) starts without graphs, with a warning naming the error, and
+    serves every step eagerly."""
     from structlog.testing import capture_logs
 
-    from kvstore.kv_tensors import PagedKVCache
-    from worker.engine.memory import capture_decode_graphs
-    from worker.models import load_model
+    from worker import Engine, SamplingParams
+    from worker.engine import memory
 
-    model = load_model(tiny_llama, attention_backend="paged")
-    c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, c.head_dim,
-                         torch.float32, spare_blocks=1)
+    monkeypatch.setattr(memory, "decode_graph_rows", lambda config, device, model: 4)
     with capture_logs() as logs:
-        assert capture_decode_graphs(model, cache, torch.device("cpu"), 4, 64) is None
+        engine = Engine(tiny_llama, attention_backend="paged")
     [warning] = [e for e in logs if e["log_level"] == "warning"]
-    assert "run eagerly" in warning["event"] and warning["error"]
+    assert "run eagerly" in warning["event"] and "cuda" in warning["error"].lower()
+    assert engine.runner.graphs is None and "cuda_graph_buckets" not in engine.stats()
+    [done] = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=6, ignore_eos=True)])
+    assert len(done.token_ids) == 6

@@ -178,8 +178,9 @@ def capture_decode_graphs(model: CausalLM, cache: PagedKVCache, device: torch.de
     except Exception as exc:  # noqa: BLE001 - whatever stopped the capture, serve eagerly
         log.warning("decode steps not captured in CUDA graphs: they run eagerly",
                     error=f"{type(exc).__name__}: {exc}")
-        release_device_memory()
-        return None
+    # (out of the except block: its traceback held the half-made graphs' buffers)
+    release_device_memory()
+    return None
 
 
 def release_device_memory() -> None:

@@ -202,7 +202,7 @@ def prefill(model_dir: Path, device: str, dtype: str, chunk: int, peak: float
 
 def measure(model_dir: Path, device: str, dtype: str, batches: list[int], context: int,
             steps: int, prefill_tokens: int, copy_gib: float, gemm_n: int,
-            say=print, modes: tuple[str, ...] = ("graphs",)) -> dict[str, Any]:
+            say=print, modes: tuple[str, ...] = ("graphs", "eager")) -> dict[str, Any]:
     """The device's limits, then each batch's decode step and the prefill chunks."""
     dev = torch.device(device)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,

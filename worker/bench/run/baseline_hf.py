@@ -47,11 +47,15 @@ def _model(model_dir: Path, name: str) -> tuple[Any, Any]:
 
 
 def _timed(name: str, threads: int | None,
-           run: Callable[[Any, Any, Callable[[], float]], tuple[list, dict]],
+           run: Callable[[Any, Any, Callable[[], float], Callable[[], None]],
+                         tuple[list, dict]],
            model_dir: Path, settings: dict[str, Any], notes: list[str]) -> RunResult:
-    """``run(model, torch, begin)`` -> (records, extra settings), timed from its call of
-    ``begin()`` (after its warm-up; it returns the start on ``time.perf_counter``'s clock),
-    its CPU counted from there."""
+    """``run(model, torch, begin, end)`` -> (records, extra settings), timed from its call of
+    ``begin()`` (after its warm-up; it returns the start on ``time.perf_counter``'s clock)
+    to its call of ``end()`` (before any shutdown; else its return), its CPU counted over
+    the same span. The model's device memory is given back after."""
+    from worker.engine.memory import release_device_memory
+
     model, torch = _model(model_dir, name)
     old_threads = torch.get_num_threads()
     if threads:
@@ -63,16 +67,24 @@ def _timed(name: str, threads: int | None,
                      start=time.perf_counter())
         return marks["start"]
 
+    def end() -> None:
+        marks.update(end=time.perf_counter(), cpu_end=time.process_time(),
+                     stolen_end=cpu.stolen_cpu_s())
+
     try:
         with torch.inference_mode():
-            records, extra = run(model, torch, begin)
-        duration = time.perf_counter() - marks["start"]
-        used = {"bench": round(time.process_time() - marks["cpu"], 3)}
-        stolen = cpu.delta(marks["stolen"], cpu.stolen_cpu_s())
+            records, extra = run(model, torch, begin, end)
+        if "end" not in marks:
+            end()
+        duration = marks["end"] - marks["start"]
+        used = {"bench": round(marks["cpu_end"] - marks["cpu"], 3)}
+        stolen = cpu.delta(marks["stolen"], marks["stolen_end"])
+        settings = {**settings, **extra, "threads": threads, "device": str(model.device),
+                    "dtype": str(model.dtype).removeprefix("torch.")}
     finally:
         torch.set_num_threads(old_threads)
-    settings = {**settings, **extra, "threads": threads, "device": str(model.device),
-                "dtype": str(model.dtype).removeprefix("torch.")}
+        del model  # (then its memory, before the next system sizes its own)
+        release_device_memory()
     return RunResult(name, settings, records, duration, cpu_s=used, stolen_s=stolen,
                      notes=notes)
 
@@ -83,7 +95,8 @@ def run_hf_static(model_dir: Path, items: list[WorkItem], batch_size: int,
     if batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {batch_size}")
 
-    def run(model: Any, torch: Any, begin: Callable[[], float]) -> tuple[list, dict]:
+    def run(model: Any, torch: Any, begin: Callable[[], float], end: Callable[[], None]
+            ) -> tuple[list, dict]:
         _generate(model, [WorkItem(list(range(2, 66)), 4)], torch, time.perf_counter())
         start = begin()
         records = []
@@ -116,6 +129,8 @@ def _generate(model: Any, batch: list[WorkItem], torch: Any, start: float) -> li
             self.times: list[float] = []
 
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            if input_ids.is_cuda:  # (the step's token exists once the device made it)
+                torch.cuda.synchronize(input_ids.device)
             self.times.append(time.perf_counter() - start)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -136,16 +151,31 @@ def _generate(model: Any, batch: list[WorkItem], torch: Any, start: float) -> li
     return clock.times
 
 
-def run_hf_continuous(model_dir: Path, items: list[WorkItem], threads: int | None
-                      ) -> RunResult:
-    """Serve ``items`` with transformers' continuous batching, all submitted at t=0."""
+def has_continuous_batching() -> bool:
+    """Whether the installed transformers has continuous batching (generate_batch)."""
+    try:
+        from transformers import GenerationMixin
+    except ImportError:
+        return False
+    return hasattr(GenerationMixin, "init_continuous_batching")
 
-    def run(model: Any, torch: Any, begin: Callable[[], float]) -> tuple[list, dict]:
+
+def run_hf_continuous(model_dir: Path, items: list[WorkItem], threads: int | None,
+                      timeout_s: float) -> RunResult:
+    """Serve ``items`` with transformers' continuous batching, all submitted at t=0; a
+    RuntimeError past ``timeout_s``."""
+
+    def run(model: Any, torch: Any, begin: Callable[[], float], end: Callable[[], None]
+            ) -> tuple[list, dict]:
         manager, extra = _manager(model, items)
+        if hasattr(manager, "warmup"):  # as generate_batch does: its graphs made first
+            manager.warmup()
         manager.start()
         try:
-            _serve(manager, [WorkItem(list(range(2, 66)), 4)], time.perf_counter())  # warm-up
-            records = _serve(manager, items, begin())
+            warm_up = [WorkItem(list(range(2, 66)), 4)]
+            _serve(manager, warm_up, time.perf_counter(), timeout_s)
+            records = _serve(manager, items, begin(), timeout_s)
+            end()  # (not its shutdown)
         finally:
             manager.stop(block=True)
         return records, extra
@@ -162,7 +192,7 @@ def _manager(model: Any, items: list[WorkItem]) -> tuple[Any, dict[str, Any]]:
     import transformers
     from transformers import GenerationConfig
 
-    if not hasattr(model, "init_continuous_batching"):
+    if not has_continuous_batching():
         raise RuntimeError(f"--baseline hf-cb: transformers {transformers.__version__} has no "
                            "continuous batching (generate_batch)")
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_TOKEN_ID,
@@ -178,22 +208,30 @@ def _manager(model: Any, items: list[WorkItem]) -> tuple[Any, dict[str, Any]]:
         if "continuous_batching_config" in params:
             from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+            fields = inspect.signature(ContinuousBatchingConfig).parameters
+            size = "page_size" if "page_size" in fields else "block_size"  # (5.17 renamed it)
             kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-                num_blocks=pages, block_size=CB_PAGE_SIZE)
+                num_blocks=pages, **{size: CB_PAGE_SIZE})
         else:  # older transformers read it from the generation config
             config.num_blocks, config.block_size = pages, CB_PAGE_SIZE
     return model.init_continuous_batching(**kwargs), extra
 
 
-def _serve(manager: Any, items: list[WorkItem], start: float) -> list[RequestRecord]:
+def _serve(manager: Any, items: list[WorkItem], start: float, timeout_s: float
+           ) -> list[RequestRecord]:
     """Submit ``items`` to a started manager; their records once all are finished."""
     timestamps = "record_timestamps" in inspect.signature(manager.add_request).parameters
     for index, item in enumerate(items):
         extra = {"record_timestamps": True} if timestamps else {}
-        manager.add_request(list(item.prompt_token_ids), request_id=f"r{index}",
-                            max_new_tokens=item.max_tokens, **extra)
+        taken = manager.add_request(list(item.prompt_token_ids), request_id=f"r{index}",
+                                    max_new_tokens=item.max_tokens, **extra)
+        if taken is None:
+            raise RuntimeError(f"transformers' continuous batching did not take request {index}")
     records: dict[int, RequestRecord] = {}
     while len(records) < len(items):
+        if time.perf_counter() - start > timeout_s:
+            raise RuntimeError(f"transformers' continuous batching finished {len(records)} of "
+                               f"{len(items)} requests in {timeout_s:g} s (--timeout)")
         result = manager.get_result(timeout=1)
         if result is None:
             if not manager.is_running():

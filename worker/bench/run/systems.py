@@ -63,10 +63,13 @@ def choose_systems(args: argparse.Namespace, model_dir: Path, config: dict[str, 
             model_dir, items, args.hf_batch_size, args.threads),
             f"transformers generate in static batches of {args.hf_batch_size}"))
     if "hf-cb" in baselines:
-        from worker.bench.run.baseline_hf import run_hf_continuous
+        from worker.bench.run.baseline_hf import has_continuous_batching, run_hf_continuous
 
+        if not has_continuous_batching():  # said before any run, not after the others
+            raise ValueError("--baseline hf-cb: this transformers has no continuous "
+                             "batching (generate_batch)")
         systems.append(System("hf-cb", lambda _: run_hf_continuous(
-            model_dir, items, args.threads),
+            model_dir, items, args.threads, args.timeout),
             "transformers' continuous batching (generate_batch)"))
     return systems
 

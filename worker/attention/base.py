@@ -38,3 +38,30 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
+
+
+class AttentionHeads:
+    """What every backend shares: the head layout, checked once, and the write of a step's
+    K/V into the paged cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{num_heads} query heads cannot be grouped over {num_kv_heads} kv heads"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write this step's K/V at ``meta.slot_mapping``; returns the cache as flat
+        ``[slots, num_kv_heads, head_dim]`` views and ``k``, ``v`` as the cache holds them."""
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = k.to(flat_k.dtype), v.to(flat_v.dtype)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        return flat_k, flat_v, k, v

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from worker.attention.base import AttentionHeads
 from worker.attention.metadata import AttentionMetadata
 from worker.host.step_upload import StepUpload
 
@@ -32,18 +33,8 @@ def paged_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
     return paged_attention
 
 
-class PagedAttention:
+class PagedAttention(AttentionHeads):
     """Attention read from the paged cache through the block tables, with no gathered copy."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{num_heads} query heads cannot be grouped over {num_kv_heads} kv heads"
-            )
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
 
     @staticmethod
     def stage(query_lens: list[int], seq_lens: list[int], upload: StepUpload) -> dict[str, Any]:
@@ -63,10 +54,7 @@ class PagedAttention:
         """Write this step's K/V at ``meta.slot_mapping``, then attend in place.
 
         Returns ``[T, num_heads * head_dim]`` in the dtype of ``q``."""
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        self.write_kv(k, v, k_cache, v_cache, meta)
         longest = meta.backend_plans.get(_PLAN_KEY)
         if longest is None:  # metadata built without the runner's staging (tests, tools)
             longest = meta.backend_plans[_PLAN_KEY] = max(meta.query_lens, default=0)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.attention.base import AttentionHeads
 from worker.attention.metadata import AttentionMetadata
 from worker.host.step_upload import Staged, StepUpload
 
@@ -113,18 +114,8 @@ class _StepPlan:
         return k.view(*slots.shape, *flat_k.shape[1:]), v.view(*slots.shape, *flat_v.shape[1:])
 
 
-class TorchAttention:
+class TorchAttention(AttentionHeads):
     """Paged attention with torch gathers and fused scaled-dot-product attention."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{num_heads} query heads cannot be grouped over {num_kv_heads} kv heads"
-            )
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
 
     @staticmethod
     def stage(query_lens: list[int], seq_lens: list[int], upload: StepUpload) -> dict[str, Any]:
@@ -149,12 +140,7 @@ class TorchAttention:
 
         Returns ``[T, num_heads * head_dim]`` in the dtype of `q`.
         """
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k, v = k.to(flat_k.dtype), v.to(flat_v.dtype)  # as the cache holds them
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
-
+        flat_k, flat_v, k, v = self.write_kv(k, v, k_cache, v_cache, meta)
         plan = meta.backend_plans.get(_PLAN_KEY)
         if not isinstance(plan, _StepPlan):  # none yet, or the host half staged (stage)
             plan = meta.backend_plans[_PLAN_KEY] = _make_plan(

@@ -139,7 +139,11 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         finally:
             gc.enable()
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        # The graphs' pool, and the static buffers they read and write.
+        buffers = (self.input_ids, self.positions, self.seq_lens, self.slot_mapping,
+                   self.block_tables, self.query_start_loc, self.logits)
+        self.memory_bytes = (max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+                             + sum(t.numel() * t.element_size() for t in buffers))
         self.capture_seconds = time.perf_counter() - start
         log.info("decode steps captured in CUDA graphs", buckets=len(self.buckets),
                  max_batch=self.max_batch, gib=round(self.memory_bytes / 2**30, 3),

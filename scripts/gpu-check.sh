@@ -6,7 +6,9 @@
 #   bash scripts/gpu-check.sh --only 1b                # one part: tests, 1b, 8b or fleet
 #   CONVEYOR_PYTHON=python3 bash scripts/gpu-check.sh  # a Python that already holds torch
 #                                                      # with CUDA, the project's packages,
-#                                                      # pytest and pytest-benchmark
+#                                                      # pytest and pytest-benchmark; the
+#                                                      # wheels in .whl/ (scripts/
+#                                                      # gpu-wheels.sh) are installed first
 # Parts:
 #   tests  the CUDA suite (tests/gpu), the decode-step benchmark on the device and the
 #          host-to-device copies of each kind of step (worker/bench/step_copies.py)
@@ -30,6 +32,12 @@ fi
 if [ -n "${CONVEYOR_PYTHON:-}" ]; then
   py="$CONVEYOR_PYTHON"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  if compgen -G ".whl/*.whl" >/dev/null; then  # what scripts/gpu-wheels.sh fetched
+    site="${TMPDIR:-/tmp}/conveyor-site"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$site"
+  fi
 else
   bash scripts/setup.sh
   py=.venv/bin/python

@@ -304,3 +304,50 @@ def test_a_capture_that_fails_leaves_the_engine_eager_and_says_why(tiny_llama,
     assert engine.runner.graphs is None and "cuda_graph_buckets" not in engine.stats()
     [done] = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=6, ignore_eos=True)])
     assert len(done.token_ids) == 6
+
+
+# Ops that read a device's values back to the host (or size their output by them): any of
+# them in a captured region fails the capture, or bakes one step's values into every replay.
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero",
+              "aten::equal", "aten::masked_select", "aten::unique_dim", "aten::_unique2",
+              "aten::repeat_interleave", "aten::tolist"}
+
+
+def test_the_captured_decode_step_reads_nothing_back_to_the_host(tiny_llama, monkeypatch):
+    """Every op of the decode step a graph captures (embedding, rope, norms, projections,
+    the K/V write, the LM head), recorded as torch dispatches it on the CPU: none reads a
+    value back to the host. (The attention kernel's launch is sized by host ints alone; a
+    stub stands for it here, where the CPU would run the reference, which does read.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvstore.kv_tensors import PagedKVCache
+    from worker.attention import paged_backend
+    from worker.models import load_model
+    from worker.models.decode_graphs import DecodeGraphs
+
+    calls: list[str] = []
+
+    def kernel_stub(q, k_cache, v_cache, block_tables, starts, seq_lens, scale, longest, out):
+        calls.append(type(longest).__name__)
+        return out.zero_()
+
+    monkeypatch.setattr(paged_backend, "paged_kernel", lambda device: kernel_stub)
+    model = load_model(tiny_llama, attention_backend="paged")
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, c.head_dim,
+                         torch.float32, spare_blocks=1)
+    graphs = DecodeGraphs(model, cache, torch.device("cpu"), max_batch=4, max_model_len=64,
+                          capture=False)
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Record():
+        logits = graphs._forward(4)
+    assert logits.shape == (4, c.vocab_size)
+    assert calls == ["int"] * c.num_hidden_layers  # the launch's size: a host int
+    assert {"aten::index_copy_", "aten::mm", "aten::embedding"} <= seen  # it ran through
+    assert not seen & HOST_READS, sorted(seen & HOST_READS)

@@ -36,44 +36,13 @@ from typing import Any
 import torch
 
 from kvstore.kv_tensors import PagedKVCache
-from worker.bench.results.limits import best_seconds
+from worker.bench.results.limits import copy_bandwidth, gemm_peak, sync
 from worker.engine.engine import Engine
 from worker.engine.memory import release_device_memory
 from worker.models.config import ModelConfig
 
 # Tokens by which each request's context differs from --context, at most.
 CONTEXT_SPREAD = 16
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_on(device: torch.device, fn) -> float:
-    """The least seconds of the bench's best-of calls of ``fn``, each waited for on the
-    device (whatever ran before it, too)."""
-    def waited() -> None:
-        fn()
-        sync(device)
-
-    sync(device)
-    return best_seconds(waited)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes a second a device-to-device copy moves (read and written), best of a few."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / best_on(device, lambda: dst.copy_(src))
-
-
-def gemm_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP a second of the best n x n x n matmul of a few (after one to warm up)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    return 2 * n**3 / best_on(device, lambda: torch.matmul(a, b))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 GEMM_N = 2048
 # A GPU's GEMM peak: a matmul of this size fills its tensor cores (the CPU's does not fit).
@@ -85,37 +88,49 @@ def _gpu_peaks(threads: int, weight_bytes: int) -> Peaks:
     """The GPU's bfloat16 GEMM peak and its copy bandwidth (bytes read and written)."""
     import torch
 
-    gemm, (nbytes, copy) = _gpu_gemm_seconds(), _gpu_copy_seconds(weight_bytes)
+    cuda = torch.device("cuda")
+    peaks = Peaks(gemm_peak(cuda, torch.bfloat16, GPU_GEMM_N),
+                  copy_bandwidth(cuda, weight_bytes), threads)
     torch.cuda.empty_cache()  # (their buffers, before an engine sizes its KV pool)
-    return Peaks(2 * GPU_GEMM_N**3 / gemm, nbytes / copy, threads)
+    return peaks
 
 
-def _waited(fn):
-    """``fn`` and a wait for the device to finish it."""
+def sync(device: torch.device) -> None:
+    """Wait for what ``device`` was given to do (nothing to wait for on a CPU)."""
     import torch
 
-    def run() -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_on(device: torch.device, fn) -> float:
+    """The least seconds of REPEATS calls of ``fn``, each waited for on the device
+    (whatever ran before it, too)."""
+    def waited() -> None:
         fn()
-        torch.cuda.synchronize()
-    return run
+        sync(device)
+
+    sync(device)
+    return best_seconds(waited)
 
 
-def _gpu_gemm_seconds() -> float:
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes a second a device-to-device copy moves (read and written), best of a few."""
     import torch
 
-    a = torch.randn(GPU_GEMM_N, GPU_GEMM_N, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(GPU_GEMM_N, GPU_GEMM_N, device="cuda", dtype=torch.bfloat16)
-    _waited(lambda: torch.mm(a, b))()  # (cuBLAS picks its kernel on the first call)
-    return best_seconds(_waited(lambda: torch.mm(a, b)))
-
-
-def _gpu_copy_seconds(weight_bytes: int) -> tuple[int, float]:
-    """(Bytes a copy of the weights' size reads and writes, its best seconds.)"""
-    import torch
-
-    src = torch.ones(max(1, weight_bytes // 2), dtype=torch.bfloat16, device="cuda")
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 2, best_seconds(_waited(lambda: dst.copy_(src)))
+    return 2 * nbytes / best_on(device, lambda: dst.copy_(src))
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP a second of the best n x n x n matmul of a few (after one to warm up)."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    return 2 * n**3 / best_on(device, lambda: torch.matmul(a, b))
 
 
 def best_seconds(fn) -> float:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstore import blocks_for
 from worker.bench.results.records import RequestRecord, RunResult
 from worker.bench.run import cpu
 from worker.bench.run.workloads import WorkItem
@@ -27,6 +28,8 @@ PAD_TOKEN_ID = 0
 # hf-cb's KV pages on a CPU, where transformers would otherwise size its pool from the
 # machine's memory (minutes of zeroing here): what the workload's sequences need at once.
 CB_PAGE_SIZE = 16
+# What each baseline serves once before it is timed (kernels chosen, caches made).
+WARM_UP = [WorkItem(list(range(2, 66)), 4)]
 
 
 def _model(model_dir: Path, name: str) -> tuple[Any, Any]:
@@ -97,17 +100,17 @@ def run_hf_static(model_dir: Path, items: list[WorkItem], batch_size: int,
 
     def run(model: Any, torch: Any, begin: Callable[[], float], end: Callable[[], None]
             ) -> tuple[list, dict]:
-        _generate(model, [WorkItem(list(range(2, 66)), 4)], torch, time.perf_counter())
+        _generate(model, WARM_UP, torch, time.perf_counter())
         start = begin()
         records = []
         for first in range(0, len(items), batch_size):
             batch = items[first:first + batch_size]
             times = _generate(model, batch, torch, start)
-            end = time.perf_counter() - start
+            returned = time.perf_counter() - start
             for offset, item in enumerate(batch):
                 rec = RequestRecord.for_item(first + offset, item, 0.0)
                 rec.chunks = [(t, 1) for t in times[:item.max_tokens]]
-                rec.finish_s, rec.finish_reason = end, "length"
+                rec.finish_s, rec.finish_reason = returned, "length"
                 records.append(rec)
         return records, {}
 
@@ -172,8 +175,7 @@ def run_hf_continuous(model_dir: Path, items: list[WorkItem], threads: int | Non
             manager.warmup()
         manager.start()
         try:
-            warm_up = [WorkItem(list(range(2, 66)), 4)]
-            _serve(manager, warm_up, time.perf_counter(), timeout_s)
+            _serve(manager, WARM_UP, time.perf_counter(), timeout_s)
             records = _serve(manager, items, begin(), timeout_s)
             end()  # (not its shutdown)
         finally:
@@ -201,7 +203,7 @@ def _manager(model: Any, items: list[WorkItem]) -> tuple[Any, dict[str, Any]]:
     extra: dict[str, Any] = {"transformers": transformers.__version__}
     if model.device.type == "cpu":
         # Every sequence's pages at once (sized from memory it would take minutes here).
-        pages = sum(-(-(len(i.prompt_token_ids) + i.max_tokens) // CB_PAGE_SIZE) + 1
+        pages = sum(blocks_for(len(i.prompt_token_ids) + i.max_tokens, CB_PAGE_SIZE) + 1
                     for i in items) + 64
         extra["num_blocks"] = pages
         params = inspect.signature(model.init_continuous_batching).parameters
@@ -221,8 +223,8 @@ def _serve(manager: Any, items: list[WorkItem], start: float, timeout_s: float
            ) -> list[RequestRecord]:
     """Submit ``items`` to a started manager; their records once all are finished."""
     timestamps = "record_timestamps" in inspect.signature(manager.add_request).parameters
+    extra = {"record_timestamps": True} if timestamps else {}
     for index, item in enumerate(items):
-        extra = {"record_timestamps": True} if timestamps else {}
         taken = manager.add_request(list(item.prompt_token_ids), request_id=f"r{index}",
                                     max_new_tokens=item.max_tokens, **extra)
         if taken is None:

@@ -21,7 +21,7 @@ from worker.host.allocator import keep_large_allocations_in_heap
 from worker.host.device import engine_device, engine_dtype
 from worker.models import native_decode
 from worker.models.config import ModelConfig
-from worker.models.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_pool_bytes
+from worker.models.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from worker.models.loader import load_model
 
 if TYPE_CHECKING:
@@ -116,16 +116,25 @@ GATHER_SHARE = 1.5
 
 def step_activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     """A bound on a step's transient memory besides the K/V gather (GATHER_SHARE): the token
-    budget's widest tensors in the model's dtype (the MLP's gate and up outputs and their
-    product, q, k, v, attention's output and the residual stream twice), and the sampler's
-    work on every row's logits (LOGIT_BYTES each, for at least MIN_LOGIT_ROWS rows)."""
-    item = dtype.itemsize
+    budget's widest tensors in the model's dtype (activation_width), and the sampler's work
+    on every row's logits (LOGIT_BYTES each, for at least MIN_LOGIT_ROWS rows)."""
+    rows = max(config.max_num_seqs, MIN_LOGIT_ROWS)
+    return (config.max_num_batched_tokens * activation_width(model) * dtype.itemsize
+            + rows * model.vocab_size * LOGIT_BYTES)
+
+
+def activation_width(model: ModelConfig) -> int:
+    """Values a token's widest tensors of a step hold at once: the MLP's gate and up outputs
+    and their product, q, k, v, attention's output and the residual stream twice."""
     kv_width = 2 * model.num_key_value_heads * model.head_dim
     q_width = model.num_attention_heads * model.head_dim
-    widths = 3 * model.intermediate_size + 2 * q_width + kv_width + 2 * model.hidden_size
-    rows = max(config.max_num_seqs, MIN_LOGIT_ROWS)
-    return (config.max_num_batched_tokens * widths * item
-            + rows * model.vocab_size * LOGIT_BYTES)
+    return 3 * model.intermediate_size + 2 * q_width + kv_width + 2 * model.hidden_size
+
+
+def decode_graph_bytes(model: ModelConfig, dtype: torch.dtype, rows: int) -> int:
+    """A bound on the decode graphs' memory: the largest bucket's activations (the buckets
+    share one pool) and the one logits buffer they all write."""
+    return rows * (activation_width(model) + model.vocab_size) * dtype.itemsize
 
 
 def decode_graph_rows(config: EngineConfig, device: torch.device,
@@ -217,9 +226,8 @@ def kv_memory(config: EngineConfig, model: ModelConfig, device: torch.device,
         1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
     utilization = None
     if tensors_too and config.num_kv_blocks is None and device.type == "cuda":
-        reserve = step_activation_bytes(config, model, dtype) + graph_pool_bytes(
-            model.hidden_size, 3 * model.intermediate_size, model.vocab_size, graph_rows,
-            dtype.itemsize)
+        reserve = (step_activation_bytes(config, model, dtype)
+                   + decode_graph_bytes(model, dtype, graph_rows))
         if memory_info is None:
             # What an engine freed before this one still sits in torch's cache, counted as
             # used: give it back first.

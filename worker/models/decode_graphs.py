@@ -45,12 +45,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     return small + list(range(16, max_batch, 16)) + [max_batch]
 
 
-def graph_pool_bytes(hidden: int, widest: int, vocab: int, rows: int, itemsize: int) -> int:
-    """A bound on the captured graphs' memory: the largest bucket's widest activations
-    (``widest`` values a row; the buckets share one pool) and the one logits buffer."""
-    return rows * (widest + 2 * hidden + vocab) * itemsize
-
-
 class DecodeGraphs:
     """Decode steps of up to ``max_batch`` rows, replayed from captured CUDA graphs (or, with
     ``capture=False``, run eagerly over the same static buffers)."""

@@ -97,11 +97,3 @@ def weight_specs(
     if not tie_word_embeddings:
         normal("lm_head.weight", (preset.vocab_size, h), LOGIT_STD / h**0.5)
     return specs
-
-
-def init_weights(
-    preset: Preset, arch: ArchSpec, num_kv_heads: int, tie_word_embeddings: bool, seed: int
-) -> dict[str, torch.Tensor]:
-    """Every tensor at once, float32 on the CPU (small models and tests)."""
-    return {name: draw(seed, name, spec)
-            for name, spec in weight_specs(preset, arch, num_kv_heads, tie_word_embeddings).items()}

@@ -39,6 +39,7 @@ from kvstore.kv_tensors import PagedKVCache
 from worker.bench.results.limits import copy_bandwidth, gemm_peak, sync
 from worker.engine.engine import Engine
 from worker.engine.memory import release_device_memory
+from worker.host.device import resolve_dtype
 from worker.models.config import ModelConfig
 
 # Tokens by which each request's context differs from --context, at most.
@@ -174,8 +175,7 @@ def measure(model_dir: Path, device: str, dtype: str, batches: list[int], contex
             say=print, modes: tuple[str, ...] = ("graphs", "eager")) -> dict[str, Any]:
     """The device's limits, then each batch's decode step and the prefill chunks."""
     dev = torch.device(device)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "float32": torch.float32}[dtype]
+    torch_dtype = resolve_dtype(dtype)
     bandwidth = copy_bandwidth(dev, int(copy_gib * 2**30))
     say(f"bandwidth (a {copy_gib:g} GiB copy, read + written): {bandwidth / 1e9:.1f} GB/s")
     peak = gemm_peak(dev, torch_dtype, gemm_n)

@@ -579,3 +579,15 @@ def test_cpu_lines_show_the_worker_threads_that_used_cpu():
     assert lines[1] == ("fleet              CPU s by worker thread: engine-loop 10.65, "
                         "publisher 0.18")
     assert len(report.format_cpu({"fleet": {**run, "thread_cpu_s": {}}}).splitlines()) == 1
+
+
+def test_stream_reads_reports_what_redis_spent_on_the_chunks_it_wrote_and_read():
+    """`python -m worker.bench.stream_reads` (docs/redis.md): Redis's own microseconds for
+    each XADD and XREAD of real chunks, and the walk to an entry by the stream's length."""
+    from worker.bench.stream_reads import measure
+
+    out = measure(streams=40, rounds=4, tokens=9)
+    assert out["redis"] and out["entry_bytes"] > 9  # the wire's own chunk, not a stand-in
+    assert out["xread_us"] > 0 and out["xadd_us"] > 0
+    assert out["xread_us_an_entry"] == round(out["xread_us"] / 29, 2)
+    assert set(out["xread_of_one_entry_by_stream_length"]) == {"last_of_2_us", "last_of_26_us"}

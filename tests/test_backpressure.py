@@ -17,7 +17,7 @@ from producer.client.async_client import AsyncClient
 from producer.client.backpressure import QueueFull
 from producer.client.client import Client
 from producer.client.connection import connect
-from producer.client.queues import lane_stats, trim_request_stream
+from producer.client.queues import lane_stats, trim_request_stream, waiting
 from producer.redis.functions import install_functions
 from producer.redis.server import start_ephemeral
 from producer.wire.keys import GROUP, Keys
@@ -265,3 +265,25 @@ def test_lane_depth_and_pending_are_visible(client, r):
 
     lane = next(s for s in lane_stats(r, KEYS, MODEL) if s.lane == "interactive")
     assert (lane.depth, lane.pending, lane.length) == (3, 1, 4)
+
+
+def test_a_count_with_a_limit_reads_no_more_undelivered_entries_than_it_needs(client, r):
+    """Where Redis tells no lag, undelivered entries are read to be counted: a prefill
+    worker asking whether its handoff streams hold its limit must not read 1,000 prompts."""
+    make_group(r)
+    prompt = b"x" * 20_000
+    ids = [r.xadd(STREAM, {"m": prompt}).decode() for _ in range(200)]
+    deliver(r, 2)
+    r.xdel(STREAM, ids[100])  # (Redis 7 then cannot tell the lag either)
+    assert not isinstance(r.xinfo_groups(STREAM)[0].get("lag"), int)  # precondition
+
+    def sent(count) -> tuple[int, int]:
+        before = r.info("stats")["total_net_output_bytes"]
+        n = count()
+        return n, r.info("stats")["total_net_output_bytes"] - before
+
+    total, read_all = sent(lambda: waiting(r, [STREAM]))
+    assert total == 199 and read_all > 150 * len(prompt)  # every undelivered entry read
+    total, read_some = sent(lambda: waiting(r, [STREAM], limit=10))
+    assert 10 <= total < 199 and read_some < 12 * len(prompt)
+    assert waiting(r, [STREAM, STREAM], limit=10) >= 10  # stops once the limit is reached

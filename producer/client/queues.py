@@ -76,17 +76,28 @@ def handoff_stats(client: redis.Redis, keys: Keys, model: str) -> list[LaneStats
     return out
 
 
-def waiting(client: redis.Redis, streams: list[str]) -> int:
+def waiting(client: redis.Redis, streams: list[str], limit: int | None = None) -> int:
     """Requests waiting in ``streams`` together: not yet read, or read and not yet
-    acknowledged (what ``max_queue`` counts)."""
+    acknowledged (what ``max_queue`` counts).
+
+    With ``limit``, counting stops once the total reaches it (the total is then a lower
+    bound): where Redis tells no lag (< 7), undelivered entries are counted by reading them,
+    and a caller that only asks whether ``limit`` is reached reads no more than that many,
+    not DEPTH_SCAN_CAP whole requests.
+    """
     total = 0
     for stream in streams:
-        stats = _one_lane(client, stream, "", "")
+        cap = DEPTH_SCAN_CAP if limit is None else max(0, limit - total)
+        stats = _one_lane(client, stream, "", "", cap)
         total += stats.depth + stats.pending
+        if limit is not None and total >= limit:
+            break
     return total
 
 
-def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneStats:
+def _one_lane(client: redis.Redis, stream: str, model: str, lane: str,
+              cap: int = DEPTH_SCAN_CAP) -> LaneStats:
+    """One stream's counts; its depth counted up to ``cap`` where Redis tells no lag."""
     pipe = client.pipeline(transaction=False)
     pipe.xlen(stream)
     pipe.xinfo_groups(stream)
@@ -95,24 +106,27 @@ def _one_lane(client: redis.Redis, stream: str, model: str, lane: str) -> LaneSt
         return LaneStats(model, lane, 0, 0, 0, 0 if isinstance(length, Exception) else length)
     group = next((g for g in groups if as_text(g.get("name")) == GROUP), None)
     if group is None:  # no worker has read this lane yet: everything in it waits
-        return LaneStats(model, lane, min(length, DEPTH_SCAN_CAP), 0, 0, length)
+        return LaneStats(model, lane, min(length, cap), 0, 0, length)
     lag = group.get("lag")
-    depth = lag if isinstance(lag, int) else _count_after(client, stream,
-                                                          as_text(group["last-delivered-id"]))
+    depth = lag if isinstance(lag, int) else _count_after(
+        client, stream, as_text(group["last-delivered-id"]), cap)
     return LaneStats(model, lane, depth, int(group.get("pending") or 0),
                      int(group.get("consumers") or 0), length)
 
 
-def _count_after(client: redis.Redis, stream: str, last_delivered: str) -> int:
-    """Entries after the group's last delivered id (Redis < 7, or lag unknown after deletions).
+def _count_after(client: redis.Redis, stream: str, last_delivered: str, cap: int) -> int:
+    """Entries after the group's last delivered id, up to ``cap`` (Redis < 7, or lag
+    unknown after deletions): each is read whole to be counted.
 
     A user who may not read entries (the Redis 7 observer) gets an upper bound instead:
     every entry in the stream, capped.
     """
+    if cap <= 0:
+        return 0
     try:
-        return len(client.xrange(stream, min=f"({last_delivered}", count=DEPTH_SCAN_CAP))
+        return len(client.xrange(stream, min=f"({last_delivered}", count=cap))
     except redis.exceptions.NoPermissionError:
-        return min(int(client.xlen(stream)), DEPTH_SCAN_CAP)
+        return min(int(client.xlen(stream)), cap)
 
 
 

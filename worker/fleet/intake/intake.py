@@ -196,7 +196,8 @@ class Intake(SupervisedThread):
         """How many more requests a prefill worker may take before the handoff streams
         hold ``handoff_max_waiting`` (those it is computing add to them: the bound is
         exceeded by at most its own capacity)."""
-        self.handoff_backlog = waiting(self.client, self.handoff_streams)
+        self.handoff_backlog = waiting(self.client, self.handoff_streams,
+                                       limit=self.handoff_max_waiting)
         return max(0, self.handoff_max_waiting - self.handoff_backlog)
 
     def prepare_streams(self, client: redis.Redis) -> None:

@@ -191,6 +191,21 @@ def test_health_metrics_and_errors_outside_the_api(start_worker, gateway, oai):
     assert bad_json.status_code == 400 and bad_json.json()["error"]["message"]
 
 
+def test_a_field_named_with_a_lone_surrogate_is_a_400_and_the_connection_serves_on(gateway):
+    # Valid JSON ("\ud800" is an escape JSON allows) that UTF-8 cannot write back: the 400
+    # naming it is written with non-ASCII escaped, not failed as a 500 that drops the socket.
+    body = ('{"model": "%s", "prompt": "x", "max_tokens": 2, "\\ud800": 1}' % MODEL).encode()
+    with httpx.Client() as http:  # one kept-alive connection for both requests
+        refused = http.post(gateway.api + "/completions", content=body,
+                            headers={"Content-Type": "application/json"})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "\ud800"
+        assert http.get(gateway.api + "/models").status_code == 200
+    page = httpx.get(gateway.url + "/metrics").text
+    assert 'conveyor_gateway_requests_total{endpoint="/v1/completions",status="400"} 1.0' \
+        in page
+
+
 def test_an_error_after_streaming_began_is_an_event_before_done(start_worker, gateway):
     # A prompt within the context but larger than the worker's whole KV pool (4 blocks of
     # 16): only the worker can tell, once the request is queued.

@@ -29,7 +29,8 @@ import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as StarletteJSON
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from producer.client.async_client import AsyncClient
@@ -719,6 +720,20 @@ def _usage(usage: dict[str, Any], num_tokens: int) -> Usage:
                  int(usage.get("completion_tokens", num_tokens)),
                  int(usage.get("cached_tokens", 0)),
                  int(usage.get("kv_transferred_tokens", 0)))
+
+
+class JSONResponse(StarletteJSON):
+    """Starlette's JSON answer, written as UTF-8 where it can be: a request's own strings
+    come back in errors (an unknown field's name, a bad value), and JSON may carry a lone
+    surrogate (``"\\ud800"``) that UTF-8 cannot; such an answer is written with every
+    non-ASCII character escaped (still the same JSON) rather than failing as a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
+                              separators=(",", ":")).encode("ascii")
 
 
 def _unreachable(exc: Exception) -> JSONResponse:

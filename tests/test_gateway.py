@@ -194,7 +194,7 @@ def test_health_metrics_and_errors_outside_the_api(start_worker, gateway, oai):
 def test_a_field_named_with_a_lone_surrogate_is_a_400_and_the_connection_serves_on(gateway):
     # Valid JSON ("\ud800" is an escape JSON allows) that UTF-8 cannot write back: the 400
     # naming it is written with non-ASCII escaped, not failed as a 500 that drops the socket.
-    body = ('{"model": "%s", "prompt": "x", "max_tokens": 2, "\\ud800": 1}' % MODEL).encode()
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "max_tokens": 2, "\\ud800": 1}'
     with httpx.Client() as http:  # one kept-alive connection for both requests
         refused = http.post(gateway.api + "/completions", content=body,
                             headers={"Content-Type": "application/json"})

@@ -104,6 +104,21 @@ def test_a_request_a_step_leaves_out_gets_its_held_tokens_at_once():
     assert holder.held_requests == 0
 
 
+def test_with_an_interval_a_request_a_step_leaves_out_waits_for_its_interval():
+    # A request that stalls (preempted, waiting for KV blocks) is not written a chunk each
+    # time it does: at most one an interval, as when it runs.
+    clock = ManualClock()
+    holder = ChunkHolder(interval_s=0.05, clock=clock)
+    holder.release([step("a", 0), step("b", 0)])  # both first tokens go out
+    clock.advance(0.01)
+    assert spans(holder.release([step("a", 1), step("b", 1)])) == []
+    clock.advance(0.01)
+    assert spans(holder.release([step("a", 2)])) == []  # "b" left out: still held
+    clock.advance(0.03)  # both intervals over: "b" goes though this step leaves it out
+    assert spans(holder.release([step("a", 3)])) == [("a", 1, 3, False), ("b", 1, 1, False)]
+    assert holder.held_requests == 0
+
+
 def test_a_request_that_ended_here_without_a_final_gets_its_held_tokens_written():
     holder = ChunkHolder(4)
     holder.release([step("a", 0)])
@@ -502,8 +517,9 @@ def test_the_publisher_times_a_batch_from_handed_over_to_in_redis(redis_client):
 
 def test_the_engine_loop_holds_a_requests_tokens_for_the_interval():
     """TokenHold: the first token and the final at once, then at most a chunk an interval,
-    the held tokens first; a request a step leaves out releases what it holds; one that does
-    not coalesce (stop strings, log-probabilities) is never held."""
+    the held tokens first; a request a step leaves out releases what it holds once its
+    interval is over, not before; one that does not coalesce (stop strings,
+    log-probabilities) is never held."""
     hold = TokenHold(0.05)
     entry = InflightRequest("a", "lane", "1-0", 3, coalesce=True)
     plain = InflightRequest("p", "lane", "2-0", 3)
@@ -517,11 +533,13 @@ def test_the_engine_loop_holds_a_requests_tokens_for_the_interval():
     assert step(0.02, (entry, 12)) == [None] and hold.tokens == 2
     assert step(0.05, (entry, 13)) == [[11, 12, 13]] and hold.tokens == 0  # interval over
     assert step(0.06, (entry, 14)) == [None]
-    hold.new_step()  # a step without it (preempted): what it holds goes
-    assert hold.left_out(0.07) == [(entry, [14])] and hold.tokens == 0
-    assert step(0.08, (entry, 15)) == [None]
-    assert hold.take(entry, [16], 0.09, finished=True) == [15, 16]  # the final: with it all
-    assert hold.release_all(0.1) == []
+    hold.new_step()  # a step without it (preempted, waiting for blocks): it stays held...
+    assert hold.left_out(0.07) == [] and hold.tokens == 1
+    hold.new_step()  # ... until a step after its interval, which goes without it too
+    assert hold.left_out(0.1) == [(entry, [14])] and hold.tokens == 0
+    assert step(0.11, (entry, 15)) == [None]
+    assert hold.take(entry, [16], 0.12, finished=True) == [15, 16]  # the final: with it all
+    assert hold.release_all(0.13) == []
 
 
 def test_a_handed_on_request_goes_on_in_the_generation_its_prefill_worker_wrote(redis_client):

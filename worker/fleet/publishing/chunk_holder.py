@@ -10,12 +10,14 @@ come slower than that. (``tokens``, the older way, holds them until they number 
 many: a count of steps means nothing to a reader who does not know the step rate.)
 
 What is never held: a request's first chunk (time to first token stays as it is), a final
-(with whatever was held before it, in one chunk), anything of a request that a step leaves
-out (a preempted or waiting request's tokens do not wait for its next step) or that ended
-here (cancelled, its lease lost), and everything when the publisher closes or the engine
-idles. Held chunks are the publisher's prepared output: stop strings were applied before
-holding, so a stop is seen at once (the text of a request without stop strings is made as
-its chunk leaves: text_stage.py, ``fill``).
+(with whatever was held before it, in one chunk), anything of a request that ended here
+(cancelled, its lease lost), and everything when the publisher closes or the engine idles.
+A request that a step leaves out (preempted, waiting for blocks) does not wait for its next
+step: with an interval, its chunk goes once the interval is over, stepped or not (at once,
+it would write a chunk each time it stalls); held by a count of tokens alone, at once.
+Held chunks are the publisher's prepared output: stop strings were applied before holding,
+so a stop is seen at once (the text of a request without stop strings is made as its chunk
+leaves: text_stage.py, ``fill``).
 
 A joined chunk is one XADD. Its entry id says only where it ends, so two writers of one
 request (a worker that lost its lease and the one that claimed it) that joined different
@@ -99,8 +101,9 @@ class ChunkHolder:
         """``items`` (one or more steps' prepared output, in order) less the chunks held
         back, with held chunks put before the next output of their request. Nothing stays
         held of a request in ``ended`` (ended here without a final of ours: cancelled, its
-        lease lost, handed on), of one the items' steps leave out, or of any with
-        ``flush_all`` (closing, or no step for a while).
+        lease lost, handed on), of one whose interval is over, stepped or not, of one the
+        items' steps leave out where there is no interval (held by a count of tokens), or
+        of any with ``flush_all`` (closing, or no step for a while).
 
         A request's joined chunk (with its final, if any) is the last of its output in what
         this returns, and there is at most one; whatever must go before something else
@@ -148,10 +151,12 @@ class ChunkHolder:
                 self._sent_at[rid] = now
             else:
                 self._held[rid] = pieces
-        # Items with no step in them (the engine loop's other messages) say nothing of who
-        # was stepped; a request whose interval is over goes whatever they say.
+        # A request the step left out waits for its interval like the others (a count of
+        # tokens alone has no time to wait for: then it goes now). Items with no step in
+        # them (the engine loop's other messages) say nothing of who was stepped.
+        left_out_now = bool(stepped) and self.interval_s is None
         for rid in [r for r, pieces in self._held.items() if r not in stepped and (
-                flush_all or r in ended or stepped or self._due(r, pieces, now))]:
+                flush_all or r in ended or left_out_now or self._due(r, pieces, now))]:
             out.append(self._publication(rid, self._held.pop(rid)))
             self._sent_at[rid] = now
         for rid in ended:

@@ -10,8 +10,10 @@ and makes one chunk of them once the interval since its last chunk is over: the 
 gets that chunk ready-joined (``Publication.coalesced``) and only detokenizes and writes it.
 
 The same rules as the chunk holder's: a request's first token and its final go at once (the
-final with everything held); a request a step leaves out (preempted, waiting) has its tokens
-released with that step's output; so has one dropped here (its lease lost), and everything
+final with everything held); a request a step leaves out (preempted, waiting for blocks) has
+its tokens released with the first step's output after its interval is over, as if it had
+been in that step (a release at once would write a chunk for every stall: under memory
+pressure, several an interval); one dropped here (its lease lost) at once, and everything
 when the loop pauses, idles or stops. Requests with stop strings or log-probabilities go
 step by step to the publisher, whose text stage sees each token (a stop string ends the
 request at once) and whose chunk holder joins them.
@@ -63,11 +65,12 @@ class TokenHold:
         return held
 
     def left_out(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
-        """Entries holding tokens that the step just published did not run, with their
-        tokens, released."""
-        step = self._step
-        gone = [e for e in self._holding.values() if e.held_step != step]
-        return [(e, self._released_at(e, now)) for e in gone]
+        """Entries holding tokens that the step just published did not run and whose
+        interval is over, with their tokens, released."""
+        step, interval = self._step, self.interval_s
+        due = [e for e in self._holding.values() if e.held_step != step
+               and now - e.chunk_sent_at >= interval]
+        return [(e, self._released_at(e, now)) for e in due]
 
     def release_all(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
         return [(e, self._released_at(e, now)) for e in list(self._holding.values())]

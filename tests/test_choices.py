@@ -5,6 +5,7 @@ request refused answers every choice's stream and is dead-lettered once."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from fleet_fixtures import MODEL
 
@@ -59,6 +60,14 @@ def test_a_refused_request_answers_every_choice_and_is_dead_lettered_once(start_
     assert [c.finish_reason for c in done] == ["error"] * 3
     assert all("leaves no room to generate" in c.error for c in done)
     assert redis_client.xlen(Keys().dead) == 1
+    # Refused by the engine, after the intake let it go: the dead letter names the request
+    # (not the choice refused last) and keeps the entry as it arrived, as one the intake
+    # refuses does.
+    (_, dead), = redis_client.xrange(Keys().dead)
+    assert dead[b"request_id"] == rid.encode()
+    message = msgpack.unpackb(dead[b"raw"])
+    assert message["id"] == rid and message["prompt_token_ids"] == too_long
+    assert int(dead[b"raw_bytes"]) == len(dead[b"raw"])
 
 
 def test_n_is_checked_at_the_edge(client):

@@ -37,6 +37,7 @@ import structlog
 
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, error_final, now_ms
+from producer.wire.validation import request_of
 from worker.fleet.handoff.handoff import HandOnWriter
 from worker.fleet.handoff.prefix_share import PrefixSharer
 from worker.fleet.handoff.tier_io import TierWriter
@@ -94,7 +95,8 @@ def dead_letter_fields(item: Rejection, worker_id: str, ts_ms: int) -> dict[str,
         "reason": reason,
         "stream": item.stream,
         "entry_id": item.entry_id,
-        "request_id": item.request_id or "",
+        # The request, also where the rejection was a choice's (a dead letter is the entry's).
+        "request_id": request_of(item.request_id) if item.request_id else "",
         "worker": worker_id,
         "ts_ms": str(ts_ms),
     }
@@ -547,8 +549,21 @@ class Publisher(SupervisedThread):
             commands.append(Command(item, "expire", key, ("EXPIRE", key, ttl),
                                     lives_until=now + ttl))
 
+    def _entry_message(self, stream: str, entry_id: str) -> bytes | None:
+        """The message of a request entry refused after the intake let it go (the engine
+        refused it: a prompt past the context, an id outside the vocabulary), read back for
+        its dead letter: it is still pending, so still there. None where it is not."""
+        try:
+            entries = self.client.xrange(stream, entry_id, entry_id, count=1)
+        except redis.ResponseError:  # (an id Redis cannot parse: the intake keeps its bytes)
+            return None
+        message = entries[0][1].get(FIELD) if entries else None
+        return message if isinstance(message, bytes) else None
+
     def _add_rejection(self, commands: list[Command], item: Rejection) -> None:
         if not item.dead_lettered:
+            if item.raw is None:
+                item.raw = self._entry_message(item.stream, item.entry_id)
             fields = dead_letter_fields(item, self.worker_id, now_ms())
             commands.append(Command(item, "dead", self.keys.dead, (
                 "XADD", self.keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*",

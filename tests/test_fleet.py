@@ -303,6 +303,7 @@ def test_deadlines_expire_requests_before_and_during_generation(redis_url, start
                          ignore_eos=True, timeout=1.0)
     late_result = Client(redis_url).result(late, timeout=30)
     assert late_result.finish_reason is FinishReason.EXPIRED and late_result.token_ids == []
+    assert late_result.usage.prompt_tokens == 0  # nothing done for it: an empty usage
     events = Client(redis_url).stream(slow, timeout=30)
     first = next(events)  # it is generating, before its deadline
     worker.loop.pause()  # holds it mid-generation whatever the machine's speed

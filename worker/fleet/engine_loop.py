@@ -289,6 +289,8 @@ class EngineLoop(SupervisedThread):
         wait_s = max(0.0, (now_ms() - req.created_ms) / 1000)
         with self._cancel_lock:
             ended = self._ends.pop(req.request_id, None)
+        if ended is None and req.deadline_ms and self.clock.time() * 1000 >= req.deadline_ms:
+            ended = FinishReason.EXPIRED  # past its deadline before any step: nothing done
         if ended is not None:
             log.info("request ended before it started", request_id=req.request_id,
                      finish_reason=str(ended))

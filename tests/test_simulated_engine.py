@@ -184,6 +184,17 @@ def test_a_simulated_worker_serves_the_fleet_and_says_it_is_simulated(
     assert entry["id"] == MODEL and entry["simulated"] is True
     assert entry["owned_by"] == "conveyor (simulated)"
     assert httpx.get(f"{gateway.api}/models/{MODEL}").json()["simulated"] is True
+    # What it cannot serve is a 400 naming the field before anything is queued, streamed
+    # or not (not a 200 and an error event).
+    asks = [({"logprobs": 1}, "logprobs"), ({"echo": True, "logprobs": 0}, "logprobs"),
+            ({"response_format": {"type": "json_object"}}, "response_format")]
+    for extra, field in asks:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream, **extra}
+            refused = httpx.post(f"{gateway.api}/completions", json=body, timeout=30)
+            assert refused.status_code == 400, (extra, stream, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == field and "simulated" in error["message"]
 
 
 def test_a_simulated_and_a_real_worker_refuse_to_serve_one_model_together(

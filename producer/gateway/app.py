@@ -327,6 +327,11 @@ class Gateway:
         # streamed or not: a prompt over the context, messages the template refuses.
         facts = await self._facts(api.model)
         facts.use_tools(api)
+        if facts.simulated_refusal(api) is not None:
+            # (facts are up to a minute old: the model may have real workers by now)
+            facts = await self._fresh_facts(api.model)
+            if (refusal := facts.simulated_refusal(api)) is not None:
+                raise refusal
         prompt_tokens = await facts.prompt_tokens(api)
         facts.check_context(api, prompt_tokens)
         request_id = await self._submit(api)
@@ -477,6 +482,14 @@ class Gateway:
         if cached is not None:
             return cached[1]  # (the read in flight refreshes them)
         return await asyncio.shield(reading)
+
+    async def _fresh_facts(self, model: str) -> ModelFacts:
+        """The model's facts read now, for a rare look (a refusal) that a view up to a
+        minute old must not decide."""
+        began = time.monotonic()
+        facts = await read_facts(self.client.redis, self.client.keys.model(model))
+        self._model_facts[model] = (began, facts)
+        return facts
 
     async def _read_facts(self, model: str, began: float) -> ModelFacts:
         try:

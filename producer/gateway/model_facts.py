@@ -25,7 +25,8 @@ log = structlog.get_logger(__name__)
 # Prompts longer than this (characters) are encoded off the event loop.
 INLINE_PROMPT_CHARS = 20_000
 # The model hash's fields read here.
-FIELDS = ("tokenizer_json", "chat_template", "chat_special_tokens", "max_model_len")
+FIELDS = ("tokenizer_json", "chat_template", "chat_special_tokens", "max_model_len",
+          "simulated")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,26 @@ class ModelFacts:
     max_model_len: int | None = None
     # The model registered no chat template (not: one this process could not read).
     no_template: bool = False
+    # Simulated workers serve it (worker/engine/simulated.py): their tokens are no model's.
+    simulated: bool = False
+
+    def simulated_refusal(self, api: ApiRequest) -> ApiError | None:
+        """What a simulated worker would refuse of ``api`` (worker/engine/admission.py,
+        ``check_params``), as a 400 naming the field the client sent: answered before the
+        request is queued, streamed or not, rather than as an event after a 200."""
+        if not self.simulated:
+            return None
+        why = "this model is served by simulated workers (docs/simulated.md)"
+        if "logprobs" in api.sampling or "prompt_logprobs" in api.sampling:
+            return ApiError(f"logprobs: {why}: they compute no logits, so they cannot give "
+                            "log-probabilities", param="logprobs")
+        if "response_format" in api.sampling:
+            field = "tool_choice" if api.tool_choice.forced else "response_format"
+            return ApiError(f"{field}: {why}: their tokens are not the model's, so they "
+                            "cannot follow a grammar" + (" (a forced tool call is one)"
+                                                        if field == "tool_choice" else ""),
+                            param=field)
+        return None
 
     @cached_property
     def tool_format(self) -> ToolFormat | None:
@@ -143,7 +164,7 @@ async def read_facts(redis: Any, key: str) -> ModelFacts:
     pipe = redis.pipeline(transaction=False)
     for name in FIELDS:  # (HGETs: the producer's ACL has no HMGET)
         pipe.hget(key, name)
-    raw_tokenizer, template, special, length = await pipe.execute()
+    raw_tokenizer, template, special, length, simulated = await pipe.execute()
     tokenizer = None
     if raw_tokenizer is not None:
         try:
@@ -157,7 +178,7 @@ async def read_facts(redis: Any, key: str) -> ModelFacts:
         log.warning("cannot read the model's chat template", key=key, error=repr(exc))
         chat_template = None
     return ModelFacts(tokenizer, chat_template, registered_int(length),
-                      no_template=template is None)
+                      no_template=template is None, simulated=simulated == b"1")
 
 
 def registered_int(value: bytes | None) -> int | None:

@@ -117,6 +117,10 @@ def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
         ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
         ({"temperature": -1}, "temperature"),
+        # (messages that do not begin with the field's name)
+        ({"stop": [""]}, "stop"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"extra_body": {"stop_token_ids": list(range(65))}}, "stop_token_ids"),
     ]
     for extra, field in cases:
         with pytest.raises(openai.BadRequestError) as refused:
@@ -124,6 +128,10 @@ def test_unsupported_fields_are_400s_naming_them(start_worker, oai):
         error = refused.value.body
         assert error["param"] == field, (field, error)
         assert field in error["message"] and error["type"] == "invalid_request_error"
+    for prompt in ([2**40], [10**6]):  # past what an id may be; outside the vocabulary
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert refused.value.body["param"] == "prompt", refused.value.body
 
 
 def test_unknown_model_is_404_and_a_model_without_live_workers_503(start_worker, oai, gateway):
@@ -490,6 +498,7 @@ def test_text_the_tokenizer_cannot_take_is_a_400_and_the_facts_are_read_once(
 
     from producer.client.async_client import AsyncClient
     from producer.gateway import GatewaySettings, create_app
+    from producer.gateway.model_facts import FIELDS
 
     def hget_calls() -> int:
         return int(redis_client.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
@@ -503,7 +512,7 @@ def test_text_the_tokenizer_cannot_take_is_a_400_and_the_facts_are_read_once(
             return [hget_calls() - before, facts]
 
     hgets, facts = asyncio.run(burst())
-    assert hgets == 4  # one read: four fields
+    assert hgets == len(FIELDS)  # one read: an HGET a field
     assert all(f is facts[0] for f in facts) and facts[0].tokenizer is not None
 
 

@@ -58,7 +58,14 @@ from producer.gateway.tokenizing import detokenized, tokenized
 from producer.version import conveyor_version
 from producer.wire.completion import Usage
 from producer.wire.errors import LaneBlocked, ModelNotFound, RequestLost
-from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, ApiRequest, parse_body
+from producer.wire.openai_api import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    ApiError,
+    ApiRequest,
+    param_of,
+    parse_body,
+)
 from producer.wire.tools.formats import ended_with_calls
 from producer.wire.tools.stream import ToolCallStream
 
@@ -355,6 +362,7 @@ class Gateway:
             status = 400 if done.usage.completion_tokens == 0 else 500
             raise ApiError(done.error, status=status, code="request_failed",
                            kind="invalid_request_error" if status == 400 else "server_error",
+                           param=param_of(done.error) if status == 400 else None,
                            request_id=request_id)
         return JSONResponse(completion_body(api, choices, created, spelling, echoed or ""),
                             headers={"X-Request-Id": request_id})
@@ -463,7 +471,7 @@ class Gateway:
             raise ApiError(str(exc), status=503, kind="service_unavailable",
                            code="lane_blocked") from None
         except (ValueError, OverflowError) as exc:
-            raise ApiError(str(exc)) from None
+            raise ApiError(str(exc), param=param_of(str(exc))) from None
 
     async def _facts(self, model: str) -> ModelFacts:
         """The model's registered tokenizer, chat template and context length, read at most

@@ -16,6 +16,7 @@ vLLM does); an image, audio or file part is refused, named.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,7 +183,7 @@ def parse_body(url: str, body: Any, model: str | None = None) -> ApiRequest:
     try:
         SamplingParams.from_dict(req.sampling)
     except ValueError as exc:
-        raise ApiError(str(exc), param=_param_of(str(exc))) from None
+        raise ApiError(str(exc), param=param_of(str(exc))) from None
     return req
 
 
@@ -310,7 +311,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _param_of(message: str) -> str | None:
-    """The field a SamplingParams error names (its messages start with it)."""
-    head = message.split(" ", 1)[0]
-    return head if head in SAMPLING_FIELDS or head == "logprobs" else None
+# Wire names a refusal may give, as the OpenAI API's fields (a prompt of token ids is sent
+# on the wire as prompt_token_ids).
+_API_NAMES = {"prompt_token_ids": "prompt", "prompt": "prompt", "messages": "messages",
+              "logprobs": "logprobs"}
+
+
+def param_of(message: str) -> str | None:
+    """The field a refusal's message names: its first word that is an API field (``each stop
+    string ...``, ``at most 64 stop_token_ids``, ``prompt_token_ids has token id ...``);
+    None where it names none."""
+    for word in re.findall(r"[a-z_]+", message):
+        if word in SAMPLING_FIELDS:
+            return word
+        if word in _API_NAMES:
+            return _API_NAMES[word]
+    return None

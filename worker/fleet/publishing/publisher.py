@@ -225,9 +225,9 @@ class Publisher(SupervisedThread):
             acks_wait = ACK_DELAY_S if acks_waiting else wait
             batch, handed_at = self._take(min(wait, acks_wait))
             ready = self._prepare(batch) if batch else []
-            # Held chunks leave once their interval is over, with their request's next
-            # output, or at the latest with the batch that no longer steps it; all of them
-            # when closing, or idle (no batch) where they wait for a count of tokens.
+            # Held chunks leave once their interval is over (this wait ends then), stepped
+            # or not; all of them when closing, or idle (no batch) where they wait for a
+            # count of tokens (a request a step leaves out then goes with that step).
             idle = batch is None and self.holder.interval_s is None and acks_wait >= wait
             self._owed = self.holder.release(ready, set(self._forgotten),
                                              flush_all=idle or self._closing) or None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, parse_body
+from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL, ApiError, param_of, parse_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -135,3 +135,16 @@ def test_n_choices_are_a_sampling_field():
     req = parse_body(CHAT_URL, {**CHAT, "n": 3, "seed": 5})
     assert req.n == 3 and req.sampling == {"n": 3, "seed": 5}
     assert parse_body(CHAT_URL, CHAT).n == 1
+
+
+def test_a_refusal_names_the_api_field_its_message_is_about():
+    assert param_of("each stop string must be a non-empty string") == "stop"
+    assert param_of("at most 64 stop_token_ids") == "stop_token_ids"
+    assert param_of("prompt_token_ids has token id 2 outside the vocabulary") == "prompt"
+    # A worker's refusals: a chat request's prompt is its messages; prompt logprobs, echo.
+    too_long = "prompt of 5000 tokens leaves no room to generate: the model's max is 4096"
+    assert param_of(too_long) == "prompt" and param_of(too_long, chat=True) == "messages"
+    assert param_of("prompt_logprobs=5 of a prompt of 9000 tokens would not fit") == "echo"
+    # Quoted text is the client's: a model named 'stop-n' is not the stop field.
+    assert param_of("model 'stop-n' is not served") is None
+    assert param_of("unknown sampling parameter(s): foo") is None

@@ -165,6 +165,28 @@ def test_a_claimed_request_whose_published_tokens_fill_the_kv_pool_ends_length(
     eventually(lambda: redis_client.xpending(STREAM, GROUP)["pending"] == 0, "acknowledged")
 
 
+def test_a_claimed_request_found_complete_ends_complete_though_its_deadline_passed(
+        redis_url, redis_client, start_worker):
+    """Its tokens were all made before the deadline (the worker died before its final): it
+    ends as they end it, with its usage, not as expired with an empty one."""
+    clock = ManualClock()
+    rid = "resumed-complete-late"
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    req = GenerationRequest(rid, MODEL, SamplingParams(max_tokens=3, temperature=0,
+                                                       ignore_eos=True),
+                            prompt_token_ids=[5, 6, 7],
+                            deadline_ms=int(clock.time() * 1000) + 1000)
+    redis_client.xadd(STREAM, {FIELD: req.encode()})
+    held_by(redis_client, "gone", 1, lapsed=True)
+    chunk = OutputChunk(0, [11, 12, 13], "")  # every token max_tokens allows
+    redis_client.xadd(KEYS.output(rid), {FIELD: chunk.encode()}, id=chunk.entry_id)
+    clock.advance(5)  # the deadline passed while nobody held it
+    start_worker("late", clock=clock)
+    done = Client(redis_url).result(rid, timeout=60)
+    assert done.finish_reason is FinishReason.LENGTH and done.token_ids == [11, 12, 13]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 3)
+
+
 def test_a_dead_workers_consumer_leaves_the_group_only_once_it_holds_nothing(
         redis_url, redis_client, start_worker, monkeypatch):
     import worker.fleet.housekeeping.reaper as reaper_module

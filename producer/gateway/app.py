@@ -334,10 +334,10 @@ class Gateway:
         # streamed or not: a prompt over the context, messages the template refuses.
         facts = await self._facts(api.model)
         facts.use_tools(api)
-        if facts.simulated_refusal(api) is not None:
+        if (refusal := facts.simulated_refusal(api)) is not None:
             # (facts are up to a minute old: the model may have real workers by now)
-            facts = await self._fresh_facts(api.model)
-            if (refusal := facts.simulated_refusal(api)) is not None:
+            if await self.client.redis.hget(self.client.keys.model(api.model),
+                                            "simulated") == b"1":
                 raise refusal
         prompt_tokens = await facts.prompt_tokens(api)
         facts.check_context(api, prompt_tokens)
@@ -362,7 +362,8 @@ class Gateway:
             status = 400 if done.usage.completion_tokens == 0 else 500
             raise ApiError(done.error, status=status, code="request_failed",
                            kind="invalid_request_error" if status == 400 else "server_error",
-                           param=param_of(done.error) if status == 400 else None,
+                           param=param_of(done.error, chat=api.chat) if status == 400
+                           else None,
                            request_id=request_id)
         return JSONResponse(completion_body(api, choices, created, spelling, echoed or ""),
                             headers={"X-Request-Id": request_id})
@@ -471,7 +472,7 @@ class Gateway:
             raise ApiError(str(exc), status=503, kind="service_unavailable",
                            code="lane_blocked") from None
         except (ValueError, OverflowError) as exc:
-            raise ApiError(str(exc), param=param_of(str(exc))) from None
+            raise ApiError(str(exc), param=param_of(str(exc), chat=api.chat)) from None
 
     async def _facts(self, model: str) -> ModelFacts:
         """The model's registered tokenizer, chat template and context length, read at most
@@ -490,14 +491,6 @@ class Gateway:
         if cached is not None:
             return cached[1]  # (the read in flight refreshes them)
         return await asyncio.shield(reading)
-
-    async def _fresh_facts(self, model: str) -> ModelFacts:
-        """The model's facts read now, for a rare look (a refusal) that a view up to a
-        minute old must not decide."""
-        began = time.monotonic()
-        facts = await read_facts(self.client.redis, self.client.keys.model(model))
-        self._model_facts[model] = (began, facts)
-        return facts
 
     async def _read_facts(self, model: str, began: float) -> ModelFacts:
         try:

@@ -311,19 +311,20 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# Wire names a refusal may give, as the OpenAI API's fields (a prompt of token ids is sent
-# on the wire as prompt_token_ids).
+# Wire names a refusal may give, as the OpenAI API's fields: a prompt of token ids is sent
+# on the wire as prompt_token_ids, and the prompt's log-probabilities are asked by echo.
 _API_NAMES = {"prompt_token_ids": "prompt", "prompt": "prompt", "messages": "messages",
-              "logprobs": "logprobs"}
+              "logprobs": "logprobs", "prompt_logprobs": "echo"}
+# Quoted text in a message (a model's name, a value sent) is the client's, not a field.
+_QUOTED = re.compile(r"(?<![A-Za-z])'[^']*'|\"[^\"]*\"")
 
 
-def param_of(message: str) -> str | None:
-    """The field a refusal's message names: its first word that is an API field (``each stop
-    string ...``, ``at most 64 stop_token_ids``, ``prompt_token_ids has token id ...``);
-    None where it names none."""
-    for word in re.findall(r"[a-z_]+", message):
-        if word in SAMPLING_FIELDS:
-            return word
-        if word in _API_NAMES:
-            return _API_NAMES[word]
+def param_of(message: str, chat: bool = False) -> str | None:
+    """The field a refusal's message names: its first word outside quotes that is an API
+    field (``each stop string ...``, ``at most 64 stop_token_ids``, ``prompt_token_ids has
+    token id ...``; a chat request's prompt is its ``messages``); None where it names none."""
+    for word in re.findall(r"[a-z_]+", _QUOTED.sub(" ", message)):
+        name = word if word in SAMPLING_FIELDS else _API_NAMES.get(word)
+        if name is not None:
+            return "messages" if chat and name == "prompt" else name
     return None

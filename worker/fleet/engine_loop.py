@@ -289,8 +289,11 @@ class EngineLoop(SupervisedThread):
         wait_s = max(0.0, (now_ms() - req.created_ms) / 1000)
         with self._cancel_lock:
             ended = self._ends.pop(req.request_id, None)
-        if ended is None and req.deadline_ms and self.clock.time() * 1000 >= req.deadline_ms:
-            ended = FinishReason.EXPIRED  # past its deadline before any step: nothing done
+        if (ended is None and req.deadline_ms and not (adm.published and adm.published.token_ids)
+                and self.clock.time() * 1000 >= req.deadline_ms):
+            # Past its deadline with nothing done (a resumed one may be complete already:
+            # below, or the engine expires it keeping its tokens).
+            ended = FinishReason.EXPIRED
         if ended is not None:
             log.info("request ended before it started", request_id=req.request_id,
                      finish_reason=str(ended))

@@ -525,18 +525,19 @@ def test_the_engine_loop_holds_a_requests_tokens_for_the_interval():
     plain = InflightRequest("p", "lane", "2-0", 3)
 
     def step(at: float, *gains: tuple[InflightRequest, int]) -> list:
-        hold.new_step()
-        return [hold.take(e, [token], at, finished=False) for e, token in gains]
+        taken = [hold.take(e, [token], at, finished=False) for e, token in gains]
+        assert hold.due(at) == []  # (what a step holds at its time is never due then)
+        return taken
 
     assert step(0.0, (entry, 10), (plain, 20)) == [[10], [20]]  # first tokens: at once
     assert step(0.01, (entry, 11), (plain, 21)) == [None, [21]]  # held; never held
     assert step(0.02, (entry, 12)) == [None] and hold.tokens == 2
     assert step(0.05, (entry, 13)) == [[11, 12, 13]] and hold.tokens == 0  # interval over
     assert step(0.06, (entry, 14)) == [None]
-    hold.new_step()  # a step without it (preempted, waiting for blocks): it stays held...
-    assert hold.left_out(0.07) == [] and hold.tokens == 1
-    hold.new_step()  # ... until a step after its interval, which goes without it too
-    assert hold.left_out(0.1) == [(entry, [14])] and hold.tokens == 0
+    # A step without it (preempted, waiting for blocks): it stays held...
+    assert hold.due(0.07) == [] and hold.tokens == 1
+    # ... until a step after its interval, which goes without it too.
+    assert hold.due(0.1) == [(entry, [14])] and hold.tokens == 0
     assert step(0.11, (entry, 15)) == [None]
     assert hold.take(entry, [16], 0.12, finished=True) == [15, 16]  # the final: with it all
     assert hold.release_all(0.13) == []

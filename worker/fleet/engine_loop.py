@@ -418,7 +418,7 @@ class EngineLoop(SupervisedThread):
 
     def _publish(self, outputs: list[StepOutput], stepped: bool = False) -> None:
         """Hand each output to the publisher (``stepped``: they are a step's, and requests
-        the step left out release the tokens they hold)."""
+        the step left out release the tokens they hold once their interval is over)."""
         items = []
         now = time.monotonic()
         at = self.clock.monotonic()  # held tokens are timed on the loop's clock
@@ -430,8 +430,6 @@ class EngineLoop(SupervisedThread):
             # for requests whose tokens are never held).
             items += self._publications(hold.release_all(at))
             hold = None
-        if hold is not None and stepped:
-            hold.new_step()
         for out, entry in zip(outputs, self.inflight.get_each([o.request_id for o in outputs]),
                               strict=True):
             if entry is None:
@@ -474,7 +472,7 @@ class EngineLoop(SupervisedThread):
             items.append(Publication(out.request_id, chunk, final, ack, out.num_cached_tokens,
                                      coalesced=entry.coalesce and hold is not None))
         if hold is not None and stepped:
-            items += self._publications(hold.left_out(at))
+            items += self._publications(hold.due(at))  # those the step left out
         if self._hold_output:
             self._held += items
         else:

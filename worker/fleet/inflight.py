@@ -23,11 +23,10 @@ class InflightRequest:
     # it took over (worker/fleet/intake/resume.py).
     id_base: int = 0
     # Its tokens are held by the engine loop for the stream interval (no stop strings, no
-    # log-probabilities: worker/fleet/publishing/token_hold.py): those held now, the step
-    # that last held one, and when (the loop's clock) its last chunk went to the publisher.
+    # log-probabilities: worker/fleet/publishing/token_hold.py): those held now, and when
+    # (the loop's clock) its last chunk went to the publisher.
     coalesce: bool = False
     held: list[int] | None = None
-    held_step: int = 0
     chunk_sent_at: float | None = None
     received: float = field(default_factory=time.monotonic)
     # When the producer created it (its created_ms on this clock); set at admission.

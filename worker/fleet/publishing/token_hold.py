@@ -30,14 +30,9 @@ class TokenHold:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        # Entries holding tokens now, by request id; the step each last held in.
+        # Entries holding tokens now, by request id.
         self._holding: dict[str, InflightRequest] = {}
-        self._step = 0
         self.tokens = 0  # held now: part of the publisher lag (tokens made, not in Redis)
-
-    def new_step(self) -> None:
-        """The outputs that follow are one step's (``left_out`` looks at who was in it)."""
-        self._step += 1
 
     def take(self, entry: InflightRequest, new_tokens: list[int], now: float,
              finished: bool) -> list[int] | None:
@@ -49,7 +44,6 @@ class TokenHold:
                 entry.held = []
                 self._holding[entry.request_id] = entry
             entry.held.extend(new_tokens)
-            entry.held_step = self._step
             self.tokens += len(new_tokens)
             return None
         tokens = self.release(entry) + new_tokens if entry.held else new_tokens
@@ -64,12 +58,10 @@ class TokenHold:
             self.tokens -= len(held)
         return held
 
-    def left_out(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
-        """Entries holding tokens that the step just published did not run and whose
-        interval is over, with their tokens, released."""
-        step, interval = self._step, self.interval_s
-        due = [e for e in self._holding.values() if e.held_step != step
-               and now - e.chunk_sent_at >= interval]
+    def due(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
+        """Entries whose interval is over, with their tokens, released: after a step, those
+        it left out (one it ran at ``now`` was released by ``take`` where due)."""
+        due = [e for e in self._holding.values() if now - e.chunk_sent_at >= self.interval_s]
         return [(e, self._released_at(e, now)) for e in due]
 
     def release_all(self, now: float) -> list[tuple[InflightRequest, list[int]]]:

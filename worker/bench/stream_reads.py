@@ -33,6 +33,15 @@ def _chunk(rng: random.Random, number: int, tokens: int) -> bytes:
                        text).encode()
 
 
+def _fill(r: Any, rng: random.Random, lengths: dict[int, int], tokens: int) -> None:
+    """Stream ``out{s}`` holds chunks 1 .. ``lengths[s]``, at ids ``{number}-0``."""
+    from producer.wire.protocol import FIELD
+
+    for s, n in lengths.items():
+        for number in range(1, n + 1):
+            r.xadd(f"out{s}", {FIELD: _chunk(rng, number, tokens)}, id=f"{number}-0")
+
+
 def _usec_per_call(r: Any, command: str) -> float:
     return float(r.info("commandstats")[f"cmdstat_{command}"]["usec_per_call"])
 
@@ -41,15 +50,14 @@ def measure(streams: int, rounds: int, tokens: int) -> dict[str, Any]:
     import redis
 
     from producer.redis.ephemeral import start_ephemeral
+    from producer.wire.protocol import FIELD
 
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as folder, \
             start_ephemeral(Path(folder), appendonly="no") as server:
         r = redis.Redis.from_url(server.url)
         length = {s: s % LONGEST for s in range(streams)}  # staggered, as requests are
-        for s, n in length.items():
-            for number in range(1, n + 1):
-                r.xadd(f"out{s}", {"m": _chunk(rng, number, tokens)}, id=f"{number}-0")
+        _fill(r, rng, length, tokens)
         entry_bytes = len(_chunk(rng, 1, tokens))
         r.config_resetstat()
         for round_ in range(rounds):
@@ -60,7 +68,7 @@ def measure(streams: int, rounds: int, tokens: int) -> dict[str, Any]:
                     r.delete(f"out{s}")
                     length[s] = 0
                 length[s] += 1
-                r.xadd(f"out{s}", {"m": _chunk(rng, length[s], tokens)}, id=f"{length[s]}-0")
+                r.xadd(f"out{s}", {FIELD: _chunk(rng, length[s], tokens)}, id=f"{length[s]}-0")
             names = {f"out{s}": f"{length[s] - 1}-0" for s in written}
             for k in range(NAMED_QUIET):
                 s = (round_ * NAMED_WITH_ENTRIES + streams // 2 + k) % streams
@@ -70,9 +78,7 @@ def measure(streams: int, rounds: int, tokens: int) -> dict[str, Any]:
         walk = {}
         for n in (2, LONGEST):
             r.flushall()
-            for s in range(streams):
-                for number in range(1, n + 1):
-                    r.xadd(f"out{s}", {"m": _chunk(rng, number, tokens)}, id=f"{number}-0")
+            _fill(r, rng, dict.fromkeys(range(streams), n), tokens)
             r.config_resetstat()
             for round_ in range(rounds):
                 r.xread({f"out{(round_ * NAMED_WITH_ENTRIES + k) % streams}": f"{n - 1}-0"

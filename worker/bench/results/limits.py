@@ -202,5 +202,10 @@ def limits_device(simulated: bool) -> str:
 
 
 def weight_bytes_on(device: str) -> int:
-    """A weight's bytes in the engine's "auto" dtype there: bfloat16 on CUDA, float32 else."""
-    return 2 if device == "cuda" else 4
+    """A weight's bytes in the engine's "auto" dtype there (bfloat16 on CUDA, float32 else:
+    worker.host.device.engine_dtype)."""
+    import torch
+
+    from worker.host.device import engine_dtype
+
+    return engine_dtype("auto", torch.device(device)).itemsize

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import blocks_for
+from worker.bench.results.limits import sync
 from worker.bench.results.records import RequestRecord, RunResult
 from worker.bench.run import cpu
 from worker.bench.run.workloads import WorkItem
@@ -132,8 +133,7 @@ def _generate(model: Any, batch: list[WorkItem], torch: Any, start: float) -> li
             self.times: list[float] = []
 
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            if input_ids.is_cuda:  # (the step's token exists once the device made it)
-                torch.cuda.synchronize(input_ids.device)
+            sync(input_ids.device)  # (the step's token exists once the device made it)
             self.times.append(time.perf_counter() - start)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -149,8 +149,7 @@ def _generate(model: Any, batch: list[WorkItem], torch: Any, start: float) -> li
     model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
                    max_new_tokens=new, min_new_tokens=new, do_sample=False,
                    stopping_criteria=[clock], pad_token_id=PAD_TOKEN_ID)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    sync(model.device)
     return clock.times
 
 

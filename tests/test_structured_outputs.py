@@ -45,6 +45,22 @@ def test_every_answer_validates_and_stops(engine, name):
                                     ensure_ascii=False)  # compact
 
 
+def test_an_answer_writes_its_properties_in_the_schemas_order(engine):
+    """Keys in the order the schema declares them (a reasoning field before the answer it
+    leads to, as OpenAI writes them), not sorted: the format's text keeps the order."""
+    schema = {"type": "object", "properties": {
+        "zeta": {"type": "string", "maxLength": 6},
+        "alpha": {"type": "integer", "minimum": 0, "maximum": 99},
+        "mid": {"type": "boolean"}}, "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False}
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=i,
+                             response_format=schema_format(schema)) for i in range(4)]
+    assert '"zeta":{' in params[0].response_format.split('"alpha"')[0]
+    for c in engine.generate([prompt(i) for i in range(4)], params):
+        assert c.finish_reason is FinishReason.STOP, c.text
+        assert list(json.loads(c.text)) == ["zeta", "alpha", "mid"], c.text
+
+
 def test_json_object_regex_and_choice(engine):
     forms = [{"type": "json_object"}, {"type": "regex", "regex": r"[a-c]{2,4}-[0-9]{3}"},
              {"type": "choice", "choices": ["yes", "no", "maybe"]}]
@@ -87,8 +103,21 @@ def test_formats_are_checked_at_the_edge():
                        ({"type": "json_object", "extra": 1}, "unknown field")]:
         with pytest.raises(ValueError, match=words):
             SamplingParams(response_format=bad)
-    with pytest.raises(ValueError, match="does not go with ignore_eos"):
-        SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)
+    # What would hold the grammar's text open past its end, or cut it before.
+    for conflict in [{"ignore_eos": True}, {"min_tokens": 2}, {"stop": ['","']},
+                     {"stop_token_ids": [7]}]:
+        with pytest.raises(ValueError, match=f"^{next(iter(conflict))} does not go with"):
+            SamplingParams(response_format={"type": "json_object"}, **conflict)
+    assert SamplingParams(response_format={"type": "json_object"}, stop=[]).stop == ()
+    # Text that is not Unicode (a lone surrogate, valid as a JSON escape) is refused as the
+    # format's, never a codec's error deeper down.
+    for bad in [{"type": "choice", "choices": ["a\ud800"]}, {"type": "regex", "regex": "\udc00"},
+                {"type": "json_schema", "json_schema": {"name": "x\ud800",
+                                                        "schema": {"enum": ["\ud800"]}}}]:
+        with pytest.raises(ValueError, match="^response_format holds text that is not Unicode"):
+            SamplingParams(response_format=bad)
+    with pytest.raises(ValueError, match="type 'text' takes no other field; got 'whitespace'"):
+        SamplingParams(response_format={"type": "text", "whitespace": "flexible"})
     deep: dict = {"type": "object"}
     for _ in range(40):
         deep = {"type": "object", "properties": {"a": deep}}

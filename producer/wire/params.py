@@ -11,6 +11,11 @@ from typing import Any
 from producer.wire.response_format import canonical
 from producer.wire.validation import MAX_TOKEN_ID, brief
 
+# What does not go with a grammar (a response_format, a forced tool call): it ends the text
+# where it is complete, so nothing may hold the text open past that (ignore_eos,
+# min_tokens) or cut it before (a stop string or token: the JSON or call would not parse).
+GRAMMAR_CONFLICTS = ("ignore_eos", "min_tokens", "stop", "stop_token_ids")
+
 # Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -153,9 +158,12 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_int("min_tokens", self.min_tokens, low=0, high=MAX_NEW_TOKENS)
         _check_int("n", self.n, low=1, high=MAX_CHOICES)
-        if self.response_format is not None and (self.ignore_eos or self.min_tokens):
-            raise ValueError("response_format ends the text where its grammar is complete: "
-                             "it does not go with ignore_eos or min_tokens")
+        if self.response_format is not None:
+            for name in GRAMMAR_CONFLICTS:
+                if getattr(self, name):
+                    raise ValueError(f"{name} does not go with a response_format (or a forced "
+                                     "tool call): its grammar ends the text where it is "
+                                     "complete")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")

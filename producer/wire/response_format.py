@@ -64,7 +64,11 @@ def canonical(value: Any) -> str | None:
     if not isinstance(value, Mapping):
         raise ValueError(f"response_format must be an object, got {brief(value)}")
     kind = value.get("type")
-    if kind == "text" and set(value) == {"type"}:
+    if kind == "text":
+        extra = sorted(brief(k) for k in set(value) - {"type"})
+        if extra:
+            raise ValueError(f"response_format of type 'text' takes no other field; got "
+                             f"{', '.join(extra)}")
         return None
     if kind not in KINDS:
         raise ValueError(f"response_format type must be one of text, {', '.join(KINDS)}; got "
@@ -100,7 +104,15 @@ def canonical(value: Any) -> str | None:
                          f"{brief(whitespace)}")
     if whitespace == "flexible":
         form["whitespace"] = "flexible"
-    text = json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # The schema's keys in the order given: a JSON answer writes its properties in their
+    # order (a reasoning field before the answer it leads to). The form's own keys are in
+    # the order written above, so equal formats still give equal texts.
+    text = json.dumps(form, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("response_format holds text that is not Unicode (a lone surrogate "
+                         "escape such as \\ud800)") from None
     check_grammar(grammar_of(text))
     return text
 
@@ -162,7 +174,7 @@ def _json_schema(spec: Any) -> dict[str, Any]:
         raise ValueError("response_format json_schema.schema must be a JSON Schema object")
     if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"response_format schema nests deeper than {MAX_SCHEMA_DEPTH}")
-    text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    text = json.dumps(schema, ensure_ascii=False)
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"response_format schema is {len(text)} characters of JSON, more "
                          f"than {MAX_SCHEMA_CHARS}")

@@ -173,6 +173,26 @@ ANSWERS["hermes"] += [
     '<tool_call>{"arguments": {"x": 1}, "name": "now"}</tool_call>',  # not name first
     '<tool_call>\n{"name": "now", "arguments": {"x": 1}}',  # cut before its marker
 ]
+# Answers cut by max_tokens, broken JSON, a marker inside a string: each read as below,
+# streamed or whole (test_cut_and_broken_calls_read_as_openai_reads_them).
+CUT_AND_BROKEN = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+     None, [("get_weather", '{"city": "Par')]),
+    ('<tool_call>\n{"name":"now","arguments":{}}\n</', None, [("now", "{}")]),
+    (f"{HERMES_CALL}\n<tool_", None, [("now", "{}")]),
+    (f"{HERMES_CALL}\n<tool_call>\n{{\"na", None, [("now", "{}")]),
+    ('<tool_call>\n{"name":"now","arguments":{"a":1},"id":"x1"}\n</tool_call>', None,
+     [("now", '{"a":1}')]),
+    ('<tool_call>\n{"name": "now", "arguments": {"a": 1 oops\n</tool_call> after', "after",
+     [("now", '{"a": 1 oops\n')]),
+    ('<tool_call>\n{"name":"now","arguments":{"html":"<b>x</b></tool_call>\\"}"}}\n'
+     '</tool_call>', None, [("now", '{"html":"<b>x</b></tool_call>\\"}"}')]),
+    ('Hi <tool_call>\n{"na', 'Hi <tool_call>\n{"na', []),
+    ("Hi <tool_", "Hi <tool_", []),
+    ('<tool_call>\n{"arguments": {}, "name": "now"}', None, [("now", "{}")]),
+    ('<tool_call>\n{"arguments": {}, "nam', '<tool_call>\n{"arguments": {}, "nam', []),
+]
+ANSWERS["hermes"] += [text for text, _, _ in CUT_AND_BROKEN]
 
 
 def joined(deltas: list[dict]) -> list[dict]:
@@ -220,9 +240,25 @@ def test_a_long_call_streams_its_arguments_as_they_come():
         {"index": 0, "name": "now", "arguments": ""}, {"index": 0, "arguments": '{"s": "'}]
     for _ in range(20_000):
         assert stream.feed("abcd").calls == [{"index": 0, "arguments": "abcd"}]
-    assert stream.feed('"}').calls == [{"index": 0, "arguments": '"'}]  # ("}": may be the end)
-    assert stream.feed('}\n</tool_call>').calls == [{"index": 0, "arguments": "}"}]
+    # The arguments' object ends at its own closing brace (read as JSON); the call's brace
+    # and the closing marker after it are no part of them.
+    assert stream.feed('"}').calls == [{"index": 0, "arguments": '"}'}]
+    assert stream.feed('}\n</tool_call>').calls == []
     assert stream.finish() == ParsedAnswer(None, [])
+
+
+@pytest.mark.parametrize("text, content, calls", CUT_AND_BROKEN)
+def test_cut_and_broken_calls_read_as_openai_reads_them(text, content, calls):
+    """A call cut inside its arguments is a call, its arguments cut (finish ``length``, as
+    OpenAI's); a marker or head cut off after calls is dropped; what follows a call's
+    arguments in its block is not theirs; a closing marker in a string is text; broken
+    JSON ends at the block's marker. (Streamed alike: ANSWERS holds these.)"""
+    whole = FORMATS["hermes"].parse(text)
+    assert (whole.content, [(c["name"], c["arguments"]) for c in whole.calls]) == (
+        content, calls)
+    body = choice_body(True, text, "length", tools=FORMATS["hermes"], call_seed="r.0")
+    assert body["finish_reason"] == "length"
+    assert len(body["message"].get("tool_calls", [])) == len(calls)
 
 
 def test_parsed_calls_and_the_choice_they_make():
@@ -261,6 +297,8 @@ def test_forced_call_grammars_compile_and_accept_a_call(fmt, parallel):
     assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
     named = FORMATS[fmt].grammar(tools, ToolChoice("named", "pick"), parallel)
     assert '"name\\":\\"pick' in named and "get_weather" not in named
+    if fmt == "hermes":  # (a named function once, parallel or not: no second call)
+        assert "call (" not in named and ("call (" in grammar) == parallel
     key = FORMATS[fmt].arguments_key
     call = json.dumps({"name": "pick", key: {"c": "blue"}}, separators=(",", ":"))
     text = f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.wire.tools.scan import CALL, read_header
 from producer.wire.tools.spec import ToolChoice
 
 # A function without parameters takes any object (OpenAI's reading of a missing schema).
@@ -56,8 +57,8 @@ class ToolFormat:
         raise NotImplementedError
 
     def call_start(self, text: str) -> int | None:
-        """Where in ``text`` a call begins or may begin (its opening marker whole, or a
-        prefix of it at the end); None where none does."""
+        """Where in ``text`` a call begins or may begin; None where none does (a Llama
+        answer: a stream holds it from there to its end)."""
         raise NotImplementedError
 
     def _call_rules(self, tools: list[dict[str, Any]], choice: ToolChoice) -> list[str]:
@@ -80,37 +81,19 @@ class Hermes(ToolFormat):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def grammar(self, tools, choice, parallel):
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        # A named function is called once (OpenAI's and vLLM's reading), parallel or not.
+        several = parallel and choice.mode != "named"
+        start = 'start: call ("\\n" call)*' if several else "start: call"
         opening, closing = json.dumps(self.OPEN + "\n"), json.dumps("\n" + self.CLOSE)
         call = f"call: {opening} call_body {closing}"
         return "\n".join([start, call, *self._call_rules(tools, choice)])
 
     def parse(self, text):
-        calls, kept, at = [], [], 0
-        while (begin := text.find(self.OPEN, at)) >= 0:
-            end = text.find(self.CLOSE, begin)
-            body = text[begin + len(self.OPEN):end if end >= 0 else len(text)]
-            call = _call_of(body, self.arguments_key)
-            if call is None:
-                break  # not a call: the rest is content, as written
-            kept.append(text[at:begin])
-            calls.append(call)
-            at = len(text) if end < 0 else end + len(self.CLOSE)
-        kept.append(text[at:])
-        if not calls:
-            return ParsedAnswer(text)
-        # The text around the calls, less the blank text at its end (and at its start where
-        # a call opens the answer): what a stream of it sends (stream.ToolCallStream).
-        content = "".join(kept).rstrip()
-        if not kept[0].strip():
-            content = content.lstrip()
-        return ParsedAnswer(content or None, calls)
+        # Read as a stream of it reads it (stream.ToolCallStream), in one piece: a whole
+        # answer and a streamed one never disagree.
+        from producer.wire.tools.stream import read_whole
 
-    def call_start(self, text):
-        begin = text.find(self.OPEN)
-        if begin >= 0:
-            return begin
-        return _partial_marker(text, self.OPEN)
+        return read_whole(self, text)
 
 
 class Llama3Json(ToolFormat):
@@ -171,7 +154,7 @@ def format_of_template(source: str | None) -> ToolFormat | None:
     return None
 
 
-def _call_of(body: str, key: str) -> dict[str, str] | None:
+def call_of(body: str, key: str) -> dict[str, str] | None:
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):
@@ -183,8 +166,8 @@ def _call_from(value: Any, key: str, text: str) -> dict[str, str] | None:
     """``{"name", "arguments"}`` of a parsed call (``text``: its JSON as written): an object
     with a name and its arguments under either key a format may use (an object with a name
     alone is an answer's JSON, no call). The arguments are the text the model wrote for
-    them, as OpenAI gives them, where the call opens with its name (CALL_HEADER: what a
-    stream sends as it comes); else the object written compactly."""
+    them, as OpenAI gives them, where the call opens with its name (scan.read_header: what
+    a stream sends as it comes); else the object written compactly."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(key, value.get("arguments", value.get("parameters")))
@@ -194,31 +177,16 @@ def _call_from(value: Any, key: str, text: str) -> dict[str, str] | None:
             json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}
 
 
-# A call's JSON up to its arguments' value, name first (as the formats' templates and
-# forced grammars write it; the value's first character seen): a stream sends the arguments
-# from there as they come.
-CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*'
-                         r'"(?:arguments|parameters)"\s*:\s*(?=\S)')
-
-
 def raw_arguments(text: str, name: str) -> str | None:
     """The arguments' text of a call written name first (None: written otherwise)."""
-    header = CALL_HEADER.match(text)
-    if header is None or header.group(1) != name:
+    verdict, start, named = read_header(text)
+    if verdict != CALL or named != name:
         return None
     try:
-        _, end = json.JSONDecoder().raw_decode(text, header.end())
+        _, end = json.JSONDecoder().raw_decode(text, start)
     except (ValueError, RecursionError):
         return None
-    return text[header.end():end]
-
-
-def _partial_marker(text: str, marker: str) -> int | None:
-    """Where ``text`` ends with a proper prefix of ``marker`` (a marker may arrive split)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return None
+    return text[start:end]
 
 
 def ended_with_calls(finish_reason: str) -> str:

@@ -1,17 +1,23 @@
-"""Tool calls read from an answer as it streams, for the gateway's streamed chat answers.
+"""Tool calls read from an answer as it arrives: for the gateway's streamed chat answers,
+and (fed the whole answer at once) for a whole one, so the two never disagree.
 
 Text that cannot begin a call passes on at once as content; text that may (a format's
 opening marker, or a prefix of it at the end of what arrived) is held until it is known.
-A Hermes block that opens with its name (formats.CALL_HEADER, as templates and forced
-grammars write it) is sent as it comes: a first delta with the call's name, then its
-arguments' text, less what may be the call's end (a closing brace, blank text, the start
-of ``</tool_call>``), held until more text shows it is not; a block written otherwise is
-sent whole at its closing marker. A Llama 3.1 answer is one JSON call: held to its end.
-What is sent joins to what the whole answer's parse says (formats.ToolFormat.parse): the
-same calls and arguments, and the same content (blank text at its end held back and
-dropped where the answer made calls, as that parse strips it). One answer cannot agree: a
-block that opened with a name and then does not parse (a free model's broken JSON) has
-sent its first deltas; the rest of it is content, as in the whole parse.
+
+A Hermes block that opens with its name (``{"name": "...", "arguments": {``, as templates
+and forced grammars write it: scan.read_header) is a call from there: a first delta with
+its name, then its arguments' text as it comes, to the end of their object, read as JSON
+(scan.ObjectScan: a brace or ``</tool_call>`` inside a string is text). What follows the
+object up to ``</tool_call>`` is not part of the call. An answer cut by ``max_tokens``
+inside the arguments keeps the call, its arguments cut (finish reason ``length``), as
+OpenAI's; a free model's broken JSON ends at the block's closing marker, its arguments as
+written. A block that does not open with a name is held to its closing marker and read
+whole: a call where its JSON is one (``{"name", "arguments"}`` in any order), else it and
+all after it are content, as written. A Llama 3.1 answer is one JSON call: held to its end.
+
+Content: blank text at its end is held back and dropped where the answer made calls, and
+at its start where a call came first; a marker (or a call's head) cut off at the answer's
+end, after calls, is dropped.
 
 A delta is ``{"index", "name"?, "arguments"}``: ``index`` the call's place in the answer,
 ``name`` on its first delta only, ``arguments`` a piece of its arguments' text.
@@ -19,26 +25,24 @@ A delta is ``{"index", "name"?, "arguments"}``: ``index`` the call's place in th
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from typing import Any
 
-from producer.wire.tools.formats import CALL_HEADER, Hermes, Llama3Json, ParsedAnswer, ToolFormat
+from producer.wire.tools.formats import Hermes, Llama3Json, ParsedAnswer, ToolFormat, call_of
+from producer.wire.tools.scan import (
+    CALL,
+    CLOSED,
+    MARKER,
+    MORE,
+    WAIT,
+    ObjectScan,
+    partial_marker,
+    read_header,
+)
 
-# Text a block may hold before its header is given up on (then sent whole at its end).
+# Text after a block's marker that may be its call's head: read no further for it (a call
+# written otherwise is read whole at the block's end).
 MAX_HEADER_CHARS = 256
-# What may end a call's arguments' text: blank text, the call's closing brace, blank text
-# and a part of the closing marker (never whole: that ends the block before this is read).
-_CALL_END = re.compile(r"\s*(?:\}\s*)?(?:" + "|".join(
-    re.escape(Hermes.CLOSE[:k]) for k in range(len(Hermes.CLOSE) - 1, 0, -1)) + ")?$")
-
-
-@dataclass
-class _OpenCall:
-    """A Hermes call whose arguments are being sent."""
-
-    index: int
-    unsent: str  # its text since the last piece sent (what may be its end, held)
-    sent: int = 0  # characters of its arguments sent
+OPEN, CLOSE = Hermes.OPEN, Hermes.CLOSE
 
 
 class ToolCallStream:
@@ -46,26 +50,28 @@ class ToolCallStream:
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
-        # Text that may be (part of) a call, in parts (a long call arrives in many deltas:
-        # joined once, when it can be read).
-        self._held: list[str] = []
-        # The held text's last characters: a closing marker may begin there.
-        self._tail = ""
-        self._blank = ""  # blank content held until text follows it
         # "open": calls may follow; "call": a Llama answer that opened as a call, held to
         # its end; "plain": no more calls can follow, all is content.
         self._mode = "open"
+        self._held: list[str] = []  # a Llama answer so far; a Hermes block read whole
+        self._carry = ""  # Hermes text not read yet: a marker's prefix, a call's head
+        # Where a Hermes answer is: outside blocks (None), in a block's "head", a call's
+        # "arguments", "after" them, or a block to be read "whole".
+        self._block: str | None = None
+        self._scan: ObjectScan | None = None
+        self._blank = ""  # blank content held until text follows it
         self._calls = 0  # calls begun (their deltas' indexes)
-        self._open: _OpenCall | None = None
-        self._headerless = False  # the held block did not open with its name
         self._spoke = False  # content was handed out
+        self._said: list[str] = []
+        self._deltas: list[dict[str, Any]] = []
 
     def feed(self, text: str) -> ParsedAnswer:
         """What ``text`` (the answer's next delta) lets the stream send now."""
         if self._mode == "plain":
             return ParsedAnswer(self._say(text) or None)
         if isinstance(self.fmt, Hermes):
-            return self._hermes(text)
+            self._read(self._carry + text)
+            return self._out()
         self._held.append(text)
         if self._mode == "open":
             # A Llama answer is a call only as a whole: decided by how it opens.
@@ -80,85 +86,119 @@ class ToolCallStream:
 
     def finish(self) -> ParsedAnswer:
         """The answer has ended: what was held, read as calls or as content."""
+        if isinstance(self.fmt, Hermes):
+            self._end_hermes()
+            return self._out()
         held, self._held = "".join(self._held), []
         parsed = self.fmt.parse(held) if held else ParsedAnswer(None)
-        deltas = [d for call in parsed.calls for d in self._close(call)]
-        return ParsedAnswer(self._say(parsed.content or "", final=True) or None, deltas)
+        for call in parsed.calls:
+            self._begin(call["name"], call["arguments"])
+        self._said.append(self._say(parsed.content or "", final=True))
+        return self._out()
 
-    def _hermes(self, text: str) -> ParsedAnswer:
-        if self._held and self._held[0].startswith(Hermes.OPEN):
-            # Inside a block: only the new text, after the end of what came before it, can
-            # hold the closing marker.
-            tail = self._tail + text
-            self._held.append(text)
-            if Hermes.CLOSE not in tail:
-                self._tail = tail[-(len(Hermes.CLOSE) - 1):]
-                return ParsedAnswer(None, self._arguments(text))
-        else:
-            self._held.append(text)
-        buffer = "".join(self._held)
-        self._held, self._tail = [], ""
-        deltas, sent = [], []
-        while buffer:
-            start = self.fmt.call_start(buffer)
-            if start is None:
-                sent.append(self._say(buffer))
-                buffer = ""
-                break
-            sent.append(self._say(buffer[:start]))
-            buffer = buffer[start:]
-            end = buffer.find(Hermes.CLOSE)
-            if not buffer.startswith(Hermes.OPEN) or end < 0:
-                break  # a marker's prefix, or a block not closed yet: held
-            block = buffer[:end + len(Hermes.CLOSE)]
-            parsed = self.fmt.parse(block)
-            if not parsed.calls:  # a block that is no call: the rest is content, as written
-                self._open, self._mode = None, "plain"
-                sent.append(self._say(buffer))
-                buffer = ""
-                break
-            deltas.extend(self._close(parsed.calls[0]))
-            buffer = buffer[len(block):]
-        if buffer:
-            self._held, self._tail = [buffer], buffer[-(len(Hermes.CLOSE) - 1):]
-            if buffer.startswith(Hermes.OPEN):
-                deltas.extend(self._arguments(""))
-        return ParsedAnswer("".join(sent) or None, deltas)
+    def _read(self, text: str) -> None:
+        """Read ``text`` (with what was carried) as far as it can be read now."""
+        self._carry, at = "", 0
+        while at < len(text) and self._mode != "plain":
+            at = getattr(self, f"_{self._block or 'outside'}")(text, at)
+            if at is None:
+                return
+        if at < len(text):  # (a block that was no call: the rest is content)
+            self._said.append(self._say(text[at:]))
 
-    def _arguments(self, text: str) -> list[dict[str, object]]:
-        """The deltas of the held block's call that ``text`` (its newest text) lets out:
-        its name once the block shows it, then its arguments less what may be its end."""
-        deltas: list[dict[str, object]] = []
-        call = self._open
-        if call is None:
-            if self._headerless:
-                return deltas
-            held = "".join(self._held)
-            header = CALL_HEADER.match(held, len(Hermes.OPEN))
-            if header is None:
-                self._headerless = len(held) > MAX_HEADER_CHARS
-                return deltas
-            call = self._open = _OpenCall(self._calls, held[header.end():])
-            self._calls += 1
-            deltas.append({"index": call.index, "name": header.group(1), "arguments": ""})
-        else:
-            call.unsent += text
-        cut = _CALL_END.search(call.unsent).start()
-        if cut:
-            deltas.append({"index": call.index, "arguments": call.unsent[:cut]})
-            call.sent += cut
-            call.unsent = call.unsent[cut:]
-        return deltas
+    # Each part reads on from ``at``: where it stopped, or None where the rest must wait
+    # for more text (what of it is needed kept in ``_carry``).
 
-    def _close(self, whole: dict[str, str]) -> list[dict[str, object]]:
-        """The deltas left of a call now read whole: the rest of its arguments where they
-        were being sent, else the whole call."""
-        call, self._open, self._headerless = self._open, None, False
-        if call is None:
-            self._calls += 1
-            return [{"index": self._calls - 1, **whole}]
-        rest = whole["arguments"][call.sent:]
-        return [{"index": call.index, "arguments": rest}] if rest else []
+    def _outside(self, text: str, at: int) -> int | None:
+        begin = text.find(OPEN, at)
+        if begin < 0:
+            end = partial_marker(text, OPEN, at)
+            self._said.append(self._say(text[at:end]))
+            self._carry = text[end:]
+            return None
+        self._said.append(self._say(text[at:begin]))
+        self._block = "head"
+        return begin + len(OPEN)
+
+    def _head(self, text: str, at: int) -> int | None:
+        verdict, start, name = read_header(text[at:at + MAX_HEADER_CHARS])
+        if verdict == MORE and len(text) - at < MAX_HEADER_CHARS:
+            self._carry = text[at:]
+            return None
+        if verdict == CALL:
+            self._begin(name, "")
+            self._block, self._scan = "arguments", ObjectScan(CLOSE)
+            return at + start
+        self._block, self._held = "whole", []
+        return at
+
+    def _arguments(self, text: str, at: int) -> int | None:
+        end, why = self._scan.scan(text, at)
+        self._piece(text[at:end])
+        if why == CLOSED:
+            self._block = "after"
+            return end
+        if why == MARKER:  # (broken JSON: its block ended first)
+            self._block = None
+            return end + len(CLOSE)
+        self._carry = text[end:] if why == WAIT else ""
+        return None
+
+    def _after(self, text: str, at: int) -> int | None:
+        end = text.find(CLOSE, at)
+        if end >= 0:
+            self._block = None
+            return end + len(CLOSE)
+        self._carry = text[partial_marker(text, CLOSE, at):]
+        return None
+
+    def _whole(self, text: str, at: int) -> int | None:
+        end = text.find(CLOSE, at)
+        if end < 0:
+            cut = partial_marker(text, CLOSE, at)
+            self._held.append(text[at:cut])
+            self._carry = text[cut:]
+            return None
+        self._held.append(text[at:end])
+        self._read_whole()
+        return end + len(CLOSE)
+
+    def _read_whole(self, closed: bool = True) -> None:
+        """The held block, read whole: its call, or (not one) it as content, and then
+        all that follows it."""
+        body, self._held, self._block = "".join(self._held), [], None
+        call = call_of(body, self.fmt.arguments_key)
+        if call is not None:
+            self._begin(call["name"], call["arguments"])
+            return
+        self._mode = "plain"
+        self._said.append(self._say(OPEN + body + (CLOSE if closed else "")))
+
+    def _end_hermes(self) -> None:
+        carried, self._carry = self._carry, ""
+        if self._block == "whole":
+            self._held.append(carried)
+            self._read_whole(closed=False)
+        elif self._block == "head" or (self._block is None and carried):
+            # A marker or a call's head cut off: no call; content where none came before.
+            if not self._calls:
+                self._said.append(self._say(OPEN + carried if self._block else carried))
+        # (in a call's arguments or after them: the call stands; a marker's prefix is not
+        # its text)
+        self._said.append(self._say("", final=True))
+
+    def _begin(self, name: str, arguments: str) -> None:
+        self._deltas.append({"index": self._calls, "name": name, "arguments": arguments})
+        self._calls += 1
+
+    def _piece(self, arguments: str) -> None:
+        if arguments:
+            self._deltas.append({"index": self._calls - 1, "arguments": arguments})
+
+    def _out(self) -> ParsedAnswer:
+        said, self._said = "".join(self._said), []
+        deltas, self._deltas = self._deltas, []
+        return ParsedAnswer(said or None, deltas)
 
     def _say(self, text: str, final: bool = False) -> str:
         """``text`` as content to send: blank text at its end held until more text follows
@@ -174,3 +214,16 @@ class ToolCallStream:
             body = body.lstrip()
         self._spoke = self._spoke or bool(body)
         return body
+
+
+def read_whole(fmt: ToolFormat, text: str) -> ParsedAnswer:
+    """A whole answer read as a stream of it reads it: its content and calls."""
+    stream = ToolCallStream(fmt)
+    first, last = stream.feed(text), stream.finish()
+    calls: list[dict[str, str]] = []
+    for delta in [*first.calls, *last.calls]:
+        if "name" in delta:
+            calls.append({"name": delta["name"], "arguments": ""})
+        calls[delta["index"]]["arguments"] += delta["arguments"]
+    content = (first.content or "") + (last.content or "")
+    return ParsedAnswer(content or None, calls)

@@ -187,10 +187,12 @@ CUT_AND_BROKEN = [
      [("now", '{"a": 1 oops\n')]),
     ('<tool_call>\n{"name":"now","arguments":{"html":"<b>x</b></tool_call>\\"}"}}\n'
      '</tool_call>', None, [("now", '{"html":"<b>x</b></tool_call>\\"}"}')]),
-    ('Hi <tool_call>\n{"na', 'Hi <tool_call>\n{"na', []),
+    ('Hi <tool_call>\n{"na', "Hi ", []),
+    ('<tool_call>\n{"name":"get_', None, []),
     ("Hi <tool_", "Hi <tool_", []),
     ('<tool_call>\n{"arguments": {}, "name": "now"}', None, [("now", "{}")]),
     ('<tool_call>\n{"arguments": {}, "nam', '<tool_call>\n{"arguments": {}, "nam', []),
+    ("<tool_call>\n[1, 2]", "<tool_call>\n[1, 2]", []),
 ]
 ANSWERS["hermes"] += [text for text, _, _ in CUT_AND_BROKEN]
 
@@ -250,9 +252,9 @@ def test_a_long_call_streams_its_arguments_as_they_come():
 @pytest.mark.parametrize("text, content, calls", CUT_AND_BROKEN)
 def test_cut_and_broken_calls_read_as_openai_reads_them(text, content, calls):
     """A call cut inside its arguments is a call, its arguments cut (finish ``length``, as
-    OpenAI's); a marker or head cut off after calls is dropped; what follows a call's
-    arguments in its block is not theirs; a closing marker in a string is text; broken
-    JSON ends at the block's marker. (Streamed alike: ANSWERS holds these.)"""
+    OpenAI's); a call's head cut off is dropped, as is a marker's prefix after calls; what
+    follows a call's arguments in its block is not theirs; a closing marker in a string is
+    text; broken JSON ends at the block's marker. (Streamed alike: ANSWERS holds these.)"""
     whole = FORMATS["hermes"].parse(text)
     assert (whole.content, [(c["name"], c["arguments"]) for c in whole.calls]) == (
         content, calls)

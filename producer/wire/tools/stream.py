@@ -16,8 +16,8 @@ whole: a call where its JSON is one (``{"name", "arguments"}`` in any order), el
 all after it are content, as written. A Llama 3.1 answer is one JSON call: held to its end.
 
 Content: blank text at its end is held back and dropped where the answer made calls, and
-at its start where a call came first; a marker (or a call's head) cut off at the answer's
-end, after calls, is dropped.
+at its start where a call came first. A block cut off in its head (before its name is
+whole) is neither a call nor content; a prefix of the marker cut off after calls is dropped.
 
 A delta is ``{"index", "name"?, "arguments"}``: ``index`` the call's place in the answer,
 ``name`` on its first delta only, ``arguments`` a piece of its arguments' text.
@@ -179,12 +179,11 @@ class ToolCallStream:
         if self._block == "whole":
             self._held.append(carried)
             self._read_whole(closed=False)
-        elif self._block == "head" or (self._block is None and carried):
-            # A marker or a call's head cut off: no call; content where none came before.
-            if not self._calls:
-                self._said.append(self._say(OPEN + carried if self._block else carried))
-        # (in a call's arguments or after them: the call stands; a marker's prefix is not
-        # its text)
+        elif self._block is None and carried and not self._calls:
+            # A marker's prefix cut off: text, where no call came before it.
+            self._said.append(self._say(carried))
+        # (a block cut in its head, before its name was whole: no call and no content; in a
+        # call's arguments or after them: the call stands, a marker's prefix no part of it)
         self._said.append(self._say("", final=True))
 
     def _begin(self, name: str, arguments: str) -> None:

@@ -193,6 +193,16 @@ CUT_AND_BROKEN = [
     ('<tool_call>\n{"arguments": {}, "name": "now"}', None, [("now", "{}")]),
     ('<tool_call>\n{"arguments": {}, "nam', '<tool_call>\n{"arguments": {}, "nam', []),
     ("<tool_call>\n[1, 2]", "<tool_call>\n[1, 2]", []),
+    # A stray quote opens a string that never ends: the raw newline in it shows its JSON
+    # broken, and the block's marker ends it (the next call is read, not swallowed).
+    ('<tool_call>\n{"name": "size", "arguments": {"q": "a 5" screen"}}\n</tool_call>\n'
+     f'{HERMES_CALL}\nDone.', "Done.", [("size", '{"q": "a 5" screen"}}\n'), ("now", "{}")]),
+    # A name no tool could have (a JSON escape in it may be a lone surrogate): no call.
+    ('<tool_call>{"arguments": {}, "name": "x\\udc00"}</tool_call>',
+     '<tool_call>{"arguments": {}, "name": "x\\udc00"}</tool_call>', []),
+    ('<tool_call>{"arguments": {"a": "\\udc00é"}, "name": "x"}</tool_call>', None,
+     [("x", '{"a":"\\udc00\\u00e9"}')]),
+    ('Sure. <tool_call>\n{"name":"get_', "Sure. ", []),
 ]
 ANSWERS["hermes"] += [text for text, _, _ in CUT_AND_BROKEN]
 
@@ -261,6 +271,18 @@ def test_cut_and_broken_calls_read_as_openai_reads_them(text, content, calls):
     body = choice_body(True, text, "length", tools=FORMATS["hermes"], call_seed="r.0")
     assert body["finish_reason"] == "length"
     assert len(body["message"].get("tool_calls", [])) == len(calls)
+    assert body["message"]["content"] == (content if calls else content or "")
+    json.dumps(body, ensure_ascii=False).encode()  # (no lone surrogate to send)
+
+
+def test_deep_arguments_are_no_call_rather_than_an_error():
+    """Nested past what the JSON encoder goes: not a call (the answer is content), never a
+    RecursionError out of the reader."""
+    for depth in range(960, 1010, 5):
+        text = '{"name": "f", "parameters": {"a": ' + "[" * depth + "]" * depth + "}}"
+        for fmt in FORMATS.values():
+            fmt.parse(text)
+            fmt.parse(f"<tool_call>{text}</tool_call>")
 
 
 def test_parsed_calls_and_the_choice_they_make():

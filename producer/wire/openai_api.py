@@ -288,6 +288,8 @@ def choice_body(chat: bool, text: str, finish_reason: str,
             message = {"role": "assistant", "content": parsed.content,
                        "tool_calls": openai_calls(parsed.calls, call_seed)}
             finish_reason = ended_with_calls(finish_reason)
+        elif parsed is not None:  # (the content a stream of it sends: a call cut off in its
+            message["content"] = parsed.content or ""  # head is none of it)
         return {"index": 0, "message": message, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

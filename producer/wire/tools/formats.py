@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.wire.tools.scan import CALL, read_header
-from producer.wire.tools.spec import ToolChoice
+from producer.wire.tools.spec import NAME_PATTERN, ToolChoice
 
 # A function without parameters takes any object (OpenAI's reading of a missing schema).
 ANY_OBJECT = {"type": "object"}
@@ -165,16 +165,25 @@ def call_of(body: str, key: str) -> dict[str, str] | None:
 def _call_from(value: Any, key: str, text: str) -> dict[str, str] | None:
     """``{"name", "arguments"}`` of a parsed call (``text``: its JSON as written): an object
     with a name and its arguments under either key a format may use (an object with a name
-    alone is an answer's JSON, no call). The arguments are the text the model wrote for
-    them, as OpenAI gives them, where the call opens with its name (scan.read_header: what
-    a stream sends as it comes); else the object written compactly."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    alone is an answer's JSON, no call; so is one whose name could not be a tool's). The
+    arguments are the text the model wrote for them, as OpenAI gives them, where the call
+    opens with its name (scan.read_header: what a stream sends as it comes); else the
+    object written compactly."""
+    name = value.get("name") if isinstance(value, dict) else None
+    # (a name as a tool's is named: JSON escapes in it could make a lone surrogate, which
+    # no answer can carry)
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         return None
     arguments = value.get(key, value.get("arguments", value.get("parameters")))
     if not isinstance(arguments, dict):
         return None
-    return {"name": value["name"], "arguments": raw_arguments(text, value["name"]) or
-            json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}
+    written = raw_arguments(text, name)
+    if written is not None:
+        return {"name": name, "arguments": written}
+    try:  # (ASCII: a string's escapes may hold a lone surrogate)
+        return {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))}
+    except RecursionError:  # (nested deeper than the encoder goes: no call)
+        return None
 
 
 def raw_arguments(text: str, name: str) -> str | None:

@@ -52,21 +52,27 @@ def read_header(text: str, at: int = 0) -> tuple[str, int, str]:
     raise AssertionError("unreachable")
 
 
-_IN_STRING = re.compile(r'["\\]')
+# In a string: its end, an escape, or a raw control character (which JSON forbids in a
+# string: the quote that opened it was a free model's slip, not a string's start).
+_IN_STRING = re.compile(r'["\\\x00-\x1f]')
 _OUTSIDE = re.compile(r'["{}\[\]<]')
+_BROKEN = re.compile(r"<")
 CLOSED, MARKER, WAIT, END = "closed", "marker", "wait", "end"
 
 
 class ObjectScan:
     """Where a JSON object that begins at the first text scanned ends, fed in pieces. A
     ``marker`` outside its strings ends it too (a free model's broken JSON, then its
-    block's end); a prefix of the marker at the end of a piece waits for more."""
+    block's end), and anywhere once a string holds a raw control character (a stray quote
+    opened it: its JSON is broken, and a string that never ends must not swallow the
+    answer); a prefix of the marker at the end of a piece waits for more."""
 
     def __init__(self, marker: str) -> None:
         self.marker = marker
         self.depth = 0
         self.in_string = False
         self.escaped = False
+        self.broken = False  # no longer JSON: only the marker ends it
 
     def scan(self, text: str, at: int) -> tuple[int, str]:
         """How far ``text[at:]`` is the object's: ``(end, CLOSED)`` just past its closing
@@ -80,13 +86,15 @@ class ObjectScan:
                 found = _IN_STRING.search(text, at)
                 if found is None:
                     return n, END
-                at = found.end()
-                if found.group() == "\\":
+                at, char = found.end(), found.group()
+                if char == "\\":
                     self.escaped = True
-                else:
+                elif char == '"':
                     self.in_string = False
+                else:
+                    self.in_string, self.broken = False, True
             else:
-                found = _OUTSIDE.search(text, at)
+                found = (_BROKEN if self.broken else _OUTSIDE).search(text, at)
                 if found is None:
                     return n, END
                 at, char = found.start(), found.group()

@@ -59,7 +59,7 @@ class ToolCallStream:
         # "arguments", "after" them, or a block to be read "whole".
         self._block: str | None = None
         self._scan: ObjectScan | None = None
-        self._blank = ""  # blank content held until text follows it
+        self._blank: list[str] = []  # blank content held until text follows it
         self._calls = 0  # calls begun (their deltas' indexes)
         self._spoke = False  # content was handed out
         self._said: list[str] = []
@@ -73,7 +73,7 @@ class ToolCallStream:
             self._read(self._carry + text)
             return self._out()
         self._held.append(text)
-        if self._mode == "open":
+        if self._mode == "open" and text.strip():  # (blank text decides nothing)
             # A Llama answer is a call only as a whole: decided by how it opens.
             buffer = "".join(self._held)
             head = buffer.lstrip()
@@ -204,11 +204,13 @@ class ToolCallStream:
         (at the answer's end sent only where it made no calls: ``final``), and blank text
         at the content's start dropped once a call came first (the whole parse strips
         both)."""
-        text = self._blank + text
         body = text.rstrip()
-        self._blank = text[len(body):]
+        if body:  # (held blank text joined once, when text follows it)
+            body, self._blank = "".join(self._blank) + body, [text[len(body):]]
+        elif text:
+            self._blank.append(text)
         if final and not self._calls:
-            body, self._blank = body + self._blank, ""
+            body, self._blank = body + "".join(self._blank), []
         if not self._spoke and self._calls:
             body = body.lstrip()
         self._spoke = self._spoke or bool(body)

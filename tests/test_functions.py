@@ -67,16 +67,21 @@ def test_setup_on_redis62_explains_the_fallback(tmp_path, capsys):
     assert "+eval" in out and "(~" not in out  # the 6.2 rules: no selectors
 
 
-def test_a_worker_loads_them_at_start_and_after_a_restart_lost_them(redis7, start_worker):
+def test_a_worker_loads_them_and_its_registration_after_a_restart_lost_them(redis7, start_worker):
     with connect(redis7.url) as r:
         assert library_state(r) == MISSING  # precondition: a fresh server has none
         # Heartbeats far apart: the test runs the one after the restart itself.
         worker = start_worker(url=redis7.url, config={"heartbeat_interval_s": 600})
         assert library_state(r) == OURS and worker.status()["functions"] == OURS
-        redis7.restart()  # no persistence: functions, streams and groups are gone
-        assert library_state(r) == MISSING
+        model_key = worker.keys.model(MODEL)
+        assert r.hget(model_key, "max_model_len")
+        redis7.restart()  # no persistence: functions, streams, groups, registration gone
+        assert library_state(r) == MISSING and not r.exists(model_key)
         worker.heartbeat.tick()
         assert library_state(r) == OURS
+        # The model's registration is written again (bulk analysis waits for it).
+        assert r.hget(model_key, "max_model_len")
+        assert MODEL.encode() in r.smembers(worker.keys.models)
     with Client(redis7.url, max_queue=5) as client:
         done = client.result(client.submit([5, 6, 7], model=MODEL, max_tokens=3,
                                            ignore_eos=True), timeout=60)

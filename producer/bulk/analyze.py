@@ -29,7 +29,7 @@ from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
 from producer.bulk.requests import Outcome, RequestFailed, RequestRunner, RetryPolicy, Work
 from producer.client.client import Client
-from producer.client.models import ModelState
+from producer.client.models import NOT_REGISTERED, ModelState
 from producer.client.watch import check_watch_ttl
 from producer.clock import SYSTEM_CLOCK, Clock
 from producer.wire.errors import ModelNotFound
@@ -326,7 +326,10 @@ def wait_for_model(client: Client, model: str, timeout: float, progress: Progres
             return state
         if waited >= timeout:
             break
-        progress.update(stage="waiting_for_model", model_state=state.state,
+        # (live but not registered, as after a Redis restart until its worker's next beat,
+        # is waited for as not registered: never "live" while waiting)
+        progress.update(stage="waiting_for_model",
+                        model_state=state.state if state.registered else NOT_REGISTERED,
                         model_waited_s=round(waited, 1), model_wait_limit_s=timeout)
         clock.wait(never, min(poll_s, timeout - waited))
     if not state.registered:

@@ -1,8 +1,9 @@
 """The heartbeat thread: a worker's status and load in a hash that expires if it dies.
 
 Each beat also adds the worker to the ``{ns}:workers`` set (readers list workers without
-SCAN) and checks conveyor's Redis functions: a Redis restarted without persistence forgets
-them, and producers need them to submit with ``max_queue`` (producer/redis/functions.py).
+SCAN), and checks what a Redis restarted without persistence forgets: conveyor's Redis
+functions (producers need them to submit with ``max_queue``: producer/redis/functions.py)
+and the model's registration (producers that tokenize, and bulk analysis, wait for it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Heartbeat(SupervisedThread):
     """Every interval, writes ``{ns}:worker:{id}`` with a TTL of three intervals."""
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, interval_s: float,
-                 status: Callable[[], dict[str, object]], **supervision: Any) -> None:
+                 status: Callable[[], dict[str, object]], model_key: str | None = None,
+                 register: Callable[[], None] | None = None, **supervision: Any) -> None:
         super().__init__("heartbeat", worker_id=worker_id, interval_s=interval_s, **supervision)
         self.client = client
         self.key = keys.worker(worker_id)
@@ -41,6 +43,8 @@ class Heartbeat(SupervisedThread):
         # What keep_functions last found ("" before its first check).
         self.functions = ""
         self.status = status
+        # The model's hash, and what writes it again when a beat finds it gone.
+        self.model_key, self.register = model_key, register
         self.static = {"worker_id": worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_ms": now_ms()}
 
@@ -73,7 +77,13 @@ class Heartbeat(SupervisedThread):
         pipe.hset(self.key, mapping={k: str(v) for k, v in mapping.items()})
         pipe.expire(self.key, heartbeat_ttl_s(self.interval_s))
         pipe.sadd(self.keys.workers, self.worker_id)
-        pipe.execute()
+        if self.register is not None:
+            pipe.exists(self.model_key)
+        replies = pipe.execute()
+        if self.register is not None and not replies[-1]:
+            log.warning("the model's registration was gone (a Redis restarted without "
+                        "persistence?): written again", key=self.model_key)
+            self.register()
 
     def clear(self) -> None:
         """Remove the worker's hash, and its id from the workers set, at exit."""

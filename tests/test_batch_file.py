@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fleet_fixtures import KEEP_SERVED_REQUESTS, MODEL
+from waiting import eventually
 
 from producer.bulk import run_batch_file
-from producer.bulk.batch_file import parse_line, read_done
+from producer.bulk.batch_file import parse_line, plan, read_done
 from producer.bulk.requests import RetryPolicy
 from producer.client.client import Client
+from producer.wire.completion import FinishReason
 from producer.wire.keys import Keys
+from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, decode_output
 from worker.cli.bulk_verbs import run_bulk_cmd
 from worker.cli.command import build_parser
 
 KEYS = Keys()
+ROOT = Path(__file__).resolve().parents[1]
 FAST = {"dtype": "float32", "num_kv_blocks": 1024, "max_num_seqs": 64}
 WORDS = "river stone bridge lantern harbour orchard meadow signal copper window".split()
 
@@ -228,3 +237,61 @@ def test_lines_with_a_json_schema_answer_json_valid_against_it(client, start_wor
         choice = r["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["text"]), schema)
+
+
+def test_an_output_in_use_or_the_input_itself_is_refused_and_non_utf8_lines_are_errors(
+        client, tmp_path):
+    """Two runs on one output would each answer every line: the second is refused while
+    the first holds it, as is an output that is the input. A line that is not UTF-8 is an
+    error line, never run with its bytes replaced (two such ids would seem one)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"".join(json.dumps({"custom_id": cid, "body": {
+        "model": MODEL, "prompt": "caf\xe9"}}, ensure_ascii=False).encode("latin-1") + b"\n"
+        for cid in ("a\xe9", "a\xe8")))
+    items, bad, total, _ = plan(inp, tmp_path / "none.jsonl", None, None, {MODEL})
+    assert (items, total) == ([], 2)
+    assert [(b.line, b.code) for b in bad] == [(1, "invalid_json"), (2, "invalid_json")]
+    assert "not UTF-8: byte 0xe9" in bad[0].message
+    with pytest.raises(ValueError, match="is the input"):
+        run_batch_file(client, inp, inp)
+    out = tmp_path / "out.jsonl"
+    with out.open("a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another run's hold
+        with pytest.raises(ValueError, match="another run is writing"):
+            run_batch_file(client, inp, out)
+    assert out.read_text() == ""  # (nothing written by the refused run)
+
+
+def test_sigterm_stops_bulk_submit_and_cancels_its_requests_in_flight(
+        redis_url, start_worker, tmp_path):
+    """SIGTERM (systemd's, Kubernetes', timeout(1)'s) stops a batch run as Ctrl-C does: its
+    requests in flight are cancelled, not left to run for nobody."""
+    start_worker(**FAST)
+    inp = write_lines(tmp_path / "in.jsonl", [
+        request_line(f"long-{i}", f"Story {i}", max_tokens=1900, ignore_eos=True)
+        for i in range(3)])
+    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "bulk", "submit", str(inp), "--output",
+         str(tmp_path / "out.jsonl"), "--quiet", "--redis", redis_url],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with Client(redis_url) as c:
+        try:
+            def streaming() -> list[str] | None:
+                ids = [GenerationRequest.decode(f[FIELD]).request_id
+                       for _, f in c.redis.xrange(KEYS.requests(MODEL, "batch"))]
+                return ids if len(ids) == 3 and all(
+                    c.redis.xlen(KEYS.output(i)) for i in ids) else None
+
+            ids = eventually(streaming, "the run's three requests streaming")
+            # (precondition: none of them is done: 1,900 tokens each)
+            assert not any(isinstance(decode_output(
+                c.redis.xrevrange(KEYS.output(i), count=1)[0][1][FIELD]), FinalEntry)
+                for i in ids)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 130
+        finally:
+            proc.kill()
+        assert "the requests in flight were cancelled" in proc.stderr.read()
+        assert [c.result(i, timeout=60).finish_reason for i in ids] == [
+            FinishReason.CANCELLED] * 3

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zlib
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,14 @@ from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
 from producer.bulk.defaults import REDUCE_INSTRUCTION
 from producer.bulk.journal import journal_key
 from producer.bulk.prompts import Templates
-from producer.bulk.queue import fleet_url_for
+from producer.bulk.queue import fleet_url_for, job_progress
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
 from producer.bulk.workers import BulkSimpleWorker
 from producer.client.connection import connect
 from producer.wire.completion import Completion, FinishReason, Usage
 from producer.wire.keys import GROUP, Keys
 from producer.wire.protocol import FIELD, FinalEntry, GenerationRequest, decode_output
-from worker.cli.bulk_verbs import run_bulk_cmd
+from worker.cli.bulk_verbs import describe_progress, run_bulk_cmd
 from worker.cli.command import build_parser
 
 KEYS = Keys()
@@ -417,20 +418,44 @@ def test_the_cli_enqueues_an_analysis_follows_it_and_shows_its_status(
         doc.write_text(document(tok, 1_000, seed=4))
         n = count_chunks(len(tok.encode(doc.read_text(), add_special_tokens=False).ids), 300, 20)
         status = bulk("analyze", str(doc), "--instruction", "Summarise.", "--chunk-tokens",
-                      "300", "--overlap-tokens", "20", "--max-tokens", "4", "--redis", redis_url)
+                      "300", "--overlap-tokens", "20", "--max-tokens", "4", "--json",
+                      "--redis", redis_url)
     finally:
         rq_worker.send_signal(signal.SIGTERM)
         rq_worker.wait(30)
     out, err = capsys.readouterr()
     assert status == 0, err
-    [job_id] = [line for line in out.splitlines() if JOB_ID.fullmatch(line)]
+    # With --json, stdout is the result's JSON (for jq; this process's log lines are
+    # there too), the job id on stderr.
+    result = json.loads(out[out.index("{\n"):out.rindex("\n}") + 2])
+    assert not any(JOB_ID.fullmatch(line) for line in out.splitlines())
+    [job_id] = [line for line in err.splitlines() if JOB_ID.fullmatch(line)]
     assert f"chunks {n}/{n}" in err and "finished" in err
 
     assert bulk("status", job_id, "--json", "--redis", redis_url) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["status"] == "finished" and info["func"] == "producer.bulk.analyze_document"
     assert info["meta"]["chunks_done"] == n and info["result"]["num_chunks"] == n
-    assert info["result"]["answer"] + "\n" in out
+    assert info["result"] == result
+    assert bulk("status", "no-such-job", "--follow", "--redis", redis_url) == 1
+    assert "no such job: no-such-job" in capsys.readouterr().err
+
+
+def test_a_started_job_whose_heartbeats_stopped_says_its_worker_died(redis_url, redis_client):
+    """Nothing waits in silence: a job left ``started`` by a dead worker says so (its last
+    heartbeat's age, at the clock given) until a bulk worker retries it."""
+    from rq.job import JobStatus
+
+    job = enqueue_analyze(bulk_queue(connection=redis_client), "text", "Summarise.",
+                          model=MODEL)
+    beat = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    job.set_status(JobStatus.STARTED)
+    job.heartbeat(beat, ttl=60)
+    fresh = job_progress(job, now=beat + timedelta(seconds=3))
+    assert fresh["heartbeat_age_s"] == 3.0 and "no heartbeat" not in describe_progress(fresh)
+    stale = job_progress(job, now=beat + timedelta(seconds=40))
+    assert stale["heartbeat_age_s"] == 40.0
+    assert "no heartbeat for over 15 s: its worker died" in describe_progress(stale)
 
 
 @pytest.mark.parametrize("cls", ["BulkWorker", "BulkSimpleWorker"])

@@ -12,6 +12,7 @@ be run gets an error line instead.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -198,12 +199,16 @@ def plan(input_path: Path, output_path: Path, model: str | None, default_model: 
     bad: list[BadLine] = []
     seen: set[str] = set()
     total = skipped = 0
-    with input_path.open(encoding="utf-8", errors="replace") as f:
-        for n, text in enumerate(f, start=1):
-            if not text.strip():
+    with input_path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             total += 1
-            parsed = parse_line(text, n, model, default_model)
+            try:  # (JSONL is UTF-8: a line in another encoding is refused, never altered)
+                parsed = parse_line(raw.decode("utf-8"), n, model, default_model)
+            except UnicodeDecodeError as exc:
+                parsed = BadLine(n, None, "invalid_json", f"line {n} is not UTF-8: byte "
+                                 f"0x{raw[exc.start]:02x} at offset {exc.start}")
             cid = parsed.custom_id
             if n in done_lines or (cid is not None and cid in done_ids):
                 skipped += 1
@@ -247,14 +252,17 @@ def run_batch_file(
     """
     started = time.monotonic()
     input_path, output_path = Path(input_path), Path(output_path)
-    served = {s.name for s in client.model_states() if s.known}
-    items, bad, total, skipped = plan(input_path, output_path, model, default_model, served,
-                                      client.keys.ns)
-    summary = BatchSummary(total=total, skipped=skipped)
-    by_line = {item.line: item for item in items}
-    runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
-                           concurrency=concurrency)
+    if output_path.exists() and output_path.resolve() == input_path.resolve():
+        raise ValueError(f"the output {output_path} is the input: name another file")
     with output_path.open("a", encoding="utf-8") as out:
+        _lock(out, output_path)  # (held to the end: what is done is read under it)
+        served = {s.name for s in client.model_states() if s.known}
+        items, bad, total, skipped = plan(input_path, output_path, model, default_model,
+                                          served, client.keys.ns)
+        summary = BatchSummary(total=total, skipped=skipped)
+        by_line = {item.line: item for item in items}
+        runner = RequestRunner(client, lane="batch", priority=priority, policy=policy,
+                               concurrency=concurrency)
 
         def emit(line: dict[str, Any], ok: bool) -> None:
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -275,6 +283,16 @@ def run_batch_file(
             emit(_outcome_line(item, outcome), outcome.ok)
     summary.elapsed_s = time.monotonic() - started
     return summary
+
+
+def _lock(out: Any, path: Path) -> None:
+    """Hold the output file for this run alone: two runs on one output would each answer
+    every line (rerunning is how a run resumes, so two may start at once)."""
+    try:
+        fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"another run is writing {path}: wait for it to end (or name "
+                         f"another output)") from None
 
 
 def _outcome_line(item: BatchItem, outcome: Outcome) -> dict[str, Any]:

@@ -4,6 +4,7 @@ running job uses to reach the fleet."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -11,6 +12,7 @@ import redis
 from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 
 from producer import settings
 from producer.bulk import defaults
@@ -60,13 +62,19 @@ def fetch_job(connection: redis.Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
 
 
-def job_progress(job: Job) -> dict[str, Any]:
-    """A job's status and the progress it keeps in its meta, as one JSON-ready dict."""
+def job_progress(job: Job, now: datetime | None = None) -> dict[str, Any]:
+    """A job's status and the progress it keeps in its meta, as one JSON-ready dict; a
+    started job's ``heartbeat_age_s`` at ``now`` (default: RQ's clock) says whether its
+    worker still runs it."""
     job.refresh()
     status = job.get_status(refresh=False)
+    status = str(status.value if hasattr(status, "value") else status)
+    beat = job.last_heartbeat if status == "started" else None
     return {
         "id": job.id,
-        "status": str(status.value if hasattr(status, "value") else status),
+        "status": status,
+        "heartbeat_age_s": None if beat is None else round(
+            ((now or rq_now()) - beat.replace(tzinfo=UTC)).total_seconds(), 1),
         "func": job.func_name if _readable(job) else None,
         "origin": job.origin,
         "enqueued_at": _iso(job.enqueued_at),

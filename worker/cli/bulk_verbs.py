@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,8 +105,11 @@ def run_bulk_cmd(args: argparse.Namespace) -> int:
     """Run a `conveyor bulk` action; returns the exit status."""
     handler = {"submit": _submit, "analyze": _analyze, "status": _status,
                "worker": _worker}[args.bulk_command]
-    # Redis connection errors pass to `conveyor`'s main, which says them in one line.
-    with Client(args.redis, args.namespace) as client:
+    # Redis connection errors pass to `conveyor`'s main, which says them in one line. A
+    # batch file's requests are tied to this process's life (a watch): killed, even with
+    # SIGKILL, its requests are cancelled by the workers once the watch lapses, not run for
+    # nobody.
+    with Client(args.redis, args.namespace, watch=args.bulk_command == "submit") as client:
         return handler(client, args)
 
 
@@ -125,15 +129,29 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no such input file: {args.input}")
     bar = None if args.quiet else ProgressBar(sys.stderr)
     policy = RetryPolicy(args.request_timeout, args.max_attempts)
-    summary = run_batch_file(client, args.input, args.output, model=args.model,
-                             default_model=_only_model(client), policy=policy,
-                             concurrency=args.concurrency, priority=args.priority,
-                             on_progress=bar.update if bar else None)
+    # SIGTERM (systemd, Kubernetes, timeout(1)) stops the run as Ctrl-C does: the requests
+    # in flight are cancelled, and a rerun finishes what is missing.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        summary = run_batch_file(client, args.input, args.output, model=args.model,
+                                 default_model=_only_model(client), policy=policy,
+                                 concurrency=args.concurrency, priority=args.priority,
+                                 on_progress=bar.update if bar else None)
+    except KeyboardInterrupt:
+        print(f"\nstopped: the requests in flight were cancelled; run it again to finish "
+              f"what is missing from {args.output}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if bar:
         bar.finish(summary)
     print(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} skipped "
           f"(already in {args.output}), {summary.elapsed_s:.1f} s", file=sys.stderr)
     return 1 if summary.failed else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _only_model(client: Client) -> str | None:
@@ -187,7 +205,8 @@ def _analyze(client: Client, args: argparse.Namespace) -> int:
         "model_wait_timeout": args.model_wait,
     }
     job = enqueue_analyze(queue, text, args.instruction, model=model, **options)
-    print(job.id, flush=True)
+    # (with --json, stdout holds the result's JSON alone)
+    print(job.id, file=sys.stderr if args.json else sys.stdout, flush=True)
     _warn_without_workers(queue)
     if args.no_follow:
         return 0
@@ -217,7 +236,11 @@ def _follow(client: Client, job_id: str, *, as_json: bool) -> int:
     last = ""
     try:
         while True:
-            job = fetch_job(client.redis, job_id)
+            try:
+                job = fetch_job(client.redis, job_id)
+            except NoSuchJobError:
+                print(f"no such job: {job_id} (or its result expired)", file=sys.stderr)
+                return 1
             info = job_progress(job)
             line = describe_progress(info)
             if line != last:
@@ -260,6 +283,12 @@ def describe_progress(info: dict[str, Any]) -> str:
         parts.append(f"{meta['retries']} retries")
     if (meta.get("runs") or 1) > 1:  # RQ ran it again after its worker died: it resumed
         parts.append(f"run {meta['runs']} (resumed)")
+    age = info.get("heartbeat_age_s")
+    if age is not None and age > defaults.ABANDONED_AFTER_S:
+        # (a fixed text: a followed job's line is printed again only when it changes)
+        parts.append(f"no heartbeat for over {defaults.ABANDONED_AFTER_S} s: its worker died; "
+                     f"a `conveyor bulk worker` on {info.get('origin')!r} retries it (none "
+                     "may be running)")
     usage = meta.get("usage") or {}
     if usage.get("total_tokens"):
         parts.append(f"{usage['total_tokens']} tokens")

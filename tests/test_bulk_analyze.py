@@ -29,11 +29,12 @@ from producer.bulk import analyze_document, bulk_queue, enqueue_analyze, job_tim
 from producer.bulk.analyze import AnalyzeOptions
 from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
 from producer.bulk.defaults import REDUCE_INSTRUCTION
-from producer.bulk.journal import journal_key
+from producer.bulk.journal import JobJournal, journal_key
 from producer.bulk.prompts import Templates
 from producer.bulk.queue import fleet_url_for, job_progress
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
 from producer.bulk.workers import BulkSimpleWorker
+from producer.client.client import Client
 from producer.client.connection import connect
 from producer.wire.completion import Completion, FinishReason, Usage
 from producer.wire.keys import GROUP, Keys
@@ -514,3 +515,43 @@ def test_an_analysis_with_a_json_schema_answers_json_valid_against_it(
         jsonschema.validate(part["json"], schema)
     jsonschema.validate(result["answer_json"], schema)
     assert json.loads(result["answer"]) == result["answer_json"]
+
+
+def test_bulk_cancel_stops_a_running_analysis_and_cancels_its_requests(
+        redis_url, redis_client, tiny_llama, start_worker, capsys):
+    """`bulk cancel` stops a started job (never retried) and cancels the requests its journal
+    holds in flight at once; a queued job is cancelled, an ended or unknown one said so."""
+    start_worker(**FAST)
+    queue = bulk_queue(connection=redis_client)
+    waiting = enqueue_analyze(queue, "text", "Summarise.", model=MODEL)  # (behind the other)
+    assert bulk("cancel", waiting.id, "--redis", redis_url) == 0
+    assert "canceled" in capsys.readouterr().err
+    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
+    rq_worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "bulk", "worker", "--redis", redis_url],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        tok = tokenizer_of(tiny_llama)
+        job = enqueue_analyze(queue, document(tok, 1_500, seed=9), "Summarise.", model=MODEL,
+                              chunk_tokens=300, overlap_tokens=20, max_tokens=1500,
+                              sampling={"temperature": 0, "ignore_eos": True})
+        journal = JobJournal(redis_client, job.id)
+
+        def streaming() -> list[str] | None:
+            ids = journal.in_flight()
+            return ids if ids and all(redis_client.xlen(KEYS.output(i)) for i in ids) else None
+
+        in_flight = eventually(streaming, "the job's requests streaming")
+        assert job_progress(job)["status"] == "started"  # (precondition)
+        assert bulk("cancel", job.id, "--redis", redis_url) == 0
+        assert "requests in flight cancelled" in capsys.readouterr().err
+        assert job_progress(job)["status"] == "stopped"
+        with Client(redis_url) as client:
+            assert {client.result(i, timeout=60).finish_reason for i in in_flight} == {
+                FinishReason.CANCELLED}
+    finally:
+        rq_worker.send_signal(signal.SIGTERM)
+        rq_worker.wait(30)
+    assert bulk("cancel", job.id, "--redis", redis_url) == 0
+    assert "had already ended: stopped" in capsys.readouterr().err
+    assert bulk("cancel", "no-such-job", "--redis", redis_url) == 1

@@ -167,6 +167,11 @@ class JobJournal:
         """Requests sent over every run of the job."""
         return int(self.client.hget(self.key, _SUBMITTED) or 0)
 
+    def in_flight(self) -> list[str]:
+        """The ids of the requests in flight (each piece of work's newest try)."""
+        return [Sent.decode(raw).request_id for name, raw in self.client.hgetall(self.key).items()
+                if _text(name).startswith(_SENT)]
+
     def finish(self) -> None:
         """The job returned its result: keep the journal only a short while (RQ stores the
         result after the function returns; a death in between reruns from the journal)."""

@@ -18,6 +18,7 @@ from rq.exceptions import NoSuchJobError
 
 from producer.bulk import defaults
 from producer.bulk.batch_file import BatchSummary, run_batch_file
+from producer.bulk.journal import JobJournal
 from producer.bulk.queue import bulk_queue, enqueue_analyze, fetch_job, job_progress
 from producer.bulk.requests import RetryPolicy
 from producer.client.client import Client
@@ -27,12 +28,15 @@ from worker.cli.redis_verbs import add_connection_args
 
 # Seconds between two looks at a followed job.
 FOLLOW_POLL_S = 0.5
+# Seconds `bulk cancel` waits for a started job's work horse to be stopped.
+CANCEL_WAIT_S = 10.0
 # RQ job statuses after which nothing changes any more.
 FINAL_STATUSES = ("finished", "failed", "stopped", "canceled")
 
 
 def add_bulk_parser(subparsers: Any) -> None:
-    """Add `bulk` (submit, analyze, status, worker) to the `conveyor` command's subparsers."""
+    """Add `bulk` (submit, analyze, status, cancel, worker) to the `conveyor` command's
+    subparsers."""
     bulk = subparsers.add_parser(
         "bulk", help="batch files, and long-document analysis through RQ",
         description="Bulk work over the fleet's batch lane. `bulk submit` runs a batch file in "
@@ -94,6 +98,11 @@ def add_bulk_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print status, meta and result as JSON")
     add_connection_args(p)
 
+    p = sub.add_parser("cancel", help="stop an analysis job (or any RQ job) and cancel its "
+                       "requests in flight")
+    p.add_argument("job_id", metavar="JOB", help="RQ job id")
+    add_connection_args(p)
+
     p = sub.add_parser("worker", help="run an RQ worker for bulk jobs (JSON serializer)")
     p.add_argument("--queue", action="append", default=None,
                    help=f"queue to serve, repeatable (default: {defaults.DEFAULT_QUEUE})")
@@ -103,7 +112,7 @@ def add_bulk_parser(subparsers: Any) -> None:
 
 def run_bulk_cmd(args: argparse.Namespace) -> int:
     """Run a `conveyor bulk` action; returns the exit status."""
-    handler = {"submit": _submit, "analyze": _analyze, "status": _status,
+    handler = {"submit": _submit, "analyze": _analyze, "status": _status, "cancel": _cancel,
                "worker": _worker}[args.bulk_command]
     # Redis connection errors pass to `conveyor`'s main, which says them in one line. A
     # batch file's requests are tied to this process's life (a watch): killed, even with
@@ -229,6 +238,37 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         error = info["meta"].get("error") or _exc_tail(job)
         if error:
             print(f"error: {error}")
+    return 0
+
+
+def _cancel(client: Client, args: argparse.Namespace) -> int:
+    """Stop a started job (its work horse killed: RQ marks it ``stopped`` and never retries
+    it) or cancel a waiting one; then cancel the requests its journal holds in flight, at
+    once (their watch would end them only when it lapses)."""
+    from rq.command import send_stop_job_command
+
+    try:
+        job = fetch_job(client.redis, args.job_id)
+    except NoSuchJobError:
+        print(f"no such job: {args.job_id}", file=sys.stderr)
+        return 1
+    status = job_progress(job)["status"]
+    if status in FINAL_STATUSES:
+        print(f"job {job.id} had already ended: {status}", file=sys.stderr)
+        return 0
+    if status == "started":
+        send_stop_job_command(client.redis, job.id)
+        # (its horse sends nothing more once dead: then read what it left in flight)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while job_progress(job)["status"] == "started" and time.monotonic() < deadline:
+            time.sleep(FOLLOW_POLL_S)
+    else:
+        job.cancel()
+    requests = JobJournal(client.redis, job.id).in_flight()
+    for request_id in requests:
+        client.cancel(request_id)
+    print(f"job {job.id}: {job_progress(job)['status']}, {len(requests)} requests in flight "
+          f"cancelled", file=sys.stderr)
     return 0
 
 

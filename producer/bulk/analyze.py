@@ -23,7 +23,7 @@ from rq.job import Job
 from tokenizers import Tokenizer
 
 from producer.bulk import defaults
-from producer.bulk.chunking import Span, check_chunking, split
+from producer.bulk.chunking import Span, check_chunking, item_cap, split
 from producer.bulk.journal import JobJournal, Resumed, Superseded, plan_of, watch_id_for
 from producer.bulk.prompts import Templates, plan_reduce
 from producer.bulk.queue import fleet_connection
@@ -241,6 +241,8 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             spans = split(len(doc_ids), chunk_tokens, overlap_tokens)
             marks["tokenized"] = time.monotonic()
             templates = Templates(tokenizer, instruction, spec.reduce_instruction)
+            context = int(info["max_model_len"]) - reduce_max
+            _check_reduce_room(templates, context, len(spans), max_tokens, reduce_max)
             # The plan: everything the chunks and the reduce groups follow from.
             plan = plan_of(text=text, instruction=instruction, options=asdict(o),
                            tokenizer=info["tokenizer_json"],
@@ -254,7 +256,6 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             eos = set(info.get("eos_token_ids") or [])
             answers = [([t for t in c.pop("token_ids") if t not in eos], c["text"])
                        for c in chunks]
-            context = int(info["max_model_len"]) - reduce_max
             answer, reduces = _reduce(runner, templates, spec, answers, context, progress,
                                       resumed)
             structured = spec.map_sampling.get("response_format") is not None
@@ -337,6 +338,21 @@ def wait_for_model(client: Client, model: str, timeout: float, progress: Progres
                             detail=f"after waiting {timeout:g} s")
     raise AnalysisFailed(f"model {model!r} is registered but no live worker served it "
                          f"within {timeout:g} s: start a worker for it")
+
+
+def _check_reduce_room(templates: Templates, context: int, chunks: int, max_tokens: int,
+                       reduce_max: int) -> None:
+    """ValueError, before anything is sent, where a reduce prompt (the model's length less
+    ``reduce_max``) cannot hold two whole chunk answers of ``max_tokens``: each would be cut
+    to a fragment, and fragments reduced level after level."""
+    if chunks < 2:
+        return  # (one chunk: no reduce)
+    room = item_cap(templates.reduce_budget(context)) - templates.label_tokens
+    if room < max_tokens:
+        raise ValueError(
+            f"reduce_max_tokens {reduce_max} leaves a reduce prompt of {context} tokens, room "
+            f"for two answers of {max(room, 0)} tokens each: chunk answers of up to max_tokens "
+            f"{max_tokens} would be cut; lower reduce_max_tokens or max_tokens")
 
 
 def _model_tokenizer(client: Client, model: str) -> tuple[Tokenizer, dict[str, Any]]:

@@ -34,6 +34,11 @@ class Templates:
         """Tokens left for the answers in one reduce prompt of at most ``context_tokens``."""
         return context_tokens - len(self.reduce_header) - len(self.reduce_footer)
 
+    @property
+    def label_tokens(self) -> int:
+        """The longest label of an answer in a reduce prompt (``Part 9999:``), in tokens."""
+        return len(self._plain("\n\nPart 9999:\n"))
+
     def answer_item(self, position: int, answer_ids: list[int], cap: int) -> list[int]:
         """One answer as it appears in a reduce prompt: a label, then its tokens, cut to ``cap``
         tokens in all (the label always kept)."""

@@ -167,13 +167,17 @@ def test_invalid_options_fail_the_job_before_anything_is_sent(redis_url, redis_c
 def test_a_reduce_that_would_cut_every_answer_to_a_fragment_is_refused_before_the_map(
         redis_url, redis_client, tiny_llama, start_worker):
     """reduce_max_tokens near the model's length leaves a reduce prompt no room for two whole
-    chunk answers: refused before anything is sent (it made five levels of fragments)."""
+    chunk answers: refused before anything is sent (it made five levels of fragments); so is
+    a blank document."""
     start_worker(**FAST)
     text = document(tokenizer_of(tiny_llama), 1_000, seed=2)
     with pytest.raises(ValueError, match="chunk answers of up to max_tokens 64 would be cut"):
         analyze_document(text, "Summarise.", model=MODEL, redis_url=redis_url,
                          chunk_tokens=300, overlap_tokens=20, max_tokens=64,
                          reduce_max_tokens=2000)
+    for blank in ("", "  \n\n "):  # (nothing to analyse: no answer made up for it)
+        with pytest.raises(ValueError, match="the document is empty"):
+            analyze_document(blank, "Summarise.", model=MODEL, redis_url=redis_url)
     assert redis_client.xlen(KEYS.requests(MODEL, "batch")) == 0
 
 

@@ -236,8 +236,9 @@ def _analyze(text: str, instruction: str, options: AnalyzeOptions,
             marks["model_ready"] = time.monotonic()
             tokenizer, info = _model_tokenizer(client, model)
             doc_ids = tokenizer.encode(text, add_special_tokens=False).ids
-            if not doc_ids:
-                raise ValueError("the document is empty: it encodes to no tokens")
+            if not doc_ids or not text.strip():
+                raise ValueError("the document is empty: it encodes to no tokens, or only "
+                                 "blank ones")
             spans = split(len(doc_ids), chunk_tokens, overlap_tokens)
             marks["tokenized"] = time.monotonic()
             templates = Templates(tokenizer, instruction, spec.reduce_instruction)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import zlib
 from dataclasses import asdict
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from producer.bulk import analyze_document, bulk_queue, enqueue_analyze, job_tim
 from producer.bulk.analyze import AnalyzeOptions
 from producer.bulk.chunking import count_chunks, group_to_fit, item_cap, split
 from producer.bulk.defaults import REDUCE_INSTRUCTION
-from producer.bulk.journal import JobJournal, journal_key
+from producer.bulk.journal import Cancelled, JobJournal, Sent, Superseded, journal_key
 from producer.bulk.prompts import Templates
 from producer.bulk.queue import fleet_url_for, job_progress
 from producer.bulk.requests import FailureKind, RetryPolicy, classify
@@ -459,21 +458,24 @@ def test_the_cli_enqueues_an_analysis_follows_it_and_shows_its_status(
     assert "no such job: no-such-job" in capsys.readouterr().err
 
 
-def test_a_started_job_whose_heartbeats_stopped_says_its_worker_died(redis_url, redis_client):
-    """Nothing waits in silence: a job left ``started`` by a dead worker says so (its last
-    heartbeat's age, at the clock given) until a bulk worker retries it."""
+def test_a_started_job_whose_lease_ran_out_says_its_worker_died(redis_url, redis_client):
+    """Nothing waits in silence: a job left ``started`` by a dead worker says so, by RQ's own
+    test (its run's lease in the started-job registry ran out, at the clock given), until
+    a bulk worker retries it; one whose lease holds does not."""
     from rq.job import JobStatus
+    from rq.registry import StartedJobRegistry
 
     job = enqueue_analyze(bulk_queue(connection=redis_client), "text", "Summarise.",
                           model=MODEL)
-    beat = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
     job.set_status(JobStatus.STARTED)
-    job.heartbeat(beat, ttl=60)
-    fresh = job_progress(job, now=beat + timedelta(seconds=3))
-    assert fresh["heartbeat_age_s"] == 3.0 and "no heartbeat" not in describe_progress(fresh)
-    stale = job_progress(job, now=beat + timedelta(seconds=40))
-    assert stale["heartbeat_age_s"] == 40.0
-    assert "no heartbeat for over 15 s: its worker died" in describe_progress(stale)
+    lease_ends = 1_800_000_000.0
+    redis_client.zadd(StartedJobRegistry(job.origin, connection=redis_client).key,
+                      {f"{job.id}:run-1": lease_ends})
+    held = job_progress(job, now=lease_ends - 3)
+    assert held["abandoned_s"] is None and "died" not in describe_progress(held)
+    lapsed = job_progress(job, now=lease_ends + 25)
+    assert lapsed["abandoned_s"] == 25.0
+    assert "its worker died" in describe_progress(lapsed)
 
 
 @pytest.mark.parametrize("cls", ["BulkWorker", "BulkSimpleWorker"])
@@ -572,3 +574,19 @@ def test_bulk_cancel_stops_a_running_analysis_and_cancels_its_requests(
     assert bulk("cancel", job.id, "--redis", redis_url) == 0
     assert "had already ended: stopped" in capsys.readouterr().err
     assert bulk("cancel", "no-such-job", "--redis", redis_url) == 1
+
+
+def test_a_cancelled_journal_stops_the_run_going_on_and_any_retry(redis_client):
+    """What `bulk cancel` leaves where its stop cannot reach (a dead worker's job, retried
+    later; a worker that runs jobs in its own process): the run going on is superseded at
+    its next write, before it sends anything more, and a retry stops at its beginning."""
+    running = JobJournal(redis_client, "cancelled-job")
+    running.begin("plan")
+    running.sending({"chunk-0": Sent("r0", "lane")})
+    running.cancel()
+    assert running.in_flight() == ["r0"]
+    with pytest.raises(Superseded):
+        running.sending({"chunk-1": Sent("r1", "lane")})
+    with pytest.raises(Cancelled, match="cancelled"):
+        JobJournal(redis_client, "cancelled-job").begin("plan")
+    assert running.in_flight() == ["r0"]  # (nothing more was sent)

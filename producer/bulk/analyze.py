@@ -344,16 +344,18 @@ def wait_for_model(client: Client, model: str, timeout: float, progress: Progres
 def _check_reduce_room(templates: Templates, context: int, chunks: int, max_tokens: int,
                        reduce_max: int) -> None:
     """ValueError, before anything is sent, where a reduce prompt (the model's length less
-    ``reduce_max``) cannot hold two whole chunk answers of ``max_tokens``: each would be cut
-    to a fragment, and fragments reduced level after level."""
+    ``reduce_max``) leaves each of two answers fewer than MIN_REDUCE_ANSWER_TOKENS (and
+    fewer than ``max_tokens``): every answer would be cut to a fragment, and fragments
+    reduced level after level. (Room for less than ``max_tokens`` but more than that cuts
+    only the answers that run long, as documented.)"""
     if chunks < 2:
         return  # (one chunk: no reduce)
-    room = item_cap(templates.reduce_budget(context)) - templates.label_tokens
-    if room < max_tokens:
+    room = item_cap(templates.reduce_budget(context)) - templates.label_tokens(chunks)
+    if room < min(max_tokens, defaults.MIN_REDUCE_ANSWER_TOKENS):
         raise ValueError(
             f"reduce_max_tokens {reduce_max} leaves a reduce prompt of {context} tokens, room "
             f"for two answers of {max(room, 0)} tokens each: chunk answers of up to max_tokens "
-            f"{max_tokens} would be cut; lower reduce_max_tokens or max_tokens")
+            f"{max_tokens} would be cut to fragments; lower reduce_max_tokens or max_tokens")
 
 
 def _model_tokenizer(client: Client, model: str) -> tuple[Tokenizer, dict[str, Any]]:

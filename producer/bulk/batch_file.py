@@ -252,7 +252,8 @@ def run_batch_file(
     """
     started = time.monotonic()
     input_path, output_path = Path(input_path), Path(output_path)
-    if output_path.exists() and output_path.resolve() == input_path.resolve():
+    if output_path.exists() and input_path.exists() and os.path.samefile(input_path,
+                                                                          output_path):
         raise ValueError(f"the output {output_path} is the input: name another file")
     with output_path.open("a", encoding="utf-8") as out:
         _lock(out, output_path)  # (held to the end: what is done is read under it)
@@ -293,6 +294,9 @@ def _lock(out: Any, path: Path) -> None:
     except BlockingIOError:
         raise ValueError(f"another run is writing {path}: wait for it to end (or name "
                          f"another output)") from None
+    except OSError as exc:  # (a file system without locks: NFS without lockd)
+        raise ValueError(f"cannot lock {path} for this run alone ({exc.strerror}): name an "
+                         f"output on a local file system") from None
 
 
 def _outcome_line(item: BatchItem, outcome: Outcome) -> dict[str, Any]:

@@ -70,3 +70,6 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 # Requests a job (or a batch file run) keeps in flight at once; the rest wait their turn.
 CONCURRENCY = 64
+# An analysis whose reduce prompt leaves each answer fewer tokens than this (and fewer than
+# max_tokens) is refused before its map: its answers would be reduced as fragments.
+MIN_REDUCE_ANSWER_TOKENS = 128

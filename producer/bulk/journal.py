@@ -8,6 +8,7 @@ job beside the job itself, on RQ's Redis (``rq:conveyor:journal:{job_id}``: RQ's
 - ``plan``: a fingerprint of the job's arguments, so a new job under a reused id starts
   afresh instead of reading another document's results;
 - ``runs``: how many times the job started, ``submitted``: requests sent over all runs;
+- ``cancelled``: set by `conveyor bulk cancel` (no run goes on or starts after it);
 - ``done:{work}``: the result of each finished chunk or reduce request (JSON);
 - ``sent:{work}``: the request in flight for a piece of work: its id, lane entry, earlier
   ids and tries (JSON).
@@ -42,7 +43,7 @@ import redis
 
 from producer.bulk import defaults
 
-_PLAN, _RUNS, _SUBMITTED = "plan", "runs", "submitted"
+_PLAN, _RUNS, _SUBMITTED, _CANCELLED = "plan", "runs", "submitted", "cancelled"
 _DONE, _SENT = "done:", "sent:"
 
 
@@ -97,6 +98,11 @@ class Superseded(RuntimeError):
     requests in flight alone (the newer run follows them)."""
 
 
+class Cancelled(Superseded):
+    """The job was cancelled (`conveyor bulk cancel`): no run of it goes on, and none starts
+    (RQ's retry of it included)."""
+
+
 class JobJournal:
     """Reads and writes one job's journal; see the module docstring."""
 
@@ -111,6 +117,8 @@ class JobJournal:
         """Count a run and return what earlier runs of the same plan left; a journal of
         another plan (the job id reused for other arguments) is dropped."""
         found = {_text(k): v for k, v in (self.client.hgetall(self.key) or {}).items()}
+        if _CANCELLED in found:
+            raise Cancelled("the job was cancelled (conveyor bulk cancel)")
         if found and _text(found.get(_PLAN, b"")) != plan:
             self.client.delete(self.key)
             found = {}
@@ -166,6 +174,15 @@ class JobJournal:
     def submitted(self) -> int:
         """Requests sent over every run of the job."""
         return int(self.client.hget(self.key, _SUBMITTED) or 0)
+
+    def cancel(self) -> None:
+        """Mark the job cancelled: a run going on is superseded at its next write, and a run
+        yet to start (a retry) stops at its beginning."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, _CANCELLED, "1")
+        pipe.hincrby(self.key, _RUNS, 1)
+        pipe.expire(self.key, self.ttl_s)
+        pipe.execute()
 
     def in_flight(self) -> list[str]:
         """The ids of the requests in flight (each piece of work's newest try)."""

@@ -34,10 +34,10 @@ class Templates:
         """Tokens left for the answers in one reduce prompt of at most ``context_tokens``."""
         return context_tokens - len(self.reduce_header) - len(self.reduce_footer)
 
-    @property
-    def label_tokens(self) -> int:
-        """The longest label of an answer in a reduce prompt (``Part 9999:``), in tokens."""
-        return len(self._plain("\n\nPart 9999:\n"))
+    def label_tokens(self, answers: int) -> int:
+        """The longest label of ``answers`` answers in a reduce prompt, in tokens (a label's
+        length varies with how the tokenizer splits its number)."""
+        return max(len(self._plain(f"\n\nPart {i + 1}:\n")) for i in range(answers))
 
     def answer_item(self, position: int, answer_ids: list[int], cap: int) -> list[int]:
         """One answer as it appears in a reduce prompt: a label, then its tokens, cut to ``cap``

@@ -4,15 +4,15 @@ running job uses to reach the fleet."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
 from typing import Any
 from urllib.parse import quote
 
 import redis
 from rq import Queue, Retry
 from rq.job import Job
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.utils import now as rq_now
 
 from producer import settings
 from producer.bulk import defaults
@@ -62,19 +62,19 @@ def fetch_job(connection: redis.Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
 
 
-def job_progress(job: Job, now: datetime | None = None) -> dict[str, Any]:
-    """A job's status and the progress it keeps in its meta, as one JSON-ready dict; a
-    started job's ``heartbeat_age_s`` at ``now`` (default: RQ's clock) says whether its
-    worker still runs it."""
+def job_progress(job: Job, now: float | None = None) -> dict[str, Any]:
+    """A job's status and the progress it keeps in its meta, as one JSON-ready dict. A
+    started job's ``abandoned_s``: how long ago its run's lease in RQ's started-job
+    registry ran out (its worker stopped renewing it: dead), at ``now`` (a Unix time;
+    default: this host's clock); None while it holds (or where it is not started)."""
     job.refresh()
     status = job.get_status(refresh=False)
     status = str(status.value if hasattr(status, "value") else status)
-    beat = job.last_heartbeat if status == "started" else None
     return {
         "id": job.id,
         "status": status,
-        "heartbeat_age_s": None if beat is None else round(
-            ((now or rq_now()) - beat.replace(tzinfo=UTC)).total_seconds(), 1),
+        "abandoned_s": _abandoned_s(job, time.time() if now is None else now)
+        if status == "started" else None,
         "func": job.func_name if _readable(job) else None,
         "origin": job.origin,
         "enqueued_at": _iso(job.enqueued_at),
@@ -82,6 +82,21 @@ def job_progress(job: Job, now: datetime | None = None) -> dict[str, Any]:
         "ended_at": _iso(job.ended_at),
         "meta": dict(job.meta),
     }
+
+
+def _abandoned_s(job: Job, now: float) -> float | None:
+    """Seconds since the job's newest lease in its queue's started-job registry ran out
+    (RQ's own test of an abandoned job: the registry's score is when it runs out, renewed
+    by each heartbeat of a forking worker); None while one holds, or where none is found."""
+    registry = StartedJobRegistry(job.origin, connection=job.connection,
+                                  serializer=JSONSerializer)
+    prefix = f"{job.id}:".encode()
+    leases = [score for member, score in job.connection.zrange(registry.key, 0, -1,
+                                                                withscores=True)
+              if (member if isinstance(member, bytes) else member.encode()).startswith(prefix)]
+    if not leases or max(leases) > now:
+        return None
+    return round(now - max(leases), 1)
 
 
 def fleet_url_for(connection: redis.Redis) -> str:

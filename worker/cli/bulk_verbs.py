@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
 
 from producer.bulk import defaults
 from producer.bulk.batch_file import BatchSummary, run_batch_file
@@ -115,10 +115,11 @@ def run_bulk_cmd(args: argparse.Namespace) -> int:
     handler = {"submit": _submit, "analyze": _analyze, "status": _status, "cancel": _cancel,
                "worker": _worker}[args.bulk_command]
     # Redis connection errors pass to `conveyor`'s main, which says them in one line. A
-    # batch file's requests are tied to this process's life (a watch): killed, even with
-    # SIGKILL, its requests are cancelled by the workers once the watch lapses, not run for
-    # nobody.
-    with Client(args.redis, args.namespace, watch=args.bulk_command == "submit") as client:
+    # batch file's requests are tied to this process's life (a watch, of bulk work's TTL):
+    # killed, even with SIGKILL, its requests are cancelled by the workers once the watch
+    # lapses, not run for nobody.
+    with Client(args.redis, args.namespace, watch=args.bulk_command == "submit",
+                watch_ttl_s=defaults.WATCH_TTL_S) as client:
         return handler(client, args)
 
 
@@ -160,6 +161,8 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    # (once: a second SIGTERM must not cut short the cancelling the first one began)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -257,18 +260,32 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
         print(f"job {job.id} had already ended: {status}", file=sys.stderr)
         return 0
     if status == "started":
-        send_stop_job_command(client.redis, job.id)
+        try:
+            send_stop_job_command(client.redis, job.id)
+        except InvalidJobOperation:  # (no worker named: it ended, or it is between runs)
+            pass
         # (its horse sends nothing more once dead: then read what it left in flight)
         deadline = time.monotonic() + CANCEL_WAIT_S
         while job_progress(job)["status"] == "started" and time.monotonic() < deadline:
             time.sleep(FOLLOW_POLL_S)
     else:
         job.cancel()
-    requests = JobJournal(client.redis, job.id).in_flight()
-    for request_id in requests:
-        client.cancel(request_id)
-    print(f"job {job.id}: {job_progress(job)['status']}, {len(requests)} requests in flight "
-          f"cancelled", file=sys.stderr)
+    journal = JobJournal(client.redis, job.id)
+    journal.cancel()  # (a later run of it, a retry RQ makes, stops at once)
+    requests = journal.in_flight()
+    kwargs = job.kwargs if isinstance(job.kwargs, dict) else {}
+    # Where the job's requests are: its fleet's Redis and namespace, which may not be ours.
+    url, namespace = kwargs.get("redis_url"), kwargs.get("namespace") or client.keys.ns
+    with (Client(url, namespace) if url
+          else Client(namespace=namespace, connection=client.redis)) as fleet:
+        for request_id in requests:
+            fleet.cancel(request_id)
+    now = job_progress(job)["status"]
+    print(f"job {job.id}: {now}, {len(requests)} requests in flight cancelled", file=sys.stderr)
+    if now == "started":  # (a dead worker's job, or a worker that runs jobs in its process)
+        print("its worker did not stop it: it ends at its next step (a retry of it finds it "
+              "cancelled)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -323,11 +340,10 @@ def describe_progress(info: dict[str, Any]) -> str:
         parts.append(f"{meta['retries']} retries")
     if (meta.get("runs") or 1) > 1:  # RQ ran it again after its worker died: it resumed
         parts.append(f"run {meta['runs']} (resumed)")
-    age = info.get("heartbeat_age_s")
-    if age is not None and age > defaults.ABANDONED_AFTER_S:
+    if info.get("abandoned_s") is not None:
         # (a fixed text: a followed job's line is printed again only when it changes)
-        parts.append(f"no heartbeat for over {defaults.ABANDONED_AFTER_S} s: its worker died; "
-                     f"a `conveyor bulk worker` on {info.get('origin')!r} retries it (none "
+        parts.append(f"its worker died (its lease in RQ's started-job registry ran out): a "
+                     f"`conveyor bulk worker` on {info.get('origin')!r} retries it (none "
                      "may be running)")
     usage = meta.get("usage") or {}
     if usage.get("total_tokens"):

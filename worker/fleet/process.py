@@ -152,9 +152,7 @@ class Worker:
         self.queue_poller = QueuePoller(self._client("queue-poller"), self.keys, self.model, wid,
                                         self.metrics, config.queue_poll_interval_s, **sup)
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.keys, wid,
-                                   config.heartbeat_interval_s, self.status,
-                                   model_key=self.keys.model(self.model),
-                                   register=self._register, **sup)
+                                   config.heartbeat_interval_s, self.status, **sup)
         self.metrics.watch_faults(self.fault_counts)
         self.metrics.watch_handoffs(self.handoff_counts)
         self.metrics.watch_publisher(lambda: PublisherCounts(
@@ -413,7 +411,8 @@ class Worker:
         """Everything before the threads start, once this worker's heartbeat is out."""
         check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
                         self.config.worker_id)
-        self._register()
+        self._register(self.client)
+        self.heartbeat.keep_registration(self.keys.model(self.model), self._register)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
         self.intake.prepare_streams(self.client)
         self.reaper.check_lanes()
@@ -426,9 +425,9 @@ class Worker:
                                                    self.config.metrics_host)
             self.threads.append(self.queue_poller)
 
-    def _register(self) -> None:
+    def _register(self, client: redis.Redis) -> None:
         """Write the model's registration (at start, and again where a beat finds it gone)."""
-        register_model(self.client, self.keys, self.model, self.engine, self.config.model_dir,
+        register_model(client, self.keys, self.model, self.engine, self.config.model_dir,
                        self.config.worker_id, self.chat_template)
 
     def _placement(self) -> Placement | None:

@@ -33,8 +33,7 @@ class Heartbeat(SupervisedThread):
     """Every interval, writes ``{ns}:worker:{id}`` with a TTL of three intervals."""
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, interval_s: float,
-                 status: Callable[[], dict[str, object]], model_key: str | None = None,
-                 register: Callable[[], None] | None = None, **supervision: Any) -> None:
+                 status: Callable[[], dict[str, object]], **supervision: Any) -> None:
         super().__init__("heartbeat", worker_id=worker_id, interval_s=interval_s, **supervision)
         self.client = client
         self.key = keys.worker(worker_id)
@@ -43,8 +42,11 @@ class Heartbeat(SupervisedThread):
         # What keep_functions last found ("" before its first check).
         self.functions = ""
         self.status = status
-        # The model's hash, and what writes it again when a beat finds it gone.
-        self.model_key, self.register = model_key, register
+        # The model's hash, and what writes it again (given this client) when a beat finds
+        # it gone: set by keep_registration once the worker has registered, never before
+        # (a worker refused at start must leave no registration behind).
+        self.model_key: str | None = None
+        self.register: Callable[[redis.Redis], None] | None = None
         self.static = {"worker_id": worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_ms": now_ms()}
 
@@ -82,8 +84,17 @@ class Heartbeat(SupervisedThread):
         replies = pipe.execute()
         if self.register is not None and not replies[-1]:
             log.warning("the model's registration was gone (a Redis restarted without "
-                        "persistence?): written again", key=self.model_key)
-            self.register()
+                        "persistence?): writing it again", key=self.model_key)
+            try:
+                self.register(self.client)
+            except (OSError, redis.RedisError) as exc:  # (the next beat tries again)
+                log.warning("the model's registration could not be written again",
+                            error=str(exc))
+
+    def keep_registration(self, model_key: str, register: Callable[[redis.Redis], None]
+                          ) -> None:
+        """From now on, write the model's registration again where a beat finds it gone."""
+        self.model_key, self.register = model_key, register
 
     def clear(self) -> None:
         """Remove the worker's hash, and its id from the workers set, at exit."""

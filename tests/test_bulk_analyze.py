@@ -553,6 +553,7 @@ def test_bulk_cancel_stops_a_running_analysis_and_cancels_its_requests(
         tok = tokenizer_of(tiny_llama)
         job = enqueue_analyze(queue, document(tok, 1_500, seed=9), "Summarise.", model=MODEL,
                               chunk_tokens=300, overlap_tokens=20, max_tokens=1500,
+                              reduce_max_tokens=64,
                               sampling={"temperature": 0, "ignore_eos": True})
         journal = JobJournal(redis_client, job.id)
 

@@ -176,3 +176,18 @@ def test_every_metric_a_panel_queries_is_exported_by_a_live_worker_or_gateway(
     queried = {m for expr in panel_exprs(dashboard) for m in metric_names(expr)}
     assert queried, "no conveyor_* metric in any panel"
     assert queried - exported == set()
+
+
+def test_a_panel_in_seconds_shows_its_other_series_in_their_own_unit():
+    """A panel whose unit is seconds and that also draws a count (open streams, tokens)
+    overrides that series' unit: 12 open streams must not read "12 s"."""
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text()).get("panels", []):
+            config = panel.get("fieldConfig", {})
+            if config.get("defaults", {}).get("unit") != "s":
+                continue
+            overridden = {o["matcher"].get("options") for o in config.get("overrides", [])}
+            for target in panel.get("targets", []):
+                if "seconds" not in target.get("expr", ""):
+                    assert target.get("legendFormat") in overridden, (path.name,
+                                                                      panel.get("title"))

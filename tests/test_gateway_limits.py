@@ -203,3 +203,21 @@ def test_the_open_files_limit_is_raised_to_the_hard_one_and_a_misfit_is_said():
         assert any("does not fit" in e["event"] and e["log_level"] == "warning" for e in logs)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_gateways_counters_start_at_zero_for_every_known_label():
+    """A series born at its first event shows no increase for it: rate() and increase()
+    miss the first timeout, refusal or 500 (and a panel reads "No data"). Every known label
+    starts at 0; no `*_created` series double what is scraped."""
+    from producer.gateway.metrics import GatewayMetrics
+
+    text = GatewayMetrics().exposition()[0].decode()
+    for series in ['conveyor_gateway_timeouts_total{kind="header"} 0.0',
+                   'conveyor_gateway_timeouts_total{kind="body"} 0.0',
+                   'conveyor_gateway_refused_total{reason="gateway_busy"} 0.0',
+                   'conveyor_gateway_refused_total{reason="max_connections"} 0.0',
+                   'conveyor_gateway_requests_total{endpoint="/v1/chat/completions",'
+                   'status="500"} 0.0',
+                   'conveyor_gateway_response_seconds_count{endpoint="/v1/completions"} 0.0']:
+        assert series in text.splitlines(), series
+    assert "_created" not in text

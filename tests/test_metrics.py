@@ -12,6 +12,8 @@ from producer.client.client import Client
 from producer.client.queues import lane_stats
 from producer.clock import ManualClock
 from producer.wire.keys import GROUP, Keys
+from producer.wire.params import SamplingParams
+from producer.wire.protocol import FIELD, GenerationRequest, OutputChunk
 
 KEYS = Keys()
 
@@ -83,6 +85,37 @@ def test_metrics_count_requests_tokens_and_latencies_of_served_requests(redis_ur
     assert "conveyor_gpu_memory_utilization" not in s  # (a CPU's pool is not sized so)
     assert value(s, "conveyor_preemptions_total", mode="recompute") == 0
     assert value(s, "conveyor_preemptions_total", mode="swap") == 0
+
+
+def test_a_taken_over_request_is_not_timed_again_and_refused_ones_count_as_errors(
+        redis_url, redis_client, start_worker):
+    """A request taken over after its first token went out (its worker died) has had its
+    TTFT and queue wait: the worker that resumes it times neither again (it recorded ~30 s
+    of each, a spike in the panels at every crash). A request the intake refuses (another
+    model's) is answered error and counted finished{error}, as an engine's refusal is."""
+    stream = KEYS.requests(MODEL, "interactive")
+    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    taken = GenerationRequest("taken-over", MODEL, params, prompt_token_ids=[5, 6, 7])
+    redis_client.xadd(stream, {FIELD: taken.encode()})
+    got = redis_client.xreadgroup(GROUP, "gone", {stream: ">"}, count=1)
+    redis_client.xclaim(stream, GROUP, "gone", 0, [got[0][1][0][0]], idle=10 ** 6,
+                        justid=True)  # (its worker died: the lease long lapsed)
+    chunk = OutputChunk(0, [11, 12, 13], "")  # the three tokens it had published
+    redis_client.xadd(KEYS.output("taken-over"), {FIELD: chunk.encode()}, id=chunk.entry_id)
+    other = GenerationRequest("elsewhere", "other-model", params, prompt_token_ids=[5])
+    redis_client.xadd(stream, {FIELD: other.encode()})
+    worker = start_worker(metrics_port=0)
+    client = Client(redis_url)
+    assert client.result("taken-over", timeout=60).finish_reason == "length"
+    assert client.result("elsewhere", timeout=60).finish_reason == "error"
+    s = scrape(worker.metrics_port)
+    assert value(s, "conveyor_requests_admitted_total", lane="interactive") == 1
+    assert value(s, "conveyor_requests_finished_total", finish_reason="length") == 1
+    assert value(s, "conveyor_requests_finished_total", finish_reason="error") == 1
+    assert value(s, "conveyor_time_to_first_token_seconds_count") == 0
+    assert value(s, "conveyor_request_queue_wait_seconds_count") == 0
+    assert value(s, "conveyor_inter_token_latency_seconds_count") == 3  # (its own tokens)
 
 
 def test_two_workers_in_one_process_have_separate_registries(redis_url, start_worker):

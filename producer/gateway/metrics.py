@@ -9,8 +9,20 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
+
+from producer.wire.openai_api import CHAT_URL, COMPLETIONS_URL
+
+# No `*_created` series beside every counter and histogram (the worker's neither).
+disable_created_metrics()
+# The series made at start, at zero: a counter's first event then shows in rate() and
+# increase() (a series born at 1 has no increase to show), and a panel has data at once.
+ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
+STATUSES = ("200", "400", "401", "404", "429", "499", "500", "503")
+REFUSALS = ("gateway_busy", "max_connections")
+TIMEOUTS = ("header", "body")
 
 # Seconds until the response starts (the whole answer when not streamed).
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -57,6 +69,15 @@ class GatewayMetrics:
                                      "streams each shared XREAD names (the answers of all "
                                      "requests are read through a few)", buckets=BATCH_BUCKETS,
                                      registry=self.registry)
+
+        for endpoint in ENDPOINTS:
+            self.latency.labels(endpoint)
+            for status in STATUSES:
+                self.requests.labels(endpoint, status)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
+        for kind in TIMEOUTS:
+            self.timeouts.labels(kind)
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -312,6 +312,8 @@ class EngineLoop(SupervisedThread):
         if self.on_admit is not None:
             self.on_admit(adm.prompt_token_ids)
         generated = adm.published.token_ids if adm.published else []
+        if generated:  # (its first token went out from another worker: not timed again)
+            entry.first_token = entry.last_token = time.monotonic()
         if generated and (reason := self._already_done(adm, generated)) is not None:
             self._finish_unstarted(adm, FinalEntry(str(reason), len(generated),
                                                    {"prompt_tokens": len(adm.prompt_token_ids),
@@ -346,7 +348,8 @@ class EngineLoop(SupervisedThread):
         entry.coalesce = (self.hold is not None and not req.params.stop
                           and req.params.logprobs is None and req.params.prompt_logprobs is None
                           and self.role != "prefill")
-        self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids), wait_s)
+        self.metrics.request_admitted(req.lane, len(adm.prompt_token_ids),
+                                      None if generated else wait_s)
         log.debug("request admitted", request_id=req.request_id, lane=req.lane,
                   prompt_tokens=len(adm.prompt_token_ids), queue_wait_ms=round(wait_s * 1000, 1))
 

@@ -198,16 +198,25 @@ class WorkerMetrics:
 
     # ----- fed by the engine loop (no I/O) -----
 
-    def request_admitted(self, lane: str, prompt_tokens: int, queue_wait_s: float) -> None:
+    def request_admitted(self, lane: str, prompt_tokens: int,
+                         queue_wait_s: float | None) -> None:
+        """``queue_wait_s`` None: a request resumed after its first token went out (a
+        take-over, a handoff): it waited for that once, on the worker that sent it."""
         self.admitted.labels(self.model, lane).inc()
         self.prompt_tokens.inc(prompt_tokens)
-        self.queue_wait.observe(queue_wait_s)
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)
 
     def request_finished(self, reason: str, e2e_s: float, cached_tokens: int) -> None:
         self.finished.labels(self.model, reason).inc()
         self.e2e.observe(e2e_s)
         if cached_tokens:
             self.cached_tokens.inc(cached_tokens)
+
+    def requests_refused(self, count: int) -> None:
+        """Requests the intake answered ``error`` before the engine saw them (malformed,
+        another model's, a format it cannot serve): finished, with no latency to time."""
+        self.finished.labels(self.model, "error").inc(count)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

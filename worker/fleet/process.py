@@ -138,6 +138,7 @@ class Worker:
             tier_reader=self.tier_reader,
             hand_ons_waiting=(lambda: self.tier_writer.waiting) if hand_on is not None else None,
             grammars=self.engine.checks.grammars, engine_state=self.loop.engine_state,
+            on_refused=self.metrics.requests_refused,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
                                   config.lease_ms, self.loop.drop, keys=self.keys,

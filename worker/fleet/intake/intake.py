@@ -98,6 +98,8 @@ class IntakeParts:
     # Since when the engine loop's step has run and requests have waited: a worker busy
     # that long leaves its own affinity lanes to its peers (None: it never does).
     engine_state: Callable[[], EngineState] | None = None
+    # Counts requests it answers with an error final itself (the metrics' finished{error}).
+    on_refused: Callable[[int], None] | None = None
 
 
 class Intake(SupervisedThread):
@@ -114,6 +116,7 @@ class Intake(SupervisedThread):
         self.inflight = parts.inflight
         self.inbox = parts.inbox
         self.publisher = parts.publisher
+        self.on_refused = parts.on_refused
         self.tokenizer = parts.tokenizer
         self.read_block_ms = config.read_block_ms
         self.on_cancel = parts.on_cancel
@@ -535,3 +538,5 @@ class Intake(SupervisedThread):
                         reason, len(done.token_ids) if done else 0,
                         done.id_base if done else 0)))
         self.publisher.publish(items)
+        if write_final and request_id is not None and self.on_refused is not None:
+            self.on_refused(len(items))  # (each choice answered: a request, as the engine's)

@@ -85,3 +85,16 @@ def test_dead_workers_leave_the_workers_set_and_live_ones_stay(redis_url, redis_
         assert [w["worker_id"] for w in take_snapshot(client).workers] == ["alive"]
     assert prune_worker_set(redis_client, keys) == ["gone"]
     assert redis_client.smembers(keys.workers) == {b"alive"}
+
+
+def test_a_live_frame_is_cut_to_the_terminal():
+    """On a terminal each frame redraws in place: one taller or wider than the terminal
+    would scroll its summary away and wrap its rows; it is cut as top(1) cuts, saying so."""
+    from worker.cli.top import clip
+
+    frame = "\n".join(f"row {i} " + "x" * 120 for i in range(30))
+    cut = clip(frame, 80, 24).splitlines()
+    assert len(cut) == 23 and all(len(line) <= 79 for line in cut)
+    assert cut[0].startswith("row 0 ") and cut[21].startswith("row 21 ")
+    assert cut[-1] == "(8 more lines: a taller terminal, or --once)"
+    assert clip("a\nb", 80, 24) == "a\nb"  # (a frame that fits is left as it is)

@@ -8,6 +8,7 @@ request streams and consumer group; one frame is one snapshot of all three.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -72,6 +73,8 @@ def run_top_cmd(args: argparse.Namespace) -> int:
                     if args.once:
                         raise
                     frame = f"conveyor top  {where}: cannot reach Redis ({exc}); retrying"
+                if live:  # (a frame taller or wider than the terminal would scroll)
+                    frame = clip(frame, *shutil.get_terminal_size())
                 sys.stdout.write((_CLEAR if live else "") + frame + "\n")
                 sys.stdout.flush()
                 if args.once:
@@ -153,6 +156,17 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
         "(no live workers)"]
     return "\n".join([summary, "", "MODELS", *models, "", "LANES", *lanes, *_blocked(ws), "",
                       "WORKERS", *workers])
+
+
+def clip(frame: str, columns: int, rows: int) -> str:
+    """``frame`` cut to a terminal of ``columns`` x ``rows``, as top(1) cuts its own: each
+    line to the width, and the lines past the height left out, said in the last row."""
+    lines = [line[:max(1, columns - 1)] for line in frame.splitlines()]
+    if len(lines) >= rows:
+        left = len(lines) - (rows - 2)
+        lines = lines[:max(0, rows - 2)] + [
+            f"({left} more lines: a taller terminal, or --once)"[:max(1, columns - 1)]]
+    return "\n".join(lines)
 
 
 def _blocked(workers: list[dict[str, str]]) -> list[str]:

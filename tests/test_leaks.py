@@ -70,6 +70,9 @@ def test_500_requests_with_expiries_lease_losses_and_reused_ids_leave_nothing(
         served += 2 * ROUND
 
     assert served == 500
+    # Each lost lease counted (what was admitted here is finished here or lost).
+    assert worker.metrics.registry.get_sample_value(
+        "conveyor_leases_lost_total", {"model": MODEL}) == 3 * ROUND
     eventually(lambda: not any(idle_sizes(worker).values()), "the worker at its idle size", 120)
     assert idle_sizes(worker) == dict.fromkeys(idle_sizes(worker), 0)
 

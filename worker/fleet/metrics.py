@@ -143,6 +143,11 @@ class WorkerMetrics:
         self.finished = Counter("conveyor_requests_finished",
                                 "Requests answered with a final entry, by finish reason.",
                                 ["model", "finish_reason"], registry=r)
+        # (admitted here, never finished here: every admitted request is finished or lost)
+        self.leases_lost = Counter("conveyor_leases_lost",
+                                   "Requests stopped here because another worker took them "
+                                   "over (their lease lapsed: Redis lost it, or this worker "
+                                   "stalled).", m, registry=r).labels(model)
         self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens admitted.", m,
                                      registry=r).labels(model)
         self.generation_tokens = Counter("conveyor_generation_tokens", "Tokens generated.", m,

@@ -141,7 +141,7 @@ class Worker:
             on_refused=self.metrics.requests_refused,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
-                                  config.lease_ms, self.loop.drop, keys=self.keys,
+                                  config.lease_ms, self._lease_lost, keys=self.keys,
                                   on_orphaned=self.loop.cancel, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
                              config.lease_ms, config.max_deliveries,
@@ -425,6 +425,11 @@ class Worker:
             self.metrics_port = self.metrics.serve(self.config.metrics_port,
                                                    self.config.metrics_host)
             self.threads.append(self.queue_poller)
+
+    def _lease_lost(self, request_id: str) -> None:
+        """Another worker owns the request now: stop it without a word, and count it."""
+        self.metrics.leases_lost.inc()
+        self.loop.drop(request_id)
 
     def _register(self, client: redis.Redis) -> None:
         """Write the model's registration (at start, and again where a beat finds it gone)."""

@@ -336,3 +336,44 @@ def test_submit_json_schema_answers_json_valid_against_it(start_worker, redis_ur
     assert main(["submit", "x", "--json-schema", str(path), "--model", SERVED, "--redis",
                  redis_url]) == 2
     assert "not a JSON file" in capsys.readouterr().err
+
+
+def test_common_mistakes_are_one_line_not_a_traceback(redis_url, redis_client, tiny_llama,
+                                                      tmp_path, capsys):
+    """A directory given as a file, a port out of range or in use, a thread count of 0, a
+    Redis user without the rights a verb needs, a lane closed to new requests: each is one
+    line naming the problem, with the documented exit status."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    busy = held.getsockname()[1]
+    try:
+        for argv, status, words in [
+                (["submit", "--file", str(tmp_path), "--redis", redis_url], 2,
+                 "Is a directory"),
+                (["gateway", "--port", "70000", "--redis", redis_url], 2,
+                 "--port must be in [0, 65535]"),
+                (["worker", "--model", str(tiny_llama), "--threads", "0", "--redis",
+                  redis_url], 2, "num_threads must be >= 1"),
+                (["worker", "--model", str(tiny_llama), "--metrics-port", str(busy),
+                  "--metrics-host", "127.0.0.1", "--redis", redis_url], 2,
+                 f"cannot serve metrics on 127.0.0.1:{busy}")]:
+            assert main(argv) == status, argv
+            err = capsys.readouterr().err
+            assert words in err and "Traceback" not in err, err
+    finally:
+        held.close()
+    redis_client.execute_command("ACL", "SETUSER", "pinger", "on", ">pw", "~*", "+ping",
+                                 "+hello", "+client")
+    try:
+        limited = redis_url.replace("unix://", "unix://pinger:pw@")
+        assert main(["top", "--once", "--redis", limited]) == 1
+        err = capsys.readouterr().err
+        assert "Redis refused a command to this user" in err and "Traceback" not in err
+    finally:
+        redis_client.execute_command("ACL", "DELUSER", "pinger")
+    lane = KEYS.requests(MODEL, "interactive")
+    redis_client.xadd(lane, {"m": "x"}, id="18446744073709551615-18446744073709551615")
+    redis_client.hset(KEYS.model(MODEL), "name", MODEL)  # (registered: no unknown-model exit)
+    assert main(["submit", "hi", "--model", MODEL, "--redis", redis_url]) == 1
+    assert "is blocked" in capsys.readouterr().err

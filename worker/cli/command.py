@@ -17,6 +17,7 @@ from producer.client.connection import describe
 from producer.logging import DEFAULT_LEVEL, LEVELS, configure_logging
 from producer.redis.config import RedisServerError
 from producer.version import conveyor_version
+from producer.wire.errors import LaneBlocked
 from worker.bench.cli import add_bench_parser
 from worker.cli.bulk_verbs import add_bulk_parser
 from worker.cli.client_verbs import add_client_parsers
@@ -96,9 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flushes stdout at exit) go nowhere instead of raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError,
+            NotADirectoryError, PermissionError) as exc:
         print(f"conveyor {verb}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except redis.exceptions.NoPermissionError as exc:
+        # A Redis user whose ACL does not allow what this verb needs (docs/security.md).
+        print(f"conveyor {verb}: Redis refused a command to this user: {exc} (each role's "
+              f"rules: `conveyor redis setup --acl`)", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except LaneBlocked as exc:
+        print(f"conveyor {verb}: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # The retries (one warning each) are behind us: one line, no traceback.
         url = setup_url(args) if args.command == "redis" else getattr(args, "redis", None)

@@ -96,6 +96,10 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         print(f"conveyor gateway: error: {exc.name} is missing: pip install "
               "'conveyor[gateway]'", file=sys.stderr)
         return 2
+    if not 0 <= args.port <= 65535:
+        print(f"conveyor gateway: error: --port must be in [0, 65535], got {args.port}",
+              file=sys.stderr)
+        return 2
     keys: tuple[str, ...] = ()
     if args.api_key:
         keys = (args.api_key,)

@@ -271,19 +271,19 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens":
               args.max_num_batched_tokens, "dtype": args.dtype}
-    if args.num_kv_blocks:
+    if args.num_kv_blocks is not None:  # (0 is refused by the config, not dropped)
         engine["num_kv_blocks"] = args.num_kv_blocks
     engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     engine["attention_backend"] = args.attention_backend
     if args.enforce_eager:
         engine["enforce_eager"] = True
-    if args.threads:
+    if args.threads is not None:
         engine["num_threads"] = args.threads
     if not args.chunked_prefill:
         engine["enable_chunked_prefill"] = False
-    if args.max_prefill_chunk:
+    if args.max_prefill_chunk is not None:
         engine["max_prefill_chunk"] = args.max_prefill_chunk
-    if args.itl_target_ms:
+    if args.itl_target_ms is not None:
         engine["itl_target_ms"] = args.itl_target_ms
     if args.async_scheduling != "auto":
         engine["async_scheduling"] = args.async_scheduling == "on"

@@ -110,6 +110,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.swap_blocks is not None and self.swap_blocks < 0:
             raise ValueError(f"swap_blocks must be >= 0, got {self.swap_blocks}")
         check_preemption_mode(self.preemption_mode)

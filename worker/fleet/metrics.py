@@ -260,7 +260,10 @@ class WorkerMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve /metrics on ``host:port`` (0: any free port); returns the bound port."""
-        self._server, self._server_thread = start_http_server(port, host, self.registry)
+        try:
+            self._server, self._server_thread = start_http_server(port, host, self.registry)
+        except OSError as exc:  # (in use, or not ours to bind: one line, not a traceback)
+            raise ValueError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
         return self._server.server_port
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ HEALTH_CHECK_INTERVAL = 30
 
 # Retries after a ConnectionError/TimeoutError; before retry n it sleeps a random fraction of
 # BASE * 2**n, at most CAP (0.1, 0.2, 0.4, 0.8, 1.6, 2 s): up to 5.1 s of waits in all, about
-# 2.5 s on average (full jitter), is the outage a single call rides out.
+# 3 s on average (full jitter), is the outage a single call rides out.
 RETRY_ATTEMPTS = 6
 RETRY_BACKOFF_BASE = 0.05
 RETRY_BACKOFF_CAP = 2.0

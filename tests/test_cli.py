@@ -363,6 +363,7 @@ def test_common_mistakes_are_one_line_not_a_traceback(redis_url, redis_client, t
             assert words in err and "Traceback" not in err, err
     finally:
         held.close()
+    assert not redis_client.keys("conveyor:model:*")  # (refused before it registered)
     redis_client.execute_command("ACL", "SETUSER", "pinger", "on", ">pw", "~*", "+ping",
                                  "+hello", "+client")
     try:

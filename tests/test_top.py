@@ -88,13 +88,15 @@ def test_dead_workers_leave_the_workers_set_and_live_ones_stay(redis_url, redis_
 
 
 def test_a_live_frame_is_cut_to_the_terminal():
-    """On a terminal each frame redraws in place: one taller or wider than the terminal
-    would scroll its summary away and wrap its rows; it is cut as top(1) cuts, saying so."""
+    """On a terminal each frame redraws in place: one taller than the terminal would scroll
+    its summary away; the lines that do not fit are left out, as top(1) does, saying so.
+    A long line wraps (counted as the rows it takes), never cut: a number cut short would
+    read as another."""
     from worker.cli.top import clip
 
-    frame = "\n".join(f"row {i} " + "x" * 120 for i in range(30))
+    frame = "\n".join(f"row {i} " + "x" * 120 for i in range(30))  # (each takes 2 rows)
     cut = clip(frame, 80, 24).splitlines()
-    assert len(cut) == 23 and all(len(line) <= 79 for line in cut)
-    assert cut[0].startswith("row 0 ") and cut[21].startswith("row 21 ")
-    assert cut[-1] == "(8 more lines: a taller terminal, or --once)"
+    assert cut[:11] == frame.splitlines()[:11]  # whole lines: 22 rows
+    assert cut[-1] == "(19 more lines: a taller terminal, or --once)" and len(cut) == 12
     assert clip("a\nb", 80, 24) == "a\nb"  # (a frame that fits is left as it is)
+    assert clip("\n".join("abc" * 3 for _ in range(23)), 80, 24).count("\n") == 22

@@ -20,7 +20,7 @@ disable_created_metrics()
 # The series made at start, at zero: a counter's first event then shows in rate() and
 # increase() (a series born at 1 has no increase to show), and a panel has data at once.
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
-STATUSES = ("200", "400", "401", "404", "429", "499", "500", "503")
+STATUSES = ("200", "400", "401", "404", "408", "413", "429", "499", "500", "503")
 REFUSALS = ("gateway_busy", "max_connections")
 TIMEOUTS = ("header", "body")
 

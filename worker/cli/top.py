@@ -159,13 +159,19 @@ def render(snap: FleetSnapshot, where: str = "", namespace: str = "conveyor") ->
 
 
 def clip(frame: str, columns: int, rows: int) -> str:
-    """``frame`` cut to a terminal of ``columns`` x ``rows``, as top(1) cuts its own: each
-    line to the width, and the lines past the height left out, said in the last row."""
-    lines = [line[:max(1, columns - 1)] for line in frame.splitlines()]
-    if len(lines) >= rows:
-        left = len(lines) - (rows - 2)
-        lines = lines[:max(0, rows - 2)] + [
-            f"({left} more lines: a taller terminal, or --once)"[:max(1, columns - 1)]]
+    """``frame`` cut to a terminal of ``rows`` rows (a line longer than ``columns`` wraps
+    onto more than one), as top(1) cuts its own: the lines that do not fit are left out,
+    said in the last row. Lines are never cut short: a number cut off would read as
+    another number."""
+    lines, used = [], 0
+    frame_lines = frame.splitlines()
+    for n, line in enumerate(frame_lines):
+        height = max(1, -(-len(line) // max(1, columns)))
+        if used + height > rows - 2 and n < len(frame_lines) - 1 or used + height > rows - 1:
+            lines.append(f"({len(frame_lines) - n} more lines: a taller terminal, or --once)")
+            break
+        lines.append(line)
+        used += height
     return "\n".join(lines)
 
 

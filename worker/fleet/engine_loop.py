@@ -414,6 +414,8 @@ class EngineLoop(SupervisedThread):
         for rid in ids:
             entry = self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
+            if entry is not None:  # (once: a renewal may name it again before this runs)
+                self.metrics.leases_lost.inc()
             if entry is not None and entry.held:  # (only a TokenHold fills it)
                 # Its tokens held so far go out (whoever took it over fenced them already).
                 items += self._publications([(entry, self.hold.release(entry))])

@@ -141,7 +141,7 @@ class Worker:
             on_refused=self.metrics.requests_refused,
         ), **sup)
         self.leases = LeaseKeeper(self._client("lease-keeper"), wid, self.inflight,
-                                  config.lease_ms, self._lease_lost, keys=self.keys,
+                                  config.lease_ms, self.loop.drop, keys=self.keys,
                                   on_orphaned=self.loop.cancel, **sup)
         self.reaper = Reaper(self._client("reaper"), self.keys, wid, self.intake, self.inflight,
                              config.lease_ms, config.max_deliveries,
@@ -322,6 +322,7 @@ class Worker:
             self._prepare()
         except BaseException:
             self.heartbeat.clear()  # never serving: no "starting" hash left behind
+            self.metrics.close()
             raise
         self.state = "serving"
         self.heartbeat.beat()
@@ -412,6 +413,10 @@ class Worker:
         """Everything before the threads start, once this worker's heartbeat is out."""
         check_same_kind(self.client, self.keys, self.model, self.engine.simulated,
                         self.config.worker_id)
+        if self.config.metrics_port is not None:  # (first: a port in use refuses the
+            # worker before it registers anything)
+            self.metrics_port = self.metrics.serve(self.config.metrics_port,
+                                                   self.config.metrics_host)
         self._register(self.client)
         self.heartbeat.keep_registration(self.keys.model(self.model), self._register)
         # Before any thread runs: the reaper must not meet a group the intake has not made yet.
@@ -422,14 +427,7 @@ class Worker:
                         self.leases, self.reaper]
         self.threads += [t for t in (self.tier_writer, self.tier_reader) if t is not None]
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port,
-                                                   self.config.metrics_host)
             self.threads.append(self.queue_poller)
-
-    def _lease_lost(self, request_id: str) -> None:
-        """Another worker owns the request now: stop it without a word, and count it."""
-        self.metrics.leases_lost.inc()
-        self.loop.drop(request_id)
 
     def _register(self, client: redis.Redis) -> None:
         """Write the model's registration (at start, and again where a beat finds it gone)."""

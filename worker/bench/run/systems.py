@@ -144,9 +144,9 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"max_num_seqs": args.max_num_seqs,
                                 "max_num_batched_tokens": args.max_num_batched_tokens,
                                 "enable_chunked_prefill": True}
-    if args.num_kv_blocks:
+    if args.num_kv_blocks is not None:  # (0 is refused by the engine's config, not dropped)
         settings["num_kv_blocks"] = args.num_kv_blocks
-    if args.max_prefill_chunk:
+    if args.max_prefill_chunk is not None:
         settings["max_prefill_chunk"] = args.max_prefill_chunk
     if getattr(args, "itl_target_ms", None):
         settings["itl_target_ms"] = args.itl_target_ms

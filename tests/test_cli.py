@@ -354,13 +354,20 @@ def test_common_mistakes_are_one_line_not_a_traceback(redis_url, redis_client, t
                 (["gateway", "--port", "70000", "--redis", redis_url], 2,
                  "--port must be in [0, 65535]"),
                 (["worker", "--model", str(tiny_llama), "--threads", "0", "--redis",
-                  redis_url], 2, "num_threads must be >= 1"),
-                (["worker", "--model", str(tiny_llama), "--metrics-port", str(busy),
-                  "--metrics-host", "127.0.0.1", "--redis", redis_url], 2,
-                 f"cannot serve metrics on 127.0.0.1:{busy}")]:
+                  redis_url], 2, "num_threads must be >= 1")]:
             assert main(argv) == status, argv
             err = capsys.readouterr().err
             assert words in err and "Traceback" not in err, err
+        # (a worker that starts serving freezes the process's objects and takes its
+        # signals: in a process of its own)
+        env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
+        done = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "worker", "--model", str(tiny_llama),
+             "--metrics-port", str(busy), "--metrics-host", "127.0.0.1", "--redis",
+             redis_url], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        assert f"cannot serve metrics on 127.0.0.1:{busy}" in done.stderr
+        assert "Traceback" not in done.stderr
     finally:
         held.close()
     assert not redis_client.keys("conveyor:model:*")  # (refused before it registered)

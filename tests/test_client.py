@@ -173,6 +173,7 @@ def test_submit_in_a_pipeline_writes_on_execute(client, r):
     {"prompt": [1, -2]},
     {"priority": 5000},
     {"timeout": 0},
+    {"timeout": True},  # (a bool is no number of seconds)
     {"timeout": 5, "deadline_ms": now_ms() + 5000},
 ])
 def test_invalid_submit_raises_value_error_and_writes_nothing(client, r, bad):
@@ -532,3 +533,11 @@ def test_cli_tail_resumes_and_reports_errors(redis_url, r, capsys):  # noqa: F81
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == "b\n"
     assert "[error, 2 tokens" in captured.err and "oom" in captured.err
+
+
+def test_a_wait_refuses_a_bool_as_its_timeout(client):
+    """``timeout=True`` is no number of seconds (it was read as 1 s)."""
+    with pytest.raises(ValueError, match="timeout must be a non-negative number"):
+        client.result("req-1", timeout=True)
+    with pytest.raises(ValueError, match="timeout must be a non-negative number"):
+        next(client.stream("req-1", timeout=False))

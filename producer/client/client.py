@@ -116,7 +116,8 @@ def build_request(
     if timeout is not None:
         if deadline_ms is not None:
             raise ValueError("give at most one of timeout and deadline_ms")
-        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                or not math.isfinite(timeout) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         deadline_ms = int(clock.time() * 1000) + math.ceil(timeout * 1000)
     rid = new_request_id() if request_id is None else validate_request_id(request_id)

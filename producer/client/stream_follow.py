@@ -36,7 +36,8 @@ def deadline_after(timeout: float | None, clock: Clock = SYSTEM_CLOCK) -> float 
     """A deadline on ``clock.monotonic()``, ``timeout`` seconds from now; None waits forever."""
     if timeout is None:
         return None
-    if not isinstance(timeout, int | float) or math.isnan(timeout) or timeout < 0:
+    if (not isinstance(timeout, int | float) or isinstance(timeout, bool) or math.isnan(timeout)
+            or timeout < 0):
         raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
     return clock.monotonic() + timeout
 

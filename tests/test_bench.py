@@ -383,10 +383,8 @@ def test_quick_bench_writes_json_and_plots_for_fleet_offline_and_transformers(
         assert results["runs"][name]["settings"]["device"] == "cpu"
         assert results["runs"][name]["settings"]["dtype"] == "float32"
     assert results["runs"]["hf-cb"]["settings"]["num_blocks"] > 0
-    # Timed at least to its last answer (the figures are rounded to the millisecond; that
-    # it stops before the manager's shutdown: the next test).
-    last = max(row["e2e_ms"] for row in results["requests"]["hf-cb"]) / 1000
-    assert last - 0.001 <= results["runs"]["hf-cb"]["duration_s"]
+    # (that its run is timed to its last answer and no further, before the manager's
+    # shutdown, is the next test's: an order of its clock's readings, not their values)
     assert set(results["plots"]) == {"latency_cdf.png", "tokens_per_s.png", "kv_usage.png"}
     assert results["runs"]["fleet"]["kv"]["samples"]  # from the worker's heartbeats
     assert results["runs"]["offline"]["kv"]["peak_blocks_used"] > 0  # from engine.stats()
@@ -464,7 +462,9 @@ def test_transformers_continuous_batching_times_each_token_of_each_request(tiny_
     for r in run.records:
         times = [t for t, n in r.chunks]
         assert all(n == 1 for _, n in r.chunks) and times == sorted(times)
-        assert 0 < times[0] and times[-1] <= r.finish_s <= run.duration_s + 1e-6
+        # One monotonic clock (perf_counter, transformers' and the run's), read in causal
+        # order, each reading less the same start: an ordering, exact, of no time's length.
+        assert 0 < times[0] and times[-1] <= r.finish_s <= run.duration_s
 
 
 def test_a_histograms_quantile_between_two_readings_is_its_buckets_upper_bound():

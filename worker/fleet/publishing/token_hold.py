@@ -38,8 +38,7 @@ class TokenHold:
              finished: bool) -> list[int] | None:
         """``entry``'s step gained ``new_tokens`` (a list of the caller's, kept): None when
         they are held, else the tokens to publish now, those held before them first."""
-        if (entry.coalesce and not finished and entry.chunk_sent_at is not None
-                and now - entry.chunk_sent_at < self.interval_s):
+        if entry.coalesce and not finished and self._within_interval(entry, now):
             if entry.held is None:
                 entry.held = []
                 self._holding[entry.request_id] = entry
@@ -61,11 +60,15 @@ class TokenHold:
     def due(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
         """Entries whose interval is over, with their tokens, released: after a step, those
         it left out (one it ran at ``now`` was released by ``take`` where due)."""
-        due = [e for e in self._holding.values() if now - e.chunk_sent_at >= self.interval_s]
+        due = [e for e in self._holding.values() if not self._within_interval(e, now)]
         return [(e, self._released_at(e, now)) for e in due]
 
     def release_all(self, now: float) -> list[tuple[InflightRequest, list[int]]]:
         return [(e, self._released_at(e, now)) for e in list(self._holding.values())]
+
+    def _within_interval(self, entry: InflightRequest, now: float) -> bool:
+        """Whether ``entry``'s last chunk went less than an interval before ``now``."""
+        return entry.chunk_sent_at is not None and now - entry.chunk_sent_at < self.interval_s
 
     def _released_at(self, entry: InflightRequest, now: float) -> list[int]:
         entry.chunk_sent_at = now

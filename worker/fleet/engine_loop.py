@@ -289,7 +289,9 @@ class EngineLoop(SupervisedThread):
         wait_s = max(0.0, (now_ms() - req.created_ms) / 1000)
         with self._cancel_lock:
             ended = self._ends.pop(req.request_id, None)
-        if (ended is None and req.deadline_ms and not (adm.published and adm.published.token_ids)
+        # Tokens an earlier worker published (a take-over, a handoff).
+        generated = adm.published.token_ids if adm.published else []
+        if (ended is None and req.deadline_ms and not generated
                 and self.clock.time() * 1000 >= req.deadline_ms):
             # Past its deadline with nothing done (a resumed one may be complete already:
             # below, or the engine expires it keeping its tokens).
@@ -299,8 +301,7 @@ class EngineLoop(SupervisedThread):
                      finish_reason=str(ended))
             self.metrics.request_finished(str(ended), wait_s, 0)
             # After the tokens an earlier worker published, if it was resumed.
-            published = len(adm.published.token_ids) if adm.published else 0
-            self._finish_unstarted(adm, FinalEntry(str(ended), published))
+            self._finish_unstarted(adm, FinalEntry(str(ended), len(generated)))
             return
         entry = self.inflight.get(req.request_id)
         if entry is None:
@@ -311,7 +312,6 @@ class EngineLoop(SupervisedThread):
         entry.created = time.monotonic() - wait_s
         if self.on_admit is not None:
             self.on_admit(adm.prompt_token_ids)
-        generated = adm.published.token_ids if adm.published else []
         if generated:  # (its first token went out from another worker: not timed again)
             entry.first_token = entry.last_token = time.monotonic()
         if generated and (reason := self._already_done(adm, generated)) is not None:
@@ -414,9 +414,10 @@ class EngineLoop(SupervisedThread):
         for rid in ids:
             entry = self.inflight.remove(rid)  # first: the abort's output must find no entry
             self.engine.abort(rid)
-            if entry is not None:  # (once: a renewal may name it again before this runs)
-                self.metrics.leases_lost.inc()
-            if entry is not None and entry.held:  # (only a TokenHold fills it)
+            if entry is None:  # (dropped already: a renewal may name it again before this)
+                continue
+            self.metrics.leases_lost.inc()
+            if entry.held:  # (only a TokenHold fills it)
                 # Its tokens held so far go out (whoever took it over fenced them already).
                 items += self._publications([(entry, self.hold.release(entry))])
         self._send(items + [Forget(rid) for rid in ids])

@@ -37,13 +37,17 @@ class Templates:
     def label_tokens(self, answers: int) -> int:
         """The longest label of ``answers`` answers in a reduce prompt, in tokens (a label's
         length varies with how the tokenizer splits its number)."""
-        return max(len(self._plain(f"\n\nPart {i + 1}:\n")) for i in range(answers))
+        return max(len(self._label(i)) for i in range(answers))
 
     def answer_item(self, position: int, answer_ids: list[int], cap: int) -> list[int]:
         """One answer as it appears in a reduce prompt: a label, then its tokens, cut to ``cap``
         tokens in all (the label always kept)."""
-        label = self._plain(f"\n\nPart {position + 1}:\n")
+        label = self._label(position)
         return label + list(answer_ids)[: max(0, cap - len(label))]
+
+    def _label(self, position: int) -> list[int]:
+        """The label of the answer at ``position`` in a reduce prompt."""
+        return self._plain(f"\n\nPart {position + 1}:\n")
 
     def reduce_prompt(self, items: Iterable[list[int]]) -> list[int]:
         """The reduce instruction, the question, the labelled answers, then "Combined answer:"."""

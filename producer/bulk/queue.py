@@ -67,9 +67,7 @@ def job_progress(job: Job, now: float | None = None) -> dict[str, Any]:
     started job's ``abandoned_s``: how long ago its run's lease in RQ's started-job
     registry ran out (its worker stopped renewing it: dead), at ``now`` (a Unix time;
     default: this host's clock); None while it holds (or where it is not started)."""
-    job.refresh()
-    status = job.get_status(refresh=False)
-    status = str(status.value if hasattr(status, "value") else status)
+    status = job_status(job)
     return {
         "id": job.id,
         "status": status,
@@ -84,6 +82,13 @@ def job_progress(job: Job, now: float | None = None) -> dict[str, Any]:
     }
 
 
+def job_status(job: Job) -> str:
+    """The job's status now (read again from Redis), as RQ names it."""
+    job.refresh()
+    status = job.get_status(refresh=False)
+    return str(status.value if hasattr(status, "value") else status)
+
+
 def _abandoned_s(job: Job, now: float) -> float | None:
     """Seconds since the job's newest lease in its queue's started-job registry ran out
     (RQ's own test of an abandoned job: the registry's score is when it runs out, renewed
@@ -94,9 +99,10 @@ def _abandoned_s(job: Job, now: float) -> float | None:
     leases = [score for member, score in job.connection.zrange(registry.key, 0, -1,
                                                                 withscores=True)
               if (member if isinstance(member, bytes) else member.encode()).startswith(prefix)]
-    if not leases or max(leases) > now:
+    if not leases:
         return None
-    return round(now - max(leases), 1)
+    ends = max(leases)
+    return round(now - ends, 1) if ends <= now else None
 
 
 def fleet_url_for(connection: redis.Redis) -> str:

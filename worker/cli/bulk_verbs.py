@@ -19,7 +19,13 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from producer.bulk import defaults
 from producer.bulk.batch_file import BatchSummary, run_batch_file
 from producer.bulk.journal import JobJournal
-from producer.bulk.queue import bulk_queue, enqueue_analyze, fetch_job, job_progress
+from producer.bulk.queue import (
+    bulk_queue,
+    enqueue_analyze,
+    fetch_job,
+    job_progress,
+    job_status,
+)
 from producer.bulk.requests import RetryPolicy
 from producer.client.client import Client
 from producer.client.models import pick_default_model
@@ -255,7 +261,7 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
     except NoSuchJobError:
         print(f"no such job: {args.job_id}", file=sys.stderr)
         return 1
-    status = job_progress(job)["status"]
+    status = job_status(job)
     if status in FINAL_STATUSES:
         print(f"job {job.id} had already ended: {status}", file=sys.stderr)
         return 0
@@ -266,7 +272,7 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
             pass
         # (its horse sends nothing more once dead: then read what it left in flight)
         deadline = time.monotonic() + CANCEL_WAIT_S
-        while job_progress(job)["status"] == "started" and time.monotonic() < deadline:
+        while job_status(job) == "started" and time.monotonic() < deadline:
             time.sleep(FOLLOW_POLL_S)
     else:
         job.cancel()
@@ -280,7 +286,7 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
           else Client(namespace=namespace, connection=client.redis)) as fleet:
         for request_id in requests:
             fleet.cancel(request_id)
-    now = job_progress(job)["status"]
+    now = job_status(job)
     print(f"job {job.id}: {now}, {len(requests)} requests in flight cancelled", file=sys.stderr)
     if now == "started":  # (a dead worker's job, or a worker that runs jobs in its process)
         print("its worker did not stop it: it ends at its next step (a retry of it finds it "

@@ -163,16 +163,16 @@ def clip(frame: str, columns: int, rows: int) -> str:
     onto more than one), as top(1) cuts its own: the lines that do not fit are left out,
     said in the last row. Lines are never cut short: a number cut off would read as
     another number."""
-    lines, used = [], 0
-    frame_lines = frame.splitlines()
-    for n, line in enumerate(frame_lines):
-        height = max(1, -(-len(line) // max(1, columns)))
-        if used + height > rows - 2 and n < len(frame_lines) - 1 or used + height > rows - 1:
-            lines.append(f"({len(frame_lines) - n} more lines: a taller terminal, or --once)")
-            break
-        lines.append(line)
-        used += height
-    return "\n".join(lines)
+    lines = frame.splitlines()
+    heights = [max(1, -(-len(line) // max(1, columns))) for line in lines]
+    if sum(heights) <= rows - 1:  # (the cursor's row below it)
+        return frame
+    kept, used = 0, 0
+    while used + heights[kept] <= rows - 2:  # (and a row for the note)
+        used += heights[kept]
+        kept += 1
+    return "\n".join([*lines[:kept],
+                      f"({len(lines) - kept} more lines: a taller terminal, or --once)"])
 
 
 def _blocked(workers: list[dict[str, str]]) -> list[str]:

@@ -16,7 +16,7 @@ import structlog
 from producer.chat_template import ChatTemplate
 from producer.client.client import tokenizer_from
 from producer.wire.openai_api import ApiError, ApiRequest
-from producer.wire.params import GRAMMAR_CONFLICTS
+from producer.wire.params import grammar_conflict
 from producer.wire.protocol import check_prompt_logprobs_size
 from producer.wire.response_format import canonical
 from producer.wire.tools.formats import ToolFormat, format_of_template
@@ -86,11 +86,10 @@ class ModelFacts:
             raise ApiError("response_format cannot be given with a forced tool call "
                            "(tool_choice required or a named function): the call's grammar "
                            "holds the answer", param="response_format")
-        for name in GRAMMAR_CONFLICTS:
-            if api.sampling.get(name):
-                raise ApiError(f"{name} does not go with a forced tool call (tool_choice "
-                               "required or a named function): its grammar ends the answer "
-                               "where the call is complete", param=name)
+        if (name := grammar_conflict(api.sampling.get)) is not None:
+            raise ApiError(f"{name} does not go with a forced tool call (tool_choice required "
+                           "or a named function): its grammar ends the answer where the call "
+                           "is complete", param=name)
         form = {"type": "grammar",
                 "grammar": fmt.grammar(api.tools, api.tool_choice, api.parallel_tool_calls)}
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -15,6 +15,12 @@ from producer.wire.validation import MAX_TOKEN_ID, brief
 # where it is complete, so nothing may hold the text open past that (ignore_eos,
 # min_tokens) or cut it before (a stop string or token: the JSON or call would not parse).
 GRAMMAR_CONFLICTS = ("ignore_eos", "min_tokens", "stop", "stop_token_ids")
+
+
+def grammar_conflict(value_of: Callable[[str], Any]) -> str | None:
+    """The first of GRAMMAR_CONFLICTS that ``value_of`` (a field's name to its value) says
+    is set; None where none is."""
+    return next((name for name in GRAMMAR_CONFLICTS if value_of(name)), None)
 
 # Limits that keep one request from exhausting a worker; each is a hard error, not a clamp.
 MAX_STOP_STRINGS = 16
@@ -158,12 +164,10 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS)
         _check_int("min_tokens", self.min_tokens, low=0, high=MAX_NEW_TOKENS)
         _check_int("n", self.n, low=1, high=MAX_CHOICES)
-        if self.response_format is not None:
-            for name in GRAMMAR_CONFLICTS:
-                if getattr(self, name):
-                    raise ValueError(f"{name} does not go with a response_format (or a forced "
-                                     "tool call): its grammar ends the text where it is "
-                                     "complete")
+        if self.response_format is not None and (
+                name := grammar_conflict(lambda field_name: getattr(self, field_name))):
+            raise ValueError(f"{name} does not go with a response_format (or a forced tool "
+                             "call): its grammar ends the text where it is complete")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")

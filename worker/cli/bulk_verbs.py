@@ -234,10 +234,7 @@ def _analyze(client: Client, args: argparse.Namespace) -> int:
 def _status(client: Client, args: argparse.Namespace) -> int:
     if args.follow:
         return _follow(client, args.job_id, as_json=args.json)
-    try:
-        job = fetch_job(client.redis, args.job_id)
-    except NoSuchJobError:
-        print(f"no such job: {args.job_id}", file=sys.stderr)
+    if (job := _job(client, args.job_id)) is None:
         return 1
     info = job_progress(job)
     if args.json:
@@ -250,16 +247,22 @@ def _status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _job(client: Client, job_id: str) -> Any:
+    """The RQ job ``job_id``; None, said on stderr, where there is none."""
+    try:
+        return fetch_job(client.redis, job_id)
+    except NoSuchJobError:
+        print(f"no such job: {job_id}", file=sys.stderr)
+        return None
+
+
 def _cancel(client: Client, args: argparse.Namespace) -> int:
     """Stop a started job (its work horse killed: RQ marks it ``stopped`` and never retries
     it) or cancel a waiting one; then cancel the requests its journal holds in flight, at
     once (their watch would end them only when it lapses)."""
     from rq.command import send_stop_job_command
 
-    try:
-        job = fetch_job(client.redis, args.job_id)
-    except NoSuchJobError:
-        print(f"no such job: {args.job_id}", file=sys.stderr)
+    if (job := _job(client, args.job_id)) is None:
         return 1
     status = job_status(job)
     if status in FINAL_STATUSES:
